@@ -1,0 +1,66 @@
+"""Rebuild the shapes world's tokenizer and target from scratch.
+
+python -m data_prep.shapes                       # both stages, into checkpoints/shapes/target
+python -m data_prep.shapes stages=[target] target.max_minutes=10
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from vdtrain.models.llamagen_gpt import GPTConfig
+from vdtrain.models.vq import VQConfig
+from vdtrain.shapes.build import (
+    OptimConfig,
+    save_llamagen_checkpoint,
+    target_report,
+    tokenizer_report,
+    train_target,
+    train_tokenizer,
+    write_target_folder,
+)
+from vdtrain.targets.llamagen import load_vq
+
+log = logging.getLogger(__name__)
+
+
+def _vq_config(cfg: DictConfig) -> VQConfig:
+    values = OmegaConf.to_container(cfg.tokenizer.vq)
+    return replace(VQConfig(), **{**values, "ch_mult": tuple(values["ch_mult"])})
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="shapes_world")
+def main(cfg: DictConfig) -> None:
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(cfg.threads)
+    out = Path(hydra.utils.to_absolute_path(cfg.out_dir))
+    metrics_path = out / "metrics.json"
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.exists() else {}
+    vq_config = _vq_config(cfg)
+    if "tokenizer" in cfg.stages:
+        vq = train_tokenizer(vq_config, OptimConfig(**cfg.tokenizer.optim), cfg.tokenizer.n_images)
+        save_llamagen_checkpoint(vq, out / "vq.pt")
+        metrics["tokenizer"] = tokenizer_report(vq, cfg.tokenizer.report_images)
+        log.info("tokenizer: %s", metrics["tokenizer"])
+        metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    if "target" in cfg.stages:
+        vq = load_vq(out / "vq.pt", vq_config)
+        gpt_config = replace(GPTConfig(), **OmegaConf.to_container(cfg.target.gpt))
+        gpt, train_info = train_target(
+            gpt_config, vq, OptimConfig(**cfg.target.optim), cfg.target.n_samples, cfg.target.max_minutes
+        )
+        metrics["target"] = {**train_info, **target_report(gpt, vq, cfg.target.report_samples)}
+        log.info("target: %s", metrics["target"])
+        write_target_folder(out, gpt, vq, OmegaConf.to_container(cfg.target.sampling), metrics)
+        metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Shared fixtures: tiny random LlamaGen-architecture targets that build in milliseconds."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
+from vdtrain.models.vq import VQConfig, VQModel
+from vdtrain.targets.base import Condition
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+
+TINY_GPT = GPTConfig(
+    dim=32,
+    n_layer=2,
+    n_head=4,
+    multiple_of=16,
+    caption_dim=12,
+    vocab_size=24,
+    cls_token_num=5,
+    block_size=16,
+    token_dropout_p=0.0,
+    resid_dropout_p=0.0,
+    ffn_dropout_p=0.0,
+)
+TINY_VQ = VQConfig(
+    codebook_size=24,
+    codebook_embed_dim=4,
+    ch=8,
+    ch_mult=(1, 2),
+    num_res_blocks=1,
+    z_channels=8,
+    norm_groups=4,
+)
+
+
+def random_gpt(config: GPTConfig = TINY_GPT, seed: int = 0, std: float = 0.3) -> LlamaGenGPT:
+    torch.manual_seed(seed)
+    gpt = LlamaGenGPT(config)
+    for p in gpt.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return gpt.eval()
+
+
+def random_vq(config: VQConfig = TINY_VQ, seed: int = 0) -> VQModel:
+    torch.manual_seed(seed)
+    return VQModel(config).eval()
+
+
+def tiny_condition(batch: int = 2, seed: int = 1) -> Condition:
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(batch, TINY_GPT.cls_token_num, TINY_GPT.caption_dim, generator=g)
+    mask = torch.ones(batch, TINY_GPT.cls_token_num, dtype=torch.bool)
+    mask[0, :2] = False  # left padding, as LlamaGen lays captions out
+    return Condition(feats * mask[..., None], mask)
+
+
+@pytest.fixture
+def tiny_target() -> LlamaGenTarget:
+    return LlamaGenTarget(
+        random_gpt(), VQTokenizer(random_vq(), image_size=8), None, "tiny", SamplingConfig(cfg_scale=2.0)
+    )

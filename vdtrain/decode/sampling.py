@@ -1,0 +1,104 @@
+"""The one sampling pipeline (ALGORITHMS.md §0), shared by AR, every speculative method and the drafter.
+
+``l = l_uncond + s·(l_cond − l_uncond)`` → ``/ temperature`` → top-k → top-p → softmax = p.
+Temperature 0 is greedy: p is the one-hot of the argmax of the same masked logits, so verification code
+can treat greedy and sampled decoding alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """``top_k = 0`` and ``top_p = 1`` disable those filters; ``temperature = 0`` means greedy."""
+
+    cfg_scale: float = 1.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_cfg(self) -> bool:
+        """An unconditional stream is only run when it changes the result."""
+        return self.cfg_scale != 1.0
+
+
+def combine_cfg(cond: torch.Tensor, uncond: torch.Tensor | None, scale: float) -> torch.Tensor:
+    if uncond is None:
+        return cond
+    return uncond + scale * (cond - uncond)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set everything outside the top-k, then outside the top-p nucleus, to -inf.
+
+    The nucleus keeps the smallest set of most likely tokens whose mass reaches ``top_p``
+    (the token that crosses the threshold is kept).
+    """
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        mass_before = sorted_logits.softmax(-1).cumsum(-1) - sorted_logits.softmax(-1)
+        drop_sorted = mass_before >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def processed_logits(cond: torch.Tensor, uncond: torch.Tensor | None, config: SamplingConfig) -> torch.Tensor:
+    """CFG, temperature and filtering applied, in fp32; at T=0 the filtered, untempered logits."""
+    logits = combine_cfg(cond.float(), None if uncond is None else uncond.float(), config.cfg_scale)
+    if not config.greedy:
+        logits = logits / config.temperature
+    return filter_logits(logits, config.top_k, config.top_p)
+
+
+def probabilities(cond: torch.Tensor, uncond: torch.Tensor | None, config: SamplingConfig) -> torch.Tensor:
+    """The target (or drafter) distribution p over image tokens; one-hot of the argmax at T=0."""
+    logits = processed_logits(cond, uncond, config)
+    if config.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return logits.softmax(-1)
+
+
+def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V], row ``b`` drawn with ``generators[b]``.
+
+    Per-row generators make a sample depend on its own seed only, not on what it was batched with.
+    """
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"{probs.shape[0]} rows but {len(generators)} generators")
+    return torch.cat(
+        [torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators, strict=True)]
+    )
+
+
+def next_tokens(
+    cond: torch.Tensor,
+    uncond: torch.Tensor | None,
+    config: SamplingConfig,
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """Tokens [B] from logits [B, V]: argmax at T=0, else a draw from p."""
+    if config.greedy:
+        return processed_logits(cond, uncond, config).argmax(-1)
+    return sample_rows(probabilities(cond, uncond, config), generators)

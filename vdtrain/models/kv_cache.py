@@ -1,0 +1,49 @@
+"""A preallocated key/value cache addressed by explicit slots.
+
+Slots (where a token's keys live) are kept separate from positions (which RoPE angle it gets), because
+draft-tree nodes are written to scratch slots while taking the grid position of their image index.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values of every layer, shaped ``[layers, batch, kv_heads, max_len, head_dim]``."""
+
+    def __init__(
+        self,
+        n_layer: int,
+        batch: int,
+        n_kv_head: int,
+        max_len: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (n_layer, batch, n_kv_head, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v`` ([B, H, S, D]) at ``slots`` ([S] or [B, S]); return the first ``kv_len`` slots."""
+        if slots.dim() == 1:
+            self.k[layer][:, :, slots] = k
+            self.v[layer][:, :, slots] = v
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            # Advanced indices split by a slice put the indexed dims first: [B, S, H, D].
+            self.k[layer][rows, :, slots] = k.transpose(1, 2)
+            self.v[layer][rows, :, slots] = v.transpose(1, 2)
+        return self.k[layer][:, :, :kv_len], self.v[layer][:, :, :kv_len]

