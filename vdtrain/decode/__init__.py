@@ -1,0 +1,1 @@
+"""Decoding: the one sampling pipeline, AR generation and (later) the speculative engine."""

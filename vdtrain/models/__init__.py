@@ -1,0 +1,1 @@
+"""Pure network architectures (no loading policy, no training loop)."""
