@@ -26,7 +26,9 @@ from vdtrain.shapes.build import (
     train_tokenizer,
     write_target_folder,
 )
+from vdtrain.shapes.report import consistency_report, sample_grid
 from vdtrain.targets.llamagen import load_vq
+from vdtrain.targets.shapes import load_target_folder
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,28 @@ def main(cfg: DictConfig) -> None:
         log.info("target: %s", metrics["target"])
         write_target_folder(out, gpt, vq, OmegaConf.to_container(cfg.target.sampling), metrics)
         metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
+    if "report" in cfg.stages:
+        write_report(out, cfg.report, metrics)
+
+
+def write_report(folder: Path, cfg: DictConfig, metrics: dict) -> None:
+    """Caption-consistency at each CFG scale vs random tokens and VQ reconstructions, plus sample grids."""
+    target = load_target_folder(folder)
+    scores, images, captions = consistency_report(
+        target, cfg.n_captions, tuple(cfg.cfg_scales), cfg.temperature, cfg.seed, cfg.batch_size
+    )
+    docs = Path(hydra.utils.to_absolute_path(cfg.docs_dir))
+    docs.mkdir(parents=True, exist_ok=True)
+    for scale, imgs in images.items():
+        sample_grid(imgs, captions).save(docs / f"samples_cfg{scale:g}.png")
+    report = {
+        "consistency": scores,
+        "settings": OmegaConf.to_container(cfg),
+        "tokenizer": metrics.get("tokenizer"),
+        "target": metrics.get("target"),
+    }
+    (docs / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    log.info("consistency: %s", scores)
 
 
 if __name__ == "__main__":
