@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One entry point for drafter training on one process, several GPUs, or several nodes.
+#
+#   ./launch.sh [overrides...]                                  one process (CPU or one GPU)
+#   NPROC=4 ./launch.sh trainer=deepspeed_stage_2               4 GPUs on this machine
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.1.2.3 NPROC=8 ./launch.sh trainer=multinode
+#                                                               on every node, with its own NODE_RANK
+#   sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 launch.sh trainer=multinode
+#                                                               under SLURM: srun starts one task per GPU
+#
+# Under SLURM the ranks come from SLURM's variables; otherwise torchrun sets RANK/WORLD_SIZE/... and
+# Lightning picks them up. Extra arguments are Hydra overrides passed to `python -m vdtrain.fit`.
+set -euo pipefail
+NPROC=${NPROC:-1}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+PYTHON=${PYTHON:-python}
+
+if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" ]]; then
+    nodes=${SLURM_JOB_NUM_NODES:-1}
+    tasks=${SLURM_NTASKS_PER_NODE:-1}
+    exec srun "$PYTHON" -m vdtrain.fit trainer.num_nodes="$nodes" trainer.devices="$tasks" "$@"
+fi
+if [[ -n "${SLURM_STEP_ID:-}" ]]; then  # already inside srun
+    exec "$PYTHON" -m vdtrain.fit "$@"
+fi
+if (( NPROC == 1 && NNODES == 1 )); then
+    exec "$PYTHON" -m vdtrain.fit "$@"
+fi
+exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
+    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
+    -m vdtrain.fit trainer.num_nodes="$NNODES" trainer.devices="$NPROC" "$@"

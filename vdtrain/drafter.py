@@ -1,0 +1,377 @@
+"""The EAGLE-style feature drafter (ALGORITHMS.md §1): fc over ``[embed(x_{t+1}); f_t]`` + one target layer.
+
+The drafter owns two things: ``fc = Linear(2H → H)`` and ONE decoder layer of the target's family (for
+LlamaGen a ``TransformerBlock``). The token embedding and the output head are *borrowed* from the frozen
+target (``Drafter.attach``): they are neither parameters of the drafter nor in its saved weights.
+
+Sequence alignment (the one convention; ``drafter_inputs`` is the only place that builds it)
+------------------------------------------------------------------------------------------------
+The target lays a sequence out as slots ``0 .. L-1`` (condition prefix) and ``L + i`` (image token i);
+``f_s`` is its final-norm hidden state at slot ``s`` and ``e_s`` the token embedding of the token at slot
+``s``. The drafter's row at slot ``s`` (``s = 0 .. L+N-2``) is::
+
+    input   fc([e_{s+1}; f_s])      embedding FIRST, then feature
+    output  f̂_{s+1}                 head(f̂_{s+1}) predicts the token at slot s+2 (image token s+2-L)
+
+The last hidden state ``f_{L+N-1}`` has no next token, so a teacher-forced drafter sequence has
+``L + N - 1`` rows and regresses ``target_hidden[:, 1:]``.
+
+*Dummy embedding on the prefix* (the "document" item of ALGORITHMS §1): for ``s + 1 < L`` there is no
+token at slot ``s + 1`` (it is a caption row), so ``e_{s+1}`` is a fixed **zero vector**. The drafter
+therefore still sees every condition feature ``f_0 .. f_{L-2}`` (through ``fc``'s feature half and the
+bias); row ``L - 1`` is the first that carries a real token (image token 0). Zeros need no extra
+parameter, are identical for the cond and null streams, and cannot collide with a real token's embedding.
+
+Positions and mask follow the target: row ``s`` takes RoPE row ``s`` (the slot of its *feature*; for
+LlamaGen the first ``L`` rows of the table are zero), so the row that embeds image token ``j`` sits at
+``target.rope_positions(j - 1)`` (row ``L - 1``, a zero RoPE row, for ``j = 0``). The attention mask is
+LlamaGen's ``prefix_causal_mask(cond.mask, S)`` over drafter slots.
+
+Which rows are trained is decided in ``vdtrain.train.losses.image_target_mask``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vdtrain.checkpoint_io import load_strict, read_state_dict
+from vdtrain.models.kv_cache import KVCache
+from vdtrain.models.llamagen_gpt import GPTConfig, TransformerBlock, prefix_causal_mask, rope_2d_table
+from vdtrain.targets.base import Target, TargetIdentity
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+FAMILIES = ("llamagen",)
+# Layer hyper-parameters ``DrafterConfig.for_target`` lets a caller change (the width must match the target).
+LAYER_FIELDS = ("n_head", "n_kv_head", "multiple_of", "ffn_dim_multiplier", "norm_eps", "rope_base")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """The drafter's layer shape plus what it must match in its target (``target`` = the identity dict)."""
+
+    hidden_size: int
+    n_head: int
+    prefix_length: int
+    grid: tuple[int, int]
+    vocab_size: int
+    n_kv_head: int | None = None
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    family: str = "llamagen"
+    target: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # JSON turns tuples into lists: normalise so a round trip compares equal.
+        object.__setattr__(self, "grid", tuple(int(g) for g in self.grid))
+        if self.target:
+            target = dict(self.target)
+            if "grid" in target:
+                target["grid"] = tuple(int(g) for g in target["grid"])
+            object.__setattr__(self, "target", target)
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown drafter family {self.family!r}; known: {FAMILIES}")
+        if len(self.grid) != 2:
+            raise ValueError(f"grid must be (height, width), got {self.grid}")
+        if self.family == "llamagen" and self.grid[0] != self.grid[1]:
+            raise ValueError(f"LlamaGen's 2D RoPE needs a square grid, got {self.grid}")
+        if self.hidden_size % self.n_head:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by n_head {self.n_head}")
+        if self.prefix_length < 1:
+            raise ValueError(f"prefix_length must be >= 1, got {self.prefix_length}")
+        if self.target:
+            # The recorded identity must agree with the shape the drafter was built for.
+            record = {
+                "family": self.family,
+                "hidden_size": self.hidden_size,
+                "vocab_size": self.vocab_size,
+                "grid": self.grid,
+                "prefix_length": self.prefix_length,
+            }
+            bad = [f"{k}: {v!r} vs target {self.target.get(k)!r}" for k, v in record.items() if self.target.get(k) != v]
+            if bad:
+                raise ValueError("drafter config disagrees with its recorded target identity: " + "; ".join(bad))
+
+    @property
+    def num_image_tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.prefix_length + self.num_image_tokens
+
+    def gpt_config(self) -> GPTConfig:
+        """The one-layer LlamaGen config of the drafter's decoder layer (no dropout)."""
+        return GPTConfig(
+            dim=self.hidden_size,
+            n_layer=1,
+            n_head=self.n_head,
+            n_kv_head=self.n_kv_head,
+            multiple_of=self.multiple_of,
+            ffn_dim_multiplier=self.ffn_dim_multiplier,
+            rope_base=self.rope_base,
+            norm_eps=self.norm_eps,
+            token_dropout_p=0.0,
+            attn_dropout_p=0.0,
+            resid_dropout_p=0.0,
+            ffn_dropout_p=0.0,
+            class_dropout_prob=0.0,
+            vocab_size=self.vocab_size,
+            cls_token_num=self.prefix_length,
+            block_size=self.num_image_tokens,
+        )
+
+    @property
+    def ffn_hidden(self) -> int:
+        return self.gpt_config().ffn_hidden
+
+    def identity(self) -> TargetIdentity | None:
+        return TargetIdentity(**self.target) if self.target else None
+
+    @classmethod
+    def for_target(cls, target: Target, **layer_overrides: Any) -> DrafterConfig:
+        """The drafter of ``target``'s family, with the target's own layer hyper-parameters.
+
+        ``layer_overrides`` may change ``LAYER_FIELDS`` (heads, FFN size, ...), never the width.
+        """
+        unknown = sorted(set(layer_overrides) - set(LAYER_FIELDS))
+        if unknown:
+            raise ValueError(f"cannot override {unknown}; allowed: {LAYER_FIELDS}")
+        ident = target.identity
+        if ident.family != "llamagen":
+            raise NotImplementedError(f"no drafter layer for target family {ident.family!r} yet")
+        gpt_cfg = target.gpt.config  # type: ignore[attr-defined]
+        layer = {
+            "n_head": gpt_cfg.n_head,
+            "n_kv_head": gpt_cfg.n_kv_head,
+            "multiple_of": gpt_cfg.multiple_of,
+            "ffn_dim_multiplier": gpt_cfg.ffn_dim_multiplier,
+            "norm_eps": gpt_cfg.norm_eps,
+            "rope_base": gpt_cfg.rope_base,
+            **layer_overrides,
+        }
+        return cls(
+            hidden_size=ident.hidden_size,
+            prefix_length=ident.prefix_length,
+            grid=ident.grid,
+            vocab_size=ident.vocab_size,
+            family=ident.family,
+            target=dataclasses.asdict(ident),
+            **layer,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (tuples become lists; ``from_dict`` restores them)."""
+        out = dataclasses.asdict(self)
+        out["grid"] = list(self.grid)
+        if "grid" in out["target"]:
+            out["target"]["grid"] = list(out["target"]["grid"])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DrafterConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown drafter config keys {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def drafter_inputs(
+    target_hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    prefix_length: int,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair ``f_s`` with ``e_{s+1}`` for ``s = 0 .. L+N-2``: the drafter's teacher-forced inputs.
+
+    ``target_hidden`` [B, L+N, H] (final-norm states at every slot), ``tokens`` [B, N] image tokens,
+    ``embed`` the target token embedding. Returns ``features`` = ``target_hidden[:, :-1]`` and
+    ``next_embeds`` [B, L+N-1, H]: zeros for rows ``0 .. L-2`` (no token follows inside the prefix), then
+    ``embed(tokens)`` (row ``L-1+i`` carries image token ``i``). The regression targets of those rows
+    are ``target_hidden[:, 1:]`` (``feature_targets``).
+    """
+    batch, seq, hidden = target_hidden.shape
+    n_tokens = tokens.shape[1]
+    if seq != prefix_length + n_tokens:
+        raise ValueError(
+            f"target_hidden has {seq} slots but prefix {prefix_length} + {n_tokens} tokens = "
+            f"{prefix_length + n_tokens}"
+        )
+    token_embeds = embed(tokens)
+    dummy = token_embeds.new_zeros(batch, prefix_length - 1, hidden)
+    next_embeds = torch.cat([dummy, token_embeds], dim=1)
+    return target_hidden[:, :-1], next_embeds
+
+
+def feature_targets(target_hidden: torch.Tensor) -> torch.Tensor:
+    """What drafter row ``s`` regresses: ``f_{s+1}``, i.e. ``target_hidden[:, 1:]``."""
+    return target_hidden[:, 1:]
+
+
+def teacher_mask(cond_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``prefix_causal_mask`` over ``seq_len`` drafter slots, also when ``seq_len`` < the prefix length."""
+    full = prefix_causal_mask(cond_mask, max(seq_len, cond_mask.shape[1]))
+    return full[..., :seq_len, :seq_len]
+
+
+@dataclass
+class _Borrowed:
+    """The target modules the drafter uses but does not own: held outside ``nn.Module`` registration
+    so they are neither in ``parameters()`` nor in ``state_dict()``."""
+
+    embedding: nn.Module
+    head: nn.Module
+    identity: TargetIdentity
+
+
+class Drafter(nn.Module):
+    """``fc`` + one decoder layer; the target's embedding and head are borrowed via ``attach``."""
+
+    def __init__(self, config: DrafterConfig, target: Target | None = None) -> None:
+        super().__init__()
+        self.config = config
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        gpt_cfg = config.gpt_config()
+        self.layer = TransformerBlock(gpt_cfg)
+        rope = rope_2d_table(gpt_cfg.grid_size, gpt_cfg.head_dim, gpt_cfg.rope_base, config.prefix_length)
+        self.register_buffer("rope", rope, persistent=False)
+        self._borrowed: _Borrowed | None = None
+        if target is not None:
+            self.attach(target)
+
+    # --- the borrowed target modules --------------------------------------------------------------
+    def attach(self, target: Target) -> Drafter:
+        """Borrow ``target``'s frozen token embedding and head after checking it is the right target."""
+        ident = target.identity
+        if ident.hidden_size != self.config.hidden_size:
+            raise ValueError(
+                f"drafter hidden_size {self.config.hidden_size} != target hidden_size {ident.hidden_size} "
+                f"(target {ident.name!r})"
+            )
+        expected = self.config.identity()
+        if expected is None:  # a config built by hand: check the shape it was built for
+            expected = dataclasses.replace(
+                ident,
+                family=self.config.family,
+                vocab_size=self.config.vocab_size,
+                grid=self.config.grid,
+                prefix_length=self.config.prefix_length,
+            )
+        problems = expected.mismatches(ident)
+        if problems:
+            raise ValueError(
+                f"drafter was trained for target {expected.name!r} and does not match target "
+                f"{ident.name!r}: " + "; ".join(problems)
+            )
+        embedding, head = target.token_embedding, target.head
+        # Frozen by contract; made explicit so no optimiser can ever move them.
+        embedding.requires_grad_(False)
+        head.requires_grad_(False)
+        self._borrowed = _Borrowed(embedding, head, ident)
+        return self
+
+    @property
+    def attached(self) -> bool:
+        return self._borrowed is not None
+
+    def _require(self) -> _Borrowed:
+        if self._borrowed is None:
+            raise RuntimeError("the drafter has no target attached: call drafter.attach(target) first")
+        return self._borrowed
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's token embedding of image ``tokens``."""
+        return self._require().embedding(tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target head applied to drafter features ``f̂``; fp32 image-token logits."""
+        head = self._require().head
+        weight = next(head.parameters(), None)
+        if weight is not None:
+            hidden = hidden.to(weight.dtype)
+        return head(hidden).float()
+
+    # --- forward passes ---------------------------------------------------------------------------
+    def forward(
+        self,
+        features: torch.Tensor,
+        next_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rows ``fc([next_embeds; features])`` at RoPE ``positions`` ([S] or [B, S]) → ``f̂`` [B, S, H].
+
+        Like ``LlamaGenGPT.forward``: with a ``cache`` the keys/values go to ``slots`` and ``mask``
+        [B, 1, S, kv_len] covers the first ``kv_len`` cache slots.
+        """
+        dtype = self.fc.weight.dtype
+        x = self.fc(torch.cat([next_embeds.to(dtype), features.to(dtype)], dim=-1))
+        if positions.dim() == 1:
+            positions = positions.expand(x.shape[0], -1)
+        return self.layer(x, self.rope[positions], mask, cache, 0, slots)
+
+    def forward_teacher(
+        self, target_hidden: torch.Tensor, tokens: torch.Tensor, cond_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Teacher-forced ``f̂`` for slots ``1 .. L+N-1`` ([B, L+N-1, H]); compare with ``target_hidden[:, 1:]``."""
+        features, next_embeds = drafter_inputs(target_hidden, tokens, self.config.prefix_length, self.embed)
+        seq = features.shape[1]
+        positions = torch.arange(seq, device=features.device)
+        return self(features, next_embeds, positions, teacher_mask(cond_mask, seq))
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        c = self.layer.attention.config
+        ref = self.fc.weight
+        return KVCache(1, batch, c.kv_heads, max_len or self.config.max_seq_len, c.head_dim, ref.dtype, ref.device)
+
+    # --- saving and loading -----------------------------------------------------------------------
+    def save_pretrained(self, folder: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None) -> Path:
+        """Write ``config.json`` (the ``DrafterConfig``, plus optional JSON ``metadata``) and
+        ``model.safetensors`` (the drafter's own weights only)."""
+        from safetensors.torch import save_file
+
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        config = self.config.to_dict()
+        if metadata is not None:
+            config["metadata"] = dict(metadata)
+        (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_FILE))
+        return path
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike[str], target: Target | None = None) -> Drafter:
+        """Rebuild a saved drafter; with ``target``, check it matches, attach it and move to its device."""
+        path = Path(folder).expanduser()
+        config_file = path / CONFIG_FILE
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no drafter at {str(path)!r}: {CONFIG_FILE} is missing")
+        data = json.loads(config_file.read_text())
+        data.pop("metadata", None)
+        drafter = cls(DrafterConfig.from_dict(data))
+        load_strict(drafter, read_state_dict(path / WEIGHTS_FILE), f"drafter ({path})")
+        if target is not None:
+            drafter.attach(target)
+            drafter.to(target.token_embedding.weight.device)
+        return drafter.eval()
+
+    @staticmethod
+    def read_metadata(folder: str | os.PathLike[str]) -> dict[str, Any]:
+        """The ``metadata`` saved next to the config (empty if none)."""
+        return json.loads((Path(folder) / CONFIG_FILE).read_text()).get("metadata", {})

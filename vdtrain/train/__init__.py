@@ -1,0 +1,1 @@
+"""Training the drafter: losses, training-time signals and the training loop."""

@@ -1,0 +1,132 @@
+"""The drafter's training loss and the cheap signals logged with it (ALGORITHMS.md §1).
+
+Which rows are trained
+----------------------
+A teacher-forced drafter sequence (``vdtrain.drafter.drafter_inputs``) has rows ``j = 0 .. L+N-2``;
+row ``j`` regresses ``f_{j+1}`` (``target_hidden[:, 1:]``). Following the target interface ("the hidden
+state at slot ``L-1+i`` predicts image token ``i``; this is the feature an EAGLE drafter regresses"), the
+trained regression targets are ``f_t`` for ``t ∈ [L-1, L+N-2]`` — exactly the ``N`` features whose head
+predicts image tokens ``0 .. N-1`` — i.e. rows ``j ∈ [L-2, L+N-3]``:
+
+- ``f_1 .. f_{L-2}`` (caption rows that predict no image token) are excluded;
+- ``f_{L-1}`` (predicts image token 0) is included; its drafter row ``L-2`` still sees the zero dummy
+  embedding, so it is 1 of ``N`` rows and teaches the drafter the step it would take from the prefix;
+- ``f_{L+N-1}`` (the last image token's state) predicts nothing and is excluded: its head distribution
+  is not a distribution over any real token (LlamaGen never even trained on it as an input).
+
+So the soft cross-entropy and the agreement signals are all about real image tokens ``0 .. N-1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def image_target_mask(cond_mask_or_prefix_len: torch.Tensor | int, num_image_tokens: int) -> torch.Tensor:
+    """Bool mask over the ``L+N-1`` regression targets ``target_hidden[:, 1:]``: True on the rows trained.
+
+    Row ``j`` (target slot ``j+1``) is trained iff ``L-1 <= j+1 <= L+N-2``, see the module docstring.
+    Given a ``[B, L]`` condition mask, returns ``[B, L+N-1]`` (on its device); given ``L``, ``[L+N-1]``.
+    The condition's padding does not matter: every trained slot is at or after the last caption row,
+    which left padding always keeps real.
+    """
+    if isinstance(cond_mask_or_prefix_len, torch.Tensor):
+        batch, prefix = cond_mask_or_prefix_len.shape
+        device = cond_mask_or_prefix_len.device
+    else:
+        batch, prefix, device = None, int(cond_mask_or_prefix_len), None
+    if prefix < 1:
+        raise ValueError(f"prefix length must be >= 1, got {prefix}")
+    target_slot = torch.arange(1, prefix + num_image_tokens, device=device)
+    mask = (target_slot >= prefix - 1) & (target_slot <= prefix + num_image_tokens - 2)
+    return mask if batch is None else mask.expand(batch, -1)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of ``values`` [B, S] over the True (or weighted) entries of ``mask`` ([S] or [B, S])."""
+    if mask is None:
+        return values.mean()
+    weights = mask.to(values.dtype).expand_as(values)
+    return (values * weights).sum() / weights.sum().clamp_min(1.0)
+
+
+def feature_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """SmoothL1 (beta 1) averaged over the hidden dim, then a masked mean over positions; fp32."""
+    per_position = F.smooth_l1_loss(pred.float(), target.float(), reduction="none", beta=1.0).mean(-1)
+    return _masked_mean(per_position, mask)
+
+
+def soft_ce(target_logits: torch.Tensor, pred_logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``-(softmax(target) · log_softmax(pred)).sum(-1)``, masked mean; the target side carries no grad."""
+    target_probs = target_logits.detach().float().softmax(-1)
+    per_position = -(target_probs * pred_logits.float().log_softmax(-1)).sum(-1)
+    return _masked_mean(per_position, mask)
+
+
+def top_k_agreement(
+    pred_logits: torch.Tensor, target_logits: torch.Tensor, mask: torch.Tensor | None, k: int = 1
+) -> torch.Tensor:
+    """Fraction of (masked) positions where the target's argmax is among the drafter's top-k."""
+    k = min(k, pred_logits.shape[-1])
+    top = pred_logits.topk(k, dim=-1).indices
+    hit = (top == target_logits.argmax(-1, keepdim=True)).any(-1)
+    return _masked_mean(hit.float(), mask)
+
+
+def drafter_loss(
+    pred_feats: torch.Tensor,
+    target_feats: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    mask: torch.Tensor,
+    w_cls: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``feature_loss + w_cls · soft_ce(head(f), head(f̂))`` over the ``mask``ed positions.
+
+    ``head`` maps features to logits (pass ``drafter.logits``: the frozen target head, fp32 out). Logits
+    are computed only at the masked positions, so the ``[B, S, V]`` tensors never exist. ``parts`` holds
+    detached scalars: ``feature``, ``cls``, ``top1`` (agreement) and ``total``.
+    """
+    mask = mask.bool().expand(pred_feats.shape[:-1])
+    feat = feature_loss(pred_feats, target_feats, mask)
+    pred_sel, target_sel = pred_feats[mask], target_feats[mask]
+    pred_logits = head(pred_sel).float()
+    with torch.no_grad():
+        target_logits = head(target_sel.detach()).float()
+    cls = soft_ce(target_logits, pred_logits, None) if pred_sel.shape[0] else feat.new_zeros(())
+    total = feat + w_cls * cls
+    with torch.no_grad():
+        top1 = top_k_agreement(pred_logits, target_logits, None, 1) if pred_sel.shape[0] else feat.new_zeros(())
+    parts = {"feature": feat.detach(), "cls": cls.detach(), "top1": top1, "total": total.detach()}
+    return total, parts
+
+
+def simulated_tau(acc_per_depth: Sequence[float] | torch.Tensor) -> float:
+    """Expected tokens per verification step of a single draft chain: ``1 + Σ_k Π_{i≤k} acc_i``.
+
+    ``acc_i`` is the top-1 agreement of draft step ``i``; the chain approximation treats the steps as
+    independent and greedy (a draft token counts only if all before it were accepted; the 1 is the bonus
+    token). Teacher-forced training measures step 1 only: ``[acc_1] * depth`` is then an optimistic
+    estimate, since later steps read the drafter's own features. It ignores trees (which accept more).
+    """
+    tau, run = 1.0, 1.0
+    for acc in acc_per_depth:
+        run *= float(acc)
+        tau += run
+    return tau
+
+
+def uniform_feature_noise(
+    features: torch.Tensor, a: float = 0.1, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``features + U(-a, a)`` (the input-feature augmentation; no 512/seq_len factor, ALGORITHMS §1).
+
+    Apply it to the drafter's *input* features only, never to the regression targets.
+    """
+    if a == 0:
+        return features
+    device = generator.device if generator is not None else features.device
+    noise = torch.rand(features.shape, generator=generator, device=device, dtype=torch.float32)
+    return features + ((noise * 2 - 1) * a).to(features.device, features.dtype)
