@@ -99,9 +99,15 @@ class DrafterConfig:
                 "grid": self.grid,
                 "prefix_length": self.prefix_length,
             }
-            bad = [f"{k}: {v!r} vs target {self.target.get(k)!r}" for k, v in record.items() if self.target.get(k) != v]
+            bad = [
+                f"{k}: {v!r} vs target {self.target.get(k)!r}"
+                for k, v in record.items()
+                if self.target.get(k) != v
+            ]
             if bad:
-                raise ValueError("drafter config disagrees with its recorded target identity: " + "; ".join(bad))
+                raise ValueError(
+                    "drafter config disagrees with its recorded target identity: " + "; ".join(bad)
+                )
 
     @property
     def num_image_tokens(self) -> int:
@@ -328,7 +334,7 @@ class Drafter(nn.Module):
     def forward_teacher(
         self, target_hidden: torch.Tensor, tokens: torch.Tensor, cond_mask: torch.Tensor
     ) -> torch.Tensor:
-        """Teacher-forced ``f̂`` for slots ``1 .. L+N-1`` ([B, L+N-1, H]); compare with ``target_hidden[:, 1:]``."""
+        """Teacher-forced ``f̂`` for slots ``1 .. L+N-1`` [B, L+N-1, H]; targets: ``target_hidden[:, 1:]``."""
         features, next_embeds = drafter_inputs(target_hidden, tokens, self.config.prefix_length, self.embed)
         seq = features.shape[1]
         positions = torch.arange(seq, device=features.device)
@@ -337,10 +343,14 @@ class Drafter(nn.Module):
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         c = self.layer.attention.config
         ref = self.fc.weight
-        return KVCache(1, batch, c.kv_heads, max_len or self.config.max_seq_len, c.head_dim, ref.dtype, ref.device)
+        return KVCache(
+            1, batch, c.kv_heads, max_len or self.config.max_seq_len, c.head_dim, ref.dtype, ref.device
+        )
 
     # --- saving and loading -----------------------------------------------------------------------
-    def save_pretrained(self, folder: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None) -> Path:
+    def save_pretrained(
+        self, folder: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None
+    ) -> Path:
         """Write ``config.json`` (the ``DrafterConfig``, plus optional JSON ``metadata``) and
         ``model.safetensors`` (the drafter's own weights only)."""
         from safetensors.torch import save_file

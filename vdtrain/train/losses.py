@@ -59,7 +59,9 @@ def feature_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | 
     return _masked_mean(per_position, mask)
 
 
-def soft_ce(target_logits: torch.Tensor, pred_logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def soft_ce(
+    target_logits: torch.Tensor, pred_logits: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
     """``-(softmax(target) · log_softmax(pred)).sum(-1)``, masked mean; the target side carries no grad."""
     target_probs = target_logits.detach().float().softmax(-1)
     per_position = -(target_probs * pred_logits.float().log_softmax(-1)).sum(-1)
@@ -98,7 +100,9 @@ def drafter_loss(
     cls = soft_ce(target_logits, pred_logits, None) if pred_sel.shape[0] else feat.new_zeros(())
     total = feat + w_cls * cls
     with torch.no_grad():
-        top1 = top_k_agreement(pred_logits, target_logits, None, 1) if pred_sel.shape[0] else feat.new_zeros(())
+        top1 = (
+            top_k_agreement(pred_logits, target_logits, None, 1) if pred_sel.shape[0] else feat.new_zeros(())
+        )
     parts = {"feature": feat.detach(), "cls": cls.detach(), "top1": top1, "total": total.detach()}
     return total, parts
 
