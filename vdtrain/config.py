@@ -1,0 +1,114 @@
+"""Typed configs behind ``conf/``: Hydra merges the YAML files onto these dataclasses, so a misspelled
+key or a wrong type fails at start-up instead of being silently ignored.
+
+The YAML files hold the values; these classes hold the names, types and defaults. Each field's comment
+is its documentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TargetConfig:
+    kind: str = "folder"  # folder: config.json + gpt.pt + vq.pt (shapes); llamagen: official files
+    folder: str | None = None  # kind=folder: the target folder (relative: cwd, then repo root)
+    name: str = ""  # kind=llamagen: a name for the identity
+    gpt_ckpt: str | None = None  # kind=llamagen: the GPT checkpoint (official format)
+    vq_ckpt: str | None = None  # kind=llamagen: the VQ checkpoint (official format)
+    gpt_preset: str | None = "GPT-XL"  # GPT-B/L/XL/XXL/...
+    gpt: dict[str, Any] = field(default_factory=dict)  # GPTConfig overrides
+    vq_preset: str | None = "VQ-16"
+    vq: dict[str, Any] = field(default_factory=dict)  # VQConfig overrides
+    image_size: int = 256
+    text_encoder_path: str | None = None  # local folder of flan-t5-xl
+    text_encoder_kind: str = "t5"  # t5 | bert
+    text_lowercase: bool = False
+    caption_overflow: str = "truncate"  # truncate (warn) | error
+    sampling: dict[str, Any] = field(default_factory=dict)  # the target's sampling defaults
+    quality: str | None = None  # per-image quality metric (shapes_consistency) or null
+
+
+@dataclass
+class DataConfig:
+    source: str = "shapes"  # shapes: procedural samples made on the fly | shards: a webdataset shard set
+    shards: str | None = None  # source=shards: the folder with manifest.json
+    features: str = "online"  # online: the frozen target computes features | offline: read feats.npy
+    batch_size: int = 16  # per device
+    samples_per_epoch: int = 4096  # source=shapes: samples that make an epoch (shards: the whole set)
+    val_samples: int = 64  # held-out samples for validation (shapes: HELDOUT_SEED stream)
+    val_shards: str | None = None  # source=shards: a held-out shard set (null: no validation)
+    p_null: float = 0.1  # probability a sample is null-conditioned (online features)
+    shuffle_buffer: int = 256  # source=shards: in-memory shuffle buffer
+    on_corrupt: str = "error"  # error: stop at a bad sample | skip: log it and go on
+    num_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps
+    grad_clip: float = 0.5
+
+
+@dataclass
+class DrafterTrainConfig:
+    layer: dict[str, Any] = field(default_factory=dict)  # DrafterConfig layer overrides (n_head, ...)
+    w_cls: float = 0.1  # weight of the soft cross-entropy term
+    feature_noise: float = 0.1  # uniform input-feature noise U(-a, a)
+    val_depth: int = 5  # draft depth unrolled at validation for per-depth agreement and tau_sim
+    init_from: str | None = None  # a saved drafter folder to start from
+
+
+@dataclass
+class TrainerConfig:
+    accelerator: str = "auto"  # cpu | gpu | auto
+    devices: Any = 1  # number of devices per node, or a list
+    num_nodes: int = 1
+    strategy: str = "auto"  # auto | ddp | ddp_cpu (gloo) | deepspeed_stage_2 | deepspeed_stage_3
+    precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed
+    max_steps: int = 300
+    max_epochs: int = -1
+    max_minutes: float | None = None  # stop after this wall-clock time (checkpoints are still written)
+    accumulate_grad_batches: int = 1
+    log_every_n_steps: int = 10
+    val_every_n_epochs: int = 1
+    checkpoint_every_n_steps: int = 100
+    deterministic: bool = False
+    threads: int | None = None  # torch CPU threads per process (null: torch's default)
+    deepspeed: dict[str, Any] = field(default_factory=dict)  # extra DeepSpeed config entries
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "csv"  # csv | tensorboard | wandb
+    project: str = "vdtrain"  # wandb project
+    offline: bool = True  # wandb: write locally, sync later with `wandb sync`
+    name: str | None = None  # run name (default: the run folder's name)
+
+
+@dataclass
+class FitConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    seed: int = 0
+    run_dir: str = MISSING  # checkpoints, logs and the exported drafter go here
+    resume: str | None = None  # a checkpoint path, or "last" (run_dir/checkpoints/last.ckpt) to resume
+    export_dir: str | None = None  # where the final drafter is saved (default run_dir/drafter)
+
+
+def register_configs() -> None:
+    """Make ``fit_schema`` available to ``conf/fit.yaml``'s defaults list (it types every group)."""
+    ConfigStore.instance().store(name="fit_schema", node=FitConfig)

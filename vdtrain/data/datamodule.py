@@ -1,0 +1,82 @@
+"""The DataModule: picks the sample stream, shards it over ranks, and remembers the data position.
+
+Its ``state_dict`` (saved in every Lightning checkpoint) is the number of samples this rank has
+consumed; on resume the stream continues from there.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+from torch.utils.data import DataLoader
+
+from vdtrain.config import DataConfig
+from vdtrain.data.streams import ResumableStream, ShapesStream, collate
+from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, generate
+
+
+class DrafterDataModule(L.LightningDataModule):
+    def __init__(self, config: DataConfig) -> None:
+        super().__init__()
+        if config.source not in ("shapes", "shards"):
+            raise ValueError(f"data.source must be 'shapes' or 'shards', got {config.source!r}")
+        if config.source == "shapes" and config.features == "offline":
+            raise ValueError("data.features=offline needs source=shards with feats.npy (data_prep.features)")
+        self.config = config
+        self.train_stream: ResumableStream | None = None
+        self._resume_consumed = 0
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_stream is not None:
+            return
+        rank, world = self._rank_world()
+        c = self.config
+        if c.source == "shapes":
+            self.train_stream = ShapesStream(c.samples_per_epoch, TRAIN_SEED, rank, world, c.batch_size)
+        else:
+            from vdtrain.data.shard_stream import ShardStream
+
+            self.train_stream = ShardStream(c, rank, world)
+        self.train_stream.start_at(self._resume_consumed)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_stream,
+            batch_size=self.config.batch_size,
+            collate_fn=collate,
+            num_workers=self.config.num_workers,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        c = self.config
+        if c.source == "shapes":
+            samples = [
+                {"caption": s.caption, "image": s.image} for s in generate(c.val_samples, HELDOUT_SEED)
+            ]
+        elif c.val_shards:
+            from vdtrain.data.shard_stream import read_all
+
+            samples = read_all(c.val_shards, c.on_corrupt)[: c.val_samples]
+        else:
+            return []
+        rank, world = self._rank_world()
+        return DataLoader(samples[rank::world], batch_size=c.batch_size, collate_fn=collate)
+
+    def consumed(self) -> int:
+        """Samples this rank has trained on: the batches the fit loop has finished, times the batch size."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0
+        done = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        return done * self.config.batch_size
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_consumed = int(state["consumed"])
+        if self.train_stream is not None:
+            self.train_stream.start_at(self._resume_consumed)

@@ -1,0 +1,191 @@
+"""``python -m vdtrain.fit``: train an EAGLE drafter for a target (default: the shapes world on the CPU).
+
+Writes ``<run_dir>/checkpoints/{last,best}.ckpt`` (Lightning), logs under ``<run_dir>/logs``, and the
+trained drafter in the export format (``config.json`` + ``model.safetensors``) under
+``<run_dir>/drafter``; prints a summary at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+from vdtrain.config import FitConfig, register_configs
+from vdtrain.data.datamodule import DrafterDataModule
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.targets import load_target
+from vdtrain.train.module import DrafterModule
+
+log = logging.getLogger(__name__)
+
+register_configs()
+
+STRATEGIES = ("auto", "ddp", "ddp_cpu", "deepspeed_stage_2", "deepspeed_stage_3")
+
+
+def build_strategy(cfg: FitConfig):
+    """Lightning strategy from ``trainer.strategy``; DeepSpeed gets our extra config entries."""
+    name = cfg.trainer.strategy
+    if name not in STRATEGIES:
+        raise ValueError(f"trainer.strategy must be one of {STRATEGIES}, got {name!r}")
+    if name == "ddp_cpu":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(process_group_backend="gloo")
+    if name.startswith("deepspeed"):
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        stage = int(name[-1])
+        extra = OmegaConf.to_container(cfg.trainer.deepspeed) if cfg.trainer.deepspeed else {}
+        if extra:
+            base = {
+                "zero_optimization": {"stage": stage},
+                "train_micro_batch_size_per_gpu": cfg.data.batch_size,
+            }
+            return DeepSpeedStrategy(config={**base, **extra})
+        return DeepSpeedStrategy(stage=stage)
+    return name
+
+
+def build_logger(cfg: FitConfig, run_dir: Path):
+    kind, name = cfg.logger.kind, cfg.logger.name or run_dir.name
+    save_dir = run_dir / "logs"
+    if kind == "csv":
+        from lightning.pytorch.loggers import CSVLogger
+
+        return CSVLogger(save_dir, name="", version="")
+    if kind == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(save_dir, name="", version="")
+    if kind == "wandb":
+        from lightning.pytorch.loggers import WandbLogger
+
+        return WandbLogger(
+            name=name, project=cfg.logger.project, save_dir=str(save_dir), offline=cfg.logger.offline
+        )
+    raise ValueError(f"logger.kind must be csv, tensorboard or wandb, got {kind!r}")
+
+
+def build_drafter(cfg: FitConfig, target) -> Drafter:
+    if cfg.drafter.init_from:
+        return Drafter.load(cfg.drafter.init_from, target)
+    layer = OmegaConf.to_container(cfg.drafter.layer) if cfg.drafter.layer else {}
+    return Drafter(DrafterConfig.for_target(target, **layer))
+
+
+def resume_path(cfg: FitConfig, run_dir: Path) -> str | None:
+    if cfg.resume is None:
+        return None
+    path = run_dir / "checkpoints" / "last.ckpt" if cfg.resume == "last" else Path(cfg.resume)
+    if not path.is_file():
+        raise FileNotFoundError(f"resume={cfg.resume!r}: no checkpoint at {str(path)!r}")
+    return str(path)
+
+
+def fit(cfg: FitConfig) -> dict:
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    run_dir = Path(cfg.run_dir)
+    target = load_target(OmegaConf.to_container(cfg.target))
+    drafter = build_drafter(cfg, target)
+    module = DrafterModule(
+        target,
+        drafter,
+        cfg.drafter,
+        cfg.optim,
+        cfg.data.features,
+        cfg.data.p_null,
+        cfg.seed,
+        cfg.trainer.max_steps,
+    )
+    data = DrafterDataModule(cfg.data)
+    checkpoints = [
+        ModelCheckpoint(
+            dirpath=run_dir / "checkpoints",
+            filename="step{step}",
+            save_last=True,
+            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
+            save_top_k=0,
+        ),
+        ModelCheckpoint(
+            dirpath=run_dir / "checkpoints",
+            filename="best",
+            monitor="val/tau_sim",
+            mode="max",
+            save_top_k=1,
+            enable_version_counter=False,
+        ),
+    ]
+    t = cfg.trainer
+    trainer = L.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=build_strategy(cfg),
+        precision=t.precision,
+        max_steps=t.max_steps,
+        max_epochs=t.max_epochs,
+        max_time=timedelta(minutes=t.max_minutes) if t.max_minutes else None,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=cfg.optim.grad_clip or None,
+        log_every_n_steps=t.log_every_n_steps,
+        check_val_every_n_epoch=t.val_every_n_epochs,
+        deterministic=t.deterministic,
+        logger=build_logger(cfg, run_dir),
+        callbacks=checkpoints,
+        default_root_dir=str(run_dir),
+        enable_model_summary=False,
+    )
+    start = time.monotonic()
+    trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg, run_dir))
+    minutes = (time.monotonic() - start) / 60
+    if data.val_dataloader():  # the summary reports the final drafter, not the last epoch's
+        trainer.validate(module, datamodule=data, verbose=False)
+    summary = {
+        "run_dir": str(run_dir),
+        "steps": trainer.global_step,
+        "minutes": minutes,
+        "samples_per_s": trainer.global_step
+        * t.accumulate_grad_batches
+        * cfg.data.batch_size
+        * trainer.world_size
+        / max(1e-9, minutes * 60),
+        **{k: float(v) for k, v in trainer.callback_metrics.items()},
+    }
+    if trainer.is_global_zero:
+        export = Path(cfg.export_dir) if cfg.export_dir else run_dir / "drafter"
+        module.drafter.save_pretrained(
+            export, metadata={"fit": summary, "config": OmegaConf.to_container(cfg)}
+        )
+        summary["drafter"] = str(export)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="fit")
+def main(cfg: DictConfig) -> None:
+    summary = fit(cfg)
+    if summary.get("drafter"):
+        print(json.dumps(summary, indent=2))
+        nan = float("nan")
+        print(
+            f"trained {summary['steps']} steps in {summary['minutes']:.1f} min "
+            f"({summary['samples_per_s']:.1f} samples/s): val loss {summary.get('val/total', nan):.4f}, "
+            f"top-1 {summary.get('val/top1', nan):.3f}, tau_sim {summary.get('val/tau_sim', nan):.2f} "
+            f"-> {summary['drafter']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
