@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig, VQModel
+from vdtrain.shapes.build import write_target_folder
 from vdtrain.targets.base import Condition
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
@@ -66,3 +69,24 @@ def tiny_target() -> LlamaGenTarget:
     return LlamaGenTarget(
         random_gpt(), VQTokenizer(random_vq(), image_size=8), None, "tiny", SamplingConfig(cfg_scale=2.0)
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A 64 px / 16×16-token world with MiniLM captions, random weights."""
+    folder = tmp_path_factory.mktemp("tiny_target")
+    gpt = random_gpt(replace(TINY_GPT, caption_dim=384, cls_token_num=48, block_size=256, vocab_size=32))
+    vq = random_vq(
+        VQConfig(
+            codebook_size=32,
+            codebook_embed_dim=4,
+            ch=8,
+            ch_mult=(1, 2, 2),
+            num_res_blocks=1,
+            z_channels=8,
+            norm_groups=4,
+            codebook_show_usage=False,
+        )
+    )
+    write_target_folder(folder, gpt, vq, {"cfg_scale": 3.0, "temperature": 1.0}, {})
+    return folder

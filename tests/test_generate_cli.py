@@ -3,40 +3,15 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import TINY_GPT, random_gpt, random_vq
 from hydra import compose, initialize_config_dir
 
 from vdtrain.generate import run
-from vdtrain.models.vq import VQConfig
-from vdtrain.shapes.build import write_target_folder
 from vdtrain.targets import load_target_folder
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory) -> Path:
-    """A 64 px / 16×16-token world with MiniLM captions, random weights."""
-    folder = tmp_path_factory.mktemp("tiny_target")
-    gpt = random_gpt(replace(TINY_GPT, caption_dim=384, cls_token_num=48, block_size=256, vocab_size=32))
-    vq = random_vq(
-        VQConfig(
-            codebook_size=32,
-            codebook_embed_dim=4,
-            ch=8,
-            ch_mult=(1, 2, 2),
-            num_res_blocks=1,
-            z_channels=8,
-            norm_groups=4,
-            codebook_show_usage=False,
-        )
-    )
-    write_target_folder(folder, gpt, vq, {"cfg_scale": 3.0, "temperature": 1.0}, {})
-    return folder
 
 
 def _config(folder: Path, out: Path, *overrides: str):

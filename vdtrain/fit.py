@@ -92,7 +92,8 @@ def resume_path(cfg: FitConfig, run_dir: Path) -> str | None:
     return str(path)
 
 
-def fit(cfg: FitConfig) -> dict:
+def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
+    """Train; ``callbacks`` are added to the configured ones (tests use them to interrupt a run)."""
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)

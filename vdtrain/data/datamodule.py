@@ -52,6 +52,8 @@ class DrafterDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader | list:
         c = self.config
+        if c.val_samples == 0:
+            return []
         if c.source == "shapes":
             samples = [
                 {"caption": s.caption, "image": s.image} for s in generate(c.val_samples, HELDOUT_SEED)
