@@ -6,6 +6,7 @@ import csv
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from vdtrain.shapes.scene import HELDOUT_SEED, generate
 
@@ -43,3 +44,93 @@ def read_captions(path: str | os.PathLike[str]) -> list[str]:
     if not captions:
         raise ValueError(f"{path}: no captions found")
     return captions
+
+
+# Table formats ``datasets`` reads from local files, by suffix: (builder, extra load_dataset arguments).
+TABLE_FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
+    ".parquet": ("parquet", {}),
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"delimiter": "\t"}),
+    ".json": ("json", {}),
+    ".jsonl": ("json", {}),
+    ".arrow": ("arrow", {}),
+}
+CAPTION_COLUMNS = ("caption", "top_caption", "text", "prompt")  # matched case-insensitively, in order
+
+
+def load_table(
+    source: str | os.PathLike[str],
+    split: str = "train",
+    cache_dir: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+):
+    """A ``datasets.Dataset`` from a local table file (parquet, csv, tsv, json/jsonl, arrow), a local
+    dataset folder, or a Hub dataset id (e.g. ``laion/laion-coco``, which needs network).
+
+    Local files go through ``datasets.load_dataset(<format>, data_files=...)``; ``kwargs`` pass on
+    (e.g. ``field="annotations"`` for a COCO captions json).
+    """
+    import datasets
+
+    path = Path(source).expanduser()
+    cache = None if cache_dir is None else str(cache_dir)
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix not in TABLE_FORMATS:
+            raise ValueError(f"{path}: unsupported table type {suffix!r}; use one of {sorted(TABLE_FORMATS)}")
+        builder, extra = TABLE_FORMATS[suffix]
+        return datasets.load_dataset(
+            builder, data_files=str(path), split=split, cache_dir=cache, **{**extra, **kwargs}
+        )
+    if path.exists() or str(source).startswith((".", "/", "~")):
+        if not path.exists():
+            raise FileNotFoundError(f"table not found: {str(path)!r}")
+        return datasets.load_dataset(str(path), split=split, cache_dir=cache, **kwargs)
+    return datasets.load_dataset(str(source), split=split, cache_dir=cache, **kwargs)
+
+
+def caption_column(columns: list[str], column: str | None = None) -> str:
+    """``column`` if given (it must exist), else the first of ``CAPTION_COLUMNS`` present."""
+    if column is not None:
+        if column not in columns:
+            raise ValueError(f"no column {column!r}; the table has {columns}")
+        return column
+    lower = {c.lower(): c for c in columns}
+    found = next((lower[n] for n in CAPTION_COLUMNS if n in lower), None)
+    if found is None:
+        raise ValueError(f"no caption column among {columns}; name one with caption_column=...")
+    return found
+
+
+def read_caption_table(
+    source: str | os.PathLike[str],
+    column: str | None = None,
+    split: str = "train",
+    cache_dir: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> list[str]:
+    """Captions from a table read through ``datasets`` (see ``load_table``): the ``column`` named, else
+    the first of caption / top_caption / text / prompt. Empty and missing captions are dropped."""
+    table = load_table(source, split=split, cache_dir=cache_dir, **kwargs)
+    name = caption_column(list(table.column_names), column)
+    captions = [c.strip() for c in table[name] if isinstance(c, str) and c.strip()]
+    if not captions:
+        raise ValueError(f"{source}: no captions found in column {name!r}")
+    return captions
+
+
+def load_captions(
+    source: str | os.PathLike[str],
+    column: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> list[str]:
+    """Captions from any supported source: ``.txt``/``.json``/``.csv``/``.tsv`` files through
+    ``read_captions`` (COCO json and the vendored prompt sets included) unless a ``column`` or extra
+    ``load_dataset`` arguments are given; parquet, jsonl, arrow, dataset folders and Hub dataset ids
+    through ``read_caption_table``."""
+    path = Path(source).expanduser()
+    simple = path.suffix.lower() in (".txt", ".json", ".csv", ".tsv")
+    if column is None and not kwargs and path.is_file() and simple:
+        return read_captions(path)
+    return read_caption_table(source, column=column, cache_dir=cache_dir, **kwargs)
