@@ -12,16 +12,18 @@ from torch.utils.data import DataLoader
 from vdtrain.config import DataConfig
 from vdtrain.data.streams import ResumableStream, ShapesStream, collate
 from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, generate
+from vdtrain.targets.base import TargetIdentity
 
 
 class DrafterDataModule(L.LightningDataModule):
-    def __init__(self, config: DataConfig) -> None:
+    def __init__(self, config: DataConfig, target_identity: TargetIdentity | None = None) -> None:
         super().__init__()
         if config.source not in ("shapes", "shards"):
             raise ValueError(f"data.source must be 'shapes' or 'shards', got {config.source!r}")
         if config.source == "shapes" and config.features == "offline":
             raise ValueError("data.features=offline needs source=shards with feats.npy (data_prep.features)")
         self.config = config
+        self.target_identity = target_identity  # shard sets are checked against it
         self.train_stream: ResumableStream | None = None
         self._resume_consumed = 0
 
@@ -39,7 +41,7 @@ class DrafterDataModule(L.LightningDataModule):
         else:
             from vdtrain.data.shard_stream import ShardStream
 
-            self.train_stream = ShardStream(c, rank, world)
+            self.train_stream = ShardStream(c, rank, world, self.target_identity)
         self.train_stream.start_at(self._resume_consumed)
 
     def train_dataloader(self) -> DataLoader:

@@ -1,0 +1,105 @@
+"""Drafter training from shard sets: self-generated pairs (online features) and offline features."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from vdtrain.config import DataConfig, register_configs
+from vdtrain.data.prepare import prepare_features, prepare_self_generate
+from vdtrain.data.shard_stream import ShardStream
+from vdtrain.data.shards import ShardError
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.fit import fit
+from vdtrain.prompts import shapes_heldout_captions
+from vdtrain.targets import load_target_folder
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+register_configs()
+
+
+@pytest.fixture(scope="module")
+def shard_sets(tiny_folder, tmp_path_factory) -> tuple[Path, Path]:
+    target = load_target_folder(tiny_folder)
+    root = tmp_path_factory.mktemp("shards")
+    sampling = SamplingConfig(cfg_scale=3.0, temperature=1.0, top_k=8)
+    prepare_self_generate(
+        target,
+        shapes_heldout_captions(8),
+        root / "pairs",
+        sampling=sampling,
+        samples_per_shard=3,
+        store_cond=True,
+        progress=False,
+    )
+    prepare_features(target, root / "pairs", root / "feats", p_null=0.5, progress=False)
+    return root / "pairs", root / "feats"
+
+
+def _cfg(tiny_folder: Path, run_dir: Path, *overrides: str):
+    with initialize_config_dir(str(CONF), version_base=None):
+        return compose(
+            "fit",
+            overrides=[
+                f"target.folder={tiny_folder}",
+                f"run_dir={run_dir}",
+                "data.batch_size=2",
+                "trainer.max_steps=3",
+                "trainer.checkpoint_every_n_steps=3",
+                *overrides,
+            ],
+        )
+
+
+@pytest.mark.parametrize("data", ["coco_self_generated", "offline_features"])
+def test_fit_trains_from_shards(data, shard_sets, tiny_folder, tmp_path):
+    pairs, feats = shard_sets
+    folder = pairs if data == "coco_self_generated" else feats
+    cfg = _cfg(
+        tiny_folder,
+        tmp_path,
+        f"data={data}",
+        f"data.shards={folder}",
+        f"data.val_shards={folder}",
+        "data.val_samples=2",
+        "data.num_workers=0",
+    )
+    summary = fit(cfg)
+    assert summary["steps"] == 3
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert "val/tau_sim" in summary
+
+
+def test_shard_stream_splits_ranks_and_resumes(shard_sets):
+    pairs, _ = shard_sets
+    config = DataConfig(source="shards", shards=str(pairs), batch_size=1, shuffle_buffer=4)
+    rank0 = [s["caption"] for s in ShardStream(config, 0, 2)]
+    rank1 = [s["caption"] for s in ShardStream(config, 1, 2)]
+    assert len(rank0) == len(rank1) == 4 and not set(rank0) & set(rank1)
+    stream = ShardStream(config, 0, 2)
+    epoch0 = [s["caption"] for s in stream]
+    epoch1 = [s["caption"] for s in stream]
+    assert epoch0 == rank0 and len(epoch1) == 4 and epoch1 != epoch0  # reshuffled each epoch
+    resumed = ShardStream(config, 0, 2)
+    resumed.start_at(4 + 1)  # one full epoch and one sample of the next
+    assert [s["caption"] for s in resumed] == epoch1[1:]
+
+
+def test_missing_shard_set_names_the_folder(tmp_path):
+    config = DataConfig(source="shards", shards=str(tmp_path / "nowhere"))
+    with pytest.raises(ShardError, match="nowhere"):
+        ShardStream(config, 0, 1)
+
+
+def test_offline_training_needs_features(shard_sets):
+    pairs, _ = shard_sets
+    with pytest.raises(ValueError, match="feats"):
+        ShardStream(DataConfig(source="shards", shards=str(pairs), features="offline"), 0, 1)
+
+
+def test_shards_of_another_target_are_refused(shard_sets, tiny_target):
+    pairs, _ = shard_sets
+    with pytest.raises(ShardError, match=r"hidden_size|vocab|fingerprint|target"):
+        ShardStream(DataConfig(source="shards", shards=str(pairs)), 0, 1, tiny_target.identity)
