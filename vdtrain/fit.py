@@ -45,13 +45,15 @@ def build_strategy(cfg: FitConfig):
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
         stage = int(name[-1])
-        extra = OmegaConf.to_container(cfg.trainer.deepspeed) if cfg.trainer.deepspeed else {}
-        if extra:
+        if cfg.trainer.deepspeed:
             base = {
                 "zero_optimization": {"stage": stage},
                 "train_micro_batch_size_per_gpu": cfg.data.batch_size,
             }
-            return DeepSpeedStrategy(config={**base, **extra})
+            # A deep merge: extra zero_optimization entries must not drop the stage.
+            return DeepSpeedStrategy(
+                config=OmegaConf.to_container(OmegaConf.merge(base, cfg.trainer.deepspeed))
+            )
         return DeepSpeedStrategy(stage=stage)
     return name
 
@@ -110,7 +112,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         cfg.seed,
         cfg.trainer.max_steps,
     )
-    data = DrafterDataModule(cfg.data)
+    data = DrafterDataModule(cfg.data, target.identity)
     checkpoints = [
         ModelCheckpoint(
             dirpath=run_dir / "checkpoints",
@@ -144,7 +146,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         check_val_every_n_epoch=t.val_every_n_epochs,
         deterministic=t.deterministic,
         logger=build_logger(cfg, run_dir),
-        callbacks=checkpoints,
+        callbacks=[*checkpoints, *(callbacks or [])],
         default_root_dir=str(run_dir),
         enable_model_summary=False,
     )

@@ -66,15 +66,19 @@ class DrafterDataModule(L.LightningDataModule):
             samples = read_all(c.val_shards, c.on_corrupt)[: c.val_samples]
         else:
             return []
-        rank, world = self._rank_world()
-        return DataLoader(samples[rank::world], batch_size=c.batch_size, collate_fn=collate)
+        # Not split here: under DDP Lightning gives this map-style loader a DistributedSampler, which
+        # splits it over the ranks in equal parts (each rank must run as many steps as the others).
+        return DataLoader(samples, batch_size=c.batch_size, collate_fn=collate)
 
     def consumed(self) -> int:
-        """Samples this rank has trained on: the batches the fit loop has finished, times the batch size."""
+        """Samples this rank has trained on: the batches the fit loop has processed, times the batch size.
+
+        ``processed``, not ``completed``: step checkpoints are saved in ``on_train_batch_end``, before the
+        loop marks that batch completed, and Lightning counts it as done when it resumes from them."""
         trainer = self.trainer
         if trainer is None:
             return 0
-        done = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
         return done * self.config.batch_size
 
     def state_dict(self) -> dict:

@@ -1,8 +1,8 @@
 """Training streams over webdataset shard sets (``data.source=shards``).
 
-Epoch ``e`` visits the shards in an order shuffled by (seed, e) and passes their samples through a
+Epoch ``e`` visits the shards in an order shuffled by ``e`` and passes their samples through a
 seeded shuffle buffer; rank ``r`` of ``w`` takes every ``w``-th sample. The order is therefore a pure
-function of (seed, epoch), and resuming skips the samples this rank already consumed in the epoch (they
+function of the epoch, and resuming skips the samples this rank already consumed in the epoch (they
 are read again, not trained on). A sample skipped as corrupt (``on_corrupt=skip``) shortens the epoch.
 """
 
