@@ -47,3 +47,14 @@ class KVCache:
             self.k[layer][rows, :, slots] = k.transpose(1, 2)
             self.v[layer][rows, :, slots] = v.transpose(1, 2)
         return self.k[layer][:, :, :kv_len], self.v[layer][:, :, :kv_len]
+
+    def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's keys/values of ``rows`` [R] from slots ``src`` to ``dst`` ([R, S]).
+
+        Used to commit an accepted draft path into contiguous slots; sources are read before any
+        destination is written, so overlapping ranges are safe.
+        """
+        r = rows[:, None]
+        for cache in (self.k, self.v):
+            moved = cache[:, r, :, src]  # [layers, R, S, H, D]
+            cache[:, r, :, dst] = moved

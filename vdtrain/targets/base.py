@@ -176,7 +176,8 @@ class Target(nn.Module, ABC):
         """
 
     @abstractmethod
-    def new_cache(self, batch: int) -> KVCache: ...
+    def new_cache(self, batch: int, extra_slots: int = 0) -> KVCache:
+        """A static cache for ``max_seq_len`` slots plus ``extra_slots`` of scratch (draft trees)."""
 
     @abstractmethod
     def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:

@@ -143,8 +143,8 @@ class LlamaGenTarget(Target):
         hidden = self.gpt(x, torch.arange(seq, device=x.device), mask)
         return TargetOutput(hidden, self._logits(hidden))
 
-    def new_cache(self, batch: int) -> KVCache:
-        return self.gpt.new_cache(batch, self.max_seq_len)
+    def new_cache(self, batch: int, extra_slots: int = 0) -> KVCache:
+        return self.gpt.new_cache(batch, self.max_seq_len + extra_slots)
 
     def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:
         x = self.gpt.embed_caption(cond.features)

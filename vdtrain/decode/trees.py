@@ -1,0 +1,140 @@
+"""Draft trees as plain data, and the pure functions that turn them into masks and orders.
+
+A tree of ``T`` nodes per row: node 0 is the root (the last committed token, not yet seen by the
+target), every other node is a drafted token. Nodes are stored parents-before-children, siblings in
+the drafter's rank order (the order exact verification tries them in).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# EAGLE-1's default static tree (25 draft nodes, depth 5): paths of child ranks from the root.
+EAGLE1_PATHS: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+)  # fmt: skip
+
+
+def _ranks(prefix: tuple[int, ...], n: int) -> list[tuple[int, ...]]:
+    return [(*prefix, r) for r in range(n)]
+
+
+# LANTERN++'s extended static tree: 58 nodes with the root, depth 5, at most 5 children per node.
+LANTERN_PP_PATHS: tuple[tuple[int, ...], ...] = tuple(
+    _ranks((), 5)
+    + _ranks((0,), 4) + _ranks((1,), 3) + _ranks((2,), 3) + _ranks((3,), 2) + _ranks((4,), 1)
+    + _ranks((0, 0), 4) + _ranks((0, 1), 3) + _ranks((0, 2), 3) + _ranks((0, 3), 2)
+    + _ranks((1, 0), 2) + _ranks((1, 1), 1) + _ranks((2, 0), 1)
+    + _ranks((0, 0, 0), 4) + _ranks((0, 0, 1), 3) + _ranks((0, 0, 2), 2) + _ranks((0, 0, 3), 1)
+    + _ranks((0, 1, 0), 2) + _ranks((0, 1, 1), 1) + _ranks((0, 2, 0), 1)
+    + _ranks((0, 0, 0, 0), 3) + _ranks((0, 0, 0, 1), 2) + _ranks((0, 0, 1, 0), 2)
+    + _ranks((0, 0, 1, 1), 1) + _ranks((0, 0, 2, 0), 1)
+)  # fmt: skip
+
+STATIC_TREES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "eagle1": EAGLE1_PATHS,
+    "lantern_pp": LANTERN_PP_PATHS,
+}
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A fixed tree shape: for node ``i`` its parent, depth and rank among its siblings."""
+
+    paths: tuple[tuple[int, ...], ...]  # node i>0 has path paths[i-1]
+    parents: tuple[int, ...]  # parents[0] = -1
+    depths: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def nodes_at(self, depth: int) -> list[int]:
+        return [i for i, d in enumerate(self.depths) if d == depth]
+
+    def width(self, node: int) -> int:
+        """How many children ``node`` has (they take ranks 0 .. width-1)."""
+        return sum(1 for p in self.parents if p == node)
+
+
+def static_tree(paths: tuple[tuple[int, ...], ...] | list[list[int]]) -> StaticTree:
+    """Validate a list of rank paths and lay it out parents-first, siblings by rank.
+
+    Every path's parent path must be present, and the ranks under each parent must be 0..k-1.
+    """
+    unique = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
+    if len(unique) != len(paths):
+        raise ValueError("the tree lists a path twice")
+    if not unique or any(len(p) == 0 for p in unique):
+        raise ValueError("a tree needs at least one non-empty path")
+    index = {(): 0}
+    parents, depths, ranks = [-1], [0], [0]
+    for path in unique:
+        parent = path[:-1]
+        if parent not in index:
+            raise ValueError(f"path {list(path)} has no parent path {list(parent)} in the tree")
+        if path[-1] < 0:
+            raise ValueError(f"path {list(path)} has a negative rank")
+        index[path] = len(parents)
+        parents.append(index[parent])
+        depths.append(len(path))
+        ranks.append(path[-1])
+    for node in range(len(parents)):
+        kids = sorted(ranks[i] for i, p in enumerate(parents) if p == node)
+        if kids != list(range(len(kids))):
+            raise ValueError(
+                f"the children of {list(unique[node - 1]) if node else 'the root'} skip a rank: {kids}"
+            )
+    return StaticTree(tuple(unique), tuple(parents), tuple(depths), tuple(ranks))
+
+
+def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+    """``parents`` [B, T] (−1 at the root, parents before children) → [B, T, T] bool: node ``i`` sees
+    ``j`` iff ``j`` is ``i`` or one of its ancestors."""
+    batch, size = parents.shape
+    anc = torch.eye(size, dtype=torch.bool, device=parents.device).expand(batch, size, size).clone()
+    rows = torch.arange(batch, device=parents.device)
+    for i in range(1, size):
+        anc[:, i] |= anc[rows, parents[:, i].clamp_min(0)] & (parents[:, i] >= 0)[:, None]
+    return anc
+
+
+@dataclass
+class DraftTree:
+    """One step's drafted trees for a batch of prompts.
+
+    ``q`` holds, for each node, the drafter distribution its children were chosen from (sampled
+    static trees need it for the SpecInfer rule); ``sampled`` says children were drawn without
+    replacement from it rather than taken as its top-k.
+    """
+
+    tokens: torch.Tensor  # [B, T] long; tokens[:, 0] = the root
+    parents: torch.Tensor  # [B, T] long, -1 at the root
+    depths: torch.Tensor  # [B, T] long
+    valid: torch.Tensor  # [B, T] bool: padding nodes are never verified or accepted
+    q: torch.Tensor | None  # [B, T, V] or None
+    sampled: bool
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def children(self, row: int, node: int) -> list[int]:
+        """Valid children of ``node`` in stored (rank) order."""
+        mask = (self.parents[row] == node) & self.valid[row]
+        return mask.nonzero().flatten().tolist()
+
+    def max_depth(self) -> torch.Tensor:
+        """Depth of each row's tree [B]."""
+        return torch.where(self.valid, self.depths, 0).max(dim=1).values
