@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from vdtrain.generate import run
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.generate import method_alias, run
 from vdtrain.targets import load_target_folder
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -54,6 +55,30 @@ def test_missing_target_folder_is_a_clear_error(tmp_path):
         load_target_folder(tmp_path)
 
 
-def test_unknown_method_is_refused(tiny_folder, tmp_path):
-    with pytest.raises(ValueError, match="unknown method"):
-        run(_config(tiny_folder, tmp_path, "method=magic"))
+def test_unknown_tree_kind_is_refused(tiny_folder, tmp_path):
+    target = load_target_folder(tiny_folder)
+    Drafter(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
+    overrides = ("decode=eagle2", f"drafter={tmp_path / 'drafter'}", "decode.tree.kind=magic")
+    with pytest.raises(ValueError, match="unknown tree kind"):
+        run(_config(tiny_folder, tmp_path, *overrides))
+
+
+def test_method_is_an_alias_of_the_decode_group():
+    assert method_alias(["method=eagle2", "seed=1"]) == ["decode=eagle2", "seed=1"]
+
+
+@pytest.mark.parametrize("method", ["eagle1", "eagle2"])
+def test_speculative_methods_match_ar_at_temperature_zero(method, tiny_folder, tmp_path):
+    target = load_target_folder(tiny_folder)
+    Drafter(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
+    greedy = ("sampling.temperature=0", "num_prompts=2")
+    ar = run(_config(tiny_folder, tmp_path / "ar", *greedy))
+    spec = run(
+        _config(
+            tiny_folder, tmp_path / method, *greedy, f"decode={method}", f"drafter={tmp_path / 'drafter'}"
+        )
+    )
+    tokens = [json.loads((tmp_path / d / "stats.json").read_text())["samples"] for d in ("ar", method)]
+    assert [s["tokens"] for s in tokens[0]] == [s["tokens"] for s in tokens[1]]
+    assert ar["S"] == 1.0 and spec["method"] == method and spec["tau"] >= 1.0
+    assert spec["target_forwards"] < ar["target_forwards"] or spec["tau"] == 1.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -17,17 +18,18 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.methods import DecodeConfig, build_method
+from vdtrain.decode.metrics import summarize
 from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafter import Drafter
 from vdtrain.images import captioned_grid, save_png
 from vdtrain.prompts import read_captions, shapes_heldout_captions
 from vdtrain.quality import quality_scorer
 from vdtrain.shapes.build import tensor_to_images
 from vdtrain.targets import Target, load_target
+from vdtrain.targets.shapes import resolve_folder
 
 log = logging.getLogger(__name__)
-
-METHODS = {"ar": generate_ar}
 
 
 def pick_device(name: str) -> torch.device:
@@ -46,30 +48,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def decode_config(node: DictConfig) -> DecodeConfig:
+    """The typed method preset (unknown keys in ``conf/decode/*.yaml`` fail here)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DecodeConfig), node))
+
+
 def run(cfg: DictConfig) -> dict:
-    if cfg.method not in METHODS:
-        raise ValueError(f"unknown method {cfg.method!r}; available: {sorted(METHODS)}")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = pick_device(cfg.device)
+    method_cfg = decode_config(cfg.decode)
     target = load_target(OmegaConf.to_container(cfg.target), device)
     sampling = sampling_config(target, cfg.sampling)
+    drafter = None
+    if method_cfg.needs_drafter:
+        if not cfg.drafter:
+            raise ValueError(f"method {method_cfg.name!r} needs a drafter: set drafter=<folder>")
+        drafter = Drafter.load(resolve_folder(cfg.drafter), target)
+    method = build_method(method_cfg, target, drafter, sampling)
     prompts = read_captions(cfg.prompts) if cfg.prompts else shapes_heldout_captions(cfg.num_prompts)
     prompts = prompts[: cfg.num_prompts]
     scorer = quality_scorer(cfg.target.get("quality"))
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    log.info("%s on %s: %d prompts, %s", cfg.method, device, len(prompts), sampling)
+    log.info("%s on %s: %d prompts, %s", method_cfg.name, device, len(prompts), sampling)
 
-    samples, images_all = [], []
-    for start in tqdm(range(0, len(prompts), cfg.batch_size), desc=cfg.method):
+    samples, images_all, all_stats = [], [], []
+    for start in tqdm(range(0, len(prompts), cfg.batch_size), desc=method_cfg.name):
         batch = prompts[start : start + cfg.batch_size]
         seeds = [cfg.seed + start + i for i in range(len(batch))]
         generators = [torch.Generator(device).manual_seed(s) for s in seeds]
         cond = target.encode_captions(batch)
         _sync(device)
         t0 = time.perf_counter()
-        tokens = METHODS[cfg.method](target, cond, sampling, generators)
+        result = method.generate(cond, generators)
+        tokens = result.tokens
         _sync(device)
         t1 = time.perf_counter()
         images = tensor_to_images(target.tokenizer.decode(tokens))
@@ -86,20 +99,26 @@ def run(cfg: DictConfig) -> dict:
                 "batch_size": len(batch),
                 "batch_latency_s": t1 - t0,
                 "batch_latency_with_vq_decode_s": t2 - t0,
+                **summarize([result.stats[i]], target.num_image_tokens),
+                "committed_per_step": result.stats[i].committed_per_step,
             }
             if scorer is not None:
                 record["quality"] = scorer(images[i], prompt)
             samples.append(record)
         images_all.extend(images)
+        all_stats.extend(result.stats)
 
     summary = {
-        "method": cfg.method,
+        "method": method_cfg.name,
+        "decode": OmegaConf.to_container(cfg.decode),
+        "drafter": str(resolve_folder(cfg.drafter)) if drafter is not None else None,
         "target": asdict(target.identity),
         "sampling": asdict(sampling),
         "device": str(device),
         "num_samples": len(samples),
         "mean_latency_per_image_s": sum(s["batch_latency_s"] / s["batch_size"] for s in samples)
         / len(samples),
+        **summarize(all_stats, target.num_image_tokens),
     }
     if scorer is not None:
         summary["mean_quality"] = sum(s["quality"] for s in samples) / len(samples)
@@ -111,9 +130,19 @@ def run(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="generate")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     summary = run(cfg)
     print(json.dumps(summary, indent=2))
+
+
+def method_alias(argv: list[str]) -> list[str]:
+    """``method=<name>`` is accepted as a spelling of the Hydra group override ``decode=<name>``."""
+    return [f"decode={a.split('=', 1)[1]}" if a.startswith("method=") else a for a in argv]
+
+
+def main() -> None:
+    sys.argv = [sys.argv[0], *method_alias(sys.argv[1:])]
+    _main()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,51 @@
+"""One set of metric definitions for every method (ALGORITHMS.md §10), computed from ``DecodeStats``.
+
+- S (step compression) = image tokens / target forward passes (the prefill included, so AR has S = 1);
+- τ = mean tokens committed per verification step (accepted drafts + the bonus);
+- d̄ = mean depth of the drafted trees;
+- TPF = image tokens / target forward passes. It equals S by definition; they part from τ only when
+  steps are committed without verification (VVS).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from vdtrain.decode.engine import DecodeStats
+
+
+def summarize(stats: Sequence[DecodeStats], n_tokens: int) -> dict[str, float]:
+    forwards = [s.target_forwards for s in stats]
+    s_ratio = float(np.mean([n_tokens / f for f in forwards]))
+    return {
+        "S": s_ratio,
+        "tau": float(np.mean([s.tau for s in stats])),
+        "mean_depth": float(np.mean([s.mean_depth for s in stats])),
+        "TPF": s_ratio,
+        "target_forwards": float(np.mean(forwards)),
+        "drafter_forwards": float(np.mean([s.drafter_forwards for s in stats])),
+    }
+
+
+def position_maps(stats: Sequence[DecodeStats], grid: tuple[int, int]) -> dict[str, np.ndarray]:
+    """Per image position (the root of a step), the mean accepted length and the mean tree depth,
+    as [h, w] arrays; NaN where no step was rooted."""
+    h, w = grid
+    acc, depth, count = np.zeros(h * w), np.zeros(h * w), np.zeros(h * w)
+    for s in stats:
+        for (pos, accepted), d in zip(s.accept_map, s.depth_per_step, strict=True):
+            acc[pos] += accepted
+            depth[pos] += d
+            count[pos] += 1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return {
+            "accepted_length": (acc / count).reshape(h, w),
+            "tree_depth": (depth / count).reshape(h, w),
+        }
+
+
+def fmt(value: float) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
