@@ -100,14 +100,18 @@ def static_tree(paths: tuple[tuple[int, ...], ...] | list[list[int]]) -> StaticT
 
 
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
-    """``parents`` [B, T] (−1 at the root, parents before children) → [B, T, T] bool: node ``i`` sees
-    ``j`` iff ``j`` is ``i`` or one of its ancestors."""
+    """``parents`` [B, T] (−1 at the root) → [B, T, T] bool: node ``i`` sees ``j`` iff ``j`` is ``i``
+    or one of its ancestors. Each pass adds one more generation, so it loops tree-depth times."""
     batch, size = parents.shape
-    anc = torch.eye(size, dtype=torch.bool, device=parents.device).expand(batch, size, size).clone()
-    rows = torch.arange(batch, device=parents.device)
-    for i in range(1, size):
-        anc[:, i] |= anc[rows, parents[:, i].clamp_min(0)] & (parents[:, i] >= 0)[:, None]
-    return anc
+    eye = torch.eye(size, dtype=torch.bool, device=parents.device)
+    anc = eye.expand(batch, size, size).clone()
+    index = parents.clamp_min(0)[..., None].expand(batch, size, size)
+    has_parent = (parents >= 0)[..., None]
+    while True:
+        grown = anc | (anc.gather(1, index) & has_parent)
+        if torch.equal(grown, anc):
+            return anc
+        anc = grown
 
 
 @dataclass
