@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,6 +45,3 @@ def position_maps(stats: Sequence[DecodeStats], grid: tuple[int, int]) -> dict[s
             "tree_depth": (depth / count).reshape(h, w),
         }
 
-
-def fmt(value: float) -> str:
-    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
