@@ -12,18 +12,14 @@ from __future__ import annotations
 import json
 
 import hydra
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from vdtrain.data.prepare import prepare_features
-from vdtrain.generate import pick_device
-from vdtrain.targets import load_target
+from vdtrain.targets import target_for_run
 
 
 def run(cfg: DictConfig) -> dict:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    target = load_target(OmegaConf.to_container(cfg.target), pick_device(cfg.device))
+    target = target_for_run(cfg)
     manifest = prepare_features(
         target,
         cfg.in_dir,

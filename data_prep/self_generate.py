@@ -16,18 +16,15 @@ from __future__ import annotations
 import json
 
 import hydra
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from vdtrain.data.prepare import prepare_self_generate
-from vdtrain.generate import pick_device, sampling_config
-from vdtrain.targets import load_target
+from vdtrain.generate import sampling_config
+from vdtrain.targets import target_for_run
 
 
 def run(cfg: DictConfig) -> dict:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    target = load_target(OmegaConf.to_container(cfg.target), pick_device(cfg.device))
+    target = target_for_run(cfg)
     manifest = prepare_self_generate(
         target,
         str(cfg.captions),

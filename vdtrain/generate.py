@@ -26,16 +26,10 @@ from vdtrain.images import captioned_grid, save_png
 from vdtrain.prompts import read_captions, shapes_heldout_captions
 from vdtrain.quality import quality_scorer
 from vdtrain.shapes.build import tensor_to_images
-from vdtrain.targets import Target, load_target
+from vdtrain.targets import Target, target_for_run
 from vdtrain.targets.shapes import resolve_folder
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def sampling_config(target: Target, overrides: DictConfig | dict) -> SamplingConfig:
@@ -54,11 +48,9 @@ def decode_config(node: DictConfig) -> DecodeConfig:
 
 
 def run(cfg: DictConfig) -> dict:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = pick_device(cfg.device)
     method_cfg = decode_config(cfg.decode)
-    target = load_target(OmegaConf.to_container(cfg.target), device)
+    target = target_for_run(cfg)
+    device = target.token_embedding.weight.device
     sampling = sampling_config(target, cfg.sampling)
     drafter = None
     if method_cfg.needs_drafter:

@@ -21,7 +21,25 @@ __all__ = [
     "build_llamagen_target",
     "load_target",
     "load_target_folder",
+    "pick_device",
+    "target_for_run",
 ]
+
+
+def pick_device(name: str) -> torch.device:
+    """``auto`` → the first GPU when there is one, else the CPU; anything else as torch spells it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def target_for_run(cfg) -> Target:
+    """The target of a Hydra app's config (keys ``target``, ``device``, ``threads``) on its device."""
+    from omegaconf import OmegaConf
+
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg.threads)
+    return load_target(OmegaConf.to_container(cfg.target), pick_device(cfg.get("device", "auto")))
 
 
 def load_target(config: Mapping[str, object], device: str | torch.device = "cpu") -> Target:
