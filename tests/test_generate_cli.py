@@ -82,3 +82,19 @@ def test_speculative_methods_match_ar_at_temperature_zero(method, tiny_folder, t
     assert [s["tokens"] for s in tokens[0]] == [s["tokens"] for s in tokens[1]]
     assert ar["S"] == 1.0 and spec["method"] == method and spec["tau"] >= 1.0
     assert spec["target_forwards"] < ar["target_forwards"] or spec["tau"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("method", "kind"), [("lantern", "lantern"), ("lantern_pp", "lantern_pp"), ("gsd_tree", "gsd")]
+)
+def test_relaxed_presets_compose_and_decode(method, kind, tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("VDTRAIN_CACHE", str(tmp_path / "cache"))  # the neighbour table lands here
+    target = load_target_folder(tiny_folder)
+    Drafter(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
+    overrides = (*method_alias([f"method={method}"]), f"drafter={tmp_path / 'drafter'}")
+    summary = run(
+        _config(tiny_folder, tmp_path / method, "sampling.temperature=1", "num_prompts=2", *overrides)
+    )
+    assert summary["method"] == method and summary["decode"]["acceptance"]["kind"] == kind
+    assert summary["num_samples"] == 2 and summary["relaxed_acceptances"] >= 0
+    assert bool(list((tmp_path / "cache" / "neighbours").glob("*.pt"))) == (kind != "gsd")

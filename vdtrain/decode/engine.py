@@ -43,6 +43,7 @@ class DecodeStats:
     committed_per_step: list[int] = field(default_factory=list)  # accepted drafts + bonus
     depth_per_step: list[int] = field(default_factory=list)  # depth of the drafted tree
     accept_map: list[tuple[int, int]] = field(default_factory=list)  # (image index of the root, accepted)
+    relaxed_acceptances: int = 0  # accepted drafts that exact verification would have refused
 
     @property
     def tau(self) -> float:
@@ -82,6 +83,8 @@ class _StepState:
     generators: Sequence[torch.Generator | None]
 
 
+# accept(tree, row, p_nodes [T, V], greedy, generator) -> Verdict. A rule with ``needs_soft_p = True`` is
+# also given ``p_relax=`` [T, V] at T = 0: the temperature-1 softmax of the same filtered logits.
 Acceptance = Callable[[DraftTree, int, torch.Tensor, bool, "torch.Generator | None"], Verdict]
 StepHook = Callable[[KVCache, torch.Tensor, torch.Tensor], None]
 
@@ -213,11 +216,15 @@ class SpeculativeEngine:
             calls_before = self._draft_calls
             tree = self.builder.build(self, state)
             tree.valid &= active[:, None] | (torch.arange(tree.size, device=device) == 0)[None]
-            hidden, p_nodes = self._verify(stream, tcache, tree, committed)
-            verdicts = [
-                self.accept(tree, b, p_nodes[b], sampling.greedy, generators[b]) if active[b] else None
-                for b in range(batch)
-            ]
+            hidden, p_nodes, p_relax = self._verify(stream, tcache, tree, committed)
+            verdicts: list[Verdict | None] = []
+            for b in range(batch):
+                extra = {} if p_relax is None else {"p_relax": p_relax[b]}
+                verdicts.append(
+                    self.accept(tree, b, p_nodes[b], sampling.greedy, generators[b], **extra)
+                    if active[b]
+                    else None
+                )
             roots_at = committed - 1
             root_feats, root_logits = self._commit(tree, verdicts, committed, out, hidden, tcache, streams)
             depths = tree.max_depth()
@@ -231,12 +238,14 @@ class SpeculativeEngine:
                 st.committed_per_step.append(len(verdict.path) + 1)
                 st.depth_per_step.append(int(depths[b]))
                 st.accept_map.append((int(roots_at[b]), len(verdict.path)))
+                st.relaxed_acceptances += verdict.relaxed
             if on_step is not None:
                 on_step(tcache, committed, out)
         return DecodeResult(out, stats, time.perf_counter() - start_time)
 
     def _verify(self, stream: Condition, tcache, tree: DraftTree, committed: torch.Tensor):
-        """One target forward over every tree; returns hidden [R, T, H] and p [B, T, V]."""
+        """One target forward over every tree; returns hidden [R, T, H], p [B, T, V] and, at T = 0 for
+        rules that ask for it, the softmax of the same filtered logits [B, T, V] (else None)."""
         streams = len(stream) // len(committed)
         base = committed - 1  # image slot of the root
         anc = ancestor_matrix(tree.parents) & tree.valid[:, None, :]
@@ -251,7 +260,10 @@ class SpeculativeEngine:
             stream, rep(tree.tokens), rep(index), tcache, rep(slots), rep(vis)
         )
         p = probabilities(*split_cfg(result.logits, self.sampling), self.sampling)
-        return result.hidden, p
+        p_relax = None
+        if self.sampling.greedy and getattr(self.accept, "needs_soft_p", False):
+            p_relax = processed_logits(*split_cfg(result.logits, self.sampling), self.sampling).softmax(-1)
+        return result.hidden, p, p_relax
 
     def _commit(self, tree, verdicts, committed, out, hidden, tcache, streams):
         """Write accepted tokens, move their KV into place, and catch the drafter up on them.

@@ -2,19 +2,24 @@
 
 A method = a draft-tree builder + an acceptance rule (+, later, a verification schedule). AR is the
 method with no drafter. New combinations need a config file, not code.
+
+Acceptance rules (``ACCEPTANCE``, keyed by ``acceptance.kind``) are built from the target: LANTERN and
+LANTERN++ need its latent-neighbour table (``vdtrain.decode.neighbours``, cached on disk), GSD a token
+embedding table for its distance filter.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from vdtrain.decode.acceptance import verify_exact
+from vdtrain.decode.acceptance import Grouped, Lantern, LanternPP, verify_exact
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.engine import (
+    Acceptance,
     DecodeResult,
     DecodeStats,
     DraftTreeBuilder,
@@ -22,6 +27,7 @@ from vdtrain.decode.engine import (
     SpeculativeEngine,
     StaticTreeBuilder,
 )
+from vdtrain.decode.neighbours import latent_neighbours
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import STATIC_TREES, static_tree
 from vdtrain.drafter import Drafter
@@ -39,17 +45,59 @@ class TreeConfig:
 
 
 @dataclass
+class AcceptanceConfig:
+    """Which verification rule, and its parameters (each kind reads only its own)."""
+
+    kind: str = "exact"  # exact | lantern | lantern_pp | gsd
+    delta: float = 0.1  # lantern: bound on the neighbours' target mass (additive)
+    lam: float = 2.0  # lantern_pp: bound (λ − 1)·p(x) on the neighbours' mass (multiplicative)
+    k: int = 1000  # lantern, lantern_pp: latent neighbours considered (≤ 1000, clamped to V − 1)
+    group_size: int = 14  # gsd: rank window G
+    delta_p: float = 0.15  # gsd: keep candidates with |p(c) − p(x)| < delta_p
+    max_distance: float = 0.5  # gsd: keep candidates with squared embedding distance D(x, c) < d
+    embedding: str = "token_embedding"  # gsd: distance source, token_embedding | codebook
+    cache_dir: str | None = None  # neighbour-table cache (null: $VDTRAIN_CACHE/neighbours or ~/.cache)
+
+
+@dataclass
 class DecodeConfig:
     name: str = "ar"
     tree: TreeConfig = field(default_factory=TreeConfig)
-    acceptance: str = "exact"  # exact
+    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
 
     @property
     def needs_drafter(self) -> bool:
         return self.tree.kind != "none"
 
 
-ACCEPTANCE = {"exact": verify_exact}
+def _neighbour_table(config: AcceptanceConfig, target: Target) -> torch.Tensor:
+    table = latent_neighbours(target.tokenizer.codebook(), config.k, config.cache_dir)
+    return table.to(target.token_embedding.weight.device)
+
+
+def _gsd_embeddings(config: AcceptanceConfig, target: Target) -> torch.Tensor:
+    if config.embedding == "token_embedding":
+        return target.token_embedding.weight.detach()
+    if config.embedding == "codebook":
+        return target.tokenizer.codebook().to(target.token_embedding.weight.device)
+    raise ValueError(f"unknown GSD embedding {config.embedding!r}; use token_embedding or codebook")
+
+
+ACCEPTANCE: dict[str, Callable[[AcceptanceConfig, Target], Acceptance]] = {
+    "exact": lambda c, t: verify_exact,
+    "lantern": lambda c, t: Lantern(_neighbour_table(c, t), c.k, delta=c.delta),
+    "lantern_pp": lambda c, t: LanternPP(_neighbour_table(c, t), c.k, lam=c.lam),
+    "gsd": lambda c, t: Grouped(
+        _gsd_embeddings(c, t), group_size=c.group_size, delta_p=c.delta_p, max_distance=c.max_distance
+    ),
+}
+
+
+def acceptance_rule(config: AcceptanceConfig, target: Target) -> Acceptance:
+    """The verification callable for ``config``, with the tables it needs built from ``target``."""
+    if config.kind not in ACCEPTANCE:
+        raise ValueError(f"unknown acceptance {config.kind!r}; known: {sorted(ACCEPTANCE)}")
+    return ACCEPTANCE[config.kind](config, target)
 
 
 def tree_builder(config: TreeConfig) -> DraftTreeBuilder:
@@ -92,11 +140,11 @@ def build_method(
     config: DecodeConfig, target: Target, drafter: Drafter | None, sampling: SamplingConfig
 ) -> ARMethod | SpeculativeEngine:
     if not config.needs_drafter:
+        if config.acceptance.kind != "exact":
+            kind = config.acceptance.kind
+            raise ValueError(f"method {config.name!r} has no draft tree to apply acceptance {kind!r} to")
         return ARMethod(target, sampling)
     if drafter is None:
         raise ValueError(f"method {config.name!r} needs a drafter (set drafter=<folder>)")
-    if config.acceptance not in ACCEPTANCE:
-        raise ValueError(f"unknown acceptance {config.acceptance!r}; known: {sorted(ACCEPTANCE)}")
-    return SpeculativeEngine(
-        target, drafter, tree_builder(config.tree), sampling, ACCEPTANCE[config.acceptance]
-    )
+    builder = tree_builder(config.tree)
+    return SpeculativeEngine(target, drafter, builder, sampling, acceptance_rule(config.acceptance, target))

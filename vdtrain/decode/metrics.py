@@ -4,7 +4,9 @@
 - τ = mean tokens committed per verification step (accepted drafts + the bonus);
 - d̄ = mean depth of the drafted trees;
 - TPF = image tokens / target forward passes. It equals S by definition; they part from τ only when
-  steps are committed without verification (VVS).
+  steps are committed without verification (VVS);
+- relaxed acceptances = drafts accepted only thanks to a relaxed rule (LANTERN, LANTERN++, GSD), per
+  prompt; 0 for exact methods.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def summarize(stats: Sequence[DecodeStats], n_tokens: int) -> dict[str, float]:
         "TPF": s_ratio,
         "target_forwards": float(np.mean(forwards)),
         "drafter_forwards": float(np.mean([s.drafter_forwards for s in stats])),
+        "relaxed_acceptances": float(np.mean([s.relaxed_acceptances for s in stats])),
     }
 
 
@@ -44,4 +47,3 @@ def position_maps(stats: Sequence[DecodeStats], grid: tuple[int, int]) -> dict[s
             "accepted_length": (acc / count).reshape(h, w),
             "tree_depth": (depth / count).reshape(h, w),
         }
-
