@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -62,7 +63,13 @@ class DecodeResult:
 
 
 class DraftTreeBuilder:
-    """Builds each step's tree; subclasses decide its shape (static, dynamic, adaptive)."""
+    """Builds each step's tree; subclasses decide its shape (static, dynamic, adaptive, Jacobi).
+
+    ``reset`` and ``observe`` let a builder keep per-prompt state across steps (PEANUT's depth/width
+    grid, SJD's window); the plain trees ignore them.
+    """
+
+    needs_drafter: ClassVar[bool] = True  # False: drafts without a drafter model (SJD)
 
     def max_nodes(self) -> int:
         raise NotImplementedError
@@ -70,14 +77,23 @@ class DraftTreeBuilder:
     def build(self, engine: SpeculativeEngine, state: _StepState) -> DraftTree:
         raise NotImplementedError
 
+    def reset(self, batch: int) -> None:
+        """A new ``generate`` call with ``batch`` prompts begins."""
+
+    def observe(
+        self, tree: DraftTree, verdicts: list[Verdict | None], p_nodes: torch.Tensor, roots_at: torch.Tensor
+    ) -> None:
+        """After verification: ``verdicts[b]`` for prompt ``b`` (None once it is finished), the target
+        distribution at every node ``p_nodes`` [B, T, V], and each tree's root image index."""
+
 
 @dataclass
 class _StepState:
     """What a tree builder needs to know about the current step."""
 
     roots: torch.Tensor  # [B] root tokens
-    root_feats: torch.Tensor  # [R, H] drafter feature predicted for the root's slot (R = streams·B)
-    root_logits: torch.Tensor  # [R, V] drafter logits for the root's children
+    root_feats: torch.Tensor | None  # [R, H] drafter feature predicted for the root's slot (R = streams·B)
+    root_logits: torch.Tensor | None  # [R, V] drafter logits for the root's children (None: no drafter)
     committed: torch.Tensor  # [B] m
     depth_limit: torch.Tensor  # [B] max tree depth allowed (image tokens left to draft)
     generators: Sequence[torch.Generator | None]
@@ -95,12 +111,15 @@ class SpeculativeEngine:
     def __init__(
         self,
         target: Target,
-        drafter: Drafter,
+        drafter: Drafter | None,
         builder: DraftTreeBuilder,
         sampling: SamplingConfig,
         accept: Acceptance = verify_exact,
     ) -> None:
-        drafter.attach(target)  # refuses a drafter trained for another target
+        if drafter is not None:
+            drafter.attach(target)  # refuses a drafter trained for another target
+        elif builder.needs_drafter:
+            raise ValueError(f"{type(builder).__name__} drafts with a drafter model: pass one")
         self.target, self.drafter, self.builder, self.sampling, self.accept = (
             target,
             drafter,
@@ -179,7 +198,10 @@ class SpeculativeEngine:
         self._cond_mask = stream.mask
         self._draft_calls = 0
         tcache = target.new_cache(len(stream), extra_slots=extra)
-        self._dcache = self.drafter.new_cache(len(stream), target.max_seq_len + extra)
+        use_drafter = self.builder.needs_drafter
+        if use_drafter:
+            self._dcache = self.drafter.new_cache(len(stream), target.max_seq_len + extra)
+        self.builder.reset(batch)
         stats = [DecodeStats() for _ in range(batch)]
 
         # Prefill the target, sample x_0 like AR, and catch the drafter up on the prefix.
@@ -189,19 +211,22 @@ class SpeculativeEngine:
         committed = torch.ones(batch, dtype=torch.long, device=device)
         for st in stats:
             st.target_forwards += 1
-            st.drafter_forwards += 1
-        # Drafter rows 0 .. L-1: zero embeddings inside the prefix, then x_0 (as in training).
-        pos = torch.arange(prefix, device=device)
-        next_emb = torch.cat(
-            [
-                pre.hidden.new_zeros(len(stream), prefix - 1, pre.hidden.shape[-1]),
-                self.drafter.embed(out[:, :1].repeat(streams, 1)),
-            ],
-            dim=1,
-        )
-        feat = self.drafter(pre.hidden, next_emb, pos, teacher_mask(stream.mask, prefix), self._dcache, pos)
-        self._draft_calls += 1
-        root_feats, root_logits = feat[:, -1], self.drafter.logits(feat[:, -1])
+            st.drafter_forwards += int(use_drafter)
+        root_feats = root_logits = None
+        if use_drafter:
+            # Drafter rows 0 .. L-1: zero embeddings inside the prefix, then x_0 (as in training).
+            pos = torch.arange(prefix, device=device)
+            next_emb = torch.cat(
+                [
+                    pre.hidden.new_zeros(len(stream), prefix - 1, pre.hidden.shape[-1]),
+                    self.drafter.embed(out[:, :1].repeat(streams, 1)),
+                ],
+                dim=1,
+            )
+            mask = teacher_mask(stream.mask, prefix)
+            feat = self.drafter(pre.hidden, next_emb, pos, mask, self._dcache, pos)
+            self._draft_calls += 1
+            root_feats, root_logits = feat[:, -1], self.drafter.logits(feat[:, -1])
 
         while bool((committed < n_img).any()):
             active = committed < n_img
@@ -226,6 +251,7 @@ class SpeculativeEngine:
                     else None
                 )
             roots_at = committed - 1
+            self.builder.observe(tree, verdicts, p_nodes, roots_at)
             root_feats, root_logits = self._commit(tree, verdicts, committed, out, hidden, tcache, streams)
             depths = tree.max_depth()
             for b, verdict in enumerate(verdicts):
@@ -293,6 +319,9 @@ class SpeculativeEngine:
             seq = torch.tensor([*tree.tokens[b, v.path].tolist(), v.bonus], device=device)
             new_tokens[b, : len(seq)] = seq
             out[b, committed[b] : committed[b] + len(seq)] = seq
+        if not self.builder.needs_drafter:
+            committed += torch.where(active, counts, 0)
+            return None, None
         # Drafter rows L+base .. : feature of the root / accepted node, embedding of the token after it.
         feats = hidden.gather(1, rep(nodes)[..., None].expand(-1, -1, hidden.shape[-1]))
         slots = prefix + base[:, None] + torch.arange(longest, device=device)[None, :]
