@@ -67,7 +67,7 @@ def test_method_is_an_alias_of_the_decode_group():
     assert method_alias(["method=eagle2", "seed=1"]) == ["decode=eagle2", "seed=1"]
 
 
-@pytest.mark.parametrize("method", ["eagle1", "eagle2"])
+@pytest.mark.parametrize("method", ["eagle1", "eagle2", "peanut"])
 def test_speculative_methods_match_ar_at_temperature_zero(method, tiny_folder, tmp_path):
     target = load_target_folder(tiny_folder)
     Drafter(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
@@ -85,7 +85,13 @@ def test_speculative_methods_match_ar_at_temperature_zero(method, tiny_folder, t
 
 
 @pytest.mark.parametrize(
-    ("method", "kind"), [("lantern", "lantern"), ("lantern_pp", "lantern_pp"), ("gsd_tree", "gsd")]
+    ("method", "kind"),
+    [
+        ("lantern", "lantern"),
+        ("lantern_pp", "lantern_pp"),
+        ("gsd_tree", "gsd"),
+        ("peanut_lantern", "lantern"),
+    ],
 )
 def test_relaxed_presets_compose_and_decode(method, kind, tiny_folder, tmp_path, monkeypatch):
     monkeypatch.setenv("VDTRAIN_CACHE", str(tmp_path / "cache"))  # the neighbour table lands here
@@ -98,3 +104,25 @@ def test_relaxed_presets_compose_and_decode(method, kind, tiny_folder, tmp_path,
     assert summary["method"] == method and summary["decode"]["acceptance"]["kind"] == kind
     assert summary["num_samples"] == 2 and summary["relaxed_acceptances"] >= 0
     assert bool(list((tmp_path / "cache" / "neighbours").glob("*.pt"))) == (kind != "gsd")
+
+
+@pytest.mark.parametrize(("method", "kind"), [("sjd", "exact"), ("gsd", "gsd")])
+def test_jacobi_presets_decode_without_a_drafter(method, kind, tiny_folder, tmp_path):
+    overrides = (*method_alias([f"method={method}"]), f"drafter={tmp_path / 'no_drafter_here'}")
+    summary = run(
+        _config(tiny_folder, tmp_path / method, "sampling.temperature=1", "num_prompts=2", *overrides)
+    )
+    assert summary["method"] == method and summary["drafter"] is None
+    assert summary["decode"]["tree"] == {"kind": "jacobi", "window": 16, "init": "random"}
+    assert summary["decode"]["acceptance"]["kind"] == kind
+    assert summary["num_samples"] == 2 and summary["drafter_forwards"] == 0.0
+    assert summary["mean_depth"] > 1.0 and summary["tau"] >= 1.0
+
+
+def test_sjd_matches_ar_at_temperature_zero(tiny_folder, tmp_path):
+    greedy = ("sampling.temperature=0", "num_prompts=2")
+    run(_config(tiny_folder, tmp_path / "ar", *greedy))
+    sjd = ("decode=sjd", "decode.tree.init=horizontal_sample", f"drafter={tmp_path / 'none'}")
+    run(_config(tiny_folder, tmp_path / "sjd", *greedy, *sjd))
+    tokens = [json.loads((tmp_path / d / "stats.json").read_text())["samples"] for d in ("ar", "sjd")]
+    assert [s["tokens"] for s in tokens[0]] == [s["tokens"] for s in tokens[1]]

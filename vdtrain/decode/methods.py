@@ -27,7 +27,9 @@ from vdtrain.decode.engine import (
     SpeculativeEngine,
     StaticTreeBuilder,
 )
+from vdtrain.decode.jacobi import JacobiWindowBuilder
 from vdtrain.decode.neighbours import latent_neighbours
+from vdtrain.decode.peanut import PeanutTreeBuilder
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import STATIC_TREES, static_tree
 from vdtrain.drafter import Drafter
@@ -36,12 +38,26 @@ from vdtrain.targets.base import Condition, Target
 
 @dataclass
 class TreeConfig:
-    kind: str = "none"  # none (AR) | static | dynamic
+    kind: str = "none"  # none (AR) | static | dynamic | jacobi (SJD, no drafter)
     preset: str | None = None  # static: a named tree (eagle1, lantern_pp)
     paths: list[list[int]] | None = None  # static: explicit rank paths instead of a preset
     top_k: int = 10  # dynamic: children per expanded node and frontier width
     depth: int = 5  # dynamic: expansion rounds after the root's children
     total_tokens: int = 59  # dynamic: nodes kept, root included
+    window: int = 16  # jacobi: draft tokens per Jacobi window (SJD's W)
+    init: str = "random"  # jacobi: fresh drafts, random | {horizontal,vertical}_{repeat,sample}
+    # peanut (EAGLE-2 trees adapted per tree, vdtrain.decode.peanut; also reads total_tokens and `init`:
+    # horizontal_repeat | vertical_repeat | random). d counts draft levels (= dynamic depth + 1).
+    beta: float = 1.0  # peanut: positive threshold on α = accepted drafts / tree depth
+    l_d: int = 1  # peanut: depth step
+    l_k: int = 10  # peanut: width (top-k) step (paper: 10 for LlamaGen, 3 for Chameleon-family targets)
+    d_min: int = 0  # peanut: open bounds d_min < d < d_max
+    d_max: int = 10
+    k_min: int = 3  # peanut: open bounds k_min < k < k_max (paper: (3, 40) LlamaGen, (3, 14) Chameleon)
+    k_max: int = 40
+    d_init: int = 5  # peanut: the first tree's depth (draft levels) and width
+    k_init: int = 10
+    init_seed: int = 0  # peanut random init: seed of the fallback generators (when the engine passes none)
 
 
 @dataclass
@@ -67,7 +83,7 @@ class DecodeConfig:
 
     @property
     def needs_drafter(self) -> bool:
-        return self.tree.kind != "none"
+        return self.tree.kind not in ("none", "jacobi")
 
 
 def _neighbour_table(config: AcceptanceConfig, target: Target) -> torch.Tensor:
@@ -110,7 +126,24 @@ def tree_builder(config: TreeConfig) -> DraftTreeBuilder:
         return StaticTreeBuilder(static_tree(paths))
     if config.kind == "dynamic":
         return DynamicTreeBuilder(config.top_k, config.depth, config.total_tokens)
-    raise ValueError(f"unknown tree kind {config.kind!r}; use none, static or dynamic")
+    if config.kind == "jacobi":
+        return JacobiWindowBuilder(config.window, config.init)
+    if config.kind == "peanut":
+        return PeanutTreeBuilder(
+            init=config.init,
+            beta=config.beta,
+            l_d=config.l_d,
+            l_k=config.l_k,
+            d_min=config.d_min,
+            d_max=config.d_max,
+            k_min=config.k_min,
+            k_max=config.k_max,
+            d_init=config.d_init,
+            k_init=config.k_init,
+            total_tokens=config.total_tokens,
+            seed=config.init_seed,
+        )
+    raise ValueError(f"unknown tree kind {config.kind!r}; use none, static, dynamic, jacobi or peanut")
 
 
 class ARMethod:
@@ -139,12 +172,13 @@ class ARMethod:
 def build_method(
     config: DecodeConfig, target: Target, drafter: Drafter | None, sampling: SamplingConfig
 ) -> ARMethod | SpeculativeEngine:
-    if not config.needs_drafter:
+    if config.tree.kind == "none":
         if config.acceptance.kind != "exact":
             kind = config.acceptance.kind
             raise ValueError(f"method {config.name!r} has no draft tree to apply acceptance {kind!r} to")
         return ARMethod(target, sampling)
-    if drafter is None:
+    if drafter is None and config.needs_drafter:
         raise ValueError(f"method {config.name!r} needs a drafter (set drafter=<folder>)")
     builder = tree_builder(config.tree)
+    drafter = drafter if config.needs_drafter else None  # drafter-free (SJD): never attached
     return SpeculativeEngine(target, drafter, builder, sampling, acceptance_rule(config.acceptance, target))

@@ -1,0 +1,373 @@
+"""SJD (speculative Jacobi decoding) and GSD on SJD: a Jacobi window drafted as a chain, no drafter.
+
+T = 0: token identity with AR. T > 0: SJD's Theorem 1 (lossless) by the chi-square test of
+``test_engine`` on targets small enough to enumerate every image, and the same test rejects a plausible
+bug. The window rules (refinement, initialisations) are checked on scripted steps; GSD with G = 1 is SJD.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import TINY_GPT, TINY_VQ, tiny_condition
+from test_engine import (
+    MICRO_GPT,
+    MICRO_VQ,
+    SIGNIFICANCE,
+    chi_square_pvalue,
+    exact_ar_distribution,
+    make_target,
+    sample_images,
+)
+
+from vdtrain.decode.acceptance import Grouped, Verdict, verify_exact
+from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.engine import SpeculativeEngine, _StepState
+from vdtrain.decode.jacobi import INITS, JacobiWindowBuilder
+from vdtrain.decode.methods import DecodeConfig, TreeConfig, build_method, tree_builder
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.decode.trees import DraftTree
+from vdtrain.targets.base import Condition
+
+# --- T = 0: identical tokens --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [1, 3, 16])
+@pytest.mark.parametrize("init", INITS)
+@pytest.mark.parametrize("cfg_scale", [1.0, 2.5])
+def test_greedy_sjd_matches_ar(cfg_scale, init, window):
+    target = make_target()
+    cond = tiny_condition()
+    sampling = SamplingConfig(cfg_scale=cfg_scale, temperature=0.0)
+    ar = generate_ar(target, cond, sampling, [None, None])
+    engine = SpeculativeEngine(target, None, JacobiWindowBuilder(window, init), sampling)
+    result = engine.generate(cond, [torch.Generator().manual_seed(i) for i in range(2)])
+    assert torch.equal(result.tokens, ar)
+    n = target.num_image_tokens
+    for st in result.stats:
+        assert sum(st.committed_per_step) == n - 1 and st.drafter_forwards == 0
+        assert st.target_forwards == 1 + st.steps and max(st.depth_per_step) == min(window, n - 2)
+
+
+# --- T > 0: SJD's Theorem 1 ----------------------------------------------------------------------------
+
+GRID3_GPT = replace(TINY_GPT, vocab_size=3, block_size=9, cls_token_num=2)
+GRID3_VQ = replace(TINY_VQ, codebook_size=3)
+
+
+def _enumerable(gpt, vq, image_size):
+    target = make_target(gpt, vq, image_size=image_size, seed=3)
+    cond = Condition(
+        torch.randn(1, 2, gpt.caption_dim, generator=torch.Generator().manual_seed(5)),
+        torch.ones(1, 2, dtype=torch.bool),
+    )
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+    return target, cond, sampling, exact_ar_distribution(target, cond, sampling)
+
+
+@pytest.fixture(scope="module")
+def micro():
+    """test_engine's 2×2 grid, 4 tokens (4⁴ images)."""
+    return _enumerable(MICRO_GPT, MICRO_VQ, 4)
+
+
+@pytest.fixture(scope="module")
+def grid3():
+    """A 3×3 grid over 3 tokens (3⁹ images): windows carried over several steps and cut at the end."""
+    return _enumerable(GRID3_GPT, GRID3_VQ, 6)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "window", "init", "count"),
+    [("micro", 2, "random", 6000), ("grid3", 3, "horizontal_sample", 4000)],
+)
+def test_sjd_sampling_has_the_ar_distribution(fixture, window, init, count, request):
+    target, cond, sampling, exact = request.getfixturevalue(fixture)
+    engine = SpeculativeEngine(target, None, JacobiWindowBuilder(window, init), sampling)
+    samples = sample_images(engine, cond, count, seed=1)
+    assert chi_square_pvalue(samples, exact) > SIGNIFICANCE
+
+
+class KeepDrafts(JacobiWindowBuilder):
+    """A plausible bug (GSD's Algorithm 1 read literally): the unaccepted positions take the new
+    distributions as q but keep their old tokens instead of being re-drawn from them."""
+
+    def observe(self, tree, verdicts, p_nodes, roots_at):
+        super().observe(tree, verdicts, p_nodes, roots_at)
+        lengths = tree.max_depth()
+        for b, verdict in enumerate(verdicts):
+            if verdict is None:
+                continue
+            a, prompt = len(verdict.path), self._prompts[b]
+            kept = min(len(prompt.tokens), int(lengths[b]) - a - 1)
+            prompt.tokens[:kept] = tree.tokens[b, a + 2 : a + 2 + kept]
+
+
+def test_the_distribution_test_rejects_refinement_without_redrawing(micro):
+    target, cond, sampling, exact = micro
+    engine = SpeculativeEngine(target, None, KeepDrafts(2), sampling)
+    assert chi_square_pvalue(sample_images(engine, cond, 6000, seed=2), exact) < SIGNIFICANCE
+
+
+def _chain(q_row: torch.Tensor, token: int) -> DraftTree:
+    return DraftTree(
+        torch.tensor([[0, token]]),
+        torch.tensor([[-1, 0]]),
+        torch.tensor([[0, 1]]),
+        torch.ones(1, 2, dtype=torch.bool),
+        torch.stack([q_row, torch.zeros_like(q_row)])[None],
+        sampled=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("q", "accept", "residual"),
+    [
+        ([0.2, 0.6, 0.2], 0.5, [1.0, 0.0, 0.0]),  # refined: min(1, p/q), norm(max(0, p − q))
+        ([0.0, 1.0, 0.0], 0.3, [5 / 7, 0.0, 2 / 7]),  # fresh (point mass): p(x), p without x
+    ],
+)
+def test_the_exact_walk_on_a_chain_is_sjd_verification(q, accept, residual):
+    p = torch.tensor([[0.5, 0.3, 0.2], [1.0, 0.0, 0.0]])
+    tree, draws = _chain(torch.tensor(q), 1), 4000
+    verdicts = [verify_exact(tree, 0, p, False, torch.Generator().manual_seed(i)) for i in range(draws)]
+    accepted = sum(v.path == [1] for v in verdicts)
+    assert abs(accepted / draws - accept) < 0.03
+    bonus = torch.bincount(torch.tensor([v.bonus for v in verdicts if not v.path]), minlength=3)
+    assert torch.allclose(bonus / bonus.sum(), torch.tensor(residual), atol=0.03)
+
+
+# --- the window, step by step -------------------------------------------------------------------------
+
+H, W, V = 3, 4, 8  # a 3×4 grid over 8 tokens
+
+
+def _engine(temperature: float = 1.0):
+    target = SimpleNamespace(grid=(H, W), num_image_tokens=H * W, vocab_size=V)
+    return SimpleNamespace(target=target, sampling=SamplingConfig(temperature=temperature))
+
+
+def _state(root: int, committed: int, seed: int = 0) -> _StepState:
+    return _StepState(
+        roots=torch.tensor([root]),
+        root_feats=None,
+        root_logits=None,
+        committed=torch.tensor([committed]),
+        depth_limit=torch.tensor([H * W - 1 - committed]),
+        generators=[torch.Generator().manual_seed(seed)],
+    )
+
+
+def _point_masses(tokens: list[int]) -> torch.Tensor:
+    """p_nodes [1, T, V]: node i predicts ``tokens[i]`` with certainty."""
+    return torch.nn.functional.one_hot(torch.tensor(tokens), V).float()[None]
+
+
+def _is_point_mass(q: torch.Tensor, tokens: torch.Tensor) -> bool:
+    return torch.equal(q, torch.nn.functional.one_hot(tokens, V).float())
+
+
+def test_a_window_is_a_chain_of_fresh_point_masses():
+    builder = JacobiWindowBuilder(4)
+    builder.reset(1)
+    tree = builder.build(_engine(), _state(root=5, committed=1))
+    assert tree.tokens[0, 0] == 5 and tree.sampled
+    assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3] and tree.depths[0].tolist() == [0, 1, 2, 3, 4]
+    assert tree.valid.all() and builder.max_nodes() == 5
+    assert _is_point_mass(tree.q[0, :4], tree.tokens[0, 1:])  # q of node i: what node i + 1 was drawn from
+    # Never past the last image token: with 2 image tokens left to draft the window has 2 drafts.
+    builder.reset(1)
+    state = _state(root=5, committed=H * W - 3)
+    assert state.depth_limit.item() == 2
+    assert builder.build(_engine(), state).valid[0].tolist() == [True, True, True, False, False]
+
+
+def test_refinement_redraws_the_positions_after_a_rejection():
+    builder = JacobiWindowBuilder(4)
+    builder.reset(1)
+    tree = builder.build(_engine(), _state(root=5, committed=1))  # drafts for positions 1 .. 4
+    # Node i predicts position 1 + i; positions 3, 4, 5 are spread over two tokens each.
+    p = torch.zeros(1, 5, V)
+    p[0, 0, 1] = p[0, 1, 2] = 1.0
+    p[0, 2, [3, 4]] = 0.5
+    p[0, 3, [5, 6]] = 0.5
+    p[0, 4, [6, 7]] = 0.5
+    # The draft at position 1 is accepted, the one at position 2 rejected: the bonus replaces it.
+    builder.observe(tree, [Verdict([1], bonus=7)], p, torch.tensor([0]))
+    nxt = builder.build(_engine(), _state(root=7, committed=3))
+    # Positions 3, 4, 5 (depths 1, 2, 3 of the new chain) carry draws from the distributions just computed
+    # for them (p at nodes 2, 3, 4 of the old chain, conditioned on the rejected draft) and those as q.
+    refined = nxt.tokens[0, 1:4].tolist()
+    assert refined[0] in (3, 4) and refined[1] in (5, 6) and refined[2] in (6, 7)
+    assert torch.equal(nxt.q[0, :3], p[0, 2:5])
+    # The window is refilled to 4 with one fresh token (position 6), q = its point mass.
+    assert nxt.valid[0].all() and _is_point_mass(nxt.q[0, 3], nxt.tokens[0, 4])
+
+
+def test_refined_tokens_are_drawn_with_the_prompts_generator():
+    p = torch.full((1, 5, V), 1.0 / V)
+    runs = []
+    for seed in (0, 0, 1):
+        builder = JacobiWindowBuilder(4)
+        builder.reset(1)
+        tree = builder.build(_engine(), _state(root=5, committed=1, seed=seed))
+        builder.observe(tree, [Verdict([], bonus=2)], p, torch.tensor([0]))
+        runs.append(builder.build(_engine(), _state(root=2, committed=2)).tokens[0, 1:].tolist())
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_all_accepted_and_greedy_refinement():
+    builder = JacobiWindowBuilder(3)
+    builder.reset(1)
+    tree = builder.build(_engine(0.0), _state(root=5, committed=1))
+    builder.observe(tree, [Verdict([1, 2, 3], bonus=0)], _point_masses([1, 2, 3, 4]), torch.tensor([0]))
+    nxt = builder.build(_engine(0.0), _state(root=0, committed=5))
+    assert _is_point_mass(nxt.q[0, :3], nxt.tokens[0, 1:])  # nothing left to refine: all fresh
+    # At T = 0 refinement takes the argmax of the computed distributions (vanilla Jacobi).
+    p = torch.softmax(torch.randn(1, 4, V, generator=torch.Generator().manual_seed(0)), -1)
+    builder.observe(nxt, [Verdict([], bonus=1)], p, torch.tensor([4]))
+    last = builder.build(_engine(0.0), _state(root=1, committed=6))
+    assert torch.equal(last.tokens[0, 1:4], p[0, 1:4].argmax(-1))
+
+
+# --- initialisations on a hand-made grid --------------------------------------------------------------
+#
+#   row 0:  x0  1   2   3         committed in step 1 (drafts at 1..4 accepted, bonus at 5);
+#   row 1:  4   5   6*  7*        the stored distribution of position k is a point mass on stored(k)
+#   row 2:  8*  9*  .   .         * = fresh in step 2 (window 6..9)
+X0, BONUS = 6, 5
+
+
+def stored(k: int) -> int:
+    return {1: 1, 2: 2, 3: 3, 4: 4, 5: 7}[k]
+
+
+def _step_two(init: str, seed: int = 0):
+    builder = JacobiWindowBuilder(4, init)
+    builder.reset(1)
+    first = builder.build(_engine(), _state(root=X0, committed=1, seed=seed))
+    p = _point_masses([stored(k) for k in range(1, 6)])
+    builder.observe(first, [Verdict([1, 2, 3, 4], bonus=BONUS)], p, torch.tensor([0]))
+    second = builder.build(_engine(), _state(root=BONUS, committed=6, seed=seed))
+    board = [X0, *first.tokens[0, 1:].tolist(), BONUS]  # committed tokens of positions 0 .. 5
+    fresh = second.tokens[0, 1:].tolist()  # positions 6, 7, 8, 9
+    assert _is_point_mass(second.q[0, :4], second.tokens[0, 1:])
+    return first.tokens[0, 1:].tolist(), board, fresh
+
+
+def _first_window(init: str, window: int, seed: int) -> list[int]:
+    builder = JacobiWindowBuilder(window, init)
+    builder.reset(1)
+    return builder.build(_engine(), _state(root=X0, committed=1, seed=seed)).tokens[0, 1:].tolist()
+
+
+def _varies(init: str, position: int) -> bool:
+    """The fresh token at ``position`` (6 .. 9) takes more than one value over seeds: random."""
+    return len({_step_two(init, seed)[2][position - 6] for seed in range(12)}) > 1
+
+
+def test_horizontal_repeat_copies_the_left_neighbour():
+    drafts, _, fresh = _step_two("horizontal_repeat")
+    assert drafts[:3] == [X0, X0, X0]  # positions 1, 2, 3 copy x0 along row 0
+    assert fresh[0] == fresh[1] == BONUS and fresh[3] == fresh[2]  # 6 ← 5, 7 ← 6; 9 ← 8
+    assert _varies("horizontal_repeat", 8)  # first column: random
+
+
+def test_vertical_repeat_copies_the_token_one_row_up():
+    drafts, board, fresh = _step_two("vertical_repeat")
+    assert drafts[3] == X0  # position 4 ← position 0
+    assert fresh == [board[2], board[3], board[4], board[5]]
+    # First row: random (position 1 in step 1).
+    assert len({_first_window("vertical_repeat", 3, seed)[0] for seed in range(12)}) > 1
+
+
+def test_horizontal_sample_draws_from_the_nearest_stored_distribution_on_the_left():
+    _, _, fresh = _step_two("horizontal_sample")
+    assert fresh[0] == fresh[1] == stored(5)  # 6 ~ stored(5); 7: 6 is fresh, so stored(5) again
+    assert _varies("horizontal_sample", 8) and _varies("horizontal_sample", 9)  # no stored in row 2
+
+
+def test_vertical_sample_draws_from_the_stored_distribution_one_row_up():
+    _, _, fresh = _step_two("vertical_sample")
+    assert fresh == [stored(2), stored(3), stored(4), stored(5)]
+
+
+def test_random_initialisation_is_uniform_over_the_image_tokens():
+    _step_two("random")  # fresh q are point masses
+    seen = torch.tensor([t for seed in range(40) for t in _first_window("random", 10, seed)])
+    counts = torch.bincount(seen, minlength=V)
+    assert len(counts) == V and (counts > 0).all()
+
+
+def test_stored_distributions_are_the_refined_q_of_drafts_and_p_of_committed_tokens():
+    """Position 6 after a rejection at position 2: its left neighbour 5 is a refined draft (stored = its
+    new q), the position above it (2) is the bonus (stored = p at its node, not the residual)."""
+    p = _point_masses([1, 2, 3, 4, 5])
+    fresh = {}
+    for init in ("horizontal_sample", "vertical_sample"):
+        builder = JacobiWindowBuilder(4, init)
+        builder.reset(1)
+        tree = builder.build(_engine(), _state(root=X0, committed=1))
+        builder.observe(tree, [Verdict([1], bonus=0)], p, torch.tensor([0]))
+        nxt = builder.build(_engine(), _state(root=0, committed=3))
+        assert nxt.tokens[0, 1:4].tolist() == [3, 4, 5]  # refined positions 3, 4, 5
+        fresh[init] = int(nxt.tokens[0, 4])  # position 6
+    assert fresh == {"horizontal_sample": 5, "vertical_sample": 2}
+
+
+def test_impossible_windows_are_refused():
+    with pytest.raises(ValueError, match="at least one draft"):
+        JacobiWindowBuilder(0)
+    with pytest.raises(ValueError, match="unknown Jacobi initialisation"):
+        JacobiWindowBuilder(4, "diagonal")
+
+
+# --- configuration and GSD on SJD ---------------------------------------------------------------------
+
+
+def test_jacobi_config_builds_a_drafter_free_engine():
+    target = make_target()
+    config = DecodeConfig("sjd", TreeConfig(kind="jacobi", window=5, init="vertical_sample"))
+    assert not config.needs_drafter
+    builder = tree_builder(config.tree)
+    assert isinstance(builder, JacobiWindowBuilder) and (builder.window, builder.init) == (
+        5,
+        "vertical_sample",
+    )
+    method = build_method(config, target, None, SamplingConfig())
+    assert isinstance(method, SpeculativeEngine) and method.drafter is None
+
+
+def _gsd(target, group_size: int) -> Grouped:
+    return Grouped(
+        target.token_embedding.weight.detach(), group_size=group_size, delta_p=0.15, max_distance=100.0
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_gsd_with_group_size_one_is_sjd(temperature):
+    target = make_target()
+    cond = tiny_condition()
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=temperature, top_k=12)
+    runs = []
+    for accept in (verify_exact, _gsd(target, 1)):
+        engine = SpeculativeEngine(
+            target, None, JacobiWindowBuilder(6, "horizontal_sample"), sampling, accept
+        )
+        runs.append(engine.generate(cond, [torch.Generator().manual_seed(10 + i) for i in range(2)]))
+    sjd, gsd = runs
+    assert torch.equal(sjd.tokens, gsd.tokens)
+    assert [s.committed_per_step for s in sjd.stats] == [s.committed_per_step for s in gsd.stats]
+    assert all(s.relaxed_acceptances == 0 for s in gsd.stats)
+
+
+def test_gsd_groups_accept_more_than_sjd():
+    target = make_target()
+    cond = tiny_condition()
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+    engine = SpeculativeEngine(target, None, JacobiWindowBuilder(6), sampling, _gsd(target, 14))
+    result = engine.generate(cond, [torch.Generator().manual_seed(i) for i in range(2)])
+    assert sum(s.relaxed_acceptances for s in result.stats) > 0
