@@ -4,9 +4,9 @@
     python benchmarks/decode.py --prompts 100 --methods eagle1 eagle2 --temperatures 0 1
     python benchmarks/decode.py --device cuda --batch-size 1 --out docs/decode_benchmark.json
 
-For each temperature it decodes every prompt with AR, then with each method, and prints S, τ, d̄ and
-the latency speedup (AR time / method time, without and with the VQ decode that both pay). At T = 0
-it also checks that every method reproduced AR's tokens.
+For each temperature it decodes every prompt with AR, then with each method, and prints S, τ, d̄, TPF,
+caption consistency (shapes captions) and the latency speedup (AR time / method time, without and with
+the VQ decode that both pay). At T = 0 it also checks that every method reproduced AR's tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -24,6 +25,8 @@ from vdtrain.decode.methods import DecodeConfig, build_method
 from vdtrain.decode.metrics import summarize
 from vdtrain.drafter import Drafter
 from vdtrain.prompts import read_captions, shapes_heldout_captions
+from vdtrain.quality import quality_scorer
+from vdtrain.shapes.build import tensor_to_images
 from vdtrain.targets import load_target_folder
 from vdtrain.targets.shapes import resolve_folder
 
@@ -57,13 +60,22 @@ def run_method(method, target, prompts, seed, batch_size, device):
     return torch.cat(tokens), stats, seconds
 
 
-def vq_decode_seconds(target, tokens, batch_size, device) -> float:
+def vq_decode(target, tokens, batch_size, device) -> tuple[np.ndarray, float]:
+    """Images (uint8) and the seconds the VQ decoder took."""
+    images = []
     sync(device)
     t0 = time.perf_counter()
     for start in range(0, len(tokens), batch_size):
-        target.tokenizer.decode(tokens[start : start + batch_size])
+        images.append(target.tokenizer.decode(tokens[start : start + batch_size]))
     sync(device)
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    return tensor_to_images(torch.cat(images)), seconds
+
+
+def quality(scorer, images: np.ndarray, prompts: list[str]) -> float | None:
+    if scorer is None:
+        return None
+    return float(np.mean([scorer(img, p) for img, p in zip(images, prompts, strict=True)]))
 
 
 def main() -> None:
@@ -89,8 +101,11 @@ def main() -> None:
     torch.set_grad_enabled(False)
     target = load_target_folder(args.target, device)
     drafter = Drafter.load(resolve_folder(args.drafter), target)
+    # Methods without a drafter model (SJD, GSD) simply ignore it.
     prompts = read_captions(args.prompt_file) if args.prompt_file else shapes_heldout_captions(args.prompts)
     prompts = prompts[: args.prompts]
+    # Caption consistency is defined for the shapes world's own captions only.
+    scorer = None if args.prompt_file else quality_scorer("shapes_consistency")
     n = target.num_image_tokens
     rows = []
     for temperature in args.temperatures:
@@ -103,10 +118,12 @@ def main() -> None:
             args.batch_size,
             device,
         )
-        vq_s = vq_decode_seconds(target, ar_tokens, args.batch_size, device)
+        ar_images, vq_s = vq_decode(target, ar_tokens, args.batch_size, device)
+        ar_quality = quality(scorer, ar_images, prompts)
         for name in args.methods:
             method = build_method(method_config(name), target, drafter, sampling)
             tokens, stats, secs = run_method(method, target, prompts, args.seed, args.batch_size, device)
+            images, _ = vq_decode(target, tokens, args.batch_size, device)
             row = {
                 "method": name,
                 "temperature": temperature,
@@ -116,19 +133,24 @@ def main() -> None:
                 "ar_seconds": ar_s,
                 "method_seconds": secs,
                 "identical_to_ar": bool(torch.equal(tokens, ar_tokens)) if temperature == 0 else None,
+                "quality": quality(scorer, images, prompts),
+                "ar_quality": ar_quality,
             }
             rows.append(row)
             print(json.dumps(row))
-    header = "| method | T | S | τ | d̄ | latency speedup | with VQ decode | = AR tokens |"
+    header = (
+        "| method | T | S | τ | d̄ | TPF | latency speedup | with VQ decode | = AR tokens | quality (AR) |"
+    )
     cfg_scale = target.sampling_defaults.cfg_scale
     print(f"\n{len(prompts)} prompts, batch {args.batch_size}, {device}, cfg {cfg_scale}\n")
     print(header)
-    print("|" + "---|" * 8)
+    print("|" + "---|" * 10)
     for r in rows:
         same = {None: "–", True: "yes", False: "NO"}[r["identical_to_ar"]]
+        qual = "–" if r["quality"] is None else f"{r['quality']:.3f} ({r['ar_quality']:.3f})"
         print(
             f"| {r['method']} | {r['temperature']:g} | {r['S']:.2f} | {r['tau']:.2f} | {r['mean_depth']:.2f} "
-            f"| {r['speedup']:.2f}× | {r['speedup_with_vq_decode']:.2f}× | {same} |"
+            f"| {r['TPF']:.2f} | {r['speedup']:.2f}× | {r['speedup_with_vq_decode']:.2f}× | {same} | {qual} |"
         )
     if args.out:
         settings = {k: v for k, v in vars(args).items() if k != "out"}
