@@ -126,3 +126,29 @@ def test_sjd_matches_ar_at_temperature_zero(tiny_folder, tmp_path):
     run(_config(tiny_folder, tmp_path / "sjd", *greedy, *sjd))
     tokens = [json.loads((tmp_path / d / "stats.json").read_text())["samples"] for d in ("ar", "sjd")]
     assert [s["tokens"] for s in tokens[0]] == [s["tokens"] for s in tokens[1]]
+
+
+@pytest.mark.parametrize(
+    ("method", "kind", "extra"),
+    [
+        ("vvs", "similarity", ()),
+        ("vvs", "similarity", ("decode.schedule.t_sim=-1",)),  # every allowed step is skipped
+        ("vvs_uniform", "uniform", ()),
+    ],
+    ids=["vvs", "vvs_t_sim_-1", "vvs_uniform"],
+)
+def test_vvs_presets_decode_and_report_skipped_steps(method, kind, extra, tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("VDTRAIN_CACHE", str(tmp_path / "cache"))  # the neighbour table lands here
+    target = load_target_folder(tiny_folder)
+    Drafter(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
+    overrides = (*method_alias([f"method={method}"]), f"drafter={tmp_path / 'drafter'}", *extra)
+    summary = run(
+        _config(tiny_folder, tmp_path / method, "sampling.temperature=1", "num_prompts=2", *overrides)
+    )
+    assert summary["method"] == method and summary["decode"]["schedule"]["kind"] == kind
+    assert summary["decode"]["acceptance"]["kind"] == "lantern" and summary["num_samples"] == 2
+    assert summary["target_forwards"] == 1 + summary["verified_steps"]  # skipped steps cost none
+    if kind == "uniform" or extra:
+        assert summary["skipped_steps"] > 0 and summary["TPF"] > summary["tau"]
+    stats = json.loads((tmp_path / method / "stats.json").read_text())
+    assert all(len(s["tokens"]) == 256 for s in stats["samples"])

@@ -93,6 +93,7 @@ def run(cfg: DictConfig) -> dict:
                 "batch_latency_with_vq_decode_s": t2 - t0,
                 **summarize([result.stats[i]], target.num_image_tokens),
                 "committed_per_step": result.stats[i].committed_per_step,
+                "committed_per_skip": result.stats[i].committed_per_skip,
             }
             if scorer is not None:
                 record["quality"] = scorer(images[i], prompt)

@@ -14,6 +14,12 @@ Bookkeeping per prompt ``b`` with ``m`` committed image tokens ``x_0 .. x_{m-1}`
   (``vdtrain.drafter``); rows ``0 .. L+m-2`` are committed, and tree nodes at depth ``d`` take row
   position ``L+m-2+d`` in scratch slots after them. Expansion rows are recomputed from true target
   features once their tokens are accepted ("catch-up").
+
+A *schedule* (``vdtrain.decode.vvs``) may skip a step's verification (VVS): the step commits a drafted
+path without the target; ``pending[b]`` of those tokens sit before the next root, unseen by the target,
+with drafter rows computed from stale cached features. The next verified step feeds them before its tree
+in the same target forward ("post-verification"), which fills their KV in place and lets the catch-up
+recompute their drafter rows from true features.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from vdtrain.decode.acceptance import Verdict, verify_exact
 from vdtrain.decode.ar import cfg_batch, split_cfg
 from vdtrain.decode.sampling import SamplingConfig, next_tokens, probabilities, processed_logits
 from vdtrain.decode.trees import DraftTree, StaticTree, ancestor_matrix
+from vdtrain.decode.vvs import VerificationSchedule, unverified_path
 from vdtrain.drafter import Drafter, teacher_mask
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Condition, Target
@@ -38,16 +45,19 @@ from vdtrain.targets.base import Condition, Target
 class DecodeStats:
     """Counts for one prompt; the metric definitions of ALGORITHMS.md §10 are derived from them."""
 
-    target_forwards: int = 0  # including the prefill
+    target_forwards: int = 0  # including the prefill; a skipped step (VVS) costs none
     drafter_forwards: int = 0
     steps: int = 0  # verification steps
     committed_per_step: list[int] = field(default_factory=list)  # accepted drafts + bonus
     depth_per_step: list[int] = field(default_factory=list)  # depth of the drafted tree
     accept_map: list[tuple[int, int]] = field(default_factory=list)  # (image index of the root, accepted)
     relaxed_acceptances: int = 0  # accepted drafts that exact verification would have refused
+    skipped_steps: int = 0  # VVS: steps committed without verification
+    committed_per_skip: list[int] = field(default_factory=list)  # VVS: tokens each skipped step committed
 
     @property
     def tau(self) -> float:
+        """Mean tokens per *verified* step (skipped steps are not in ``committed_per_step``)."""
         return sum(self.committed_per_step) / max(1, len(self.committed_per_step))
 
     @property
@@ -106,7 +116,8 @@ StepHook = Callable[[KVCache, torch.Tensor, torch.Tensor], None]
 
 
 class SpeculativeEngine:
-    """``builder`` drafts the trees, ``accept`` verifies one prompt's tree (default: exact)."""
+    """``builder`` drafts the trees, ``accept`` verifies one prompt's tree (default: exact), ``schedule``
+    decides which steps are verified (default: all; VVS skips some, ``vdtrain.decode.vvs``)."""
 
     def __init__(
         self,
@@ -115,6 +126,7 @@ class SpeculativeEngine:
         builder: DraftTreeBuilder,
         sampling: SamplingConfig,
         accept: Acceptance = verify_exact,
+        schedule: VerificationSchedule | None = None,
     ) -> None:
         if drafter is not None:
             drafter.attach(target)  # refuses a drafter trained for another target
@@ -127,6 +139,11 @@ class SpeculativeEngine:
             sampling,
             accept,
         )
+        self.schedule = schedule if schedule is not None else VerificationSchedule()
+        if self.schedule.can_skip and not builder.needs_drafter:
+            raise ValueError(
+                f"{type(builder).__name__} drafts without a drafter: skipping verification (VVS) needs one"
+            )
 
     # --- distributions ---------------------------------------------------------------------------
     def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -182,33 +199,47 @@ class SpeculativeEngine:
         self._draft_calls += 1
         return out, self.drafter.logits(out)
 
-    # --- the loop ----------------------------------------------------------------------------------
+    # --- the loop ---------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(
         self, cond: Condition, generators: Sequence[torch.Generator | None], on_step: StepHook | None = None
     ) -> DecodeResult:
-        """Image tokens for ``cond``; ``on_step(target_cache, committed, tokens)`` runs after each commit."""
-        target, sampling = self.target, self.sampling
+        """Image tokens for ``cond``; ``on_step(target_cache, committed, tokens)`` runs after each step.
+
+        With a skipping schedule (VVS) ``self.pending[b]`` counts prompt ``b``'s committed tokens before
+        its root that the target has not seen yet; its target KV is valid for the prefix and the first
+        ``committed − 1 − pending`` image tokens."""
+        target, sampling, schedule = self.target, self.sampling, self.schedule
         start_time = time.perf_counter()
         batch, n_img, prefix = len(cond), target.num_image_tokens, target.prefix_length
         stream = cfg_batch(target, cond, sampling)
         streams = len(stream) // batch
         device = target.token_embedding.weight.device
         extra = self.builder.max_nodes() + 1
+        skipping = schedule.can_skip
         self._cond_mask = stream.mask
         self._draft_calls = 0
-        tcache = target.new_cache(len(stream), extra_slots=extra)
+        # Post-verification feeds [unverified tokens ⊕ tree]: room for a chain as deep as a tree.
+        tcache = target.new_cache(len(stream), extra_slots=extra + (extra if skipping else 0))
         use_drafter = self.builder.needs_drafter
         if use_drafter:
             self._dcache = self.drafter.new_cache(len(stream), target.max_seq_len + extra)
         self.builder.reset(batch)
+        schedule.reset(batch)
         stats = [DecodeStats() for _ in range(batch)]
+        self.pending = torch.zeros(batch, dtype=torch.long, device=device)
+        last_skipped, step_no = [False] * batch, [0] * batch
 
         # Prefill the target, sample x_0 like AR, and catch the drafter up on the prefix.
         pre = target.prefill(stream, tcache)
         out = torch.zeros(batch, n_img, dtype=torch.long, device=device)
         out[:, 0] = next_tokens(*split_cfg(pre.logits[:, -1], sampling), sampling, generators)
         committed = torch.ones(batch, dtype=torch.long, device=device)
+        # VVS feature cache: the target's feature at every slot it has verified ([R, L + N, H]).
+        self._fcache = None
+        if skipping:
+            self._fcache = pre.hidden.new_zeros(len(stream), target.max_seq_len, pre.hidden.shape[-1])
+            self._fcache[:, :prefix] = pre.hidden
         for st in stats:
             st.target_forwards += 1
             st.drafter_forwards += int(use_drafter)
@@ -241,37 +272,115 @@ class SpeculativeEngine:
             calls_before = self._draft_calls
             tree = self.builder.build(self, state)
             tree.valid &= active[:, None] | (torch.arange(tree.size, device=device) == 0)[None]
-            hidden, p_nodes, p_relax = self._verify(stream, tcache, tree, committed)
-            verdicts: list[Verdict | None] = []
-            for b in range(batch):
-                extra = {} if p_relax is None else {"p_relax": p_relax[b]}
-                verdicts.append(
-                    self.accept(tree, b, p_nodes[b], sampling.greedy, generators[b], **extra)
-                    if active[b]
-                    else None
+            tree_calls = self._draft_calls - calls_before
+            skip = [False] * batch
+            if skipping:
+                has_draft = tree.valid[:, 1:].any(dim=1).tolist()
+                for b in range(batch):
+                    if not active[b]:
+                        continue
+                    step_no[b] += 1
+                    # Never two skips in a row; a tree without drafts (the last token) needs the target.
+                    if not last_skipped[b] and has_draft[b]:
+                        skip[b] = schedule.wants_skip(tree, b, step_no[b])
+            skipped = torch.tensor(skip, device=device)
+            verify = active & ~skipped
+            verdicts: list[Verdict | None] = [None] * batch
+            commit_calls = 0
+            if bool(verify.any()):
+                lead = torch.where(verify, self.pending, 0) if skipping else None
+                hidden, p_nodes, p_relax = self._verify(stream, tcache, tree, committed, out, lead)
+                for b in range(batch):
+                    kwargs = {} if p_relax is None else {"p_relax": p_relax[b]}
+                    if verify[b]:
+                        verdicts[b] = self.accept(
+                            tree, b, p_nodes[b], sampling.greedy, generators[b], **kwargs
+                        )
+                roots_at = committed - 1
+                self.builder.observe(tree, verdicts, p_nodes, roots_at)
+                calls_before = self._draft_calls
+                root_feats, root_logits = self._commit(
+                    tree, verdicts, committed, out, hidden, tcache, streams, lead
                 )
-            roots_at = committed - 1
-            self.builder.observe(tree, verdicts, p_nodes, roots_at)
-            root_feats, root_logits = self._commit(tree, verdicts, committed, out, hidden, tcache, streams)
-            depths = tree.max_depth()
-            for b, verdict in enumerate(verdicts):
-                if verdict is None:
-                    continue
-                st = stats[b]
-                st.steps += 1
-                st.target_forwards += 1
-                st.drafter_forwards += self._draft_calls - calls_before
-                st.committed_per_step.append(len(verdict.path) + 1)
-                st.depth_per_step.append(int(depths[b]))
-                st.accept_map.append((int(roots_at[b]), len(verdict.path)))
-                st.relaxed_acceptances += verdict.relaxed
+                commit_calls = self._draft_calls - calls_before
+                depths = tree.max_depth()
+                for b, verdict in enumerate(verdicts):
+                    if verdict is None:
+                        continue
+                    st = stats[b]
+                    st.steps += 1
+                    st.target_forwards += 1
+                    st.drafter_forwards += tree_calls + commit_calls
+                    st.committed_per_step.append(len(verdict.path) + 1)
+                    st.depth_per_step.append(int(depths[b]))
+                    st.accept_map.append((int(roots_at[b]), len(verdict.path)))
+                    st.relaxed_acceptances += verdict.relaxed
+            if any(skip):
+                picks = {b: unverified_path(tree, b, generators[b]) for b in range(batch) if skip[b]}
+                calls_before = self._draft_calls
+                root_feats, root_logits = self._commit_unverified(
+                    tree, picks, committed, out, streams, root_feats, root_logits
+                )
+                for b, nodes in picks.items():
+                    st = stats[b]
+                    st.skipped_steps += 1
+                    st.committed_per_skip.append(len(nodes))
+                    st.drafter_forwards += tree_calls + self._draft_calls - calls_before
+                    self.pending[b] = len(nodes)
+            if skipping:
+                for b in range(batch):
+                    if verify[b]:
+                        self.pending[b] = 0
+                    if active[b]:
+                        last_skipped[b] = skip[b]
             if on_step is not None:
                 on_step(tcache, committed, out)
         return DecodeResult(out, stats, time.perf_counter() - start_time)
 
-    def _verify(self, stream: Condition, tcache, tree: DraftTree, committed: torch.Tensor):
-        """One target forward over every tree; returns hidden [R, T, H], p [B, T, V] and, at T = 0 for
-        rules that ask for it, the softmax of the same filtered logits [B, T, V] (else None)."""
+    def _verify(self, stream: Condition, tcache, tree: DraftTree, committed, out, lead=None):
+        """One target forward over every tree; returns hidden [R, S, H], p [B, T, V] and, at T = 0 for
+        rules that ask for it, the softmax of the same filtered logits [B, T, V] (else None).
+
+        ``lead[b]`` (VVS post-verification) unverified committed tokens before prompt ``b``'s root are fed
+        first: row ``b`` is [those tokens ⊕ its tree ⊕ padding]; ``hidden`` covers all ``S`` rows, ``p``
+        the tree nodes. Without a lead (or an all-zero one) ``S = T`` and this is the plain forward."""
+        if lead is None or not bool(lead.any()):
+            return self._verify_tree(stream, tcache, tree, committed)
+        target, streams = self.target, len(stream) // len(committed)
+        batch, size, chain = len(committed), tree.size, int(lead.max())
+        width_rows, device = chain + size, committed.device
+        base = committed - 1 - lead  # image index of the first token the target has not seen
+        anc = ancestor_matrix(tree.parents) & tree.valid[:, None, :]
+        anc |= torch.eye(size, dtype=torch.bool, device=device)
+        # Row b: chain (causal) at 0 .. u-1, tree (sees the whole chain, its ancestors, itself) at
+        # u .. u+T-1, padding (sees itself; its slots lie past the tree, never read) after.
+        vis = torch.zeros(batch, width_rows, width_rows, dtype=torch.bool, device=device)
+        tokens = torch.zeros(batch, width_rows, dtype=torch.long, device=device)
+        index = base[:, None] + torch.arange(width_rows, device=device)[None, :]
+        for b, u in enumerate(lead.tolist()):
+            vis[b, :u, :u] = torch.ones(u, u, dtype=torch.bool, device=device).tril()
+            vis[b, u : u + size, :u] = True
+            vis[b, u : u + size, u : u + size] = anc[b]
+            pad = torch.arange(u + size, width_rows, device=device)
+            vis[b, pad, pad] = True
+            tokens[b, :u] = out[b, base[b] : base[b] + u]
+            tokens[b, u : u + size] = tree.tokens[b]
+            index[b, u : u + size] = base[b] + u + tree.depths[b]
+        index = index.clamp_max(target.num_image_tokens - 1)
+        slots = target.prefix_length + base[:, None] + torch.arange(width_rows, device=device)[None, :]
+        vis = self._visibility(base, base, vis, int(base.max()) + width_rows)
+        rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
+        result = target.forward_tokens(stream, rep(tokens), rep(index), tcache, rep(slots), rep(vis))
+        rows = rep(lead[:, None] + torch.arange(size, device=device)[None, :])
+        logits = result.logits.gather(1, rows[..., None].expand(-1, -1, result.logits.shape[-1]))
+        p = probabilities(*split_cfg(logits, self.sampling), self.sampling)
+        p_relax = None
+        if self.sampling.greedy and getattr(self.accept, "needs_soft_p", False):
+            p_relax = processed_logits(*split_cfg(logits, self.sampling), self.sampling).softmax(-1)
+        return result.hidden, p, p_relax
+
+    def _verify_tree(self, stream: Condition, tcache, tree: DraftTree, committed: torch.Tensor):
+        """The plain verification forward: the trees alone (their roots are the only unseen tokens)."""
         streams = len(stream) // len(committed)
         base = committed - 1  # image slot of the root
         anc = ancestor_matrix(tree.parents) & tree.valid[:, None, :]
@@ -291,50 +400,99 @@ class SpeculativeEngine:
             p_relax = processed_logits(*split_cfg(result.logits, self.sampling), self.sampling).softmax(-1)
         return result.hidden, p, p_relax
 
-    def _commit(self, tree, verdicts, committed, out, hidden, tcache, streams):
+    def _commit(self, tree, verdicts, committed, out, hidden, tcache, streams, lead=None):
         """Write accepted tokens, move their KV into place, and catch the drafter up on them.
 
-        Returns the drafter's feature and logits for the next root (its last catch-up row)."""
+        With a ``lead`` (VVS post-verification) the rows of the unverified tokens before the root, at the
+        start of ``hidden``, are caught up too: their KV is already in place, their drafter rows (computed
+        from stale features when they were committed) are recomputed from the target's true features,
+        and the feature cache gets their features. Returns the drafter's feature and logits for the next
+        root (its last catch-up row)."""
         batch, device = len(verdicts), committed.device
         prefix = self.target.prefix_length
         paths = [v.path if v is not None else [] for v in verdicts]
-        longest = max(len(p) for p in paths) + 1
-        # Root + accepted nodes per prompt in depth order; padded by repeating the last node.
-        nodes = torch.tensor(
-            [[0, *p] + [p[-1] if p else 0] * (longest - 1 - len(p)) for p in paths], device=device
-        )
-        counts = torch.tensor([len(p) + 1 for p in paths], device=device)
+        leads = [0] * batch if lead is None else lead.tolist()
+        # Rows of ``hidden`` to commit per prompt: the lead, then root + accepted nodes in depth order.
+        seqs = [list(range(u)) + [u + n for n in (0, *p)] for u, p in zip(leads, paths, strict=True)]
+        longest = max(len(q) for q in seqs)
+        # Padded by repeating the last row.
+        nodes = torch.tensor([q + [q[-1]] * (longest - len(q)) for q in seqs], device=device)
+        counts = torch.tensor([len(p) + 1 for p in paths], device=device)  # newly committed tokens
+        rows = torch.tensor([len(q) for q in seqs], device=device)  # caught-up rows
         active = torch.tensor([v is not None for v in verdicts], device=device)
-        base = committed - 1  # image slot of the root
+        base = committed - 1 if lead is None else committed - 1 - lead  # image slot of the first row
         rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        # Target KV: node i sits at slot L+base+i; its committed place is L+base+depth (= its index here).
+        # Target KV: row i sits at slot L+base+i; its committed place is L+base+(lead+depth) (<= i).
         src = prefix + base[:, None] + nodes
         dst = torch.minimum(prefix + base[:, None] + torch.arange(longest, device=device)[None, :], src)
         tcache.move(torch.arange(batch * streams, device=device), rep(src), rep(dst))
-        # The committed tokens: accepted drafts, then the bonus (padding: 0, never read).
+        # Each row's next token: the rest of the lead, then the accepted drafts, then the bonus.
         new_tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
         for b, v in enumerate(verdicts):
             if v is None:
                 continue
             seq = torch.tensor([*tree.tokens[b, v.path].tolist(), v.bonus], device=device)
-            new_tokens[b, : len(seq)] = seq
+            u = leads[b]
+            if u:
+                new_tokens[b, :u] = out[b, base[b] + 1 : committed[b]]
+            new_tokens[b, u : u + len(seq)] = seq
             out[b, committed[b] : committed[b] + len(seq)] = seq
         if not self.builder.needs_drafter:
             committed += torch.where(active, counts, 0)
             return None, None
-        # Drafter rows L+base .. : feature of the root / accepted node, embedding of the token after it.
+        # Drafter rows L+base .. : feature of the row's token, embedding of the token after it.
         feats = hidden.gather(1, rep(nodes)[..., None].expand(-1, -1, hidden.shape[-1]))
+        if self._fcache is not None:
+            for b in range(batch):
+                if verdicts[b] is not None:
+                    n, lo = int(rows[b]), prefix + int(base[b])
+                    self._fcache[b::batch, lo : lo + n] = feats[b::batch, :n]
         slots = prefix + base[:, None] + torch.arange(longest, device=device)[None, :]
         positions = slots.clamp_max(self.target.max_seq_len - 1)  # padding rows only
         causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
         vis = self._visibility(base, base, causal.expand(batch, -1, -1), int(base.max()) + longest)
         f_hat, logits = self.drafter_rows(feats, new_tokens, positions, slots, vis)
-        last = rep(counts - 1)[:, None, None]
+        last = rep(rows - 1)[:, None, None]
         committed += torch.where(active, counts, 0)
         return (
             f_hat.gather(1, last.expand(-1, 1, f_hat.shape[-1])).squeeze(1),
             logits.gather(1, last.expand(-1, 1, logits.shape[-1])).squeeze(1),
         )
+
+    def _commit_unverified(self, tree, picks, committed, out, streams, root_feats, root_logits):
+        """VVS skipped step: commit ``picks[b]`` (tree nodes, depth 1 first) without the target.
+
+        The drafter rows of the new tokens' predecessors (the old root and the picked drafts but the
+        last) get *stale* features: the most recent cached target features, as many as tokens committed
+        (VVS §4.3). With γ tokens committed after ``m``, row ``L+m−1+j`` (j < γ) pairs the cached feature
+        of slot ``L+m−1−γ+j`` with the embedding of the token at slot ``L+m+j``; slots before 0 (a skip
+        right after the prefill, γ > L) read slot 0. The target KV is left alone: the next verified step
+        post-verifies the tokens. Returns the root feature/logits with the skipped prompts' rows replaced.
+        """
+        batch, device, prefix = len(committed), committed.device, self.target.prefix_length
+        longest = max(len(nodes) for nodes in picks.values())
+        base = committed - 1  # image slot of the root, the first row's token
+        feats = self._fcache.new_zeros(batch * streams, longest, self._fcache.shape[-1])
+        new_tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
+        for b, nodes in picks.items():
+            g, m = len(nodes), int(committed[b])
+            seq = tree.tokens[b, nodes]
+            out[b, m : m + g] = seq
+            new_tokens[b, :g] = seq
+            stale = (prefix + m - 1 - g + torch.arange(g, device=device)).clamp_min(0)
+            feats[b::batch, :g] = self._fcache[b::batch][:, stale]
+        slots = prefix + base[:, None] + torch.arange(longest, device=device)[None, :]
+        positions = slots.clamp_max(self.target.max_seq_len - 1)
+        causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
+        vis = self._visibility(base, base, causal.expand(batch, -1, -1), int(base.max()) + longest)
+        f_hat, logits = self.drafter_rows(feats, new_tokens, positions, slots, vis)
+        root_feats, root_logits = root_feats.clone(), root_logits.clone()
+        for b, nodes in picks.items():
+            g = len(nodes)
+            root_feats[b::batch] = f_hat[b::batch, g - 1]
+            root_logits[b::batch] = logits[b::batch, g - 1]
+            committed[b] += g
+        return root_feats, root_logits
 
 
 class StaticTreeBuilder(DraftTreeBuilder):

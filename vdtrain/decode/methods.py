@@ -1,7 +1,8 @@
 """Decoding methods as named combinations of the engine's parts (``conf/decode/<name>.yaml``).
 
-A method = a draft-tree builder + an acceptance rule (+, later, a verification schedule). AR is the
-method with no drafter. New combinations need a config file, not code.
+A method = a draft-tree builder + an acceptance rule + a verification schedule (``always`` unless the
+method skips verification, VVS). AR is the method with no drafter. New combinations need a config file,
+not code.
 
 Acceptance rules (``ACCEPTANCE``, keyed by ``acceptance.kind``) are built from the target: LANTERN and
 LANTERN++ need its latent-neighbour table (``vdtrain.decode.neighbours``, cached on disk), GSD a token
@@ -32,6 +33,7 @@ from vdtrain.decode.neighbours import latent_neighbours
 from vdtrain.decode.peanut import PeanutTreeBuilder
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import STATIC_TREES, static_tree
+from vdtrain.decode.vvs import SimilaritySchedule, UniformSchedule, VerificationSchedule
 from vdtrain.drafter import Drafter
 from vdtrain.targets.base import Condition, Target
 
@@ -76,10 +78,22 @@ class AcceptanceConfig:
 
 
 @dataclass
+class ScheduleConfig:
+    """Which steps are verified (VVS, ``vdtrain.decode.vvs``); each kind reads only its own parameters."""
+
+    kind: str = "always"  # always | uniform | similarity
+    every: int = 3  # uniform: skip every `every`-th step (paper: 2, 3, 4)
+    t_sim: float = 0.7  # similarity: skip when the paths' similarity S̄ >= t_sim (paper: 0.65 - 0.8)
+    alpha: float = 0.8  # similarity: depth decay of the weights w_l ∝ alpha^l (not given by the paper)
+    stride: int = 2  # similarity: keep every `stride`-th candidate path
+
+
+@dataclass
 class DecodeConfig:
     name: str = "ar"
     tree: TreeConfig = field(default_factory=TreeConfig)
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
     @property
     def needs_drafter(self) -> bool:
@@ -114,6 +128,18 @@ def acceptance_rule(config: AcceptanceConfig, target: Target) -> Acceptance:
     if config.kind not in ACCEPTANCE:
         raise ValueError(f"unknown acceptance {config.kind!r}; known: {sorted(ACCEPTANCE)}")
     return ACCEPTANCE[config.kind](config, target)
+
+
+def verification_schedule(config: ScheduleConfig, target: Target) -> VerificationSchedule:
+    """The schedule for ``config``; the similarity schedule compares ``target.tokenizer.codebook()`` rows."""
+    if config.kind == "always":
+        return VerificationSchedule()
+    if config.kind == "uniform":
+        return UniformSchedule(config.every)
+    if config.kind == "similarity":
+        codebook = target.tokenizer.codebook().to(target.token_embedding.weight.device)
+        return SimilaritySchedule(codebook, config.t_sim, config.alpha, config.stride)
+    raise ValueError(f"unknown schedule kind {config.kind!r}; use always, uniform or similarity")
 
 
 def tree_builder(config: TreeConfig) -> DraftTreeBuilder:
@@ -176,9 +202,21 @@ def build_method(
         if config.acceptance.kind != "exact":
             kind = config.acceptance.kind
             raise ValueError(f"method {config.name!r} has no draft tree to apply acceptance {kind!r} to")
+        if config.schedule.kind != "always":
+            kind = config.schedule.kind
+            raise ValueError(f"method {config.name!r} has no draft tree to skip verifying ({kind!r})")
         return ARMethod(target, sampling)
+    if config.schedule.kind != "always" and not config.needs_drafter:
+        raise ValueError(f"schedule {config.schedule.kind!r} needs a drafter tree, not {config.tree.kind!r}")
     if drafter is None and config.needs_drafter:
         raise ValueError(f"method {config.name!r} needs a drafter (set drafter=<folder>)")
     builder = tree_builder(config.tree)
     drafter = drafter if config.needs_drafter else None  # drafter-free (SJD): never attached
-    return SpeculativeEngine(target, drafter, builder, sampling, acceptance_rule(config.acceptance, target))
+    return SpeculativeEngine(
+        target,
+        drafter,
+        builder,
+        sampling,
+        acceptance_rule(config.acceptance, target),
+        verification_schedule(config.schedule, target),
+    )

@@ -1,10 +1,12 @@
 """One set of metric definitions for every method (ALGORITHMS.md §10), computed from ``DecodeStats``.
 
 - S (step compression) = image tokens / target forward passes (the prefill included, so AR has S = 1);
-- τ = mean tokens committed per verification step (accepted drafts + the bonus);
+- τ = mean tokens committed per *verified* step (accepted drafts + the bonus);
 - d̄ = mean depth of the drafted trees;
 - TPF = image tokens / target forward passes. It equals S by definition; they part from τ only when
   steps are committed without verification (VVS);
+- skipped steps = steps committed without verification (VVS), per prompt; a skipped step costs no
+  target forward, so TPF counts its tokens and τ does not;
 - relaxed acceptances = drafts accepted only thanks to a relaxed rule (LANTERN, LANTERN++, GSD), per
   prompt; 0 for exact methods.
 """
@@ -29,6 +31,8 @@ def summarize(stats: Sequence[DecodeStats], n_tokens: int) -> dict[str, float]:
         "target_forwards": float(np.mean(forwards)),
         "drafter_forwards": float(np.mean([s.drafter_forwards for s in stats])),
         "relaxed_acceptances": float(np.mean([s.relaxed_acceptances for s in stats])),
+        "verified_steps": float(np.mean([s.steps for s in stats])),
+        "skipped_steps": float(np.mean([s.skipped_steps for s in stats])),
     }
 
 
