@@ -21,8 +21,18 @@ from vdtrain.shapes.scene import HELDOUT_SEED, generate
 from vdtrain.targets.base import Target
 
 
-def _score(images: np.ndarray, captions: list[str]) -> float:
-    return float(np.mean([score_image(img, cap).score for img, cap in zip(images, captions, strict=True)]))
+def _score(images: np.ndarray, captions: list[str]) -> dict[str, float]:
+    """Mean caption consistency, and the pass rate of each kind of check (background kind / colour,
+    object colour / shape / size) so that a chance pass on one kind is visible."""
+    results = [score_image(img, cap) for img, cap in zip(images, captions, strict=True)]
+    kinds: dict[str, list[bool]] = {}
+    for r in results:
+        for name, ok in r.checks.items():
+            kinds.setdefault(name.split(".", 1)[1] if name.startswith("object") else name, []).append(ok)
+    return {
+        "score": float(np.mean([r.score for r in results])),
+        **{k: float(np.mean(v)) for k, v in kinds.items()},
+    }
 
 
 @torch.no_grad()
@@ -46,7 +56,7 @@ def consistency_report(
     temperature: float = 1.0,
     seed: int = 0,
     batch_size: int = 16,
-) -> tuple[dict[str, float], dict[float, np.ndarray], list[str]]:
+) -> tuple[dict[str, dict[str, float]], dict[float, np.ndarray], list[str]]:
     samples = generate(n_captions, HELDOUT_SEED)
     captions = [s.caption for s in samples]
     truth = images_to_tensor([s.image for s in samples])
