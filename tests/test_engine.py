@@ -149,37 +149,42 @@ def test_greedy_speculative_decoding_matches_ar(builder, cfg_scale):
     assert torch.equal(result.tokens, ar)
 
 
+def assert_cache_is_fresh_prefill(target, stream, cache, tokens, b: int, m: int) -> None:
+    """Prompt ``b``'s cache rows (both CFG streams) equal a fresh prefill + forward over its first
+    ``m - 1`` committed tokens (the root ``x_{m-1}`` is not yet seen by the target)."""
+    batch, prefix = len(stream) // 2, target.prefix_length
+    idx = torch.arange(m - 1)
+    rows = torch.tensor([b, b + batch])
+    sub = Condition(stream.features[rows], stream.mask[rows])
+    one = target.new_cache(2)
+    target.prefill(sub, one)
+    target.forward_tokens(
+        sub,
+        tokens[b, : m - 1].repeat(2, 1),
+        idx,
+        one,
+        idx + prefix,
+        target.causal_visibility(0, m - 1, "cpu"),
+    )
+    n = prefix + m - 1
+    torch.testing.assert_close(cache.k[:, rows, :, :n], one.k[:, :, :, :n], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(cache.v[:, rows, :, :n], one.v[:, :, :, :n], atol=1e-5, rtol=1e-4)
+
+
 def test_target_cache_equals_a_fresh_prefill_after_every_step():
     target = make_target()
     cond = tiny_condition()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=0.0)
     ar = generate_ar(target, cond, sampling, [None, None])
     stream = cond.cat(target.null_condition(cond))
-    prefix, checked = target.prefix_length, []
+    checked = []
 
     def check(cache, committed, tokens):
-        fresh = target.new_cache(len(stream))
-        target.prefill(stream, fresh)
         for b in range(len(cond)):
             m = int(committed[b])
             if m < 2:
                 continue
-            idx = torch.arange(m - 1)
-            rows = torch.tensor([b, b + len(cond)])
-            sub = Condition(stream.features[rows], stream.mask[rows])
-            one = target.new_cache(2)
-            target.prefill(sub, one)
-            target.forward_tokens(
-                sub,
-                tokens[b, : m - 1].repeat(2, 1),
-                idx,
-                one,
-                idx + prefix,
-                target.causal_visibility(0, m - 1, "cpu"),
-            )
-            n = prefix + m - 1
-            torch.testing.assert_close(cache.k[:, rows, :, :n], one.k[:, :, :, :n], atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(cache.v[:, rows, :, :n], one.v[:, :, :, :n], atol=1e-5, rtol=1e-4)
+            assert_cache_is_fresh_prefill(target, stream, cache, tokens, b, m)
             checked.append(m)
 
     engine = SpeculativeEngine(target, make_drafter(target), OracleChain(ar, depth=3), sampling)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import TINY_GPT, TINY_VQ, random_gpt, random_vq, tiny_condition
 from omegaconf import OmegaConf
+from test_engine import assert_cache_is_fresh_prefill
 
 from vdtrain.decode.acceptance import Lantern
 from vdtrain.decode.engine import DynamicTreeBuilder, SpeculativeEngine, StaticTreeBuilder
@@ -196,22 +197,10 @@ def test_caches_equal_a_fresh_pass_after_every_verified_step(builder_kind):
             was, previous_pending[b] = previous_pending[b], pending
             if pending or m < 2:
                 continue
+            assert_cache_is_fresh_prefill(target, stream, cache, tokens, b, m)
             rows = torch.tensor([b, b + batch])
             sub = Condition(stream.features[rows], stream.mask[rows])
             n = prefix + m - 1
-            one = target.new_cache(2)
-            idx = torch.arange(m - 1)
-            target.prefill(sub, one)
-            target.forward_tokens(
-                sub,
-                tokens[b, : m - 1].repeat(2, 1),
-                idx,
-                one,
-                idx + prefix,
-                target.causal_visibility(0, m - 1, "cpu"),
-            )
-            torch.testing.assert_close(cache.k[:, rows, :, :n], one.k[:, :, :, :n], atol=1e-5, rtol=1e-4)
-            torch.testing.assert_close(cache.v[:, rows, :, :n], one.v[:, :, :, :n], atol=1e-5, rtol=1e-4)
             true = target.forward_sequence(sub, tokens[b, : m - 1].repeat(2, 1)).hidden  # [2, L+m-1, H]
             torch.testing.assert_close(engine._fcache[rows, :n], true, atol=1e-4, rtol=1e-4)
             # Drafter rows 0 .. L+m-2: f_s with the embedding of the token at slot s+1.
