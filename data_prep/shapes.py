@@ -15,7 +15,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from vdtrain.models.llamagen_gpt import GPTConfig
+from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig
 from vdtrain.shapes.build import (
     OptimConfig,
@@ -27,7 +27,7 @@ from vdtrain.shapes.build import (
     write_target_folder,
 )
 from vdtrain.shapes.report import consistency_report, sample_grid
-from vdtrain.targets.llamagen import load_vq
+from vdtrain.targets.llamagen import load_gpt, load_vq
 from vdtrain.targets.shapes import load_target_folder
 
 log = logging.getLogger(__name__)
@@ -55,15 +55,52 @@ def main(cfg: DictConfig) -> None:
     if "target" in cfg.stages:
         vq = load_vq(out / "vq.pt", vq_config)
         gpt_config = replace(GPTConfig(), **OmegaConf.to_container(cfg.target.gpt))
-        gpt, train_info = train_target(
-            gpt_config, vq, OptimConfig(**cfg.target.optim), cfg.target.n_samples, cfg.target.max_minutes
+        init = (
+            load_gpt(hydra.utils.to_absolute_path(cfg.target.init_from), gpt_config)
+            if cfg.target.init_from
+            else None
         )
-        metrics["target"] = {**train_info, **target_report(gpt, vq, cfg.target.report_samples)}
+        earlier = _training_history(metrics.get("target")) if init is not None else []
+        sampling = OmegaConf.to_container(cfg.target.sampling)
+
+        def checkpoint(gpt: LlamaGenGPT, info: dict) -> None:
+            write_target_folder(out, gpt, vq, sampling, {**metrics, "target": {**info, "partial": True}})
+            log.info("target checkpoint written at step %d", info["train_steps"])
+
+        gpt, train_info = train_target(
+            gpt_config,
+            vq,
+            OptimConfig(**cfg.target.optim),
+            cfg.target.n_samples,
+            cfg.target.max_minutes,
+            init=init,
+            checkpoint_every=cfg.target.checkpoint_every,
+            on_checkpoint=checkpoint,
+        )
+        history = [
+            *earlier,
+            {**train_info, "init_from": cfg.target.init_from, "optim": dict(cfg.target.optim)},
+        ]
+        metrics["target"] = {
+            "train_steps": sum(run["train_steps"] for run in history),
+            "train_minutes": sum(run["train_minutes"] for run in history),
+            "train_history": history,
+            **target_report(gpt, vq, cfg.target.report_samples),
+        }
         log.info("target: %s", metrics["target"])
-        write_target_folder(out, gpt, vq, OmegaConf.to_container(cfg.target.sampling), metrics)
+        write_target_folder(out, gpt, vq, sampling, metrics)
         metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
     if "report" in cfg.stages:
         write_report(out, cfg.report, metrics)
+
+
+def _training_history(target_metrics: dict | None) -> list[dict]:
+    """The training runs behind a saved target, so continued training reports its total."""
+    if not target_metrics:
+        return []
+    if "train_history" in target_metrics:
+        return target_metrics["train_history"]
+    return [{"train_steps": target_metrics["train_steps"], "train_minutes": target_metrics["train_minutes"]}]
 
 
 def write_report(folder: Path, cfg: DictConfig, metrics: dict) -> None:

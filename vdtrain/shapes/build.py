@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -55,14 +56,18 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return 10 * math.log10(4.0 / max(mse, 1e-12))
 
 
-def _schedule(opt: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    def factor(step: int) -> float:
-        if step < opt.warmup:
-            return (step + 1) / opt.warmup
+def _lr_factor(opt: OptimConfig, step: int, progress: float | None = None) -> float:
+    """Linear warm-up, then cosine decay to 0.1x; ``progress`` in [0, 1] overrides the step count
+    (a wall-clock budget still ends on a decayed learning rate)."""
+    if step < opt.warmup:
+        return (step + 1) / opt.warmup
+    if progress is None:
         progress = (step - opt.warmup) / max(1, opt.steps - opt.warmup)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
-    return factor
+
+def _schedule(opt: OptimConfig):
+    return lambda step: _lr_factor(opt, step)
 
 
 def _optimizer(params: list[torch.nn.Parameter], opt: OptimConfig):
@@ -159,19 +164,41 @@ def train_target(
     opt: OptimConfig,
     n_samples: int,
     max_minutes: float | None = None,
+    init: LlamaGenGPT | None = None,
+    checkpoint_every: int = 0,
+    on_checkpoint: Callable[[LlamaGenGPT, dict[str, float]], None] | None = None,
 ) -> tuple[LlamaGenGPT, dict[str, float]]:
     """Teacher-forced next-token training with class dropout (the null caption for ``class_dropout_prob``
-    of the samples), as LlamaGen trains."""
+    of the samples), as LlamaGen trains.
+
+    ``init`` continues from an earlier target (same config); ``on_checkpoint`` receives the model every
+    ``checkpoint_every`` steps so a long CPU run can be inspected and stopped at any point. With a
+    ``max_minutes`` budget the cosine schedule follows whichever of steps and time runs out first.
+    """
     encoder = HFTextEncoder(minilm_path(), "bert", max_length=config.cls_token_num)
     tokens, feats, masks = encode_dataset(generate(n_samples, TRAIN_SEED), vq, encoder)
-    gpt = LlamaGenGPT(config)
+    gpt = init if init is not None else LlamaGenGPT(config)
+    if gpt.config != config:
+        raise ValueError(f"init target has config {gpt.config}, expected {config}")
     target = _target(gpt, vq)
     gpt.train().requires_grad_(True)
-    optimizer, scheduler = _optimizer([p for p in gpt.parameters() if p.requires_grad], opt)
+    optimizer = torch.optim.AdamW(
+        gpt.parameters(), lr=opt.lr, betas=(0.9, 0.95), weight_decay=opt.weight_decay
+    )
     gen = torch.Generator().manual_seed(0)
-    start, step = time.monotonic(), 0
+    start = time.monotonic()
+
+    def info(steps: int) -> dict[str, float]:
+        return {"train_steps": steps, "train_minutes": (time.monotonic() - start) / 60}
+
     bar = tqdm(range(opt.steps), desc="target", mininterval=10)
     for step in bar:
+        elapsed = (time.monotonic() - start) / 60
+        progress = (step - opt.warmup) / max(1, opt.steps - opt.warmup)
+        if max_minutes is not None:
+            progress = max(progress, elapsed / max_minutes)
+        for group in optimizer.param_groups:
+            group["lr"] = opt.lr * _lr_factor(opt, step, progress)
         rows = torch.randint(len(tokens), (opt.batch_size,), generator=gen)
         drop = torch.rand(opt.batch_size, generator=gen) < config.class_dropout_prob
         cond = target.with_null(Condition(feats[rows].float(), masks[rows]), drop)
@@ -180,16 +207,19 @@ def train_target(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(gpt.parameters(), opt.grad_clip)
         optimizer.step()
-        scheduler.step()
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
-        if max_minutes is not None and time.monotonic() - start > 60 * max_minutes:
+        if on_checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
+            gpt.eval()
+            on_checkpoint(gpt, info(step + 1))
+            gpt.train()
+        if max_minutes is not None and elapsed > max_minutes:
             log.warning(
                 "stopping target training at step %d: time budget of %s min reached", step, max_minutes
             )
             break
     gpt.eval().requires_grad_(False)
-    return gpt, {"train_steps": step + 1, "train_minutes": (time.monotonic() - start) / 60}
+    return gpt, info(step + 1)
 
 
 @torch.no_grad()
