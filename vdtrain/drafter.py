@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vdtrain.checkpoint_io import load_strict, read_state_dict
+from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.models.llamagen_gpt import GPTConfig, TransformerBlock, prefix_causal_mask, rope_2d_table
 from vdtrain.targets.base import Target, TargetIdentity
@@ -53,6 +54,12 @@ WEIGHTS_FILE = "model.safetensors"
 FAMILIES = ("llamagen",)
 # Layer hyper-parameters ``DrafterConfig.for_target`` lets a caller change (the width must match the target).
 LAYER_FIELDS = ("n_head", "n_kv_head", "multiple_of", "ffn_dim_multiplier", "norm_eps", "rope_base")
+# ``DrafterModule`` stores the drafter's config under this key of a Lightning checkpoint; its weights
+# are the ``drafter.``-prefixed entries of the checkpoint's state dict.
+CHECKPOINT_CONFIG_KEY = "drafter_config"
+CHECKPOINT_PREFIX = "drafter."
+# A Hugging Face Hub model id: ``owner/name``.
+REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 @dataclass(frozen=True)
@@ -255,6 +262,7 @@ class Drafter(nn.Module):
         rope = rope_2d_table(gpt_cfg.grid_size, gpt_cfg.head_dim, gpt_cfg.rope_base, config.prefix_length)
         self.register_buffer("rope", rope, persistent=False)
         self._borrowed: _Borrowed | None = None
+        self.metadata: dict[str, Any] = {}  # what ``from_pretrained`` found saved next to the weights
         if target is not None:
             self.attach(target)
 
@@ -366,22 +374,87 @@ class Drafter(nn.Module):
         return path
 
     @classmethod
-    def load(cls, folder: str | os.PathLike[str], target: Target | None = None) -> Drafter:
-        """Rebuild a saved drafter; with ``target``, check it matches, attach it and move to its device."""
-        path = Path(folder).expanduser()
-        config_file = path / CONFIG_FILE
-        if not config_file.is_file():
-            raise FileNotFoundError(f"no drafter at {str(path)!r}: {CONFIG_FILE} is missing")
-        data = json.loads(config_file.read_text())
-        data.pop("metadata", None)
-        drafter = cls(DrafterConfig.from_dict(data))
-        load_strict(drafter, read_state_dict(path / WEIGHTS_FILE), f"drafter ({path})")
+    def from_pretrained(
+        cls,
+        source: str | os.PathLike[str],
+        target: Target | None = None,
+        *,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> Drafter:
+        """A drafter from an export folder, a Lightning ``.ckpt`` of ``vdtrain.fit`` or a Hub repo id.
+
+        A repo id (``owner/name``; ``revision`` and ``cache_dir`` apply to it only) is fetched with
+        ``huggingface_hub`` and honours ``HF_HUB_OFFLINE`` and the local cache. With ``target`` the
+        recorded target identity is checked (an error names every field that differs), the target's
+        embedding and head are attached and the drafter moves to its device. ``drafter.metadata`` is
+        what was saved with the weights (training summary, config, command; a ``.ckpt``'s step).
+        """
+        path = Path(source).expanduser()
+        if path.is_file() and path.suffix == ".ckpt":
+            config, state, metadata = _read_lightning_checkpoint(path)
+        elif path.exists():
+            config, state, metadata = _read_export(path)
+        elif REPO_ID.fullmatch(str(source)):
+            from vdtrain.hub import download
+
+            config, state, metadata = _read_export(download(str(source), revision, cache_dir))
+        else:
+            raise FileNotFoundError(
+                f"no drafter at {str(path)!r}: not an export folder, a .ckpt file or a Hub repo id "
+                "(owner/name)"
+            )
+        drafter = cls(config)
+        load_strict(drafter, state, f"drafter ({source})")
+        drafter.metadata = metadata
         if target is not None:
-            drafter.attach(target)
+            try:
+                drafter.attach(target)
+            except ValueError as err:
+                raise ValueError(f"cannot use drafter {str(source)!r}: {err}") from err
             drafter.to(target.token_embedding.weight.device)
         return drafter.eval()
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike[str], target: Target | None = None) -> Drafter:
+        """``from_pretrained`` without the Hub options (kept for the callers that pass a folder)."""
+        return cls.from_pretrained(folder, target)
 
     @staticmethod
     def read_metadata(folder: str | os.PathLike[str]) -> dict[str, Any]:
         """The ``metadata`` saved next to the config (empty if none)."""
         return json.loads((Path(folder) / CONFIG_FILE).read_text()).get("metadata", {})
+
+
+def _read_export(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Config, weights and metadata of an export folder (``save_pretrained``'s layout)."""
+    config_file = folder / CONFIG_FILE
+    if not config_file.is_file():
+        hint = (
+            " (a DeepSpeed checkpoint folder: convert it with Lightning's "
+            "convert_zero_checkpoint_to_fp32_state_dict first)"
+            if folder.suffix == ".ckpt"
+            else ""
+        )
+        raise FileNotFoundError(f"no drafter at {str(folder)!r}: {CONFIG_FILE} is missing{hint}")
+    data = json.loads(config_file.read_text())
+    metadata = data.pop("metadata", {})
+    return DrafterConfig.from_dict(data), read_state_dict(folder / WEIGHTS_FILE), metadata
+
+
+def _read_lightning_checkpoint(path: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """The drafter inside a ``DrafterModule`` checkpoint: its config (stored by the module under
+    ``CHECKPOINT_CONFIG_KEY``), its ``drafter.*`` weights, and the step as metadata."""
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated or foreign file: say which one
+        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {err}") from err
+    if CHECKPOINT_CONFIG_KEY not in blob:
+        raise CheckpointError(
+            f"{str(path)!r} carries no drafter config (no {CHECKPOINT_CONFIG_KEY!r}; it was written before "
+            "vdtrain stored one, or not by vdtrain.fit): load the run's exported drafter folder instead"
+        )
+    prefix = CHECKPOINT_PREFIX
+    state = {k[len(prefix) :]: v for k, v in blob["state_dict"].items() if k.startswith(prefix)}
+    step = {"file": path.name, "global_step": blob.get("global_step"), "epoch": blob.get("epoch")}
+    return DrafterConfig.from_dict(blob[CHECKPOINT_CONFIG_KEY]), state, {"checkpoint": step}

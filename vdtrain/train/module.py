@@ -17,7 +17,7 @@ import lightning as L
 import torch
 
 from vdtrain.config import DrafterTrainConfig, OptimConfig
-from vdtrain.drafter import Drafter
+from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter
 from vdtrain.shapes.build import images_to_tensor
 from vdtrain.targets.base import Target
 from vdtrain.train.losses import (
@@ -75,6 +75,10 @@ class DrafterModule(L.LightningModule):
 
     def on_validation_start(self) -> None:
         self._place_target()
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Store the drafter's config so the ``.ckpt`` alone rebuilds it (``Drafter.from_pretrained``)."""
+        checkpoint[CHECKPOINT_CONFIG_KEY] = self.drafter.config.to_dict()
 
     # --- batches ---------------------------------------------------------------------------------
     def _generator(self, micro_batch: int) -> torch.Generator:

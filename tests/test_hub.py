@@ -1,0 +1,385 @@
+"""The Hub export (``vdtrain.hub``, ``python -m vdtrain.export``, fit's end-of-training export): the
+export folder, ``Drafter.from_pretrained`` from a folder, a Lightning ``.ckpt`` and a Hub repo id,
+validation, and the (dry-run) push. Nothing touches the network: the Hub client is replaced wherever it
+could be called."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from conftest import TINY_GPT, TINY_VQ, random_gpt, random_vq
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file, save_file
+from test_drafter import make_drafter, other_target, teacher_batch
+from test_fit import CONF, REPO, fit_config, run_cli, sub_env
+
+from vdtrain import hub
+from vdtrain.checkpoint_io import CheckpointError
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter, DrafterConfig
+from vdtrain.eval.table import EvalRow, to_markdown, write_tables
+from vdtrain.export import export
+from vdtrain.fit import fit
+from vdtrain.hub import (
+    ExportError,
+    MissingTokenError,
+    export_drafter,
+    push_to_hub,
+    run_metadata,
+    training_command,
+    validate_export,
+)
+from vdtrain.targets import load_target
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+
+FILES = ["README.md", "config.json", "model.safetensors"]
+REPO_ID = "someone/tiny-drafter"
+FIT_COMMAND = "python -m vdtrain.fit trainer.max_steps=2"
+
+
+def refuse(*args, **kwargs):
+    raise AssertionError("the Hugging Face Hub client must not be used here")
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    monkeypatch.setattr(hub, "HfApi", refuse)
+    monkeypatch.setattr(hub, "snapshot_download", refuse)
+    for name in hub.TOKEN_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def export_dir(tiny_target, tmp_path) -> Path:
+    metadata = {"fit": {"steps": 7, "minutes": 0.5, "samples_per_s": 3.0, "val/tau_sim": 2.5}}
+    return export_drafter(
+        make_drafter(tiny_target).eval(),
+        tmp_path / "export",
+        target=tiny_target,
+        training_command=FIT_COMMAND,
+        metadata=metadata,
+    )
+
+
+def assert_same_weights(a: Drafter, b: Drafter) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key].cpu(), sb[key].cpu()), key
+
+
+# --- export and from_pretrained ------------------------------------------------------------------------
+def test_export_reloads_with_identical_weights_and_outputs(tiny_target, tmp_path):
+    drafter = make_drafter(tiny_target).eval()
+    metadata = {"fit": {"steps": 7, "minutes": 0.5, "samples_per_s": 3.0, "val/tau_sim": 2.5}, "config": {}}
+    folder = export_drafter(
+        drafter, tmp_path / "export", target=tiny_target, training_command=FIT_COMMAND, metadata=metadata
+    )
+    assert sorted(p.name for p in folder.iterdir()) == FILES
+    assert set(load_file(folder / "model.safetensors")) == set(drafter.state_dict())  # no borrowed weights
+    config = json.loads((folder / "config.json").read_text())
+    assert config["target"]["head_fingerprint"] == tiny_target.identity.head_fingerprint
+    assert config["metadata"] == {**metadata, "training_command": FIT_COMMAND}
+
+    loaded = Drafter.from_pretrained(folder, tiny_target)
+    assert loaded.config == drafter.config and loaded.metadata == config["metadata"]
+    assert_same_weights(drafter, loaded)
+    cond, tokens, hidden = teacher_batch(tiny_target)
+    with torch.no_grad():
+        a = drafter.forward_teacher(hidden, tokens, cond.mask)
+        b = loaded.forward_teacher(hidden, tokens, cond.mask)
+    assert torch.equal(a, b) and torch.equal(drafter.logits(a), loaded.logits(b))
+
+    card = (folder / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: vdtrain\n")
+    for text in (
+        "- speculative-decoding",
+        "- eagle",
+        "- llamagen",
+        "Drafter.from_pretrained(",
+        "python -m vdtrain.evaluate drafter=<path>",
+        FIT_COMMAND,
+        tiny_target.identity.head_fingerprint,
+        "Trained for 7 steps",
+        "No evaluation was run",
+    ):
+        assert text in card, text
+
+
+def test_export_is_deterministic_and_re_exports_identically(export_dir, tiny_target, tmp_path):
+    again = export_drafter(
+        export_dir, tmp_path / "again", target=tiny_target
+    )  # metadata kept from the folder
+    for name in FILES:
+        assert (export_dir / name).read_bytes() == (again / name).read_bytes(), name
+
+
+def test_model_card_carries_the_evaluation_table(tiny_target, tmp_path):
+    row = EvalRow("eagle2", 1.0, 2.0, 3.1, 2.4, 3.0, 1.8, 1.6, 1.0, 1.8)
+    write_tables([row], tmp_path / "eval" / "latest", {"num_prompts": 4, "device": "cpu"})
+    drafter = make_drafter(tiny_target)
+    folder = export_drafter(drafter, tmp_path / "e", target=tiny_target, eval_results=tmp_path / "eval")
+    card = (folder / "README.md").read_text()
+    assert to_markdown([row]).rstrip() in card and "`num_prompts=4`" in card
+    assert "No evaluation was run" not in card
+    with pytest.raises(FileNotFoundError, match=r"no results\.json"):
+        export_drafter(drafter, tmp_path / "f", target=tiny_target, eval_results=tmp_path / "nothing")
+
+
+def vocab_target(vocab: int) -> LlamaGenTarget:
+    gpt = random_gpt(replace(TINY_GPT, vocab_size=vocab))
+    vq = random_vq(replace(TINY_VQ, codebook_size=vocab))
+    return LlamaGenTarget(gpt, VQTokenizer(vq, image_size=8), None, "wide-vocab", SamplingConfig())
+
+
+@pytest.mark.parametrize(
+    ("make_other", "field", "name"),
+    [
+        (lambda: other_target(seed=1), "head_fingerprint", "other"),
+        (lambda: other_target(dim=48), "hidden_size", "other"),
+        (lambda: vocab_target(30), "vocab_size", "wide-vocab"),
+    ],
+)
+def test_a_mismatched_target_is_refused_naming_what_differs(export_dir, make_other, field, name):
+    other = make_other()
+    with pytest.raises(ValueError) as info:
+        Drafter.from_pretrained(export_dir, other)
+    message = str(info.value)
+    assert field in message and repr(name) in message and str(export_dir) in message
+    if field != "hidden_size":  # the hidden size is refused before the identity is compared
+        assert "trained for target 'tiny'" in message
+    problems = validate_export(export_dir, other)
+    assert len(problems) == 1 and problems[0].startswith(f"does not reload for target {name!r}")
+    with pytest.raises(ValueError, match=field):
+        export_drafter(export_dir, export_dir.parent / "other", target=other)
+
+
+def test_a_hub_repo_id_is_fetched_with_snapshot_download(export_dir, tiny_target, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(export_dir)
+
+    monkeypatch.setattr(hub, "snapshot_download", fake_snapshot_download)
+    loaded = Drafter.from_pretrained(REPO_ID, tiny_target, revision="v1", cache_dir=tmp_path / "cache")
+    assert calls == [
+        (
+            REPO_ID,
+            {"revision": "v1", "cache_dir": tmp_path / "cache", "allow_patterns": list(hub.EXPORT_FILES)},
+        )
+    ]
+    assert_same_weights(loaded, Drafter.from_pretrained(export_dir))
+
+
+def test_a_hub_repo_id_resolves_from_the_cache_offline_and_says_when_it_cannot(
+    export_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
+    repo = tmp_path / "cache" / "models--someone--tiny-drafter"
+    shutil.copytree(export_dir, repo / "snapshots" / "0123abc")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abc")
+    loaded = Drafter.from_pretrained(REPO_ID, cache_dir=tmp_path / "cache")
+    assert_same_weights(loaded, Drafter.from_pretrained(export_dir))
+    with pytest.raises(FileNotFoundError, match="not in the local cache") as info:
+        Drafter.from_pretrained("someone/not-cached", cache_dir=tmp_path / "cache")
+    assert "HF_HUB_OFFLINE is set" in str(info.value) and "'someone/not-cached'" in str(info.value)
+    with pytest.raises(FileNotFoundError, match="no drafter at"):
+        Drafter.from_pretrained(tmp_path / "no" / "such" / "folder")
+
+
+# --- a short fit run: its checkpoint, the end-of-training hook, the CLI --------------------------------
+@pytest.fixture(scope="module")
+def fit_run(tiny_folder, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("fit") / "run"
+    with mock.patch.object(hub, "HfApi", refuse):  # the end-of-training push is a dry run by default
+        fit(fit_config(tiny_folder, run, "trainer.max_steps=2", f"push.repo_id={REPO_ID}"))
+    return run
+
+
+@pytest.fixture(scope="module")
+def folder_target(tiny_folder):
+    return load_target({"kind": "folder", "folder": str(tiny_folder)})
+
+
+def test_a_fit_checkpoint_reloads_and_exports(fit_run, folder_target, tmp_path):
+    ckpt = fit_run / "checkpoints" / "last.ckpt"
+    final = Drafter.from_pretrained(fit_run / "drafter", folder_target)
+    assert torch.load(ckpt, weights_only=True)[CHECKPOINT_CONFIG_KEY] == final.config.to_dict()
+    from_ckpt = Drafter.from_pretrained(ckpt, folder_target)
+    assert from_ckpt.metadata["checkpoint"]["file"] == "last.ckpt"
+    assert from_ckpt.metadata["checkpoint"]["global_step"] == 2
+    assert_same_weights(from_ckpt, final)
+
+    metadata = {**run_metadata(fit_run), **from_ckpt.metadata}
+    folder = export_drafter(ckpt, tmp_path / "export", target=folder_target, metadata=metadata)
+    assert_same_weights(Drafter.from_pretrained(folder, folder_target), final)
+    card = (folder / "README.md").read_text()
+    assert "`last.ckpt` (step 2)" in card and "Trained for 2 steps" in card
+
+
+def test_a_checkpoint_without_the_drafter_config_is_a_clear_error(fit_run, tmp_path):
+    blob = torch.load(fit_run / "checkpoints" / "last.ckpt", weights_only=True)
+    del blob[CHECKPOINT_CONFIG_KEY]
+    torch.save(blob, tmp_path / "old.ckpt")
+    with pytest.raises(CheckpointError, match="carries no drafter config"):
+        Drafter.from_pretrained(tmp_path / "old.ckpt")
+
+
+def test_fit_ends_with_a_valid_export_and_a_dry_run_push(fit_run, folder_target):
+    folder = fit_run / "drafter"
+    assert validate_export(folder, folder_target) == []
+    exported = Drafter.from_pretrained(folder, folder_target)
+    assert (
+        exported.metadata["fit"]["steps"] == 2 and exported.metadata["config"]["push"]["repo_id"] == REPO_ID
+    )
+    assert (folder / "README.md").is_file()
+
+
+def test_export_cli_composes_exports_and_plans_the_push(fit_run, tiny_folder, tmp_path, capsys, no_network):
+    overrides = [f"source={fit_run}", f"target.folder={tiny_folder}", f"push.repo_id={REPO_ID}"]
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose("export", overrides=[*overrides, f"out_dir={tmp_path / 'out'}"])
+        no_run = compose("export", overrides=[f"source={fit_run / 'checkpoints' / 'nowhere'}"])
+    folder, plan = export(cfg)
+    out = capsys.readouterr().out
+    assert "validation: passed" in out and "dry run: would push 3 files" in out
+    assert plan.dry_run and plan.private and [n for n, _ in plan.files] == FILES
+    assert Drafter.read_metadata(folder)["fit"]["steps"] == 2
+    assert_same_weights(Drafter.from_pretrained(folder), Drafter.from_pretrained(fit_run / "drafter"))
+    with pytest.raises(ValueError, match="set out_dir"):
+        export(no_run)
+
+
+def test_export_cli_runs_as_a_module(tiny_folder, folder_target, tmp_path):
+    torch.manual_seed(0)
+    Drafter(DrafterConfig.for_target(folder_target)).save_pretrained(tmp_path / "drafter")
+    args = [f"source={tmp_path / 'drafter'}", f"target.folder={tiny_folder}", f"out_dir={tmp_path / 'out'}"]
+    command = [sys.executable, "-m", "vdtrain.export", *args, "push.repo_id=someone/x"]
+    env = {**sub_env(), "PYTHONPATH": str(REPO)}  # runs in tmp_path, whatever vdtrain install there is
+    result = run_cli(command, tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "validation: passed" in result.stdout and "dry run: would push 3 files" in result.stdout
+    assert validate_export(tmp_path / "out", folder_target) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "out"]  # no Hydra files in the cwd
+
+
+def test_the_training_command_is_recovered_from_hydras_record(tmp_path):
+    (tmp_path / ".hydra").mkdir()
+    record = {
+        "hydra": {
+            "overrides": {
+                "hydra": ["hydra.run.dir=runs/x", "hydra.mode=RUN"],
+                "task": ["trainer.max_steps=5", "logger.name=my run"],
+            },
+            "job": {"name": "fit"},
+        }
+    }
+    (tmp_path / ".hydra" / "hydra.yaml").write_text(json.dumps(record))  # JSON is YAML
+    expected = "python -m vdtrain.fit trainer.max_steps=5 'logger.name=my run' hydra.run.dir=runs/x"
+    assert training_command(tmp_path) == expected
+    assert training_command(tmp_path / "elsewhere") is None
+
+
+# --- validation and the push ---------------------------------------------------------------------------
+def leak_the_embedding(folder: Path, target) -> None:
+    state = load_file(folder / "model.safetensors")
+    state["tok_embeddings.weight"] = target.token_embedding.weight.detach().clone()
+    save_file(state, folder / "model.safetensors")
+
+
+def drop_a_weight(folder: Path, target) -> None:
+    state = load_file(folder / "model.safetensors")
+    del state["fc.bias"]
+    save_file(state, folder / "model.safetensors")
+
+
+def forget_the_identity(folder: Path, target) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "target": {}}))
+
+
+BREAKAGES = {
+    "missing weights": (lambda f, t: (f / "model.safetensors").unlink(), "model.safetensors is missing"),
+    "missing card": (lambda f, t: (f / "README.md").unlink(), "README.md is missing"),
+    "frozen key": (leak_the_embedding, "frozen target weights ['tok_embeddings.weight']"),
+    "missing key": (drop_a_weight, "missing keys: fc.bias"),
+    "no identity": (forget_the_identity, "records no target identity"),
+    "card without front matter": (lambda f, t: (f / "README.md").write_text("# a drafter\n"), "front matter"),
+}
+
+
+@pytest.mark.parametrize("breakage", sorted(BREAKAGES))
+def test_a_broken_export_fails_validation_naming_the_problem(export_dir, tiny_target, breakage, no_network):
+    assert validate_export(export_dir, tiny_target) == []
+    breaks, expected = BREAKAGES[breakage]
+    breaks(export_dir, tiny_target)
+    problems = validate_export(export_dir, tiny_target)
+    assert len(problems) == 1 and expected in problems[0], problems
+    with pytest.raises(ExportError, match="not a valid export") as info:
+        push_to_hub(export_dir, REPO_ID, dry_run=True)
+    assert expected in str(info.value)
+
+
+def test_dry_run_push_lists_the_files_without_network(export_dir, no_network, monkeypatch):
+    plan = push_to_hub(export_dir, REPO_ID, dry_run=True)
+    sizes = {name: (export_dir / name).stat().st_size for name in FILES}
+    assert plan.repo_id == REPO_ID and plan.private and plan.dry_run and plan.url is None
+    assert dict(plan.files) == sizes and [n for n, _ in plan.files] == FILES
+    assert plan.token_source == "none"
+    text = plan.describe()
+    assert text.startswith(f"dry run: would push 3 files ({sum(sizes.values()):,} bytes) to private Hub repo")
+    assert all(name in text for name in FILES)
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_env")
+    public = push_to_hub(export_dir, REPO_ID, private=False, dry_run=True)
+    assert public.token_source == "HUGGING_FACE_HUB_TOKEN" and "public" in public.describe()
+    with pytest.raises(ValueError, match="Repo id"):
+        push_to_hub(export_dir, "not a repo id", dry_run=True)
+
+
+def test_a_real_push_without_a_token_is_a_clear_error(export_dir, no_network):
+    with pytest.raises(MissingTokenError, match="HF_TOKEN") as info:
+        push_to_hub(export_dir, REPO_ID)
+    assert "no Hugging Face token" in str(info.value) and REPO_ID in str(info.value)
+
+
+def test_a_real_push_creates_the_repo_and_uploads_the_export(export_dir, no_network, monkeypatch):
+    calls = []
+
+    class FakeApi:
+        def __init__(self, token):
+            calls.append(("token", token))
+
+        def create_repo(self, repo_id, **kwargs):
+            calls.append(("create_repo", repo_id, kwargs))
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload_folder", kwargs))
+            return mock.Mock(commit_url="https://huggingface.co/someone/tiny-drafter/commit/1")
+
+    monkeypatch.setattr(hub, "HfApi", FakeApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_env")
+    plan = push_to_hub(export_dir, REPO_ID, token="hf_arg", commit_message="first")
+    assert calls == [
+        ("token", "hf_arg"),
+        ("create_repo", REPO_ID, {"private": True, "exist_ok": True, "repo_type": "model"}),
+        (
+            "upload_folder",
+            {
+                "repo_id": REPO_ID,
+                "folder_path": export_dir,
+                "repo_type": "model",
+                "commit_message": "first",
+                "allow_patterns": FILES,
+            },
+        ),
+    ]
+    assert plan.token_source == "argument" and not plan.dry_run and plan.url.endswith("/commit/1")

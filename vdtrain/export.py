@@ -1,0 +1,77 @@
+"""``python -m vdtrain.export``: turn a training run into a Hub export folder (config, trainable weights,
+model card), check it, and optionally push it (a dry run by default). See docs/hub.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from vdtrain.drafter import CONFIG_FILE, Drafter
+from vdtrain.hub import PushPlan, export_drafter, find_results, push_to_hub, run_metadata
+from vdtrain.targets import target_for_run
+from vdtrain.targets.shapes import resolve_folder
+
+
+def is_run(folder: Path) -> bool:
+    """A ``vdtrain.fit`` run folder (Hydra's record or fit's summary is there)."""
+    return (folder / ".hydra").is_dir() or (folder / "summary.json").is_file()
+
+
+def resolve_source(source: str) -> tuple[str | Path, Path | None]:
+    """The drafter to export and the run folder it came from (None when unknown).
+
+    A run folder gives its exported ``drafter/`` (else its ``checkpoints/last.ckpt``, for a run that was
+    stopped early); a drafter folder names its run in the saved fit summary; a ``.ckpt`` lies in
+    ``<run>/checkpoints``. Anything else (a Hub repo id) goes to ``Drafter.from_pretrained`` as given.
+    """
+    path = resolve_folder(source)
+    if path.is_file():
+        run = path.parent.parent
+        return path, run if is_run(run) else None
+    if (path / CONFIG_FILE).is_file():
+        recorded = Drafter.read_metadata(path).get("fit", {}).get("run_dir")
+        run = Path(recorded) if recorded else path.parent
+        return path, run if is_run(run) else None
+    if is_run(path):
+        drafter = path / "drafter"
+        return (drafter if drafter.is_dir() else path / "checkpoints" / "last.ckpt"), path
+    return source, None
+
+
+def export(cfg: DictConfig) -> tuple[Path, PushPlan | None]:
+    """Export ``cfg.source`` for ``cfg.target``; push (or plan the push) when ``push.repo_id`` is set."""
+    source, run = resolve_source(str(cfg.source))
+    if cfg.out_dir is None and run is None:
+        raise ValueError(f"source={cfg.source!r} belongs to no known run folder: set out_dir=<folder>")
+    target = target_for_run(cfg)
+    drafter = Drafter.from_pretrained(source, target)
+    eval_results = cfg.eval_results or (find_results(run / "eval") if run else None)
+    folder = export_drafter(
+        drafter,
+        Path(cfg.out_dir) if cfg.out_dir else run / "export",
+        target=target,
+        eval_results=eval_results,
+        training_command=cfg.training_command,
+        metadata={**(run_metadata(run) if run else {}), **drafter.metadata},
+    )
+    print(f"exported {source} -> {folder}")
+    for file in sorted(folder.iterdir()):
+        print(f"  {file.name:<20} {file.stat().st_size:>12,} bytes")
+    print(f"evaluation table: {eval_results or 'none (no results.json found)'}")
+    print(f"validation: passed (config, weights, model card; reloads for target {target.identity.name!r})")
+    plan = None
+    if cfg.push.repo_id:
+        plan = push_to_hub(folder, cfg.push.repo_id, private=cfg.push.private, dry_run=cfg.push.dry_run)
+        print(plan.describe())
+    return folder, plan
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="export")
+def main(cfg: DictConfig) -> None:
+    export(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""The Hugging Face Hub side of a drafter: the export folder, its checks, its download and its upload.
+
+An export folder (ARCHITECTURE.md, "Checkpoints and the Hub") holds ``config.json`` (the drafter config
+with the identity of the target it serves, plus training metadata), ``model.safetensors`` (the drafter's
+own weights: the target's frozen embedding and head are borrowed at load time, never saved) and
+``README.md`` (the model card). Writing one is deterministic: the same drafter, metadata and results
+give byte-identical files, so an export can be re-made and compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub.utils import validate_repo_id
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from vdtrain.checkpoint_io import CheckpointError, load_strict
+from vdtrain.config import TargetConfig
+from vdtrain.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterConfig
+from vdtrain.eval.table import EvalRow, read_results, to_markdown
+from vdtrain.targets.base import Target, TargetIdentity
+
+CARD_FILE = "README.md"
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, CARD_FILE)
+RESULTS_FILE = "results.json"
+TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+CARD_TAGS = ("vdtrain", "speculative-decoding", "eagle", "drafter", "text-to-image")
+# Unexpected weight names that give away a copied target embedding or head.
+BORROWED_WORDS = ("embed", "head", "output")
+
+
+class ExportError(ValueError):
+    """An export folder that must not be used or pushed; the message lists every problem."""
+
+
+class MissingTokenError(RuntimeError):
+    pass
+
+
+# --- download ------------------------------------------------------------------------------------------
+def download(
+    repo_id: str, revision: str | None = None, cache_dir: str | os.PathLike[str] | None = None
+) -> Path:
+    """The local snapshot of a Hub drafter repo (only the cache is used when ``HF_HUB_OFFLINE`` is set)."""
+    try:
+        folder = snapshot_download(
+            repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=list(EXPORT_FILES)
+        )
+    except (OSError, ValueError) as err:  # huggingface_hub's HTTP, cache and id errors
+        offline = (
+            " (HF_HUB_OFFLINE is set: only the cache was searched)" if constants.is_offline_mode() else ""
+        )
+        raise FileNotFoundError(
+            f"drafter {repo_id!r} is not a local path, and Hub repo {repo_id!r} (revision "
+            f"{revision or 'main'}) could not be downloaded and is not in the local cache "
+            f"{str(cache_dir or constants.HF_HUB_CACHE)!r}{offline}: {err}"
+        ) from err
+    return Path(folder)
+
+
+# --- export ----------------------------------------------------------------------------------------------
+def export_drafter(
+    drafter_or_source: Drafter | str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    target: Target,
+    eval_results: str | os.PathLike[str] | None = None,
+    training_command: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write the export folder of a drafter for ``target`` and check that it reloads; returns the folder.
+
+    ``drafter_or_source`` is a ``Drafter`` or anything ``Drafter.from_pretrained`` takes. ``metadata``
+    (training summary, config, ...) defaults to what the drafter was loaded with (``drafter.metadata``);
+    ``training_command`` is recorded in it.
+    ``eval_results`` (a ``results.json`` of ``python -m vdtrain.evaluate``, or its folder) puts the
+    evaluation table into the model card. Raises ``ExportError`` if the written folder does not validate.
+    """
+    if isinstance(drafter_or_source, Drafter):
+        drafter = drafter_or_source.attach(target)  # the identity check
+    else:
+        drafter = Drafter.from_pretrained(drafter_or_source, target)
+    if drafter.config.identity() is None:
+        raise ExportError(
+            "the drafter's config records no target identity: build it with DrafterConfig.for_target"
+        )
+    merged = dict(drafter.metadata if metadata is None else metadata)
+    if training_command:
+        merged["training_command"] = training_command
+    results = None
+    if eval_results is not None:
+        found = find_results(eval_results)
+        if found is None:
+            raise FileNotFoundError(f"eval_results={str(eval_results)!r}: no {RESULTS_FILE} there")
+        results = read_results(found)
+    out = drafter.save_pretrained(out_dir, merged)
+    (out / CARD_FILE).write_text(model_card(drafter, merged, results))
+    problems = validate_export(out, target)
+    if problems:
+        raise ExportError(f"the export at {str(out)!r} is not valid: " + "; ".join(problems))
+    return out
+
+
+def find_results(path: str | os.PathLike[str]) -> Path | None:
+    """The ``results.json`` at ``path``: the file itself, in the folder, or in the folder's ``latest/``."""
+    path = Path(path)
+    for candidate in (path, path / RESULTS_FILE, path / "latest" / RESULTS_FILE):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def run_metadata(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """What a ``vdtrain.fit`` run folder records about itself: the final summary, the config and the
+    command that started it (each only when present)."""
+    run = Path(run_dir)
+    out: dict[str, Any] = {}
+    if (run / "summary.json").is_file():
+        out["fit"] = json.loads((run / "summary.json").read_text())
+    if (run / ".hydra" / "config.yaml").is_file():
+        config = OmegaConf.to_container(OmegaConf.load(run / ".hydra" / "config.yaml"), resolve=False)
+        if "run_dir" in config:  # Hydra's runtime interpolation: resolve it to the folder itself
+            config["run_dir"] = str(run)
+        out["config"] = config
+    command = training_command(run)
+    if command:
+        out["training_command"] = command
+    return out
+
+
+def training_command(run_dir: str | os.PathLike[str]) -> str | None:
+    """``python -m vdtrain.<app>`` with the overrides Hydra recorded for the run (``.hydra/hydra.yaml``)."""
+    file = Path(run_dir) / ".hydra" / "hydra.yaml"
+    if not file.is_file():
+        return None
+    hydra = OmegaConf.load(file).hydra
+    launch = [o for o in hydra.overrides.hydra if not o.startswith("hydra.mode=")]
+    overrides = [*hydra.overrides.task, *launch]
+    return shlex.join(["python", "-m", f"vdtrain.{hydra.job.name}", *overrides])
+
+
+# --- the model card ----------------------------------------------------------------------------------------
+def model_card(
+    drafter: Drafter, metadata: Mapping[str, Any], results: tuple[list[EvalRow], dict[str, Any]] | None
+) -> str:
+    """``README.md``: what the drafter is, the target it serves, how to load, evaluate and re-train it,
+    and the latest evaluation table."""
+    ident = drafter.config.identity()
+    sections = [
+        _front_matter(ident),
+        _intro(drafter, ident),
+        _target_section(ident),
+        _usage_section(metadata),
+        _training_section(metadata),
+        _evaluation_section(results),
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+def _front_matter(ident: TargetIdentity) -> str:
+    tags = "\n".join(f"- {tag}" for tag in dict.fromkeys((*CARD_TAGS, ident.family)))
+    return f"---\nlibrary_name: vdtrain\ntags:\n{tags}\n---"
+
+
+def _intro(drafter: Drafter, ident: TargetIdentity) -> str:
+    c = drafter.config
+    params = sum(p.numel() for p in drafter.parameters())
+    return (
+        f"# EAGLE drafter for `{ident.name}`\n\n"
+        "A speculative-decoding drafter trained with vdtrain: `fc([embed(x_{t+1}); f_t])` followed"
+        f" by one {c.family} decoder layer predicts the target's next hidden state, and "
+        "the target's own head turns it into draft tokens that the target then verifies (with exact "
+        "acceptance the images are the target's own samples). The target's token embedding and output "
+        f"head are borrowed when the drafter is loaded, so `{WEIGHTS_FILE}` holds only the drafter's "
+        f"{params:,} parameters.\n\n"
+        f"Layer: hidden size {c.hidden_size}, {c.n_head} heads ({c.n_kv_head or c.n_head} KV heads), "
+        f"FFN {c.ffn_hidden}; condition prefix {c.prefix_length} rows, image grid {c.grid[0]}×{c.grid[1]}."
+    )
+
+
+def _target_section(ident: TargetIdentity) -> str:
+    rows = "\n".join(f"| {name} | `{value}` |" for name, value in vars(ident).items())
+    return (
+        "## Target\n\n"
+        "The drafter serves exactly this target; `Drafter.from_pretrained` compares these fields and "
+        "refuses any other.\n\n| field | value |\n|---|---|\n" + rows
+    )
+
+
+def _usage_section(metadata: Mapping[str, Any]) -> str:
+    recorded = metadata.get("config", {}).get("target", {})
+    defaults = dataclasses.asdict(TargetConfig())
+    target_config = {k: v for k, v in recorded.items() if k == "kind" or v != defaults.get(k)}
+    load = (
+        f"target = load_target({json.dumps(target_config)})"
+        if target_config
+        else "target = load_target({...})  # the target above, as a conf/target/*.yaml"
+    )
+    return (
+        "## Use\n\n```python\nfrom vdtrain.drafter import Drafter\n"
+        f"from vdtrain.targets import load_target\n\n{load}\n"
+        'drafter = Drafter.from_pretrained("<this repo id or a local copy>", target)\n```\n\n'
+        "Evaluate it (speed-up against plain AR decoding, acceptance, quality; `<path>` is this repo id "
+        "or a local copy) and sample with it (from a local copy: `hf download <repo id> --local-dir "
+        "<folder>`):\n\n```bash\npython -m vdtrain.evaluate drafter=<path>\n"
+        "python -m vdtrain.generate method=eagle2 drafter=<folder>\n```"
+    )
+
+
+def _training_section(metadata: Mapping[str, Any]) -> str:
+    lines = ["## Training"]
+    fit = metadata.get("fit")
+    if fit:
+        speed = f" ({fit['samples_per_s']:.1f} samples/s)" if "samples_per_s" in fit else ""
+        lines.append(f"Trained for {fit.get('steps', '?')} steps in {fit.get('minutes', 0):.1f} min{speed}.")
+        metrics = {k: v for k, v in fit.items() if k.startswith("val/")}
+        if metrics:
+            lines.append(
+                "| validation metric | value |\n|---|---|\n"
+                + "\n".join(f"| {k} | {v:.4g} |" for k, v in metrics.items())
+            )
+    ckpt = metadata.get("checkpoint")
+    if ckpt:
+        note = f"Weights from the Lightning checkpoint `{ckpt['file']}` (step {ckpt['global_step']})."
+        if fit and fit.get("steps") != ckpt["global_step"]:
+            note += " The numbers above are the run's final ones, not this checkpoint's."
+        lines.append(note)
+    if not (fit or ckpt):
+        lines.append("No training summary was recorded.")
+    command = metadata.get("training_command")
+    lines.append(f"```bash\n{command}\n```" if command else "The training command was not recorded.")
+    return "\n\n".join(lines)
+
+
+def _evaluation_section(results: tuple[list[EvalRow], dict[str, Any]] | None) -> str:
+    if results is None:
+        return (
+            "## Evaluation\n\nNo evaluation was run for this export "
+            "(`python -m vdtrain.evaluate drafter=<path>` makes one)."
+        )
+    rows, settings = results
+    scalars = ", ".join(f"`{k}={v}`" for k, v in settings.items() if isinstance(v, str | int | float | bool))
+    text = "## Evaluation\n\n" + to_markdown(rows).rstrip()
+    return text + (f"\n\nSettings: {scalars}." if scalars else "")
+
+
+# --- validation ------------------------------------------------------------------------------------------
+def validate_export(folder: str | os.PathLike[str], target: Target | None = None) -> list[str]:
+    """Every problem that makes an export folder unusable or misleading (empty when it is fine); with
+    ``target`` it must also reload for that target."""
+    path = Path(folder)
+    problems = [f"{name} is missing" for name in EXPORT_FILES if not (path / name).is_file()]
+    config = None
+    if (path / CONFIG_FILE).is_file():
+        config, found = _config_problems(path / CONFIG_FILE)
+        problems += found
+    if config is not None and (path / WEIGHTS_FILE).is_file():
+        problems += _weight_problems(path / WEIGHTS_FILE, config)
+    if (path / CARD_FILE).is_file():
+        problems += _card_problems(path / CARD_FILE)
+    if target is not None and not problems:
+        try:
+            Drafter.from_pretrained(path, target)
+        except (ValueError, OSError, CheckpointError) as err:
+            problems.append(f"does not reload for target {target.identity.name!r}: {err}")
+    return problems
+
+
+def _config_problems(file: Path) -> tuple[DrafterConfig | None, list[str]]:
+    try:
+        data = json.loads(file.read_text())
+        data.pop("metadata", None)
+        config = DrafterConfig.from_dict(data)
+    except (ValueError, TypeError) as err:
+        return None, [f"{CONFIG_FILE} is not a drafter config: {err}"]
+    try:
+        if config.identity() is None:
+            return config, [f"{CONFIG_FILE} records no target identity (the 'target' entry is empty)"]
+    except TypeError as err:
+        return config, [f"{CONFIG_FILE} has an incomplete target identity: {err}"]
+    return config, []
+
+
+def _weight_problems(file: Path, config: DrafterConfig) -> list[str]:
+    try:
+        state = load_file(str(file))
+    except Exception as err:  # safetensors raises its own error type for a corrupt header
+        return [f"{WEIGHTS_FILE} does not load: {err}"]
+    drafter = Drafter(config)
+    expected = drafter.state_dict()
+    borrowed_shapes = {(config.vocab_size, config.hidden_size), (config.hidden_size, config.vocab_size)}
+    borrowed = sorted(
+        k
+        for k in set(state) - set(expected)
+        if tuple(state[k].shape) in borrowed_shapes or any(w in k for w in BORROWED_WORDS)
+    )
+    problems = []
+    if borrowed:
+        problems.append(
+            f"{WEIGHTS_FILE} holds frozen target weights {borrowed} (the embedding and head are "
+            "borrowed from the target at load time and must not be saved)"
+        )
+    try:
+        load_strict(drafter, {k: v for k, v in state.items() if k not in borrowed}, WEIGHTS_FILE)
+    except CheckpointError as err:
+        problems.append(str(err))
+    return problems
+
+
+def _card_problems(file: Path) -> list[str]:
+    text = file.read_text()
+    end = text.find("\n---\n", 3)
+    if not text.startswith("---\n") or end < 0:
+        return [f"{CARD_FILE} has no YAML front matter"]
+    if "library_name: vdtrain" not in text[:end].splitlines():
+        return [f"{CARD_FILE}'s front matter does not say library_name: vdtrain"]
+    return []
+
+
+# --- upload ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PushPlan:
+    """What a push sends (or, for a dry run, would send) and where."""
+
+    repo_id: str
+    private: bool
+    files: tuple[tuple[str, int], ...]  # (path in the repo, bytes)
+    dry_run: bool
+    token_source: str  # "argument", the environment variable it came from, or "none"
+    url: str | None = None  # the commit, after a real push
+
+    def describe(self) -> str:
+        total = sum(size for _, size in self.files)
+        head = "dry run: would push" if self.dry_run else "pushed"
+        visibility = "private" if self.private else "public"
+        lines = [
+            f"{head} {len(self.files)} files ({total:,} bytes) to {visibility} Hub repo {self.repo_id} "
+            f"(token: {self.token_source})"
+        ]
+        width = max(len(name) for name, _ in self.files)
+        lines += [f"  {name:<{width}}  {size:>12,} bytes" for name, size in self.files]
+        if self.url:
+            lines.append(f"commit: {self.url}")
+        return "\n".join(lines)
+
+
+def find_token(token: str | None = None) -> tuple[str | None, str]:
+    """The Hub token and where it came from: the argument, else ``HF_TOKEN`` / ``HUGGING_FACE_HUB_TOKEN``."""
+    if token:
+        return token, "argument"
+    for name in TOKEN_ENV:
+        if os.environ.get(name):
+            return os.environ[name], name
+    return None, "none"
+
+
+def push_to_hub(
+    folder: str | os.PathLike[str],
+    repo_id: str,
+    *,
+    private: bool = True,
+    token: str | None = None,
+    dry_run: bool = False,
+    commit_message: str = "Upload vdtrain drafter",
+) -> PushPlan:
+    """Validate an export folder, then create ``repo_id`` (if needed) and upload the folder to it.
+
+    ``dry_run`` does everything but the network calls and returns the plan (files, sizes, repo,
+    visibility). ``private`` applies when the repo is created; an existing repo keeps its visibility.
+    """
+    path = Path(folder)
+    problems = validate_export(path)
+    if problems:
+        raise ExportError(f"not pushing {str(path)!r}, it is not a valid export: " + "; ".join(problems))
+    validate_repo_id(repo_id)
+    token, source = find_token(token)
+    files = tuple(
+        (f.relative_to(path).as_posix(), f.stat().st_size)
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(path).parts)
+    )
+    plan = PushPlan(repo_id, private, files, dry_run, source)
+    if dry_run:
+        return plan
+    if token is None:
+        raise MissingTokenError(
+            f"no Hugging Face token to push to {repo_id!r}: pass token=..., or set HF_TOKEN (or "
+            f"HUGGING_FACE_HUB_TOKEN) to a token with write access (https://huggingface.co/settings/tokens); "
+            "a dry run shows what would be uploaded without one"
+        )
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+    commit = api.upload_folder(
+        repo_id=repo_id,
+        folder_path=path,
+        repo_type="model",
+        commit_message=commit_message,
+        allow_patterns=[name for name, _ in files],
+    )
+    return dataclasses.replace(plan, url=commit.commit_url)
