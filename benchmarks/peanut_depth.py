@@ -17,10 +17,10 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from benchmarks.decode import method_config, run_method
-from vdtrain.decode.methods import build_method
+from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.metrics import position_maps
 from vdtrain.drafter import Drafter
+from vdtrain.eval.runner import decode_prompts
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.shapes.scene import parse_caption
 from vdtrain.targets import load_target_folder
@@ -45,8 +45,8 @@ def main() -> None:
     sampling = replace(target.sampling_defaults, temperature=args.temperature)
     results = {}
     for name in args.methods:
-        method = build_method(method_config(name), target, drafter, sampling)
-        _, stats, _ = run_method(method, target, prompts, 0, args.batch_size, torch.device("cpu"))
+        method = build_method(load_preset(name), target, drafter, sampling)
+        stats = decode_prompts(method, target, prompts, 0, args.batch_size).stats
         depth = np.array([s.mean_depth for s in stats])
         accepted = np.array([np.mean(s.committed_per_step) - 1 for s in stats])
         rows = np.nanmean(

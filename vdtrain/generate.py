@@ -18,13 +18,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from vdtrain.decode.methods import DecodeConfig, build_method
+from vdtrain.decode.methods import build_method, decode_config
 from vdtrain.decode.metrics import summarize
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter
+from vdtrain.eval.quality import quality_scorer
+from vdtrain.eval.runner import synchronize
 from vdtrain.images import captioned_grid, save_png
-from vdtrain.prompts import read_captions, shapes_heldout_captions
-from vdtrain.quality import quality_scorer
+from vdtrain.prompts import prompts_for_run
 from vdtrain.shapes.build import tensor_to_images
 from vdtrain.targets import Target, target_for_run
 from vdtrain.targets.shapes import resolve_folder
@@ -35,16 +36,6 @@ log = logging.getLogger(__name__)
 def sampling_config(target: Target, overrides: DictConfig | dict) -> SamplingConfig:
     given = {k: v for k, v in dict(overrides).items() if v is not None}
     return replace(target.sampling_defaults, **given)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def decode_config(node: DictConfig) -> DecodeConfig:
-    """The typed method preset (unknown keys in ``conf/decode/*.yaml`` fail here)."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DecodeConfig), node))
 
 
 def run(cfg: DictConfig) -> dict:
@@ -58,8 +49,7 @@ def run(cfg: DictConfig) -> dict:
             raise ValueError(f"method {method_cfg.name!r} needs a drafter: set drafter=<folder>")
         drafter = Drafter.load(resolve_folder(cfg.drafter), target)
     method = build_method(method_cfg, target, drafter, sampling)
-    prompts = read_captions(cfg.prompts) if cfg.prompts else shapes_heldout_captions(cfg.num_prompts)
-    prompts = prompts[: cfg.num_prompts]
+    prompts = prompts_for_run(cfg.prompts, cfg.num_prompts)
     scorer = quality_scorer(cfg.target.get("quality"))
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -71,14 +61,14 @@ def run(cfg: DictConfig) -> dict:
         seeds = [cfg.seed + start + i for i in range(len(batch))]
         generators = [torch.Generator(device).manual_seed(s) for s in seeds]
         cond = target.encode_captions(batch)
-        _sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         result = method.generate(cond, generators)
         tokens = result.tokens
-        _sync(device)
+        synchronize(device)
         t1 = time.perf_counter()
         images = tensor_to_images(target.tokenizer.decode(tokens))
-        _sync(device)
+        synchronize(device)
         t2 = time.perf_counter()
         for i, (prompt, seed) in enumerate(zip(batch, seeds, strict=True)):
             index = start + i

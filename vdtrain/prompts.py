@@ -1,4 +1,5 @@
-"""Prompt sets: caption files in the common formats, and the shapes world's held-out captions."""
+"""Prompt sets: caption files in the common formats, the vendored sets (``eval/prompt_sets``) and the
+shapes world's held-out captions."""
 
 from __future__ import annotations
 
@@ -10,9 +11,32 @@ from typing import Any
 
 from vdtrain.shapes.scene import HELDOUT_SEED, generate
 
+PROMPT_SETS_DIR = Path(__file__).resolve().parent / "eval" / "prompt_sets"
+# Vendored prompt sets by name (sources, licences and derivation: eval/prompt_sets/README.md).
+PROMPT_SETS = {"partiprompts": "PartiPrompts.tsv", "coco2017_val": "coco2017_val.txt"}
+
 
 def shapes_heldout_captions(n: int) -> list[str]:
     return [s.caption for s in generate(n, HELDOUT_SEED)]
+
+
+def prompt_set(name: str) -> list[str]:
+    """A vendored prompt set by name: ``partiprompts`` (1632) or ``coco2017_val`` (5000)."""
+    if name not in PROMPT_SETS:
+        raise ValueError(f"unknown prompt set {name!r}; vendored: {sorted(PROMPT_SETS)}")
+    return read_captions(PROMPT_SETS_DIR / PROMPT_SETS[name])
+
+
+def prompts_for_run(source: str | os.PathLike[str] | None, n: int) -> list[str]:
+    """The first ``n`` prompts of ``source``: held-out shapes captions (None), a vendored set's name, or a
+    caption file (``read_captions``)."""
+    if source is None:
+        captions = shapes_heldout_captions(n)
+    elif str(source) in PROMPT_SETS:
+        captions = prompt_set(str(source))
+    else:
+        captions = read_captions(source)
+    return captions[:n]
 
 
 def read_captions(path: str | os.PathLike[str]) -> list[str]:

@@ -12,10 +12,13 @@ embedding table for its distance filter.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from vdtrain.decode.acceptance import Grouped, Lantern, LanternPP, verify_exact
 from vdtrain.decode.ar import generate_ar
@@ -98,6 +101,31 @@ class DecodeConfig:
     @property
     def needs_drafter(self) -> bool:
         return self.tree.kind not in ("none", "jacobi")
+
+    @property
+    def exact(self) -> bool:
+        """Lossless: exact acceptance and every step verified, so at T = 0 it reproduces AR's tokens."""
+        return self.acceptance.kind == "exact" and self.schedule.kind == "always"
+
+
+PRESETS = Path(__file__).resolve().parents[2] / "conf" / "decode"
+
+
+def decode_config(node: Any) -> DecodeConfig:
+    """The typed method of a config node or dict (unknown keys and wrong types fail here)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DecodeConfig), node))
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def load_preset(name: str, overrides: Mapping[str, Any] | None = None) -> DecodeConfig:
+    """The method preset ``conf/decode/<name>.yaml``, with ``overrides`` (nested keys) merged on top."""
+    path = PRESETS / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown method preset {name!r}; known: {preset_names()}")
+    return decode_config(OmegaConf.merge(OmegaConf.load(path), overrides or {}))
 
 
 def _neighbour_table(config: AcceptanceConfig, target: Target) -> torch.Tensor:

@@ -1,0 +1,284 @@
+"""``python -m vdtrain.evaluate`` and its runner: rows against AR, saved images, tables, plots, quality
+metrics that say when they are not available, vendored prompt sets."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_gpt, random_vq
+from hydra import compose, initialize_config_dir
+from PIL import Image
+
+from vdtrain.decode.methods import load_preset, preset_names
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.eval.plots import plot_tradeoff, write_plots
+from vdtrain.eval.quality import REAL_IMAGE_METRICS, QualityConfig, QualityScorer
+from vdtrain.eval.runner import evaluate
+from vdtrain.eval.table import QualityValue, read_results, to_markdown, write_tables
+from vdtrain.evaluate import run
+from vdtrain.prompts import prompt_set, prompts_for_run, shapes_heldout_captions
+from vdtrain.targets import load_target_folder
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+PROMPTS = shapes_heldout_captions(3)
+
+
+def hashed_caption_features(captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stand-in caption encoder for the tiny target: fixed random features per caption."""
+    gens = [torch.Generator().manual_seed(zlib.crc32(c.encode())) for c in captions]
+    features = torch.stack([torch.randn(5, 12, generator=g) for g in gens])
+    return features, torch.ones(len(captions), 5, dtype=torch.bool)
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaGenTarget:
+    """A 4×4-token, 8 px target: every method decodes it in a fraction of a second."""
+    tokenizer = VQTokenizer(random_vq(), image_size=8)
+    return LlamaGenTarget(
+        random_gpt(), tokenizer, hashed_caption_features, "tiny", SamplingConfig(cfg_scale=2.0)
+    )
+
+
+@pytest.fixture(scope="module")
+def drafter(target) -> Drafter:
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.for_target(target))
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return drafter.attach(target).eval()
+
+
+@pytest.fixture(scope="module")
+def evaluated(target, drafter, tmp_path_factory):
+    image_dir = tmp_path_factory.mktemp("images")
+    result = evaluate(
+        target, drafter, PROMPTS, ["eagle2", "gsd"], [0, 1], batch_size=2, image_dir=image_dir, progress=False
+    )
+    return result, image_dir
+
+
+def rows_by_key(result):
+    return {(r.method, r.temperature): r for r in result.rows}
+
+
+def test_exact_method_reproduces_ar_at_temperature_zero_and_relaxed_ones_are_left_out(evaluated):
+    result, _ = evaluated
+    rows = rows_by_key(result)
+    assert list(rows) == [("ar", 0.0), ("eagle2", 0.0), ("ar", 1.0), ("eagle2", 1.0), ("gsd", 1.0)]
+    assert rows["ar", 0.0].identical_to_ar and rows["eagle2", 0.0].identical_to_ar
+    assert np.array_equal(result.images["eagle2", 0.0], result.images["ar", 0.0])
+    assert rows["gsd", 1.0].identical_to_ar is None
+
+
+def test_rows_carry_speedups_statistics_maps_and_images(evaluated):
+    result, _ = evaluated
+    rows = rows_by_key(result)
+    for t in (0.0, 1.0):
+        assert rows["ar", t].speedup == 1.0 and rows["ar", t].speedup_with_vq_decode == 1.0
+        assert rows["ar", t].S == 1.0 and rows["ar", t].method_seconds == rows["ar", t].ar_seconds
+        assert rows["eagle2", t].ar_seconds == rows["ar", t].method_seconds
+    for row in result.rows:
+        assert row.speedup > 0 and row.speedup_with_vq_decode > 0 and row.method_seconds > 0
+    assert rows["eagle2", 0.0].tau >= 1.0 and rows["gsd", 1.0].mean_depth > 1.0
+    for key, maps in result.position_maps.items():
+        assert set(maps) == {"accepted_length", "tree_depth"} and maps["tree_depth"].shape == (4, 4), key
+        assert result.images[key].shape == (3, 8, 8, 3) and result.images[key].dtype == np.uint8
+    assert result.prompts == PROMPTS
+
+
+def test_consistency_is_not_available_for_images_outside_the_shapes_world(evaluated):
+    result, _ = evaluated
+    quality = result.rows[0].quality["shapes_consistency"]  # shapes captions, but 8 px images
+    assert quality.value is None and "64×64" in quality.note
+    assert "not available" in to_markdown(result.rows)
+
+
+def test_images_are_saved_per_method_and_temperature(evaluated):
+    result, image_dir = evaluated
+    assert sorted(p.name for p in image_dir.iterdir()) == [
+        "ar_T0",
+        "ar_T1",
+        "eagle2_T0",
+        "eagle2_T1",
+        "gsd_T1",
+    ]
+    for (method, t), images in result.images.items():
+        folder = image_dir / f"{method}_T{t:g}"
+        assert sorted(p.name for p in folder.iterdir()) == ["0000.png", "0001.png", "0002.png"]
+        assert np.array_equal(np.asarray(Image.open(folder / "0002.png")), images[2])
+
+
+def test_tables_are_written_and_read_back(evaluated, tmp_path):
+    result, _ = evaluated
+    write_tables(result.rows, tmp_path, {"command": "test", "device": "cpu"})
+    rows, settings = read_results(tmp_path)
+    assert rows == result.rows and settings == {"command": "test", "device": "cpu"}
+    assert (tmp_path / "results.md").read_text() == to_markdown(result.rows)
+    assert "quality/shapes_consistency" in (tmp_path / "results.csv").read_text().splitlines()[0]
+
+
+def test_plots_are_written_as_png(evaluated, tmp_path):
+    result, _ = evaluated
+    assert plot_tradeoff(result.rows, tmp_path / "none.png") is None  # no measured quality: no plot
+    scored = [replace(r, quality={"clip_score": QualityValue(20.0 + i)}) for i, r in enumerate(result.rows)]
+    paths = write_plots(replace(result, rows=scored), tmp_path)
+    names = ["tradeoff", "position_maps_T0", "samples_T0", "position_maps_T1", "samples_T1"]
+    assert [p.name for p in paths] == [f"{n}.png" for n in names]
+    for path in paths:
+        assert path.stat().st_size > 1000 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prompt_i_gets_seed_plus_i_whatever_its_batch(target):
+    one = evaluate(target, None, PROMPTS, [], [1], seed=4, batch_size=1, progress=False)
+    three = evaluate(target, None, PROMPTS, ["ar"], [1], seed=4, batch_size=3, progress=False)
+    assert [r.method for r in three.rows] == ["ar"]
+    assert np.array_equal(one.images["ar", 1.0], three.images["ar", 1.0])
+
+
+def test_bad_inputs_are_clear_errors(target, drafter):
+    with pytest.raises(ValueError, match="unknown method preset 'nope'"):
+        evaluate(target, drafter, PROMPTS, ["nope"], [0], progress=False)
+    with pytest.raises(ValueError, match=r"\['eagle1'\] need a drafter"):
+        evaluate(target, None, PROMPTS, ["eagle1", "sjd"], [0], progress=False)
+    with pytest.raises(ValueError, match="no prompts"):
+        evaluate(target, drafter, [], ["eagle1"], [0], progress=False)
+    with pytest.raises(ValueError, match="unknown quality metrics"):
+        QualityScorer(QualityConfig(metrics=["fidelity"]))
+
+
+def test_presets_know_whether_they_are_exact():
+    exact = {n for n in preset_names() if load_preset(n).exact}
+    assert exact == {"ar", "eagle1", "eagle2", "peanut", "sjd"}
+    assert load_preset("eagle2", {"tree": {"top_k": 4}}).tree.top_k == 4
+
+
+# --- quality metrics ----------------------------------------------------------------------------------
+
+
+def test_missing_weights_and_packages_are_not_available_with_the_reason(tmp_path):
+    config = QualityConfig(
+        metrics=["clip_score", "fid", "hpsv2", "shapes_consistency"],
+        clip_model=str(tmp_path / "no_clip"),
+        fid_reference=str(tmp_path),
+    )
+    images = np.zeros((2, 64, 64, 3), np.uint8)
+    values = QualityScorer(config).score(images, ["a cat", "a dog"])
+    assert all(v.value is None and v.note for v in values.values())
+    assert (
+        values["clip_score"].note
+        == f"CLIP weights not found at {tmp_path / 'no_clip'} (set quality.clip_model)"
+    )
+    assert (
+        "quality.fid_inception" in values["fid"].note
+        or "torch_fidelity is not installed" in values["fid"].note
+    )
+    assert "quality.hpsv2_checkpoint" in values["hpsv2"].note or "hpsv2" in values["hpsv2"].note
+    assert values["shapes_consistency"].note.startswith("defined for shapes-world captions only")
+
+
+def test_default_metrics_follow_the_prompts():
+    scorer = QualityScorer()
+    assert scorer.metrics_for(PROMPTS) == ["shapes_consistency"]
+    assert scorer.metrics_for(["a photo of a cat"]) == REAL_IMAGE_METRICS
+    values = scorer.score(np.zeros((1, 64, 64, 3), np.uint8), ["a photo of a cat"])
+    assert list(values) == REAL_IMAGE_METRICS and values["clip_score"].note.endswith(
+        "(set quality.clip_model)"
+    )
+
+
+def tiny_clip(folder: Path) -> Path:
+    """A random 1-layer CLIP with a 54-token vocabulary, saved as transformers saves real ones."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor, CLIPTokenizer
+
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    vocab = {t: i for i, t in enumerate([*letters, *(c + "</w>" for c in letters), "<|startoftext|>"])}
+    vocab["<|endoftext|>"] = len(vocab)
+    folder.mkdir()
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
+    tower = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    text = {**tower, "vocab_size": len(vocab), "bos_token_id": len(vocab) - 2, "eos_token_id": len(vocab) - 1}
+    config = CLIPConfig(
+        text_config=text, vision_config={**tower, "image_size": 32, "patch_size": 8}, projection_dim=8
+    )
+    CLIPModel(config).save_pretrained(folder)
+    pixels = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=pixels, tokenizer=tokenizer).save_pretrained(folder)
+    return folder
+
+
+def test_clip_score_runs_from_a_local_clip_folder(tmp_path):
+    torch.manual_seed(0)
+    folder = tiny_clip(tmp_path / "clip")
+    images = np.random.default_rng(0).integers(0, 256, (3, 64, 64, 3), dtype=np.uint8)
+    config = QualityConfig(metrics=["clip_score"], clip_model=str(folder), batch_size=2)
+    score = QualityScorer(config).score(images, ["a red circle", "stripes", "x" * 300])["clip_score"]
+    assert score.value is not None and 0.0 <= score.value <= 100.0 and score.note == ""
+
+
+# --- prompt sets and the command line -----------------------------------------------------------------
+
+
+def test_vendored_prompt_sets_load_by_name():
+    assert len(prompt_set("partiprompts")) == 1632 and prompt_set("partiprompts")[0] == "bond"
+    coco = prompt_set("coco2017_val")
+    assert len(coco) == 5000 and len(set(coco)) > 4900
+    assert prompts_for_run("coco2017_val", 3) == coco[:3]
+    assert prompts_for_run(None, 2) == shapes_heldout_captions(2)
+    with pytest.raises(ValueError, match="unknown prompt set"):
+        prompt_set("drawbench")
+
+
+def _config(*overrides: str):
+    with initialize_config_dir(str(CONF), version_base=None):
+        return compose("evaluate", overrides=list(overrides))
+
+
+def test_default_setting_is_every_preset_at_both_temperatures():
+    cfg = _config()
+    assert set(cfg.methods) == set(preset_names()) - {"vvs_uniform"} and list(cfg.temperatures) == [0, 1]
+    assert cfg.num_prompts == 100 and _config("eval=fast").methods == ["eagle2"]
+
+
+def test_cli_writes_tables_plots_and_images(tiny_folder, tmp_path):
+    Drafter(DrafterConfig.for_target(load_target_folder(tiny_folder))).save_pretrained(tmp_path / "drafter")
+    out = tmp_path / "run"
+    cfg = _config(
+        "eval=fast",
+        f"target.folder={tiny_folder}",
+        f"drafter={tmp_path / 'drafter'}",
+        "methods=[eagle1]",
+        "num_prompts=2",
+        "batch_size=2",
+        f"out_dir={out}",
+    )
+    result = run(cfg)
+    rows, settings = read_results(out)
+    assert [(r.method, r.temperature, r.identical_to_ar) for r in rows] == [
+        ("ar", 0, True),
+        ("eagle1", 0, True),
+    ]
+    assert rows == result.rows and 0.0 <= rows[0].quality["shapes_consistency"].value <= 1.0
+    assert settings["device"].startswith("cpu") and settings["command"].startswith(
+        "python -m vdtrain.evaluate"
+    )
+    assert settings["config"]["methods"] == ["eagle1"] and settings["num_prompts"] == 2
+    assert sorted(p.name for p in (out / "images" / "eagle1_T0").iterdir()) == ["0000.png", "0001.png"]
+    for name in ("tradeoff", "position_maps_T0", "samples_T0"):
+        assert (out / "plots" / f"{name}.png").stat().st_size > 1000
+
+
+def test_cli_refuses_a_missing_drafter_and_unknown_methods(tmp_path):
+    with pytest.raises(ValueError, match="need a drafter"):
+        run(_config("drafter=null", "methods=[eagle2]", f"out_dir={tmp_path}"))
+    with pytest.raises(ValueError, match="unknown method preset 'magic'"):
+        run(_config("methods=[magic]", f"out_dir={tmp_path}"))

@@ -1,0 +1,2 @@
+"""Evaluation: one runner for every method (speed vs AR, quality), result tables, plots, the
+after-epoch callback."""

@@ -1,0 +1,182 @@
+"""Every method against AR on the same prompts, seeds, process and device: one row per (method, T).
+
+For each temperature, AR decodes the prompts first (the baseline: its time is the speedup's numerator,
+its tokens the T = 0 reference), then each method. Only decoding is timed: captions are encoded before
+the timer starts, and on a GPU the device is synchronised at both ends. The VQ decode, which AR and every
+method pay alike, is timed once per temperature and reported as a second speedup. Prompt ``i`` is always
+sampled with seed ``seed + i``, whatever its batch, so rows compare the same samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from vdtrain.decode.engine import DecodeStats, SpeculativeEngine
+from vdtrain.decode.methods import ARMethod, DecodeConfig, build_method, load_preset
+from vdtrain.decode.metrics import position_maps as stats_position_maps
+from vdtrain.decode.metrics import summarize
+from vdtrain.drafter import Drafter
+from vdtrain.eval.quality import QualityConfig, QualityScorer
+from vdtrain.eval.table import EvalRow
+from vdtrain.images import save_png
+from vdtrain.shapes.build import tensor_to_images
+from vdtrain.targets.base import Target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalResult:
+    rows: list[EvalRow]  # one per (method, temperature); "ar" rows included (speedup 1.0)
+    position_maps: dict[tuple[str, float], dict[str, np.ndarray]]  # (method, T) -> {name: [h, w]}
+    images: dict[tuple[str, float], np.ndarray]  # (method, T) -> uint8 [N, H, W, 3], prompt order
+    prompts: list[str]
+
+
+@dataclass
+class Decoded:
+    tokens: torch.Tensor  # [N, h·w]
+    stats: list[DecodeStats]
+    seconds: float  # decoding only
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so a timer read afterwards covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_prompts(
+    method: ARMethod | SpeculativeEngine,
+    target: Target,
+    prompts: Sequence[str],
+    seed: int,
+    batch_size: int,
+    progress: tqdm | None = None,
+) -> Decoded:
+    """Decode ``prompts`` in batches with ``method`` (prompt ``i`` with seed ``seed + i``)."""
+    device = target.token_embedding.weight.device
+    tokens, stats, seconds = [], [], 0.0
+    for start in range(0, len(prompts), batch_size):
+        batch = list(prompts[start : start + batch_size])
+        cond = target.encode_captions(batch)
+        generators = [torch.Generator(device).manual_seed(seed + start + i) for i in range(len(batch))]
+        synchronize(device)
+        t0 = time.perf_counter()
+        result = method.generate(cond, generators)
+        synchronize(device)
+        seconds += time.perf_counter() - t0
+        tokens.append(result.tokens)
+        stats.extend(result.stats)
+        if progress is not None:
+            progress.update(len(batch))
+    return Decoded(torch.cat(tokens), stats, seconds)
+
+
+def vq_decode(target: Target, tokens: torch.Tensor, batch_size: int) -> tuple[np.ndarray, float]:
+    """Images (uint8 [N, H, W, 3]) and the seconds the VQ decoder took."""
+    device = target.token_embedding.weight.device
+    images = []
+    synchronize(device)
+    t0 = time.perf_counter()
+    for start in range(0, len(tokens), batch_size):
+        images.append(target.tokenizer.decode(tokens[start : start + batch_size]))
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    return tensor_to_images(torch.cat(images)), seconds
+
+
+def method_configs(methods: Sequence[str | DecodeConfig]) -> list[DecodeConfig]:
+    """Typed configs for preset names and configs, AR left out (it always runs as the baseline)."""
+    configs = [load_preset(m) if isinstance(m, str) else m for m in methods]
+    configs = [c for c in configs if c.tree.kind != "none"]
+    names = [c.name for c in configs]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"methods named more than once: {repeated} (give each config its own name)")
+    return configs
+
+
+def image_folder(image_dir: str | os.PathLike[str], method: str, temperature: float) -> Path:
+    return Path(image_dir) / f"{method}_T{temperature:g}"
+
+
+def evaluate(
+    target: Target,
+    drafter: Drafter | None,
+    prompts: list[str],
+    methods: Sequence[str | DecodeConfig],
+    temperatures: Sequence[float],
+    *,
+    exact_only_at_zero: bool = True,
+    seed: int = 0,
+    batch_size: int = 8,
+    quality: QualityConfig | None = None,
+    image_dir: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+) -> EvalResult:
+    """Rows, per-position maps and images for AR and every method at every temperature.
+
+    ``methods`` are preset names of ``conf/decode`` or typed configs. At T = 0 with
+    ``exact_only_at_zero``, relaxed (lossy) methods are left out: greedy decoding makes them meaningless.
+    ``quality`` None scores shapes-world captions by consistency and other prompts by the real-image
+    metrics (each "not available" unless configured, see ``QualityConfig``). With ``image_dir``, every
+    image is saved as ``<image_dir>/<method>_T<t>/<prompt index:04d>.png``.
+    """
+    if not prompts:
+        raise ValueError("no prompts to evaluate (the prompt set is empty)")
+    configs = method_configs(methods)
+    needy = [c.name for c in configs if c.needs_drafter]
+    if needy and drafter is None:
+        raise ValueError(f"methods {needy} need a drafter; none was given")
+    scorer = QualityScorer(quality, target.token_embedding.weight.device)
+    baseline = load_preset("ar")
+    runs = [(t, c) for t in temperatures for c in [baseline, *configs]]
+    if exact_only_at_zero:
+        skipped = sorted({c.name for t, c in runs if t == 0 and not c.exact})
+        if skipped:
+            log.info("T = 0: leaving out the relaxed methods %s (meaningless under greedy decoding)", skipped)
+        runs = [(t, c) for t, c in runs if t != 0 or c.exact]
+    result = EvalResult([], {}, {}, list(prompts))
+    bar = tqdm(total=len(runs) * len(prompts), desc="evaluate", unit="image", disable=not progress)
+    with torch.no_grad(), bar:
+        for temperature, config in runs:
+            bar.set_description(f"{config.name} T={temperature:g}")
+            sampling = replace(target.sampling_defaults, temperature=temperature)
+            method = build_method(config, target, drafter, sampling)
+            decoded = decode_prompts(method, target, prompts, seed, batch_size, bar)
+            images, vq_seconds = vq_decode(target, decoded.tokens, batch_size)
+            if config is baseline:  # runs first at every temperature
+                ar, ar_vq_seconds = decoded, vq_seconds
+            result.rows.append(
+                EvalRow(
+                    method=config.name,
+                    temperature=float(temperature),
+                    **summarize(decoded.stats, target.num_image_tokens),
+                    speedup=ar.seconds / decoded.seconds,
+                    speedup_with_vq_decode=(ar.seconds + ar_vq_seconds) / (decoded.seconds + ar_vq_seconds),
+                    method_seconds=decoded.seconds,
+                    ar_seconds=ar.seconds,
+                    identical_to_ar=bool(torch.equal(decoded.tokens, ar.tokens))
+                    if temperature == 0
+                    else None,
+                    quality=scorer.score(images, prompts),
+                )
+            )
+            key = (config.name, float(temperature))
+            result.position_maps[key] = stats_position_maps(decoded.stats, target.grid)
+            result.images[key] = images
+            if image_dir is not None:
+                folder = image_folder(image_dir, config.name, temperature)
+                for index, image in enumerate(images):
+                    save_png(image, folder / f"{index:04d}.png")
+    return result

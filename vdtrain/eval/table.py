@@ -1,0 +1,134 @@
+"""Evaluation results as rows of plain values, and their Markdown / CSV / JSON renderings.
+
+A row is one (method, temperature) pair: ``EvalRow``. Quality metrics are ``QualityValue``s: a number,
+or ``None`` with the reason it is not available (missing weights, metric undefined for the prompts).
+Tables never show a number that was not measured.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class QualityValue:
+    value: float | None
+    note: str = ""  # why the value is missing (or how it was computed)
+
+    def render(self) -> str:
+        return f"{self.value:.4g}" if self.value is not None else "not available"
+
+
+@dataclass
+class EvalRow:
+    method: str
+    temperature: float
+    S: float
+    tau: float
+    mean_depth: float
+    TPF: float
+    speedup: float  # AR decode seconds / method decode seconds (same prompts, seeds, process, device)
+    speedup_with_vq_decode: float
+    method_seconds: float
+    ar_seconds: float
+    identical_to_ar: bool | None = None  # checked at T = 0 only
+    skipped_steps: float = 0.0
+    relaxed_acceptances: float = 0.0
+    target_forwards: float = 0.0
+    drafter_forwards: float = 0.0
+    verified_steps: float = 0.0
+    quality: dict[str, QualityValue] = field(default_factory=dict)
+
+    def flat(self) -> dict[str, Any]:
+        """One level of plain values (for CSV and loggers): ``quality/<metric>`` is a float or None."""
+        out = {k: v for k, v in asdict(self).items() if k != "quality"}
+        for name, q in self.quality.items():
+            out[f"quality/{name}"] = q.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EvalRow:
+        data = dict(data)
+        quality = {k: QualityValue(**v) for k, v in data.pop("quality", {}).items()}
+        return cls(**data, quality=quality)
+
+
+COLUMNS = [  # (header, row -> cell)
+    ("method", lambda r: r.method),
+    ("T", lambda r: f"{r.temperature:g}"),
+    ("S", lambda r: f"{r.S:.2f}"),
+    ("τ", lambda r: f"{r.tau:.2f}"),
+    ("d̄", lambda r: f"{r.mean_depth:.2f}"),
+    ("TPF", lambda r: f"{r.TPF:.2f}"),
+    ("skipped", lambda r: f"{r.skipped_steps:.1f}"),
+    ("relaxed", lambda r: f"{r.relaxed_acceptances:.1f}"),
+    ("latency speedup", lambda r: f"{r.speedup:.2f}×"),
+    ("with VQ decode", lambda r: f"{r.speedup_with_vq_decode:.2f}×"),
+    ("= AR", lambda r: {None: "–", True: "yes", False: "NO"}[r.identical_to_ar]),
+]
+
+
+def quality_names(rows: list[EvalRow]) -> list[str]:
+    names: list[str] = []
+    for row in rows:
+        names += [n for n in row.quality if n not in names]
+    return names
+
+
+def to_markdown(rows: list[EvalRow]) -> str:
+    metrics = quality_names(rows)
+    header = [h for h, _ in COLUMNS] + metrics
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    notes: dict[str, str] = {}
+    for row in rows:
+        cells = [cell(row) for _, cell in COLUMNS]
+        for name in metrics:
+            q = row.quality.get(name)
+            cells.append("–" if q is None else q.render())
+            if q is not None and q.value is None and q.note:
+                notes[name] = q.note
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [""] + [f"- {name}: not available — {why}" for name, why in notes.items()]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def to_csv(rows: list[EvalRow]) -> str:
+    flat = [r.flat() for r in rows]
+    fields = list(dict.fromkeys(k for f in flat for k in f))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=fields)
+    writer.writeheader()
+    for f in flat:
+        writer.writerow({k: "" if v is None else v for k, v in f.items()})
+    return buffer.getvalue()
+
+
+def to_json(rows: list[EvalRow], settings: dict[str, Any]) -> str:
+    """The rows plus the settings that made them (``read_results`` reads it back)."""
+    payload = {"settings": settings, "results": [asdict(r) for r in rows]}
+    return json.dumps(payload, indent=2) + "\n"
+
+
+def write_tables(rows: list[EvalRow], folder: str | os.PathLike[str], settings: dict[str, Any]) -> Path:
+    """``results.md``, ``results.csv`` and ``results.json`` (rows plus the settings that made them)."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(to_markdown(rows))
+    (out / "results.csv").write_text(to_csv(rows))
+    (out / "results.json").write_text(to_json(rows, settings))
+    return out
+
+
+def read_results(path: str | os.PathLike[str]) -> tuple[list[EvalRow], dict[str, Any]]:
+    """Rows and settings back from a ``results.json`` (or the folder holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.json"
+    data = json.loads(path.read_text())
+    return [EvalRow.from_dict(r) for r in data["results"]], data.get("settings", {})

@@ -1,0 +1,100 @@
+"""``python -m vdtrain.evaluate``: every method against AR on the same prompts, seeds and device.
+
+Writes ``results.md`` / ``.csv`` / ``.json`` (one row per method and temperature, with the settings that
+made them), ``plots/`` and ``images/`` to ``out_dir``, and prints the Markdown table.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from vdtrain.drafter import Drafter
+from vdtrain.eval.plots import write_plots
+from vdtrain.eval.quality import QualityConfig
+from vdtrain.eval.runner import EvalResult, evaluate, method_configs
+from vdtrain.eval.table import to_markdown, write_tables
+from vdtrain.prompts import prompts_for_run
+from vdtrain.targets import Target, target_for_run
+from vdtrain.targets.shapes import resolve_folder
+
+log = logging.getLogger(__name__)
+
+
+def load_drafter(source: str | os.PathLike[str], target: Target) -> Drafter:
+    """A drafter from an export folder, a ``.ckpt`` or a Hub repo id; relative paths are tried from the
+    working directory, then the repository root."""
+    path = resolve_folder(source)
+    return Drafter.from_pretrained(path if path.exists() else source, target)
+
+
+def device_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"{device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def run(cfg: DictConfig) -> EvalResult:
+    configs = method_configs(list(cfg.methods))
+    needy = [c.name for c in configs if c.needs_drafter]
+    if needy and not cfg.drafter:
+        raise ValueError(f"methods {needy} need a drafter: set drafter=<export folder, .ckpt or Hub repo id>")
+    quality = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QualityConfig), cfg.quality))
+    prompts = prompts_for_run(cfg.prompts, cfg.num_prompts)
+    target = target_for_run(cfg)
+    device = target.token_embedding.weight.device
+    drafter = load_drafter(cfg.drafter, target) if needy else None
+    out = Path(cfg.out_dir)
+    log.info(
+        "%s against AR at T = %s on %d prompts, %s",
+        [c.name for c in configs],
+        list(cfg.temperatures),
+        len(prompts),
+        device,
+    )
+    result = evaluate(
+        target,
+        drafter,
+        prompts,
+        configs,
+        list(cfg.temperatures),
+        exact_only_at_zero=cfg.exact_only_at_zero,
+        seed=cfg.seed,
+        batch_size=cfg.batch_size,
+        quality=quality,
+        image_dir=out / "images" if cfg.save_images else None,
+    )
+    settings: dict[str, Any] = {
+        "command": " ".join(["python -m vdtrain.evaluate", *sys.argv[1:]]),
+        "device": device_description(device),
+        "torch": torch.__version__,
+        "target": asdict(target.identity),
+        "sampling_defaults": asdict(target.sampling_defaults),
+        "drafter": str(cfg.drafter) if drafter is not None else None,
+        "num_prompts": len(prompts),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+    }
+    write_tables(result.rows, out, settings)
+    if cfg.plots:
+        write_plots(result, out / "plots")
+    log.info("wrote results, plots and images to %s", out)
+    return result
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="evaluate")
+def main(cfg: DictConfig) -> None:
+    result = run(cfg)
+    print(to_markdown(result.rows))
+
+
+if __name__ == "__main__":
+    main()
