@@ -40,8 +40,15 @@ from vdtrain.train.module import DrafterModule, NonFiniteLossError
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-# Tiny runs: 2 samples a batch, 4 batches an epoch, no validation unless a test asks for it.
-SMALL = ("data.batch_size=2", "data.samples_per_epoch=8", "data.val_samples=0", "trainer.log_every_n_steps=1")
+# Tiny runs: 2 samples a batch, 4 batches an epoch, no validation or after-epoch decoding unless a test
+# asks for it.
+SMALL = (
+    "data.batch_size=2",
+    "data.samples_per_epoch=8",
+    "data.val_samples=0",
+    "trainer.log_every_n_steps=1",
+    "eval.enabled=false",
+)
 
 
 def fit_config(folder: Path, run_dir: Path, *overrides: str):

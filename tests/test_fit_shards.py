@@ -48,6 +48,7 @@ def _cfg(tiny_folder: Path, run_dir: Path, *overrides: str):
                 "data.batch_size=2",
                 "trainer.max_steps=3",
                 "trainer.checkpoint_every_n_steps=3",
+                "eval.enabled=false",
                 *overrides,
             ],
         )

@@ -96,6 +96,31 @@ class LoggerConfig:
 
 
 @dataclass
+class EvalCallbackConfig:
+    """EvalAfterEpoch (vdtrain/eval/callback.py): real decoding with the drafter being trained."""
+
+    enabled: bool = True  # on by default: a small, fast setting (a few seconds per epoch on the shapes world)
+    every_n_epochs: int = 1
+    methods: list[str] = field(default_factory=lambda: ["eagle2"])  # conf/decode presets; AR always runs too
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    prompts: str | None = None  # null: held-out shapes captions | a caption file | a vendored set name
+    num_prompts: int = 8
+    batch_size: int = 8
+    seed: int = 0  # prompt i uses seed + i, so epochs are compared on identical draws
+    log_images: bool = True  # AR-vs-method sample grid to TensorBoard / wandb (always saved as PNG)
+    at_fit_end: bool = True  # also measure the final drafter when training stops mid-epoch
+
+
+@dataclass
+class PushConfig:
+    """The end-of-training Hub push of the exported drafter (vdtrain/hub.py)."""
+
+    repo_id: str | None = None  # owner/name; null: no push
+    private: bool = True  # visibility of a repo the push creates
+    dry_run: bool = True  # validate and list the upload without network; false uploads (needs HF_TOKEN)
+
+
+@dataclass
 class FitConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -107,6 +132,10 @@ class FitConfig:
     run_dir: str = MISSING  # checkpoints, logs and the exported drafter go here
     resume: str | None = None  # a checkpoint path, or "last" (run_dir/checkpoints/last.ckpt) to resume
     export_dir: str | None = None  # where the final drafter is saved (default run_dir/drafter)
+    eval: EvalCallbackConfig = field(default_factory=EvalCallbackConfig)
+    push: PushConfig = field(default_factory=PushConfig)
+    best_metric: str = "val/tau_sim"  # picks checkpoints/best.ckpt; e.g. eval/eagle2_T0/S (EvalAfterEpoch)
+    best_mode: str = "max"  # max | min
 
 
 def register_configs() -> None:

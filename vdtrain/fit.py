@@ -1,8 +1,9 @@
 """``python -m vdtrain.fit``: train an EAGLE drafter for a target (default: the shapes world on the CPU).
 
 Writes ``<run_dir>/checkpoints/{last,best}.ckpt`` (Lightning), logs under ``<run_dir>/logs``, and the
-trained drafter in the export format (``config.json`` + ``model.safetensors``) under
-``<run_dir>/drafter``; prints a summary at the end.
+trained drafter in the Hub export format (``config.json`` + ``model.safetensors`` + a ``README.md`` model
+card with the last EvalAfterEpoch table) under ``<run_dir>/drafter``; optionally pushes it to the Hub
+(``push.repo_id``, a dry run by default); prints a summary at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from vdtrain.config import FitConfig, register_configs
 from vdtrain.data.datamodule import DrafterDataModule
 from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.hub import export_drafter, find_results, push_to_hub, run_metadata
 from vdtrain.targets import load_target
 from vdtrain.train.module import DrafterModule
 
@@ -113,7 +115,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         cfg.trainer.max_steps,
     )
     data = DrafterDataModule(cfg.data, target.identity)
-    checkpoints = [
+    hooks: list[L.Callback] = [
         ModelCheckpoint(
             dirpath=run_dir / "checkpoints",
             filename="step{step}",
@@ -124,12 +126,19 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         ModelCheckpoint(
             dirpath=run_dir / "checkpoints",
             filename="best",
-            monitor="val/tau_sim",
-            mode="max",
+            monitor=cfg.best_metric,
+            mode=cfg.best_mode,
             save_top_k=1,
             enable_version_counter=False,
+            # EvalAfterEpoch measures at the end of the training epoch, after validation has run.
+            save_on_train_epoch_end=cfg.best_metric.startswith("eval/"),
         ),
     ]
+    if cfg.eval.enabled:
+        from vdtrain.eval.callback import EvalAfterEpoch, eval_prompts  # the eval stack loads only when used
+
+        eval_cfg = OmegaConf.to_object(cfg.eval) if isinstance(cfg.eval, DictConfig) else cfg.eval
+        hooks.append(EvalAfterEpoch(eval_cfg, run_dir, eval_prompts(eval_cfg)))
     t = cfg.trainer
     trainer = L.Trainer(
         accelerator=t.accelerator,
@@ -146,7 +155,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         check_val_every_n_epoch=t.val_every_n_epochs,
         deterministic=t.deterministic,
         logger=build_logger(cfg, run_dir),
-        callbacks=[*checkpoints, *(callbacks or [])],
+        callbacks=[*hooks, *(callbacks or [])],
         default_root_dir=str(run_dir),
         enable_model_summary=False,
     )
@@ -168,12 +177,30 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     }
     if trainer.is_global_zero:
         export = Path(cfg.export_dir) if cfg.export_dir else run_dir / "drafter"
-        module.drafter.save_pretrained(
-            export, metadata={"fit": summary, "config": OmegaConf.to_container(cfg)}
+        metadata = {**run_metadata(run_dir), "fit": summary, "config": OmegaConf.to_container(cfg)}
+        export_drafter(
+            module.drafter,
+            export,
+            target=target,
+            eval_results=find_results(run_dir / "eval"),
+            metadata=metadata,
         )
         summary["drafter"] = str(export)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if cfg.push.repo_id:
+            push_at_end(export, cfg)
     return summary
+
+
+def push_at_end(export: Path, cfg: FitConfig) -> None:
+    """The end-of-training Hub push. A failure is logged, not raised: the export is on disk and
+    ``python -m vdtrain.export source=<run> push.repo_id=... push.dry_run=false`` retries it."""
+    try:
+        plan = push_to_hub(export, cfg.push.repo_id, private=cfg.push.private, dry_run=cfg.push.dry_run)
+    except Exception:
+        log.exception("pushing %s to %s failed; the export is kept", export, cfg.push.repo_id)
+        return
+    log.info("%s", plan.describe())
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="fit")

@@ -1,0 +1,87 @@
+"""``EvalAfterEpoch`` inside ``vdtrain.fit``: real decoding after every epoch, printed, logged to CSV,
+written under ``<run>/eval``, able to pick ``best.ckpt``, and carried into the exported model card."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+from test_fit import fit_config
+
+from vdtrain.config import EvalCallbackConfig
+from vdtrain.eval.callback import EvalAfterEpoch
+from vdtrain.eval.table import read_results
+from vdtrain.fit import fit
+
+# 2 steps an epoch, 2 epochs; the callback decodes 2 held-out captions with eagle2 and AR at T = 0.
+EVAL_ON = (
+    "eval.enabled=true",
+    "eval.num_prompts=2",
+    "eval.batch_size=2",
+    "data.samples_per_epoch=4",
+    "trainer.max_steps=4",
+)
+
+
+@pytest.fixture(scope="module")
+def eval_run(tiny_folder, tmp_path_factory):
+    run = tmp_path_factory.mktemp("eval") / "run"
+    cfg = fit_config(tiny_folder, run, *EVAL_ON, "best_metric=eval/eagle2_T0/S")
+    return run, fit(cfg)
+
+
+def test_the_table_is_printed_after_every_epoch(tiny_folder, tmp_path, capsys):
+    fit(fit_config(tiny_folder, tmp_path / "run", *EVAL_ON))
+    out = capsys.readouterr().out
+    assert "EvalAfterEpoch (epoch000, step 2, 2 prompts)" in out
+    assert "EvalAfterEpoch (epoch001, step 4, 2 prompts)" in out
+    assert "EvalAfterEpoch (final" not in out  # the last epoch already measured the final drafter
+    assert out.count("| eagle2 | 0 |") == 2 and out.count("| ar | 0 |") == 2
+
+
+def test_metrics_reach_the_csv_log_and_the_run_folder(eval_run):
+    run, summary = eval_run
+    with open(run / "logs" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    for name in ("S", "tau", "mean_depth", "TPF", "speedup"):
+        logged = [r[f"eval/eagle2_T0/{name}"] for r in rows if r.get(f"eval/eagle2_T0/{name}")]
+        assert len(logged) == 2, name  # once per epoch
+    assert [r["step"] for r in rows if r.get("eval/eagle2_T0/S")] == ["2", "4"]
+    results, settings = read_results(run / "eval" / "latest")
+    assert settings["step"] == 4 and [r.method for r in results] == ["ar", "eagle2"]
+    assert results[1].identical_to_ar is True  # exact at T = 0, measured through the real engine
+    assert (run / "eval" / "epoch000" / "results.md").is_file()
+    assert (run / "eval" / "latest" / "samples.png").stat().st_size > 0
+    assert summary["eval/eagle2_T0/S"] == pytest.approx(results[1].S)
+
+
+def test_the_measured_speed_picks_the_best_checkpoint(eval_run):
+    run, _ = eval_run
+    best = torch.load(run / "checkpoints" / "best.ckpt", map_location="cpu", weights_only=False)
+    state = next(v for k, v in best["callbacks"].items() if "eval/eagle2_T0/S" in k)
+    results, _ = read_results(run / "eval" / "latest")
+    assert state["best_model_path"].endswith("best.ckpt")
+    assert float(state["best_model_score"]) >= results[1].S - 1e-6  # the best of the measured epochs
+
+
+def test_the_export_model_card_carries_the_last_table(eval_run):
+    run, _ = eval_run
+    card = (run / "drafter" / "README.md").read_text()
+    assert "| eagle2 | 0 |" in card
+
+
+def test_bad_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="every_n_epochs"):
+        EvalAfterEpoch(EvalCallbackConfig(every_n_epochs=0), tmp_path, ["a caption"])
+    with pytest.raises(ValueError, match="prompt set is empty"):
+        EvalAfterEpoch(EvalCallbackConfig(), tmp_path, [])
+
+
+def test_on_by_default(tiny_folder, tmp_path):
+    from hydra import compose, initialize_config_dir
+    from test_fit import CONF
+
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose("fit", overrides=[f"target.folder={tiny_folder}", f"run_dir={tmp_path}"])
+    assert cfg.eval.enabled and list(cfg.eval.methods) == ["eagle2"] and cfg.eval.num_prompts == 8

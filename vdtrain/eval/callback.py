@@ -1,0 +1,132 @@
+"""``EvalAfterEpoch``: decode held-out prompts with the drafter being trained, after every N epochs.
+
+The measured speed of real decoding (S, τ, d̄, TPF, latency vs AR) is what a drafter is for, and it can
+disagree with the simulated τ of validation, so every run measures it. The callback runs on global
+rank zero, broadcasts the numbers to every rank (so they can drive ``best`` checkpoint selection under
+DDP), logs them to the configured logger as ``eval/<method>_T<t>/<metric>``, prints the table and
+writes it under ``<run_dir>/eval/`` (``latest/`` is the newest, which export puts in the model card).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from PIL import Image
+
+from vdtrain.config import EvalCallbackConfig
+from vdtrain.eval.plots import plot_samples
+from vdtrain.eval.runner import EvalResult, evaluate
+from vdtrain.eval.table import EvalRow, to_markdown, write_tables
+from vdtrain.prompts import prompts_for_run
+
+log = logging.getLogger(__name__)
+
+LOGGED = ("S", "tau", "mean_depth", "TPF", "speedup", "skipped_steps", "relaxed_acceptances")
+
+
+def eval_prompts(cfg: EvalCallbackConfig) -> list[str]:
+    return prompts_for_run(cfg.prompts, cfg.num_prompts)
+
+
+def metric_prefix(row: EvalRow) -> str:
+    return f"eval/{row.method}_T{row.temperature:g}"
+
+
+def row_metrics(rows: list[EvalRow]) -> dict[str, float]:
+    """The scalars to log per row; quality values that are not available are left out, not zeroed."""
+    out: dict[str, float] = {}
+    for row in rows:
+        prefix = metric_prefix(row)
+        out.update({f"{prefix}/{name}": float(getattr(row, name)) for name in LOGGED})
+        out.update({f"{prefix}/quality/{k}": q.value for k, q in row.quality.items() if q.value is not None})
+    return out
+
+
+class EvalAfterEpoch(L.Callback):
+    def __init__(self, cfg: EvalCallbackConfig, run_dir: str | Path, prompts: list[str]) -> None:
+        if cfg.every_n_epochs < 1:
+            raise ValueError(f"eval.every_n_epochs must be >= 1, got {cfg.every_n_epochs}")
+        if not prompts:
+            raise ValueError("eval: the prompt set is empty")
+        self.cfg, self.run_dir, self.prompts = cfg, Path(run_dir), prompts
+        self.last_step: int | None = None
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if (trainer.current_epoch + 1) % self.cfg.every_n_epochs == 0:
+            self.run(trainer, pl_module, f"epoch{trainer.current_epoch:03d}")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A run that stops mid-epoch (max_steps, max_minutes) still gets its final drafter measured."""
+        if self.cfg.at_fit_end and self.last_step != trainer.global_step:
+            self.run(trainer, pl_module, "final")
+
+    def run(self, trainer: L.Trainer, pl_module: L.LightningModule, tag: str) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if trainer.is_global_zero:
+            result = self._evaluate(pl_module)
+            metrics = row_metrics(result.rows)
+            self._report(trainer, result, tag)
+        metrics = trainer.strategy.broadcast(metrics, src=0)
+        self.last_step = trainer.global_step
+        for name, value in metrics.items():
+            trainer.callback_metrics[name] = _tensor(value, pl_module)
+        return metrics
+
+    def _evaluate(self, pl_module: L.LightningModule) -> EvalResult:
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            with torch.no_grad():
+                return evaluate(
+                    pl_module.target,
+                    pl_module.drafter,
+                    self.prompts,
+                    list(self.cfg.methods),
+                    list(self.cfg.temperatures),
+                    seed=self.cfg.seed,
+                    batch_size=self.cfg.batch_size,
+                    progress=False,
+                )
+        finally:
+            pl_module.train(was_training)
+
+    def _report(self, trainer: L.Trainer, result: EvalResult, tag: str) -> None:
+        table = to_markdown(result.rows)
+        print(f"\nEvalAfterEpoch ({tag}, step {trainer.global_step}, {len(self.prompts)} prompts)\n{table}")
+        settings: dict[str, Any] = {**asdict(self.cfg), "step": trainer.global_step, "tag": tag}
+        folder = write_tables(result.rows, self.run_dir / "eval" / tag, settings)
+        grid = _sample_grid(result, folder)
+        latest = self.run_dir / "eval" / "latest"
+        shutil.rmtree(latest, ignore_errors=True)
+        shutil.copytree(folder, latest)
+        for logger in trainer.loggers:
+            logger.log_metrics(row_metrics(result.rows), step=trainer.global_step)
+            if self.cfg.log_images and grid is not None:
+                _log_image(logger, "eval/samples", grid, trainer.global_step)
+
+
+def _sample_grid(result: EvalResult, folder: Path) -> np.ndarray | None:
+    """AR vs each method for the same seeds at the first temperature, saved as ``samples.png``;
+    returned for image loggers."""
+    path = plot_samples(result, result.rows[0].temperature, folder / "samples.png")
+    return None if path is None else np.asarray(Image.open(path).convert("RGB"))
+
+
+def _log_image(logger: Any, key: str, image: np.ndarray, step: int) -> None:
+    """TensorBoard and wandb take images; CSV has the PNG on disk instead."""
+    experiment = getattr(logger, "experiment", None)
+    if hasattr(experiment, "add_image"):  # TensorBoard SummaryWriter
+        experiment.add_image(key, image, step, dataformats="HWC")
+    elif hasattr(logger, "log_image"):  # WandbLogger
+        logger.log_image(key=key, images=[image], step=step)
+
+
+def _tensor(value: float, pl_module: L.LightningModule) -> torch.Tensor:
+    return torch.tensor(value, device=pl_module.device)
