@@ -282,3 +282,21 @@ def test_cli_refuses_a_missing_drafter_and_unknown_methods(tmp_path):
         run(_config("drafter=null", "methods=[eagle2]", f"out_dir={tmp_path}"))
     with pytest.raises(ValueError, match="unknown method preset 'magic'"):
         run(_config("methods=[magic]", f"out_dir={tmp_path}"))
+
+
+def test_export_then_reload_then_evaluate_reproduces_the_numbers(target, drafter, evaluated, tmp_path):
+    """The Hub export loses nothing that decoding depends on: same rows, same images, both temperatures."""
+    from vdtrain.hub import export_drafter
+
+    folder = export_drafter(drafter, tmp_path / "export", target=target)
+    reloaded = Drafter.from_pretrained(folder, target)
+    again = evaluate(target, reloaded, PROMPTS, ["eagle2", "gsd"], [0, 1], batch_size=2, progress=False)
+    original, _ = evaluated
+    speed_free = ("speedup", "speedup_with_vq_decode", "method_seconds", "ar_seconds")
+    for before, after in zip(original.rows, again.rows, strict=True):
+        a, b = before.flat(), after.flat()
+        assert {k: v for k, v in a.items() if k not in speed_free} == {
+            k: v for k, v in b.items() if k not in speed_free
+        }
+    for key, images in original.images.items():
+        assert np.array_equal(images, again.images[key]), key
