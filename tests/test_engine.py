@@ -149,6 +149,19 @@ def test_greedy_speculative_decoding_matches_ar(builder, cfg_scale):
     assert torch.equal(result.tokens, ar)
 
 
+def test_a_target_with_identity_caption_rope_decodes_exactly_and_its_drafter_follows_it():
+    target = make_target(replace(TINY_GPT, caption_rope="identity"))
+    drafter = make_drafter(target)
+    assert drafter.config.caption_rope == "identity"
+    assert torch.equal(drafter.rope[: target.prefix_length, :, 0], torch.ones_like(drafter.rope[:5, :, 0]))
+    cond = tiny_condition()
+    sampling = SamplingConfig(cfg_scale=2.5, temperature=0.0)
+    ar = generate_ar(target, cond, sampling, [None, None])
+    builder = DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16)
+    result = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None])
+    assert torch.equal(result.tokens, ar)
+
+
 def assert_cache_is_fresh_prefill(target, stream, cache, tokens, b: int, m: int) -> None:
     """Prompt ``b``'s cache rows (both CFG streams) equal a fresh prefill + forward over its first
     ``m - 1`` committed tokens (the root ``x_{m-1}`` is not yet seen by the target)."""

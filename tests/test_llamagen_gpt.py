@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import tiny_condition
 
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.models.llamagen_gpt import prefix_causal_mask, rope_2d_table
+from vdtrain.models.llamagen_gpt import apply_rope, prefix_causal_mask, rope_2d_table
 from vdtrain.targets.llamagen import left_pad
 
 
@@ -19,6 +20,17 @@ def test_rope_prefix_rows_are_zero_so_caption_queries_vanish():
     cell = table[3 + 1 * 4 + 2]
     assert torch.allclose(cell[0], torch.tensor([torch.cos(torch.tensor(1.0)), torch.sin(torch.tensor(1.0))]))
     assert torch.allclose(cell[2], torch.tensor([torch.cos(torch.tensor(2.0)), torch.sin(torch.tensor(2.0))]))
+
+
+def test_identity_caption_rope_keeps_caption_queries_and_keys():
+    table = rope_2d_table(grid_size=4, head_dim=8, base=10000.0, prefix_len=3, prefix="identity")
+    assert torch.equal(table[:3, :, 0], torch.ones(3, 4)) and table[:3, :, 1].abs().sum() == 0
+    assert torch.equal(table[3:], rope_2d_table(4, 8, 10000.0, 3)[3:])  # image rows are unchanged
+    x = torch.randn(1, 19, 2, 8)  # [B, S, heads, head_dim]
+    assert torch.allclose(apply_rope(x, table[None])[:, :3], x[:, :3])  # content-based caption attention
+    assert apply_rope(x, rope_2d_table(4, 8, 10000.0, 3)[None])[:, :3].abs().sum() == 0  # LlamaGen's
+    with pytest.raises(ValueError, match="caption_rope"):
+        rope_2d_table(4, 8, 10000.0, 3, prefix="learned")
 
 
 def test_prefix_mask_hides_padding_but_keeps_the_diagonal():

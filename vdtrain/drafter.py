@@ -53,7 +53,15 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 FAMILIES = ("llamagen",)
 # Layer hyper-parameters ``DrafterConfig.for_target`` lets a caller change (the width must match the target).
-LAYER_FIELDS = ("n_head", "n_kv_head", "multiple_of", "ffn_dim_multiplier", "norm_eps", "rope_base")
+LAYER_FIELDS = (
+    "n_head",
+    "n_kv_head",
+    "multiple_of",
+    "ffn_dim_multiplier",
+    "norm_eps",
+    "rope_base",
+    "caption_rope",
+)
 # ``DrafterModule`` stores the drafter's config under this key of a Lightning checkpoint; its weights
 # are the ``drafter.``-prefixed entries of the checkpoint's state dict.
 CHECKPOINT_CONFIG_KEY = "drafter_config"
@@ -76,6 +84,7 @@ class DrafterConfig:
     ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
     rope_base: float = 10000.0
+    caption_rope: str = "zero"  # the target's prefix RoPE rows (GPTConfig.caption_rope)
     family: str = "llamagen"
     target: dict[str, Any] = field(default_factory=dict)
 
@@ -143,6 +152,7 @@ class DrafterConfig:
             vocab_size=self.vocab_size,
             cls_token_num=self.prefix_length,
             block_size=self.num_image_tokens,
+            caption_rope=self.caption_rope,
         )
 
     @property
@@ -172,6 +182,7 @@ class DrafterConfig:
             "ffn_dim_multiplier": gpt_cfg.ffn_dim_multiplier,
             "norm_eps": gpt_cfg.norm_eps,
             "rope_base": gpt_cfg.rope_base,
+            "caption_rope": gpt_cfg.caption_rope,
             **layer_overrides,
         }
         return cls(
@@ -259,7 +270,9 @@ class Drafter(nn.Module):
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         gpt_cfg = config.gpt_config()
         self.layer = TransformerBlock(gpt_cfg)
-        rope = rope_2d_table(gpt_cfg.grid_size, gpt_cfg.head_dim, gpt_cfg.rope_base, config.prefix_length)
+        rope = rope_2d_table(
+            gpt_cfg.grid_size, gpt_cfg.head_dim, gpt_cfg.rope_base, config.prefix_length, config.caption_rope
+        )
         self.register_buffer("rope", rope, persistent=False)
         self._borrowed: _Borrowed | None = None
         self.metadata: dict[str, Any] = {}  # what ``from_pretrained`` found saved next to the weights

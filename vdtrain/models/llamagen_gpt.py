@@ -45,6 +45,10 @@ class GPTConfig:
     vocab_size: int = 16384
     cls_token_num: int = 120
     block_size: int = 256  # image tokens: a square grid of sqrt(block_size) per side
+    # RoPE rows of the caption prefix. "zero" is LlamaGen's: caption queries and keys vanish, so image
+    # tokens read a uniform average of caption values. "identity" leaves them unrotated (no position,
+    # content-based attention to the caption); the shapes target uses it (docs/shapes_world.md).
+    caption_rope: str = "zero"
 
     @property
     def head_dim(self) -> int:
@@ -92,11 +96,19 @@ def gpt_config(preset: str, **overrides: object) -> GPTConfig:
     return replace(GPTConfig(), **GPT_PRESETS[preset], **overrides)
 
 
-def rope_2d_table(grid_size: int, head_dim: int, base: float, prefix_len: int) -> torch.Tensor:
-    """(cos, sin) per position: ``[prefix_len + grid², head_dim // 2, 2]``; the prefix rows are zero.
+CAPTION_ROPE = ("zero", "identity")
+
+
+def rope_2d_table(
+    grid_size: int, head_dim: int, base: float, prefix_len: int, prefix: str = "zero"
+) -> torch.Tensor:
+    """(cos, sin) per position: ``[prefix_len + grid², head_dim // 2, 2]``; the prefix rows are zero
+    (LlamaGen) or the identity rotation (``prefix="identity"``).
 
     Half of each head rotates with the row index and half with the column index.
     """
+    if prefix not in CAPTION_ROPE:
+        raise ValueError(f"caption_rope must be one of {CAPTION_ROPE}, got {prefix!r}")
     quarter = head_dim // 4
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim // 2, 2)[:quarter].float() / (head_dim // 2)))
     angles = torch.outer(torch.arange(grid_size).float(), inv_freq)  # [grid, quarter]
@@ -104,7 +116,10 @@ def rope_2d_table(grid_size: int, head_dim: int, base: float, prefix_len: int) -
     cols = angles[None, :, :].expand(grid_size, -1, -1)
     grid = torch.cat([rows, cols], dim=-1).flatten(0, 1)  # [grid², head_dim // 2]
     table = torch.stack([grid.cos(), grid.sin()], dim=-1)
-    return torch.cat([torch.zeros(prefix_len, head_dim // 2, 2), table])
+    prefix_rows = torch.zeros(prefix_len, head_dim // 2, 2)
+    if prefix == "identity":
+        prefix_rows[..., 0] = 1.0
+    return torch.cat([prefix_rows, table])
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -258,7 +273,9 @@ class LlamaGenGPT(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        rope = rope_2d_table(config.grid_size, config.head_dim, config.rope_base, config.cls_token_num)
+        rope = rope_2d_table(
+            config.grid_size, config.head_dim, config.rope_base, config.cls_token_num, config.caption_rope
+        )
         self.register_buffer("rope", rope, persistent=False)
         self.reset_parameters()
 
