@@ -85,3 +85,30 @@ def test_on_by_default(tiny_folder, tmp_path):
     with initialize_config_dir(str(CONF), version_base=None):
         cfg = compose("fit", overrides=[f"target.folder={tiny_folder}", f"run_dir={tmp_path}"])
     assert cfg.eval.enabled and list(cfg.eval.methods) == ["eagle2"] and cfg.eval.num_prompts == 8
+
+
+def test_sample_grids_go_to_image_loggers():
+    """TensorBoard's writer takes ``add_image``, wandb's logger ``log_image``; CSV keeps the PNG only."""
+    import numpy as np
+
+    from vdtrain.eval.callback import _log_image
+
+    calls = []
+
+    class Writer:
+        def add_image(self, key, image, step, dataformats):
+            calls.append(("tb", key, image.shape, step, dataformats))
+
+    class TensorBoardLike:
+        experiment = Writer()
+
+    class WandbLike:
+        experiment = object()
+
+        def log_image(self, key, images, step):
+            calls.append(("wandb", key, images[0].shape, step))
+
+    image = np.zeros((4, 6, 3), np.uint8)
+    for logger in (TensorBoardLike(), WandbLike(), object()):
+        _log_image(logger, "eval/samples", image, 7)
+    assert calls == [("tb", "eval/samples", (4, 6, 3), 7, "HWC"), ("wandb", "eval/samples", (4, 6, 3), 7)]
