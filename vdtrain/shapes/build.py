@@ -66,13 +66,15 @@ def _lr_factor(opt: OptimConfig, step: int, progress: float | None = None) -> fl
     return 0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _schedule(opt: OptimConfig):
-    return lambda step: _lr_factor(opt, step)
+def _optimizer(params: list[torch.nn.Parameter], opt: OptimConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=opt.lr, betas=(0.9, 0.95), weight_decay=opt.weight_decay)
 
 
-def _optimizer(params: list[torch.nn.Parameter], opt: OptimConfig):
-    optimizer = torch.optim.AdamW(params, lr=opt.lr, betas=(0.9, 0.95), weight_decay=opt.weight_decay)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(opt))
+def _set_lr(
+    optimizer: torch.optim.Optimizer, opt: OptimConfig, step: int, progress: float | None = None
+) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = opt.lr * _lr_factor(opt, step, progress)
 
 
 # --- tokenizer ----------------------------------------------------------------------------------------
@@ -85,11 +87,12 @@ def train_tokenizer(
     steps are re-seeded from current encoder outputs so the small codebook stays in use."""
     images = images_to_tensor([s.image for s in generate(n_images, TRAIN_SEED)])
     vq = VQModel(config).train()
-    optimizer, scheduler = _optimizer(list(vq.parameters()), opt)
+    optimizer = _optimizer(list(vq.parameters()), opt)
     usage = torch.zeros(config.codebook_size)
     gen = torch.Generator().manual_seed(0)
     bar = tqdm(range(opt.steps), desc="tokenizer", mininterval=5)
     for step in bar:
+        _set_lr(optimizer, opt, step)
         batch = images[torch.randint(len(images), (opt.batch_size,), generator=gen)]
         z = vq.encode_latents(batch)
         idx, zn = vq.quantize.nearest(z)
@@ -101,7 +104,6 @@ def train_tokenizer(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vq.parameters(), opt.grad_clip)
         optimizer.step()
-        scheduler.step()
         usage += torch.bincount(idx.flatten(), minlength=config.codebook_size).float()
         if (step + 1) % restart_every == 0 and step + 1 < opt.steps * 0.8:
             dead = (usage == 0).nonzero().flatten()
@@ -175,6 +177,8 @@ def train_target(
     ``checkpoint_every`` steps so a long CPU run can be inspected and stopped at any point. With a
     ``max_minutes`` budget the cosine schedule follows whichever of steps and time runs out first.
     """
+    if max_minutes is not None and max_minutes <= 0:
+        raise ValueError(f"target.max_minutes must be positive (or null for no budget), got {max_minutes}")
     encoder = HFTextEncoder(minilm_path(), "bert", max_length=config.cls_token_num)
     tokens, feats, masks = encode_dataset(generate(n_samples, TRAIN_SEED), vq, encoder)
     gpt = init if init is not None else LlamaGenGPT(config)
@@ -182,23 +186,22 @@ def train_target(
         raise ValueError(f"init target has config {gpt.config}, expected {config}")
     target = _target(gpt, vq)
     gpt.train().requires_grad_(True)
-    optimizer = torch.optim.AdamW(
-        gpt.parameters(), lr=opt.lr, betas=(0.9, 0.95), weight_decay=opt.weight_decay
-    )
+    optimizer = _optimizer(list(gpt.parameters()), opt)
     gen = torch.Generator().manual_seed(0)
     start = time.monotonic()
 
+    def minutes() -> float:
+        return (time.monotonic() - start) / 60
+
     def info(steps: int) -> dict[str, float]:
-        return {"train_steps": steps, "train_minutes": (time.monotonic() - start) / 60}
+        return {"train_steps": steps, "train_minutes": minutes()}
 
     bar = tqdm(range(opt.steps), desc="target", mininterval=10)
     for step in bar:
-        elapsed = (time.monotonic() - start) / 60
         progress = (step - opt.warmup) / max(1, opt.steps - opt.warmup)
         if max_minutes is not None:
-            progress = max(progress, elapsed / max_minutes)
-        for group in optimizer.param_groups:
-            group["lr"] = opt.lr * _lr_factor(opt, step, progress)
+            progress = max(progress, minutes() / max_minutes)
+        _set_lr(optimizer, opt, step, progress)
         rows = torch.randint(len(tokens), (opt.batch_size,), generator=gen)
         drop = torch.rand(opt.batch_size, generator=gen) < config.class_dropout_prob
         cond = target.with_null(Condition(feats[rows].float(), masks[rows]), drop)
@@ -213,7 +216,7 @@ def train_target(
             gpt.eval()
             on_checkpoint(gpt, info(step + 1))
             gpt.train()
-        if max_minutes is not None and elapsed > max_minutes:
+        if max_minutes is not None and minutes() > max_minutes:
             log.warning(
                 "stopping target training at step %d: time budget of %s min reached", step, max_minutes
             )
