@@ -71,7 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     target = load_target_folder()
-    drafter = Drafter.load(resolve_folder(args.drafter), target)
+    drafter = Drafter.from_pretrained(resolve_folder(args.drafter), target)
     prompts = shapes_heldout_captions(args.prompts)
     flat = np.array([parse_caption(p).background.kind == "flat" for p in prompts])
     sampling = replace(target.sampling_defaults, temperature=args.temperature)

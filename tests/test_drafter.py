@@ -177,7 +177,7 @@ def test_save_load_round_trip_gives_identical_outputs(tiny_target, tmp_path):
     from safetensors.torch import load_file
 
     assert set(load_file(str(tmp_path / "d" / "model.safetensors"))) == set(drafter.state_dict())
-    loaded = Drafter.load(tmp_path / "d", tiny_target)
+    loaded = Drafter.from_pretrained(tmp_path / "d", tiny_target)
     assert loaded.config == drafter.config
     cond, tokens, hidden = teacher_batch(tiny_target)
     with torch.no_grad():
@@ -196,13 +196,13 @@ def other_target(**gpt_overrides) -> LlamaGenTarget:
 def test_loading_against_the_wrong_target_names_the_field(tiny_target, tmp_path):
     make_drafter(tiny_target).save_pretrained(tmp_path / "d")
     with pytest.raises(ValueError, match="head_fingerprint"):
-        Drafter.load(tmp_path / "d", other_target(seed=1))
+        Drafter.from_pretrained(tmp_path / "d", other_target(seed=1))
     with pytest.raises(ValueError, match="hidden_size"):
-        Drafter.load(tmp_path / "d", other_target(dim=48))
+        Drafter.from_pretrained(tmp_path / "d", other_target(dim=48))
     with pytest.raises(ValueError, match="prefix_length"):
-        Drafter.load(tmp_path / "d", other_target(cls_token_num=6))
+        Drafter.from_pretrained(tmp_path / "d", other_target(cls_token_num=6))
     # loading without a target works; attaching the right one later too
-    assert Drafter.load(tmp_path / "d").attach(tiny_target).attached
+    assert Drafter.from_pretrained(tmp_path / "d").attach(tiny_target).attached
 
 
 # --- losses and training signals ------------------------------------------------------------------------

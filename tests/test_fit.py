@@ -131,7 +131,7 @@ def test_fit_cli_writes_checkpoints_logs_summary_and_drafter(tiny_folder, tmp_pa
     assert float(line[2]) == pytest.approx(summary["val/tau_sim"], abs=1e-2)
     assert line[3] == str(run / "drafter")
     # The export is the final drafter: it loads against the target and holds last.ckpt's weights.
-    drafter = Drafter.load(run / "drafter", target)
+    drafter = Drafter.from_pretrained(run / "drafter", target)
     ckpt = read_ckpt(run / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 4
     for name, value in drafter.state_dict().items():

@@ -20,7 +20,7 @@ DRAFTER = REPO_ROOT / "checkpoints" / "shapes" / "drafter"
 def shipped():
     torch.set_grad_enabled(False)
     target = load_target_folder()
-    return target, Drafter.load(DRAFTER, target)
+    return target, Drafter.from_pretrained(DRAFTER, target)
 
 
 @pytest.mark.parametrize(

@@ -428,11 +428,6 @@ class Drafter(nn.Module):
             drafter.to(target.token_embedding.weight.device)
         return drafter.eval()
 
-    @classmethod
-    def load(cls, folder: str | os.PathLike[str], target: Target | None = None) -> Drafter:
-        """``from_pretrained`` without the Hub options (kept for the callers that pass a folder)."""
-        return cls.from_pretrained(folder, target)
-
     @staticmethod
     def read_metadata(folder: str | os.PathLike[str]) -> dict[str, Any]:
         """The ``metadata`` saved next to the config (empty if none)."""

@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from vdtrain.config import FitConfig, register_configs
 from vdtrain.data.datamodule import DrafterDataModule
 from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.hub import export_drafter, find_results, push_to_hub, run_metadata
+from vdtrain.hub import export_drafter, find_results, push_to_hub, training_command
+from vdtrain.prompts import prompts_for_run
 from vdtrain.targets import load_target
 from vdtrain.train.module import DrafterModule
 
@@ -82,7 +83,7 @@ def build_logger(cfg: FitConfig, run_dir: Path):
 
 def build_drafter(cfg: FitConfig, target) -> Drafter:
     if cfg.drafter.init_from:
-        return Drafter.load(cfg.drafter.init_from, target)
+        return Drafter.from_pretrained(cfg.drafter.init_from, target)
     layer = OmegaConf.to_container(cfg.drafter.layer) if cfg.drafter.layer else {}
     return Drafter(DrafterConfig.for_target(target, **layer))
 
@@ -135,10 +136,11 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         ),
     ]
     if cfg.eval.enabled:
-        from vdtrain.eval.callback import EvalAfterEpoch, eval_prompts  # the eval stack loads only when used
+        from vdtrain.eval.callback import EvalAfterEpoch  # the eval stack loads only when used
 
         eval_cfg = OmegaConf.to_object(cfg.eval) if isinstance(cfg.eval, DictConfig) else cfg.eval
-        hooks.append(EvalAfterEpoch(eval_cfg, run_dir, eval_prompts(eval_cfg)))
+        prompts = prompts_for_run(eval_cfg.prompts, eval_cfg.num_prompts)
+        hooks.append(EvalAfterEpoch(eval_cfg, run_dir, prompts))
     t = cfg.trainer
     trainer = L.Trainer(
         accelerator=t.accelerator,
@@ -177,13 +179,13 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     }
     if trainer.is_global_zero:
         export = Path(cfg.export_dir) if cfg.export_dir else run_dir / "drafter"
-        metadata = {**run_metadata(run_dir), "fit": summary, "config": OmegaConf.to_container(cfg)}
         export_drafter(
             module.drafter,
             export,
             target=target,
             eval_results=find_results(run_dir / "eval"),
-            metadata=metadata,
+            training_command=training_command(run_dir),
+            metadata={"fit": summary, "config": OmegaConf.to_container(cfg)},
         )
         summary["drafter"] = str(export)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -47,7 +47,7 @@ def run(cfg: DictConfig) -> dict:
     if method_cfg.needs_drafter:
         if not cfg.drafter:
             raise ValueError(f"method {method_cfg.name!r} needs a drafter: set drafter=<folder>")
-        drafter = Drafter.load(resolve_folder(cfg.drafter), target)
+        drafter = Drafter.from_pretrained(resolve_folder(cfg.drafter), target)
     method = build_method(method_cfg, target, drafter, sampling)
     prompts = prompts_for_run(cfg.prompts, cfg.num_prompts)
     scorer = quality_scorer(cfg.target.get("quality"))

@@ -24,15 +24,10 @@ from vdtrain.config import EvalCallbackConfig
 from vdtrain.eval.plots import plot_samples
 from vdtrain.eval.runner import EvalResult, evaluate
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
-from vdtrain.prompts import prompts_for_run
 
 log = logging.getLogger(__name__)
 
 LOGGED = ("S", "tau", "mean_depth", "TPF", "speedup", "skipped_steps", "relaxed_acceptances")
-
-
-def eval_prompts(cfg: EvalCallbackConfig) -> list[str]:
-    return prompts_for_run(cfg.prompts, cfg.num_prompts)
 
 
 def metric_prefix(row: EvalRow) -> str:
@@ -51,6 +46,7 @@ def row_metrics(rows: list[EvalRow]) -> dict[str, float]:
 
 class EvalAfterEpoch(L.Callback):
     def __init__(self, cfg: EvalCallbackConfig, run_dir: str | Path, prompts: list[str]) -> None:
+        """``prompts``: ``vdtrain.prompts.prompts_for_run(cfg.prompts, cfg.num_prompts)`` in ``fit``."""
         if cfg.every_n_epochs < 1:
             raise ValueError(f"eval.every_n_epochs must be >= 1, got {cfg.every_n_epochs}")
         if not prompts:
@@ -72,7 +68,7 @@ class EvalAfterEpoch(L.Callback):
         if trainer.is_global_zero:
             result = self._evaluate(pl_module)
             metrics = row_metrics(result.rows)
-            self._report(trainer, result, tag)
+            self._report(trainer, result, metrics, tag)
         metrics = trainer.strategy.broadcast(metrics, src=0)
         self.last_step = trainer.global_step
         for name, value in metrics.items():
@@ -97,7 +93,7 @@ class EvalAfterEpoch(L.Callback):
         finally:
             pl_module.train(was_training)
 
-    def _report(self, trainer: L.Trainer, result: EvalResult, tag: str) -> None:
+    def _report(self, trainer: L.Trainer, result: EvalResult, metrics: dict[str, float], tag: str) -> None:
         table = to_markdown(result.rows)
         print(f"\nEvalAfterEpoch ({tag}, step {trainer.global_step}, {len(self.prompts)} prompts)\n{table}")
         settings: dict[str, Any] = {**asdict(self.cfg), "step": trainer.global_step, "tag": tag}
@@ -107,7 +103,7 @@ class EvalAfterEpoch(L.Callback):
         shutil.rmtree(latest, ignore_errors=True)
         shutil.copytree(folder, latest)
         for logger in trainer.loggers:
-            logger.log_metrics(row_metrics(result.rows), step=trainer.global_step)
+            logger.log_metrics(metrics, step=trainer.global_step)
             if self.cfg.log_images and grid is not None:
                 _log_image(logger, "eval/samples", grid, trainer.global_step)
 
