@@ -26,7 +26,7 @@ from vdtrain.shapes.build import (
     train_tokenizer,
     write_target_folder,
 )
-from vdtrain.shapes.report import consistency_report, sample_grid
+from vdtrain.shapes.report import caption_sensitivity, consistency_report, sample_grid
 from vdtrain.targets.llamagen import load_gpt, load_vq
 from vdtrain.targets.shapes import load_target_folder
 
@@ -104,7 +104,8 @@ def _training_history(target_metrics: dict | None) -> list[dict]:
 
 
 def write_report(folder: Path, cfg: DictConfig, metrics: dict) -> None:
-    """Caption-consistency at each CFG scale vs random tokens and VQ reconstructions, plus sample grids."""
+    """Caption-consistency at each CFG scale vs random tokens and VQ reconstructions, sample grids, and
+    the teacher-forced caption sensitivity."""
     target = load_target_folder(folder)
     scores, images, captions = consistency_report(
         target, cfg.n_captions, tuple(cfg.cfg_scales), cfg.temperature, cfg.seed, cfg.batch_size
@@ -113,14 +114,17 @@ def write_report(folder: Path, cfg: DictConfig, metrics: dict) -> None:
     docs.mkdir(parents=True, exist_ok=True)
     for scale, imgs in images.items():
         sample_grid(imgs, captions).save(docs / f"samples_cfg{scale:g}.png")
+    sensitivity = caption_sensitivity(target, cfg.sensitivity_scenes, cfg.seed, cfg.batch_size)
     report = {
         "consistency": scores,
+        "caption_sensitivity": sensitivity,
         "settings": OmegaConf.to_container(cfg),
         "tokenizer": metrics.get("tokenizer"),
         "target": metrics.get("target"),
     }
     (docs / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     log.info("consistency: %s", scores)
+    log.info("caption sensitivity (nats per image): %s", sensitivity)
 
 
 if __name__ == "__main__":

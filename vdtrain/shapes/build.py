@@ -23,7 +23,7 @@ from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.text_encoders import HFTextEncoder, minilm_path
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.shapes.scene import HELDOUT_SEED, IMAGE_SIZE, TRAIN_SEED, generate
-from vdtrain.targets.base import Condition
+from vdtrain.targets.base import Condition, Target
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer, left_pad
 
 log = logging.getLogger(__name__)
@@ -154,10 +154,15 @@ def _target(gpt: LlamaGenGPT, vq: VQModel) -> LlamaGenTarget:
     return LlamaGenTarget(gpt, VQTokenizer(vq, IMAGE_SIZE), None, "shapes", SamplingConfig())
 
 
-def sequence_loss(target: LlamaGenTarget, cond: Condition, tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy over the image tokens (the prefix's last row predicts token 0)."""
+def token_nll(target: Target, cond: Condition, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, N] next-token cross-entropy of each image token (the prefix's last row predicts token 0)."""
     logits = target.forward_sequence(cond, tokens).logits[:, target.prefix_length - 1 : -1]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+    return F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
+
+
+def sequence_loss(target: LlamaGenTarget, cond: Condition, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the image tokens: the training loss."""
+    return token_nll(target, cond, tokens).mean()
 
 
 def train_target(
