@@ -19,6 +19,7 @@ from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig
 from vdtrain.shapes.build import (
     OptimConfig,
+    load_init_target,
     save_llamagen_checkpoint,
     target_report,
     tokenizer_report,
@@ -27,7 +28,7 @@ from vdtrain.shapes.build import (
     write_target_folder,
 )
 from vdtrain.shapes.report import caption_sensitivity, consistency_report, sample_grid
-from vdtrain.targets.llamagen import load_gpt, load_vq
+from vdtrain.targets.llamagen import load_vq
 from vdtrain.targets.shapes import load_target_folder
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def main(cfg: DictConfig) -> None:
         vq = load_vq(out / "vq.pt", vq_config)
         gpt_config = replace(GPTConfig(), **OmegaConf.to_container(cfg.target.gpt))
         init = (
-            load_gpt(hydra.utils.to_absolute_path(cfg.target.init_from), gpt_config)
+            load_init_target(hydra.utils.to_absolute_path(cfg.target.init_from), gpt_config)
             if cfg.target.init_from
             else None
         )

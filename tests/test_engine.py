@@ -149,8 +149,13 @@ def test_greedy_speculative_decoding_matches_ar(builder, cfg_scale):
     assert torch.equal(result.tokens, ar)
 
 
-def test_a_target_with_identity_caption_rope_decodes_exactly_and_its_drafter_follows_it():
-    target = make_target(replace(TINY_GPT, caption_rope="identity"))
+@pytest.mark.parametrize("learned_pos_embedding", [False, True])
+def test_a_target_with_identity_caption_rope_decodes_exactly_and_its_drafter_follows_it(
+    learned_pos_embedding,
+):
+    target = make_target(
+        replace(TINY_GPT, caption_rope="identity", learned_pos_embedding=learned_pos_embedding)
+    )
     drafter = make_drafter(target)
     assert drafter.config.caption_rope == "identity"
     assert torch.equal(drafter.rope[: target.prefix_length, :, 0], torch.ones_like(drafter.rope[:5, :, 0]))

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from conftest import tiny_condition
+from conftest import TINY_GPT, random_gpt, tiny_condition
 
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.models.llamagen_gpt import apply_rope, prefix_causal_mask, rope_2d_table
-from vdtrain.targets.llamagen import left_pad
+from vdtrain.models.llamagen_gpt import LlamaGenGPT, apply_rope, prefix_causal_mask, rope_2d_table
+from vdtrain.targets.llamagen import LlamaGenTarget, left_pad
 
 
 def test_rope_prefix_rows_are_zero_so_caption_queries_vanish():
@@ -49,7 +51,34 @@ def test_left_pad_moves_real_tokens_last_and_zeroes_padding():
     assert out[0, :, 0].tolist() == [0.0, 0.0, 1.0, 2.0]
 
 
-def test_cached_decoding_matches_the_teacher_forced_pass(tiny_target):
+@pytest.fixture(params=["llamagen", "learned_pos_embedding"])
+def any_target(request, tiny_target):
+    if request.param == "llamagen":
+        return tiny_target
+    config = replace(TINY_GPT, learned_pos_embedding=True)
+    return replace_gpt(tiny_target, random_gpt(config))
+
+
+def replace_gpt(target, gpt):
+    return LlamaGenTarget(gpt, target.tokenizer, None, "tiny", target.sampling_defaults)
+
+
+def test_the_position_table_is_optional_zero_at_start_and_absent_from_official_checkpoints():
+    assert "pos_embedding" not in LlamaGenGPT(TINY_GPT).state_dict()
+    with_table = LlamaGenGPT(replace(TINY_GPT, learned_pos_embedding=True))
+    assert with_table.pos_embedding.shape == (TINY_GPT.max_seq_len, TINY_GPT.dim)
+    assert not with_table.pos_embedding.any()  # starts as LlamaGen
+    plain = LlamaGenGPT(TINY_GPT)
+    plain.load_state_dict({k: v for k, v in with_table.state_dict().items() if k != "pos_embedding"})
+    x, positions = torch.randn(2, 7, TINY_GPT.dim), torch.arange(3, 10)
+    torch.testing.assert_close(with_table(x, positions, None), plain(x, positions, None))
+    with torch.no_grad():
+        with_table.pos_embedding.normal_()
+    assert not torch.allclose(with_table(x, positions, None), plain(x, positions, None))
+
+
+def test_cached_decoding_matches_the_teacher_forced_pass(any_target):
+    tiny_target = any_target
     cond = tiny_condition()
     tokens = torch.randint(0, tiny_target.vocab_size, (2, tiny_target.num_image_tokens))
     full = tiny_target.forward_sequence(cond, tokens)

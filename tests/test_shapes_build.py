@@ -9,8 +9,16 @@ import pytest
 import torch
 from conftest import TINY_VQ
 
+from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
-from vdtrain.shapes.build import OptimConfig, _lr_factor, train_target, train_tokenizer
+from vdtrain.shapes.build import (
+    OptimConfig,
+    _lr_factor,
+    load_init_target,
+    save_llamagen_checkpoint,
+    train_target,
+    train_tokenizer,
+)
 
 # MiniLM's width and a 16x16 grid: what the real caption encoder and 64 px images give.
 SMALL_GPT = GPTConfig(
@@ -55,3 +63,14 @@ def test_a_spent_time_budget_stops_training_after_the_step_that_spent_it(vq):
     assert info["train_steps"] == 1
     with pytest.raises(ValueError, match="max_minutes must be positive"):
         train_target(SMALL_GPT, vq, OPT, n_samples=4, max_minutes=0.0)
+
+
+def test_a_target_continues_with_a_position_table_switched_on(vq, tmp_path):
+    plain, _ = train_target(SMALL_GPT, vq, OPT, n_samples=4)
+    save_llamagen_checkpoint(plain, tmp_path / "gpt.pt")
+    grown = load_init_target(tmp_path / "gpt.pt", replace(SMALL_GPT, learned_pos_embedding=True))
+    x, positions = torch.randn(1, 5, SMALL_GPT.dim), torch.arange(40, 45)
+    torch.testing.assert_close(grown(x, positions, None), plain(x, positions, None))  # unchanged at start
+    assert torch.equal(load_init_target(tmp_path / "gpt.pt", SMALL_GPT).output.weight, plain.output.weight)
+    with pytest.raises(CheckpointError, match="missing"):  # anything else must match exactly
+        load_init_target(tmp_path / "gpt.pt", replace(SMALL_GPT, n_layer=2))

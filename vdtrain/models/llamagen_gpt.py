@@ -49,6 +49,11 @@ class GPTConfig:
     # tokens read a uniform average of caption values. "identity" leaves them unrotated (no position,
     # content-based attention to the caption); the shapes target uses it (docs/shapes_world.md).
     caption_rope: str = "zero"
+    # A learned embedding per sequence position (caption rows and image grid), added to the inputs and
+    # zero at initialisation. Not in LlamaGen, whose only position signal is RoPE (relative): off by
+    # default, and official checkpoints have no such key. The shapes target uses it: a 4-layer toy
+    # trained on a CPU barely learns where on the grid it is from RoPE alone (docs/shapes_world.md).
+    learned_pos_embedding: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -277,14 +282,19 @@ class LlamaGenGPT(nn.Module):
             config.grid_size, config.head_dim, config.rope_base, config.cls_token_num, config.caption_rope
         )
         self.register_buffer("rope", rope, persistent=False)
+        if config.learned_pos_embedding:
+            self.pos_embedding = nn.Parameter(torch.zeros(config.max_seq_len, config.dim))
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        """The official initialisation: N(0, 0.02) for linears and embeddings, a zero output head."""
+        """The official initialisation: N(0, 0.02) for linears and embeddings, a zero output head (and a
+        zero position table, so a model starts as LlamaGen's)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
         nn.init.zeros_(self.output.weight)
+        if self.config.learned_pos_embedding:
+            nn.init.zeros_(self.pos_embedding)
 
     def embed_caption(self, caption: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
         return self.cls_embedding(caption, drop)
@@ -301,6 +311,8 @@ class LlamaGenGPT(nn.Module):
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
         rope = self.rope[positions]
+        if self.config.learned_pos_embedding:
+            x = x + self.pos_embedding[positions].to(x.dtype)
         h = self.tok_dropout(x)
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask, cache, i, slots)

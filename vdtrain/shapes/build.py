@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from vdtrain.checkpoint_io import load_strict, read_state_dict
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.text_encoders import HFTextEncoder, minilm_path
 from vdtrain.models.vq import VQConfig, VQModel
@@ -163,6 +164,21 @@ def token_nll(target: Target, cond: Condition, tokens: torch.Tensor) -> torch.Te
 def sequence_loss(target: LlamaGenTarget, cond: Condition, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the image tokens: the training loss."""
     return token_nll(target, cond, tokens).mean()
+
+
+def load_init_target(path: str | Path, config: GPTConfig) -> LlamaGenGPT:
+    """A saved target to continue training from, loaded strictly against ``config``.
+
+    One exception: a checkpoint saved without ``learned_pos_embedding`` may continue with it switched
+    on; its table starts at zero, which leaves every output unchanged.
+    """
+    state = read_state_dict(path)
+    if config.learned_pos_embedding and "pos_embedding" not in state:
+        log.info("%s has no position table: continuing with learned_pos_embedding from zero", path)
+        state["pos_embedding"] = torch.zeros(config.max_seq_len, config.dim)
+    gpt = LlamaGenGPT(config)
+    load_strict(gpt, state, f"target to continue from ({path})")
+    return gpt.eval()
 
 
 def train_target(
