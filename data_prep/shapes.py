@@ -27,7 +27,7 @@ from vdtrain.shapes.build import (
     train_tokenizer,
     write_target_folder,
 )
-from vdtrain.shapes.report import caption_sensitivity, consistency_report, position_probe, sample_grid
+from vdtrain.shapes.report import caption_sensitivity, consistency_report, sample_grid
 from vdtrain.targets.llamagen import load_vq
 from vdtrain.targets.shapes import load_target_folder
 
@@ -106,7 +106,7 @@ def _training_history(target_metrics: dict | None) -> list[dict]:
 
 def write_report(folder: Path, cfg: DictConfig, metrics: dict) -> None:
     """Caption-consistency at each CFG scale vs random tokens and VQ reconstructions, sample grids, and
-    the two teacher-forced probes (caption sensitivity, grid position)."""
+    the teacher-forced caption sensitivity."""
     target = load_target_folder(folder)
     scores, images, captions = consistency_report(
         target, cfg.n_captions, tuple(cfg.cfg_scales), cfg.temperature, cfg.seed, cfg.batch_size
@@ -116,11 +116,9 @@ def write_report(folder: Path, cfg: DictConfig, metrics: dict) -> None:
     for scale, imgs in images.items():
         sample_grid(imgs, captions).save(docs / f"samples_cfg{scale:g}.png")
     sensitivity = caption_sensitivity(target, cfg.sensitivity_scenes, cfg.seed, cfg.batch_size)
-    position = position_probe(target, cfg.sensitivity_scenes, cfg.batch_size)
     report = {
         "consistency": scores,
         "caption_sensitivity": sensitivity,
-        "position_probe": position,
         "settings": OmegaConf.to_container(cfg),
         "tokenizer": metrics.get("tokenizer"),
         "target": metrics.get("target"),
@@ -128,7 +126,6 @@ def write_report(folder: Path, cfg: DictConfig, metrics: dict) -> None:
     (docs / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     log.info("consistency: %s", scores)
     log.info("caption sensitivity (nats per image): %s", sensitivity)
-    log.info("position probe (grid cells): %s", position)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,13 @@
-"""Probes of what the shapes target has learnt (``vdtrain.shapes.report``): caption and grid position."""
+"""The teacher-forced caption-sensitivity probe of the shapes target (``vdtrain.shapes.report``)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
-import torch
 
-from vdtrain.models.llamagen_gpt import LlamaGenGPT
 from vdtrain.shapes import report
-from vdtrain.shapes.report import CAPTION_EDITS, caption_sensitivity, edit_scene, position_probe
+from vdtrain.shapes.report import CAPTION_EDITS, caption_sensitivity, edit_scene
 from vdtrain.shapes.scene import HELDOUT_SEED, describe, generate, object_colours_for, parse_caption
-from vdtrain.targets.llamagen import LlamaGenTarget
 from vdtrain.targets.shapes import load_target_folder
 
 
@@ -46,29 +41,3 @@ def test_sensitivity_compares_each_image_under_two_captions_phrased_alike(tiny_f
     monkeypatch.setattr(report, "edit_scene", lambda scene, edit, rng: scene)
     unchanged = caption_sensitivity(target, n_scenes=4, batch_size=2)
     assert all(r == {"nats": 0.0, "true_caption_preferred": 0.0} for r in unchanged.values())
-
-
-def test_the_position_probe_reads_positions_only_from_a_target_that_carries_them(tiny_folder) -> None:
-    target = load_target_folder(tiny_folder)
-    plain = position_probe(target, n_images=8, batch_size=4)
-    assert plain["row_error_guessing_the_mean"] == pytest.approx(4.0)  # 16 rows, uniform
-    gpt = target.gpt
-    config = replace(gpt.config, learned_pos_embedding=True)
-    # A table that spells out row and column in two directions and dwarfs everything else in the stream.
-    index = torch.arange(gpt.config.block_size)
-    table = torch.zeros(config.max_seq_len, config.dim)
-    table[:, 0] = 100.0
-    table[config.cls_token_num :, 1] = 5.0 * (index // 16)
-    table[config.cls_token_num :, 2] = 5.0 * (index % 16)
-    with_table = LlamaGenGPT(config)
-    with_table.load_state_dict({**gpt.state_dict(), "pos_embedding": table})
-    placed = position_probe(
-        LlamaGenTarget(
-            with_table.eval(), target.tokenizer, target.caption_encoder, "t", target.sampling_defaults
-        ),
-        n_images=8,
-        batch_size=4,
-    )
-    for axis in ("row", "column"):
-        assert placed[f"{axis}_error"] < 0.5 * placed[f"{axis}_error_guessing_the_mean"]
-        assert placed[f"{axis}_error"] < plain[f"{axis}_error"]

@@ -152,33 +152,3 @@ def caption_sensitivity(
         preferred = float((cost > 0).float().mean())
         result[edit] = {"nats": float(cost.mean()), "true_caption_preferred": preferred}
     return result
-
-
-@torch.no_grad()
-def position_probe(target: Target, n_images: int = 96, batch_size: int = 32) -> dict[str, float]:
-    """How well a linear map reads each image token's grid row and column from the target's final hidden
-    state, as mean absolute error in grid cells next to the error of always guessing the mean.
-
-    Placing an object in the cell its caption names needs exactly this knowledge, and RoPE only gives
-    relative positions. Fitted on three quarters of the held-out images, scored on the rest.
-    """
-    samples = generate(n_images, HELDOUT_SEED)
-    tokens = target.tokenizer.encode(images_to_tensor([s.image for s in samples])).flatten(1)
-    hidden = []
-    for start in range(0, n_images, batch_size):
-        cond = target.encode_captions([s.caption for s in samples[start : start + batch_size]])
-        out = target.forward_sequence(cond, tokens[start : start + batch_size])
-        hidden.append(out.hidden[:, target.prefix_length :].double())
-    h = torch.cat(hidden)  # [N, grid², dim]: the state at token i, which predicts token i + 1
-    fit = (3 * n_images) // 4
-    design = torch.cat([h, torch.ones(*h.shape[:-1], 1, dtype=h.dtype)], dim=-1)
-    side = target.grid[1]
-    index = torch.arange(h.shape[1])
-    result = {}
-    for name, value in (("row", index // side), ("column", index % side)):
-        y = value.double().expand(len(h), -1)
-        w = torch.linalg.lstsq(design[:fit].flatten(0, 1), y[:fit].reshape(-1, 1)).solution
-        predicted = (design[fit:].flatten(0, 1) @ w).squeeze(1)
-        result[f"{name}_error"] = float((predicted - y[fit:].reshape(-1)).abs().mean())
-        result[f"{name}_error_guessing_the_mean"] = float((y[fit:] - y[:fit].mean()).abs().mean())
-    return result
