@@ -55,12 +55,8 @@ def test_left_pad_moves_real_tokens_last_and_zeroes_padding():
 def any_target(request, tiny_target):
     if request.param == "llamagen":
         return tiny_target
-    config = replace(TINY_GPT, learned_pos_embedding=True)
-    return replace_gpt(tiny_target, random_gpt(config))
-
-
-def replace_gpt(target, gpt):
-    return LlamaGenTarget(gpt, target.tokenizer, None, "tiny", target.sampling_defaults)
+    gpt = random_gpt(replace(TINY_GPT, learned_pos_embedding=True))
+    return LlamaGenTarget(gpt, tiny_target.tokenizer, None, "tiny", tiny_target.sampling_defaults)
 
 
 def test_the_position_table_is_optional_zero_at_start_and_absent_from_official_checkpoints():

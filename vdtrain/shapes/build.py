@@ -161,7 +161,7 @@ def token_nll(target: Target, cond: Condition, tokens: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
 
 
-def sequence_loss(target: LlamaGenTarget, cond: Condition, tokens: torch.Tensor) -> torch.Tensor:
+def sequence_loss(target: Target, cond: Condition, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the image tokens: the training loss."""
     return token_nll(target, cond, tokens).mean()
 

@@ -28,7 +28,6 @@ from vdtrain.shapes.scene import (
     describe,
     generate,
     object_colours_for,
-    render,
 )
 from vdtrain.targets.base import Target
 
@@ -93,7 +92,7 @@ def sample_grid(images: np.ndarray, captions: list[str], n: int = 16, columns: i
     return captioned_grid(list(images[:n]), captions[:n], columns=columns, scale=3)
 
 
-# What a caption edit changes in a one-object scene, and the values it may take instead.
+# The attribute of a one-object scene that each caption edit changes (see edit_scene).
 CAPTION_EDITS = ("background colour", "object cell", "object colour", "object shape", "object size")
 
 
@@ -130,10 +129,11 @@ def caption_sensitivity(
     share of images that the true caption explains better. A target that reads an attribute from its
     caption pays many nats for each wrong one; one that ignores it pays nothing.
     """
-    scenes = [s.scene for s in generate(8 * n_scenes, HELDOUT_SEED) if len(s.scene.objects) == 1][:n_scenes]
-    if len(scenes) < n_scenes:
-        raise ValueError(f"only {len(scenes)} one-object held-out scenes among the first {8 * n_scenes}")
-    tokens = target.tokenizer.encode(images_to_tensor([render(s) for s in scenes])).flatten(1)
+    samples = [s for s in generate(8 * n_scenes, HELDOUT_SEED) if len(s.scene.objects) == 1][:n_scenes]
+    if len(samples) < n_scenes:
+        raise ValueError(f"only {len(samples)} one-object held-out scenes among the first {8 * n_scenes}")
+    scenes = [s.scene for s in samples]
+    tokens = target.tokenizer.encode(images_to_tensor([s.image for s in samples])).flatten(1)
     rng = np.random.default_rng(seed)
 
     def image_nll(edited: list[Scene]) -> torch.Tensor:
