@@ -109,7 +109,7 @@ def write_report(folder: Path, cfg: DictConfig, metrics: dict) -> None:
     the teacher-forced caption sensitivity."""
     target = load_target_folder(folder)
     scores, images, captions = consistency_report(
-        target, cfg.n_captions, tuple(cfg.cfg_scales), cfg.temperature, cfg.seed, cfg.batch_size
+        target, cfg.n_captions, tuple(cfg.cfg_scales), cfg.temperature, cfg.seed, cfg.batch_size, cfg.top_k
     )
     docs = Path(hydra.utils.to_absolute_path(cfg.docs_dir))
     docs.mkdir(parents=True, exist_ok=True)

@@ -41,3 +41,15 @@ def test_sensitivity_compares_each_image_under_two_captions_phrased_alike(tiny_f
     monkeypatch.setattr(report, "edit_scene", lambda scene, edit, rng: scene)
     unchanged = caption_sensitivity(target, n_scenes=4, batch_size=2)
     assert all(r == {"nats": 0.0, "true_caption_preferred": 0.0} for r in unchanged.values())
+
+
+def test_report_top_k_overrides_the_targets_default(tiny_folder) -> None:
+    target = load_target_folder(tiny_folder)
+    assert target.sampling_defaults.top_k != 1
+    kwargs = {"n_captions": 2, "cfg_scales": (3.0,), "seed": 0, "batch_size": 2}
+    _, greedy, _ = report.consistency_report(target, temperature=0.0, **kwargs)
+    _, top_1, _ = report.consistency_report(target, temperature=1.0, top_k=1, **kwargs)
+    _, sampled, _ = report.consistency_report(target, temperature=1.0, **kwargs)
+    # top_k 1 at T = 1 keeps only the mode: the same images as greedy decoding, unlike plain sampling.
+    assert np.array_equal(top_1[3.0], greedy[3.0])
+    assert not np.array_equal(sampled[3.0], greedy[3.0])

@@ -67,6 +67,7 @@ def consistency_report(
     temperature: float = 1.0,
     seed: int = 0,
     batch_size: int = 16,
+    top_k: int | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[float, np.ndarray], list[str]]:
     samples = generate(n_captions, HELDOUT_SEED)
     captions = [s.caption for s in samples]
@@ -82,6 +83,8 @@ def consistency_report(
     }
     images = {}
     base = replace(target.sampling_defaults, temperature=temperature)
+    if top_k is not None:
+        base = replace(base, top_k=top_k)
     for scale in cfg_scales:
         images[scale] = sample_images(target, captions, replace(base, cfg_scale=scale), seed, batch_size)
         scores[f"cfg_{scale:g}"] = _score(images[scale], captions)
