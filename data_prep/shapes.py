@@ -2,6 +2,7 @@
 
 python -m data_prep.shapes                       # both stages, into checkpoints/shapes/target
 python -m data_prep.shapes stages=[target] target.max_minutes=10
+python -m data_prep.shapes stages=[target] target.device=cuda target.bf16=true target.workers=16 ...
 """
 
 from __future__ import annotations
@@ -77,16 +78,26 @@ def main(cfg: DictConfig) -> None:
             init=init,
             checkpoint_every=cfg.target.checkpoint_every,
             on_checkpoint=checkpoint,
+            device=cfg.target.device,
+            bf16=cfg.target.bf16,
+            workers=cfg.target.workers,
         )
         history = [
             *earlier,
-            {**train_info, "init_from": cfg.target.init_from, "optim": dict(cfg.target.optim)},
+            {
+                **train_info,
+                "init_from": cfg.target.init_from,
+                "optim": dict(cfg.target.optim),
+                "n_samples": cfg.target.n_samples,
+                "device": cfg.target.device,
+                "bf16": cfg.target.bf16,
+            },
         ]
         metrics["target"] = {
             "train_steps": sum(run["train_steps"] for run in history),
             "train_minutes": sum(run["train_minutes"] for run in history),
             "train_history": history,
-            **target_report(gpt, vq, cfg.target.report_samples),
+            **target_report(gpt, vq, cfg.target.report_samples, cfg.target.device),
         }
         log.info("target: %s", metrics["target"])
         write_target_folder(out, gpt, vq, sampling, metrics)

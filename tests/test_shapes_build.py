@@ -74,3 +74,9 @@ def test_a_target_continues_with_a_position_table_switched_on(vq, tmp_path):
     assert torch.equal(load_init_target(tmp_path / "gpt.pt", SMALL_GPT).output.weight, plain.output.weight)
     with pytest.raises(CheckpointError, match="missing"):  # anything else must match exactly
         load_init_target(tmp_path / "gpt.pt", replace(SMALL_GPT, n_layer=2))
+
+
+def test_bf16_autocast_trains_fp32_weights(vq):
+    gpt, info = train_target(SMALL_GPT, vq, OPT, n_samples=4, bf16=True)
+    assert info["train_steps"] == OPT.steps
+    assert all(p.dtype == torch.float32 and p.isfinite().all() for p in gpt.parameters())

@@ -6,6 +6,7 @@ so the shipped toy loads through exactly the code that loads the released models
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -138,11 +139,13 @@ def tokenizer_report(vq: VQModel, n_images: int) -> dict[str, float]:
 def encode_dataset(
     samples: list, vq: VQModel, encoder: HFTextEncoder, batch: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [N, 256] long, caption features [N, L, D] fp16 left-padded, masks [N, L] bool)."""
+    """(tokens [N, 256] long, caption features [N, L, D] fp16 left-padded, masks [N, L] bool), on the
+    device of ``vq`` (the encoder must share it)."""
     toks, feats, masks = [], [], []
+    device = next(vq.parameters()).device
     for start in tqdm(range(0, len(samples), batch), desc="encode", mininterval=5):
         chunk = samples[start : start + batch]
-        toks.append(vq.encode(images_to_tensor([s.image for s in chunk])).flatten(1))
+        toks.append(vq.encode(images_to_tensor([s.image for s in chunk]).to(device)).flatten(1))
         f, m = left_pad(*encoder([s.caption for s in chunk]))
         feats.append(f.half())
         masks.append(m)
@@ -190,6 +193,9 @@ def train_target(
     init: LlamaGenGPT | None = None,
     checkpoint_every: int = 0,
     on_checkpoint: Callable[[LlamaGenGPT, dict[str, float]], None] | None = None,
+    device: str = "cpu",
+    bf16: bool = False,
+    workers: int = 1,
 ) -> tuple[LlamaGenGPT, dict[str, float]]:
     """Teacher-forced next-token training with class dropout (the null caption for ``class_dropout_prob``
     of the samples), as LlamaGen trains.
@@ -197,14 +203,20 @@ def train_target(
     ``init`` continues from an earlier target (same config); ``on_checkpoint`` receives the model every
     ``checkpoint_every`` steps so a long CPU run can be inspected and stopped at any point. With a
     ``max_minutes`` budget the cosine schedule follows whichever of steps and time runs out first.
+    The whole encoded dataset lives on ``device``; ``bf16`` runs the forward pass under bf16 autocast
+    (weights and optimiser stay fp32), ``workers`` processes render the scenes.
     """
     if max_minutes is not None and max_minutes <= 0:
         raise ValueError(f"target.max_minutes must be positive (or null for no budget), got {max_minutes}")
-    encoder = HFTextEncoder(minilm_path(), "bert", max_length=config.cls_token_num)
-    tokens, feats, masks = encode_dataset(generate(n_samples, TRAIN_SEED), vq, encoder)
+    samples = generate(n_samples, TRAIN_SEED, workers)
+    vq = vq.to(device)
+    encoder = HFTextEncoder(minilm_path(), "bert", max_length=config.cls_token_num).to(device)
+    tokens, feats, masks = encode_dataset(samples, vq, encoder)
+    del samples, encoder
     gpt = init if init is not None else LlamaGenGPT(config)
     if gpt.config != config:
         raise ValueError(f"init target has config {gpt.config}, expected {config}")
+    gpt.to(device)
     target = _target(gpt, vq)
     gpt.train().requires_grad_(True)
     optimizer = _optimizer(list(gpt.parameters()), opt)
@@ -225,8 +237,10 @@ def train_target(
         _set_lr(optimizer, opt, step, progress)
         rows = torch.randint(len(tokens), (opt.batch_size,), generator=gen)
         drop = torch.rand(opt.batch_size, generator=gen) < config.class_dropout_prob
+        rows = rows.to(device)
         cond = target.with_null(Condition(feats[rows].float(), masks[rows]), drop)
-        loss = sequence_loss(target, cond, tokens[rows])
+        with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=bf16):
+            loss = sequence_loss(target, cond, tokens[rows])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(gpt.parameters(), opt.grad_clip)
@@ -234,31 +248,32 @@ def train_target(
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
         if on_checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
-            gpt.eval()
-            on_checkpoint(gpt, info(step + 1))
-            gpt.train()
+            on_checkpoint(copy.deepcopy(gpt).cpu().eval(), info(step + 1))
         if max_minutes is not None and minutes() > max_minutes:
             log.warning(
                 "stopping target training at step %d: time budget of %s min reached", step, max_minutes
             )
             break
     gpt.eval().requires_grad_(False)
-    return gpt, info(step + 1)
+    vq.cpu()
+    return gpt.cpu(), info(step + 1)
 
 
 @torch.no_grad()
-def target_report(gpt: LlamaGenGPT, vq: VQModel, n_samples: int) -> dict[str, float]:
-    """Held-out per-token NLL (nats) of the ground-truth tokens, conditional and unconditional."""
-    encoder = HFTextEncoder(minilm_path(), "bert", max_length=gpt.config.cls_token_num)
+def target_report(gpt: LlamaGenGPT, vq: VQModel, n_samples: int, device: str = "cpu") -> dict[str, float]:
+    """Held-out per-token NLL (nats) of the ground-truth tokens, conditional and unconditional (fp32)."""
+    vq, gpt = vq.to(device), gpt.to(device)
+    encoder = HFTextEncoder(minilm_path(), "bert", max_length=gpt.config.cls_token_num).to(device)
     tokens, feats, masks = encode_dataset(generate(n_samples, HELDOUT_SEED), vq, encoder)
     target = _target(gpt, vq)
     cond = Condition(feats.float(), masks)
     nll, nll_null = [], []
     for start in range(0, n_samples, 64):
-        rows = torch.arange(start, min(start + 64, n_samples))
+        rows = torch.arange(start, min(start + 64, n_samples), device=tokens.device)
         part = cond.select(rows)
         nll.append(sequence_loss(target, part, tokens[rows]).item() * len(rows))
         nll_null.append(sequence_loss(target, target.null_condition(part), tokens[rows]).item() * len(rows))
+    vq.cpu(), gpt.cpu()
     return {
         "heldout_nll": sum(nll) / n_samples,
         "heldout_nll_null_caption": sum(nll_null) / n_samples,
@@ -268,7 +283,7 @@ def target_report(gpt: LlamaGenGPT, vq: VQModel, n_samples: int) -> dict[str, fl
 
 def save_llamagen_checkpoint(module: torch.nn.Module, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": module.state_dict()}, path)
+    torch.save({"model": {k: v.cpu() for k, v in module.state_dict().items()}}, path)
 
 
 def write_target_folder(
