@@ -78,6 +78,15 @@ def test_exact_method_reproduces_ar_at_temperature_zero_and_relaxed_ones_are_lef
     assert rows["gsd", 1.0].identical_to_ar is None
 
 
+def test_the_untimed_warm_up_changes_no_sample(target, drafter, evaluated):
+    cold = evaluate(target, drafter, PROMPTS, ["eagle2", "gsd"], [0, 1], batch_size=2, progress=False,
+                    warmup=False)  # fmt: skip
+    warm, _ = evaluated
+    for key, images in warm.images.items():  # T = 1 too: the warm-up draws from generators of its own
+        assert np.array_equal(cold.images[key], images)
+    assert [(r.S, r.tau, r.TPF) for r in cold.rows] == [(r.S, r.tau, r.TPF) for r in warm.rows]
+
+
 def test_rows_carry_speedups_statistics_maps_and_images(evaluated):
     result, _ = evaluated
     rows = rows_by_key(result)

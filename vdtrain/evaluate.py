@@ -72,6 +72,7 @@ def run(cfg: DictConfig) -> EvalResult:
         batch_size=cfg.batch_size,
         quality=quality,
         image_dir=out / "images" if cfg.save_images else None,
+        warmup=cfg.warmup,
     )
     settings: dict[str, Any] = {
         "command": " ".join(["python -m vdtrain.evaluate", *sys.argv[1:]]),

@@ -72,7 +72,8 @@ def _draw(p: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def _uniform(generator: torch.Generator | None) -> float:
-    return float(torch.rand((), generator=generator))
+    device = generator.device if generator is not None else None  # a CUDA generator draws on its GPU
+    return float(torch.rand((), generator=generator, device=device))
 
 
 def residual(p: torch.Tensor, q: torch.Tensor, removed: torch.Tensor) -> torch.Tensor:

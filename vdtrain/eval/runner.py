@@ -123,6 +123,7 @@ def evaluate(
     quality: QualityConfig | None = None,
     image_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
+    warmup: bool = True,
 ) -> EvalResult:
     """Rows, per-position maps and images for AR and every method at every temperature.
 
@@ -130,7 +131,9 @@ def evaluate(
     ``exact_only_at_zero``, relaxed (lossy) methods are left out: greedy decoding makes them meaningless.
     ``quality`` None scores shapes-world captions by consistency and other prompts by the real-image
     metrics (each "not available" unless configured, see ``QualityConfig``). With ``image_dir``, every
-    image is saved as ``<image_dir>/<method>_T<t>/<prompt index:04d>.png``.
+    image is saved as ``<image_dir>/<method>_T<t>/<prompt index:04d>.png``. ``warmup`` first decodes one
+    prompt, untimed, with a separate instance of each method: on a GPU the first calls pay for CUDA
+    context, library handles and kernel loading, which would otherwise land on whichever method ran first.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate (the prompt set is empty)")
@@ -152,6 +155,8 @@ def evaluate(
         for temperature, config in runs:
             bar.set_description(f"{config.name} T={temperature:g}")
             sampling = replace(target.sampling_defaults, temperature=temperature)
+            if warmup:
+                decode_prompts(build_method(config, target, drafter, sampling), target, prompts[:1], seed, 1)
             method = build_method(config, target, drafter, sampling)
             decoded = decode_prompts(method, target, prompts, seed, batch_size, bar)
             images, vq_seconds = vq_decode(target, decoded.tokens, batch_size)
