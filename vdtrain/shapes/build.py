@@ -6,7 +6,6 @@ so the shipped toy loads through exactly the code that loads the released models
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import math
@@ -209,7 +208,7 @@ def train_target(
     if max_minutes is not None and max_minutes <= 0:
         raise ValueError(f"target.max_minutes must be positive (or null for no budget), got {max_minutes}")
     samples = generate(n_samples, TRAIN_SEED, workers)
-    vq = vq.to(device)
+    vq.to(device)
     encoder = HFTextEncoder(minilm_path(), "bert", max_length=config.cls_token_num).to(device)
     tokens, feats, masks = encode_dataset(samples, vq, encoder)
     del samples, encoder
@@ -235,9 +234,8 @@ def train_target(
         if max_minutes is not None:
             progress = max(progress, minutes() / max_minutes)
         _set_lr(optimizer, opt, step, progress)
-        rows = torch.randint(len(tokens), (opt.batch_size,), generator=gen)
+        rows = torch.randint(len(tokens), (opt.batch_size,), generator=gen).to(device)
         drop = torch.rand(opt.batch_size, generator=gen) < config.class_dropout_prob
-        rows = rows.to(device)
         cond = target.with_null(Condition(feats[rows].float(), masks[rows]), drop)
         with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=bf16):
             loss = sequence_loss(target, cond, tokens[rows])
@@ -248,7 +246,9 @@ def train_target(
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
         if on_checkpoint is not None and checkpoint_every and (step + 1) % checkpoint_every == 0:
-            on_checkpoint(copy.deepcopy(gpt).cpu().eval(), info(step + 1))
+            gpt.eval()  # saved checkpoints hold CPU tensors whatever the training device
+            on_checkpoint(gpt, info(step + 1))
+            gpt.train()
         if max_minutes is not None and minutes() > max_minutes:
             log.warning(
                 "stopping target training at step %d: time budget of %s min reached", step, max_minutes
@@ -262,7 +262,8 @@ def train_target(
 @torch.no_grad()
 def target_report(gpt: LlamaGenGPT, vq: VQModel, n_samples: int, device: str = "cpu") -> dict[str, float]:
     """Held-out per-token NLL (nats) of the ground-truth tokens, conditional and unconditional (fp32)."""
-    vq, gpt = vq.to(device), gpt.to(device)
+    vq.to(device)
+    gpt.to(device)
     encoder = HFTextEncoder(minilm_path(), "bert", max_length=gpt.config.cls_token_num).to(device)
     tokens, feats, masks = encode_dataset(generate(n_samples, HELDOUT_SEED), vq, encoder)
     target = _target(gpt, vq)
@@ -273,7 +274,8 @@ def target_report(gpt: LlamaGenGPT, vq: VQModel, n_samples: int, device: str = "
         part = cond.select(rows)
         nll.append(sequence_loss(target, part, tokens[rows]).item() * len(rows))
         nll_null.append(sequence_loss(target, target.null_condition(part), tokens[rows]).item() * len(rows))
-    vq.cpu(), gpt.cpu()
+    vq.cpu()
+    gpt.cpu()
     return {
         "heldout_nll": sum(nll) / n_samples,
         "heldout_nll_null_caption": sum(nll_null) / n_samples,
