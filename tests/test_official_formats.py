@@ -374,6 +374,25 @@ def test_build_target_end_to_end_with_a_t5_folder(t5_folder, checkpoint_files):
     assert images.shape == (2, 3, IMAGE_SIZE, IMAGE_SIZE) and images.abs().max() <= 1
 
 
+def test_llamagen_targets_clean_captions_before_t5_and_the_shapes_target_does_not(
+    t5_folder, checkpoint_files, tiny_folder
+):
+    from vdtrain.targets.shapes import load_target_folder
+
+    messy = "<b>A RED</b> Square https://shop.com/red"
+    target = build_llamagen_target(e2e_spec(*checkpoint_files, t5_folder))  # the default: llamagen
+    cond, clean = target.encode_captions([messy]), target.encode_captions(["a red square"])
+    assert cond.captions == [messy]  # the condition keeps the caption as given
+    assert torch.equal(cond.features, clean.features) and torch.equal(cond.mask, clean.mask)
+    raw = build_llamagen_target(e2e_spec(*checkpoint_files, t5_folder, text_preprocessing="none"))
+    assert not torch.equal(raw.encode_captions([messy]).features, clean.features)
+    with pytest.raises(ValueError, match="unknown text_preprocessing 'lower'"):
+        build_llamagen_target(e2e_spec(*checkpoint_files, t5_folder, text_preprocessing="lower"))
+
+    shapes = load_target_folder(tiny_folder)  # MiniLM captions go in as written
+    assert shapes.caption_encoder.preprocess(" A <b>red</b> circle ") == "A <b>red</b> circle"
+
+
 def test_caption_width_must_match_the_gpt(t5_folder, tmp_path):
     narrow = dataclasses.replace(E2E_GPT, caption_dim=12)
     gpt_path = save_checkpoint(tmp_path / "gpt.pt", random_gpt(narrow).state_dict(), "model")

@@ -28,7 +28,7 @@ class TargetConfig:
     image_size: int = 256
     text_encoder_path: str | None = None  # local folder of flan-t5-xl
     text_encoder_kind: str = "t5"  # t5 | bert
-    text_lowercase: bool = False
+    text_preprocessing: str = "llamagen"  # kind=llamagen: llamagen (official cleaning) | lowercase | none
     caption_overflow: str = "truncate"  # truncate (warn) | error
     sampling: dict[str, Any] = field(default_factory=dict)  # the target's sampling defaults
     quality: str | None = None  # per-image quality metric (shapes_consistency) or null

@@ -36,8 +36,8 @@ class SamplingConfig:
 
     @property
     def uses_cfg(self) -> bool:
-        """An unconditional stream is only run when it changes the result."""
-        return self.cfg_scale != 1.0
+        """LlamaGen's rule: guidance (and its unconditional stream) only when ``cfg_scale > 1``."""
+        return self.cfg_scale > 1.0
 
 
 def combine_cfg(cond: torch.Tensor, uncond: torch.Tensor | None, scale: float) -> torch.Tensor:

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from vdtrain.models.caption_cleaning import caption_preprocessor
+
 log = logging.getLogger(__name__)
 
 OVERFLOW_POLICIES = ("truncate", "error")
@@ -34,8 +36,10 @@ class HFTextEncoder(nn.Module):
 
     ``kind`` picks the model class: ``"t5"`` loads only the encoder of a T5 checkpoint
     (``T5EncoderModel``), ``"bert"`` a BERT-style encoder (``AutoModel``).
-    Captions longer than ``max_length`` tokens are truncated with a warning (``on_overflow="truncate"``,
-    LlamaGen's behaviour) or refused (``"error"``).
+    ``text_preprocessing`` is the caption text path before the tokenizer: ``"llamagen"`` (LlamaGen's
+    official caption cleaning, ``caption_cleaning.py``), ``"lowercase"`` or ``"none"`` (strip only).
+    Captions longer than ``max_length`` tokens (after preprocessing) are truncated with a warning
+    (``on_overflow="truncate"``, LlamaGen's behaviour) or refused (``"error"``).
     """
 
     def __init__(
@@ -43,7 +47,7 @@ class HFTextEncoder(nn.Module):
         path: str | os.PathLike[str],
         kind: str,
         max_length: int,
-        lowercase: bool = False,
+        text_preprocessing: str = "none",
         on_overflow: str = "truncate",
         dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -59,6 +63,7 @@ class HFTextEncoder(nn.Module):
             )
         if on_overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"on_overflow must be one of {OVERFLOW_POLICIES}, got {on_overflow!r}")
+        self.preprocess = caption_preprocessor(text_preprocessing)
         model_cls = {"t5": T5EncoderModel, "bert": AutoModel}.get(kind)
         if model_cls is None:
             raise ValueError(f"unknown text encoder kind {kind!r}; use 't5' or 'bert'")
@@ -66,7 +71,6 @@ class HFTextEncoder(nn.Module):
         self.model = model_cls.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
         self.model.requires_grad_(False)
         self.max_length = max_length
-        self.lowercase = lowercase
         self.on_overflow = on_overflow
 
     @property
@@ -94,7 +98,7 @@ class HFTextEncoder(nn.Module):
     @torch.no_grad()
     def forward(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Captions → (features [B, max_length, dim], mask [B, max_length] bool), right-padded."""
-        texts = [c.strip().lower() if self.lowercase else c.strip() for c in captions]
+        texts = [self.preprocess(c) for c in captions]
         self._check_lengths(texts)
         batch = self.tokenizer(
             texts, max_length=self.max_length, padding="max_length", truncation=True, return_tensors="pt"

@@ -188,7 +188,7 @@ class LlamaGenSpec:
     image_size: int = 256
     text_encoder_path: str | None = None
     text_encoder_kind: str = "t5"
-    text_lowercase: bool = False
+    text_preprocessing: str = "llamagen"  # llamagen (the official caption cleaning) | lowercase | none
     caption_overflow: str = "truncate"
     sampling: dict[str, float] = field(default_factory=dict)
 
@@ -237,7 +237,7 @@ def build_llamagen_target(spec: LlamaGenSpec, device: str | torch.device = "cpu"
             spec.text_encoder_path,
             spec.text_encoder_kind,
             max_length=gpt_cfg.cls_token_num,
-            lowercase=spec.text_lowercase,
+            text_preprocessing=spec.text_preprocessing,
             on_overflow=spec.caption_overflow,
         )
         if encoder.dim != gpt_cfg.caption_dim:

@@ -55,6 +55,7 @@ def load_target_folder(
         image_size=config["image_size"],
         text_encoder_path=str(locate()),
         text_encoder_kind=kind,
+        text_preprocessing="none",  # shapes captions go to MiniLM as written
         caption_overflow="error",
         sampling=config.get("sampling", {}),
     )
