@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.generate import method_alias, run
+from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.targets import load_target_folder
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -39,6 +40,20 @@ def test_generate_writes_images_and_stats(tiny_folder, tmp_path):
         assert 0.0 <= s["quality"] <= 1.0
         assert (tmp_path / "run" / f"{s['index']:04d}.png").exists()
     assert (tmp_path / "run" / "grid.png").exists()
+
+
+def test_real_captions_on_the_shapes_target_are_generated_and_left_unscored(tiny_folder, tmp_path):
+    shapes = shapes_heldout_captions(2)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join([shapes[0], "A man riding a horse on a beach.", shapes[1]]) + "\n")
+    summary = run(_config(tiny_folder, tmp_path / "run", f"prompts={prompts}"))
+    samples = json.loads((tmp_path / "run" / "stats.json").read_text())["samples"]
+    assert summary["num_samples"] == 3 and summary["num_scored"] == 2
+    assert [s["quality"] is None for s in samples] == [False, True, False]
+    assert "shapes-world captions only" in samples[1]["quality_unavailable"]
+    assert summary["mean_quality"] == (samples[0]["quality"] + samples[2]["quality"]) / 2
+    assert "shapes-world captions only" in summary["quality_unavailable"]
+    assert all((tmp_path / "run" / f"{i:04d}.png").exists() for i in range(3))
 
 
 def test_same_seed_same_tokens_whatever_the_batching(tiny_folder, tmp_path):

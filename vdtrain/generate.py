@@ -1,7 +1,9 @@
 """``python -m vdtrain.generate``: sample images from a target and record what happened.
 
 Writes ``{index:04d}.png`` per prompt, ``grid.png``, and ``stats.json`` with, per sample, the prompt,
-its seed, the generated token ids, timings and (where the target defines one) a quality score.
+its seed, the generated token ids, timings and (where the target defines one) a quality score. A
+prompt the target's metric is not defined for (a COCO caption on the shapes target) gets
+``quality: null`` and the reason, as in ``vdtrain.evaluate``; the mean is over the scored samples.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import hydra
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
@@ -22,7 +25,7 @@ from vdtrain.decode.methods import build_method, decode_config
 from vdtrain.decode.metrics import summarize
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter
-from vdtrain.eval.quality import quality_scorer
+from vdtrain.eval.quality import Scorer, Unavailable, quality_scorer
 from vdtrain.eval.runner import synchronize
 from vdtrain.images import captioned_grid, save_png
 from vdtrain.prompts import prompts_for_run
@@ -36,6 +39,25 @@ log = logging.getLogger(__name__)
 def sampling_config(target: Target, overrides: DictConfig | dict) -> SamplingConfig:
     given = {k: v for k, v in dict(overrides).items() if v is not None}
     return replace(target.sampling_defaults, **given)
+
+
+def quality_record(scorer: Scorer, image: np.ndarray, prompt: str) -> dict:
+    """``{"quality": score}``, or ``{"quality": None, "quality_unavailable": why}`` when the metric is not
+    defined for this prompt."""
+    try:
+        return {"quality": scorer(image, prompt)}
+    except Unavailable as why:
+        return {"quality": None, "quality_unavailable": str(why)}
+
+
+def quality_summary(samples: list[dict]) -> dict:
+    """The mean over the samples that could be scored, and how many that was."""
+    scored = [s["quality"] for s in samples if s["quality"] is not None]
+    summary: dict = {"mean_quality": sum(scored) / len(scored) if scored else None, "num_scored": len(scored)}
+    if len(scored) < len(samples):
+        reasons = sorted({s["quality_unavailable"] for s in samples if s["quality"] is None})
+        summary["quality_unavailable"] = "; ".join(reasons)
+    return summary
 
 
 def run(cfg: DictConfig) -> dict:
@@ -86,7 +108,7 @@ def run(cfg: DictConfig) -> dict:
                 "committed_per_skip": result.stats[i].committed_per_skip,
             }
             if scorer is not None:
-                record["quality"] = scorer(images[i], prompt)
+                record.update(quality_record(scorer, images[i], prompt))
             samples.append(record)
         images_all.extend(images)
         all_stats.extend(result.stats)
@@ -104,7 +126,7 @@ def run(cfg: DictConfig) -> dict:
         **summarize(all_stats, target.num_image_tokens),
     }
     if scorer is not None:
-        summary["mean_quality"] = sum(s["quality"] for s in samples) / len(samples)
+        summary.update(quality_summary(samples))
     (out / "stats.json").write_text(json.dumps({"summary": summary, "samples": samples}, indent=1) + "\n")
     if cfg.save_grid:
         captioned_grid(images_all, prompts).save(out / "grid.png")

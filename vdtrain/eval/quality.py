@@ -28,10 +28,13 @@ Scorer = Callable[[np.ndarray, str], float]
 def _image_consistency(image: np.ndarray, caption: str) -> float:
     from vdtrain.shapes.consistency import score_image
 
+    if not is_shapes_caption(caption):
+        raise Unavailable("defined for shapes-world captions only (this prompt is not one)")
     return score_image(image, caption).score
 
 
-# Per-image scores, for per-sample records (``vdtrain.generate``'s stats.json).
+# Per-image scores, for per-sample records (``vdtrain.generate``'s stats.json); ``Unavailable`` for a
+# prompt the metric is not defined for.
 SCORERS: dict[str, Scorer] = {"shapes_consistency": _image_consistency}
 
 
