@@ -497,7 +497,13 @@ class SpeculativeEngine:
 
 class StaticTreeBuilder(DraftTreeBuilder):
     """A fixed tree (EAGLE-1, LANTERN++): top-k children at T = 0; at T > 0 children sampled without
-    replacement from q, which is kept for the SpecInfer acceptance rule."""
+    replacement from q, which is kept for the SpecInfer acceptance rule.
+
+    A node drafts at most as many children as q has tokens (the vocabulary at T = 0): a child drawn past
+    q's support would be judged with q = 0 and accepted for free, so the ranks beyond it stay undrafted
+    (``valid`` False) and the walk tries only real draws, in the order drawn. Children are drawn only for
+    rows whose tree reaches their depth, so a prompt spends its generator the same way in any batch.
+    """
 
     def __init__(self, tree: StaticTree) -> None:
         self.tree = tree
@@ -513,30 +519,38 @@ class StaticTreeBuilder(DraftTreeBuilder):
         tokens[:, 0] = state.roots
         parents = torch.tensor(t.parents, device=device).expand(batch, -1).clone()
         depths = torch.tensor(t.depths, device=device).expand(batch, -1).clone()
-        valid = depths <= state.depth_limit[:, None]
+        valid = torch.zeros(batch, size, dtype=torch.bool, device=device)
+        valid[:, 0] = True
+        limits = state.depth_limit.tolist()
         q_nodes = torch.zeros(batch, size, vocab, device=device) if not sampling.greedy else None
         feats_of = {0: state.root_feats}  # node → drafter feature predicted at its slot
         logits_of = {0: state.root_logits}
         for depth in range(1, t.depth + 1):
-            if depth > int(state.depth_limit.max()):
+            if depth > max(limits):
                 break
             level = t.nodes_at(depth)
             for parent in sorted({t.parents[i] for i in level}):
-                kids = [i for i in level if t.parents[i] == parent]
-                q = engine.draft_probs(logits_of[parent])  # [B, V]
+                kids = [i for i in level if t.parents[i] == parent]  # rank order
+                rows = [b for b in range(batch) if depth <= limits[b] and bool(valid[b, parent])]
+                if not rows:
+                    continue
                 if sampling.greedy:
-                    picks = engine.draft_logits(logits_of[parent]).topk(len(kids), dim=-1).indices
+                    top = engine.draft_logits(logits_of[parent]).topk(min(len(kids), vocab), dim=-1)
+                    drawn = {b: top.indices[b] for b in rows}
                 else:
+                    q = engine.draft_probs(logits_of[parent])  # [B, V]
                     q_nodes[:, parent] = q
-                    picks = torch.stack(
-                        [
-                            torch.multinomial(q[b], len(kids), replacement=False, generator=g)
-                            for b, g in enumerate(state.generators)
-                        ]
-                    )
-                for node in kids:
-                    tokens[:, node] = picks[:, t.ranks[node]]
-            if depth == t.depth or depth >= int(state.depth_limit.max()):
+                    drawn = {}
+                    for b in rows:
+                        n = min(len(kids), int((q[b] > 0).sum()))
+                        drawn[b] = torch.multinomial(
+                            q[b], n, replacement=False, generator=state.generators[b]
+                        )
+                for b, picks in drawn.items():
+                    nodes = torch.tensor(kids[: len(picks)], device=device)
+                    tokens[b, nodes] = picks
+                    valid[b, nodes] = True
+            if depth == t.depth or depth >= max(limits):
                 break
             # One drafter forward over this level to get its nodes' children distributions.
             level_t = torch.tensor(level, device=device)
@@ -598,6 +612,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         batch, device = len(state.roots), state.roots.device
         prefix = engine.target.prefix_length
         rounds, widths = self.shape(state)
+        widths = widths.clamp_max(state.root_logits.shape[-1])  # no more children than tokens
         limit = state.depth_limit.cpu()
         logq = engine.draft_probs(state.root_logits).clamp_min(1e-30).log().cpu()  # [B, V]
         nodes: list[list[_Node]] = [[_Node(int(state.roots[b]), -1, 0, 0.0)] for b in range(batch)]

@@ -167,7 +167,8 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         return super().build(engine, state)
 
     def shape(self, state: _StepState) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rounds = d̂ − 1 [B], width = k̂ capped at the vocabulary [B]) for this step's trees."""
+        """(rounds = d̂ − 1 [B], width = k̂ [B]) for this step's trees (``build`` caps the width at the
+        vocabulary)."""
         if self.depth_grid is None:
             if self.grid is None:
                 raise ValueError("PEANUT needs the image grid: build through the engine or pass grid=(h, w)")
@@ -177,9 +178,8 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
             root = int(state.committed[b]) - 1
             if root < n - 1:  # finished prompts keep their last plan
                 self.planned[b] = self.choose(b, root, state.generators[b])
-        vocab = state.root_logits.shape[-1] if state.root_logits is not None else self.k_ceiling
         rounds = torch.tensor([d - 1 for d, _ in self.planned], dtype=torch.long)
-        widths = torch.tensor([min(k, vocab) for _, k in self.planned], dtype=torch.long)
+        widths = torch.tensor([k for _, k in self.planned], dtype=torch.long)
         return rounds, widths
 
     def observe(

@@ -1,0 +1,175 @@
+"""Decoding exactness across methods (issue #13 items 1-3).
+
+- Every exact preset keeps the AR distribution at T = 1 when the drafter is confident and top-k / top-p
+  leave q fewer tokens than a node has children (drafts past q's support must not be accepted for free).
+- Prompt ``i`` is sampled with its own generator whatever its batch: every preset gives the same tokens
+  batched and alone.
+- Vocabularies smaller than a tree's width are capped, not a crash in torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_condition
+from test_engine import (
+    MICRO_GPT,
+    MICRO_VQ,
+    SIGNIFICANCE,
+    chi_square_pvalue,
+    exact_ar_distribution,
+    make_target,
+    sample_images,
+)
+
+from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.engine import DynamicTreeBuilder, SpeculativeEngine, StaticTreeBuilder, _StepState
+from vdtrain.decode.methods import ARMethod, build_method, load_preset, preset_names
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, static_tree
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.targets.base import Condition
+
+SHARPEN = 8.0  # drafter logits × SHARPEN: q is nearly one-hot
+
+
+class ConfidentDrafter(Drafter):
+    """A drafter whose q is nearly one-hot, so top-p leaves it one token where a node has several
+    children."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().logits(hidden) * SHARPEN
+
+
+def confident_drafter(target, seed: int = 4) -> Drafter:
+    torch.manual_seed(seed)
+    drafter = ConfidentDrafter(DrafterConfig.for_target(target))
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return drafter.attach(target).eval()
+
+
+def method(name: str, target, drafter, sampling, tmp_path: Path, **overrides):
+    config = load_preset(name, {"acceptance": {"cache_dir": str(tmp_path)}, **overrides})
+    return build_method(config, target, drafter if config.needs_drafter else None, sampling)
+
+
+# --- item 1: drafts past q's support ------------------------------------------------------------------
+
+# Sampling top-k 3 is below the static trees' root width (4, 5) and top-p 0.8 leaves a confident q one
+# token, so most nodes have more children than q has tokens.
+TRUNCATED = SamplingConfig(cfg_scale=2.0, temperature=1.0, top_k=3, top_p=0.8)
+EXACT_PRESETS = [n for n in preset_names() if load_preset(n).exact]
+
+
+@pytest.fixture(scope="module")
+def truncated_micro():
+    target = make_target(MICRO_GPT, MICRO_VQ, image_size=4, seed=3)
+    cond = Condition(
+        torch.randn(1, 2, MICRO_GPT.caption_dim, generator=torch.Generator().manual_seed(5)),
+        torch.ones(1, 2, dtype=torch.bool),
+    )
+    return target, confident_drafter(target), cond, exact_ar_distribution(target, cond, TRUNCATED)
+
+
+def test_the_exact_presets_are_found():
+    assert {"ar", "eagle1", "eagle2", "peanut", "sjd"} <= set(EXACT_PRESETS)
+    assert not {"lantern", "lantern_pp", "gsd", "vvs"} & set(EXACT_PRESETS)
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [(n, {}) for n in EXACT_PRESETS] + [("lantern_pp", {"acceptance": {"kind": "exact"}})],
+    ids=[*EXACT_PRESETS, "lantern_pp_tree_exact"],
+)
+def test_exact_methods_keep_the_distribution_when_q_has_fewer_tokens_than_children(
+    truncated_micro, name, overrides, tmp_path
+):
+    target, drafter, cond, exact = truncated_micro
+    engine = method(name, target, drafter, TRUNCATED, tmp_path, **overrides)
+    if isinstance(engine, ARMethod):
+        c = Condition(cond.features.expand(3000, -1, -1), cond.mask.expand(3000, -1))
+        gens = [torch.Generator().manual_seed(9_000_000 + i) for i in range(3000)]
+        samples = [tuple(x) for x in engine.generate(c, gens).tokens.tolist()]
+    else:
+        samples = sample_images(engine, cond, 3000, seed=21)
+    assert chi_square_pvalue(samples, exact) > SIGNIFICANCE
+
+
+def step_state(engine, root_logits: torch.Tensor, limit: int, seed: int = 0) -> _StepState:
+    batch = root_logits.shape[0]
+    return _StepState(
+        roots=torch.zeros(batch, dtype=torch.long),
+        root_feats=torch.zeros(batch, engine.drafter.config.hidden_size),
+        root_logits=root_logits,
+        committed=torch.full((batch,), 2, dtype=torch.long),
+        depth_limit=torch.full((batch,), limit, dtype=torch.long),
+        generators=[torch.Generator().manual_seed(seed + b) for b in range(batch)],
+    )
+
+
+def test_static_children_outside_qs_support_are_not_drafted():
+    target = make_target(MICRO_GPT, MICRO_VQ, image_size=4, seed=3)
+    sampling = SamplingConfig(temperature=1.0, top_k=2)
+    engine = SpeculativeEngine(
+        target, confident_drafter(target), StaticTreeBuilder(static_tree(EAGLE1_PATHS)), sampling
+    )
+    # q over 4 tokens keeps 2 (top-k): of the root's 4 children only ranks 0 and 1 are drafts.
+    logits = torch.tensor([[0.0, 3.0, -1.0, 2.0]])
+    tree = engine.builder.build(engine, step_state(engine, logits, limit=1))
+    kids = tree.children(0, 0)
+    assert len(kids) == 2
+    assert sorted(tree.tokens[0, kids].tolist()) == [1, 3]
+    assert not tree.valid[0, tree.depths[0] > 1].any()  # the depth limit
+
+
+# --- item 2: a prompt's sample does not depend on its batch ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_prompts_sample_alike_batched_and_alone(name, tmp_path):
+    target = make_target(image_size=8)  # 4 × 4 tokens: rows reach the image's end at different steps
+    drafter = Drafter(DrafterConfig.for_target(target))
+    torch.manual_seed(0)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    drafter = drafter.attach(target).eval()
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+    engine = method(name, target, drafter, sampling, tmp_path)
+    cond = tiny_condition(batch=4, seed=7)
+
+    def gens(rows: range) -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(100 + i) for i in rows]
+
+    batched = engine.generate(cond, gens(range(4))).tokens
+    for i in range(4):
+        alone = engine.generate(
+            Condition(cond.features[i : i + 1], cond.mask[i : i + 1]), gens(range(i, i + 1))
+        )
+        assert torch.equal(alone.tokens[0], batched[i]), f"prompt {i}"
+
+
+# --- item 3: tiny vocabularies ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(
+    "builder",
+    [
+        lambda: StaticTreeBuilder(static_tree(LANTERN_PP_PATHS)),  # root width 5
+        lambda: DynamicTreeBuilder(top_k=10, depth=2, total_tokens=12),
+    ],
+    ids=["static_width_5", "dynamic_top_k_10"],
+)
+def test_trees_wider_than_the_vocabulary_are_capped(builder, temperature):
+    target = make_target(MICRO_GPT, MICRO_VQ, image_size=4, seed=3)  # 4 image tokens
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=temperature)
+    cond = Condition(torch.randn(2, 2, MICRO_GPT.caption_dim), torch.ones(2, 2, dtype=torch.bool))
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    engine = SpeculativeEngine(target, confident_drafter(target), builder(), sampling)
+    tokens = engine.generate(cond, gens).tokens
+    if temperature == 0.0:
+        assert torch.equal(tokens, generate_ar(target, cond, sampling, [None, None]))
+    assert tokens.shape == (2, 4) and int(tokens.max()) < 4
