@@ -6,6 +6,7 @@ could be called."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
 from dataclasses import replace
@@ -25,7 +26,7 @@ from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter, DrafterConfig
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
-from vdtrain.export import export
+from vdtrain.export import export, resolve_source
 from vdtrain.fit import fit
 from vdtrain.hub import (
     ExportError,
@@ -38,6 +39,7 @@ from vdtrain.hub import (
 )
 from vdtrain.targets import load_target
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+from vdtrain.targets.shapes import REPO_ROOT
 
 FILES = ["README.md", "config.json", "model.safetensors"]
 REPO_ID = "someone/tiny-drafter"
@@ -49,11 +51,12 @@ def refuse(*args, **kwargs):
 
 
 @pytest.fixture
-def no_network(monkeypatch):
+def no_network(monkeypatch, tmp_path):
     monkeypatch.setattr(hub, "HfApi", refuse)
     monkeypatch.setattr(hub, "snapshot_download", refuse)
-    for name in hub.TOKEN_ENV:
+    for name in (*hub.TOKEN_ENV, "HF_OIDC_RESOURCE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no_saved_login" / "token"))
 
 
 @pytest.fixture
@@ -119,6 +122,55 @@ def test_export_is_deterministic_and_re_exports_identically(export_dir, tiny_tar
     )  # metadata kept from the folder
     for name in FILES:
         assert (export_dir / name).read_bytes() == (again / name).read_bytes(), name
+
+
+def test_export_refuses_to_replace_a_readme_it_did_not_write(tiny_target, tmp_path, caplog):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README.md").write_text("# my notes\n")
+    drafter = make_drafter(tiny_target)
+    with pytest.raises(ExportError, match="not a vdtrain model card") as info:
+        export_drafter(drafter, out, target=tiny_target)
+    assert str(out / "README.md") in str(info.value) and "overwrite_card" in str(info.value)
+    assert sorted(p.name for p in out.iterdir()) == ["README.md"]  # nothing written
+    assert (out / "README.md").read_text() == "# my notes\n"
+    export_drafter(drafter, out, target=tiny_target, overwrite_card=True)
+    assert (out / "README.md").read_text().startswith("---\nlibrary_name: vdtrain\n")
+    with caplog.at_level(logging.WARNING, logger="vdtrain.hub"):  # its own card is replaced, with a word
+        export_drafter(drafter, out, target=tiny_target, training_command=FIT_COMMAND)
+    assert any("replacing the model card" in r.getMessage() for r in caplog.records)
+
+
+def test_export_writes_no_absolute_local_paths(tiny_target, tmp_path):
+    run = tmp_path / "home" / "me" / "runs" / "2024-01-01"
+    shapes = REPO_ROOT / "checkpoints" / "shapes" / "target"
+    metadata = {
+        "fit": {"run_dir": str(run), "steps": 3, "minutes": 0.1},
+        "config": {
+            "run_dir": str(run),
+            "target": {"kind": "folder", "folder": str(shapes)},
+            "data": {"shards": "~/data/laion", "source": "shards"},
+        },
+    }
+    command = f"python -m vdtrain.fit run_dir={run} 'logger.name=my run' data.shards=/data/laion"
+    folder = export_drafter(
+        make_drafter(tiny_target),
+        tmp_path / "e",
+        target=tiny_target,
+        metadata=metadata,
+        training_command=command,
+    )
+    text = (folder / "config.json").read_text() + (folder / "README.md").read_text()
+    assert str(tmp_path) not in text and "/data/laion" not in text and "~" not in text
+    saved = Drafter.read_metadata(folder)
+    assert saved["fit"]["run_dir"] == saved["config"]["run_dir"] == "<local>/2024-01-01"
+    assert saved["config"]["target"]["folder"] == "checkpoints/shapes/target"  # repo-relative, loadable
+    assert saved["config"]["data"] == {"shards": "<local>/laion", "source": "shards"}
+    expected = (
+        "python -m vdtrain.fit 'run_dir=<local>/2024-01-01' 'logger.name=my run' 'data.shards=<local>/laion'"
+    )
+    assert saved["training_command"] == expected
+    assert hub.redact_local_paths(saved) == saved  # a re-export changes nothing
 
 
 def test_model_card_carries_the_evaluation_table(tiny_target, tmp_path):
@@ -224,6 +276,12 @@ def test_a_fit_checkpoint_reloads_and_exports(fit_run, folder_target, tmp_path):
     assert_same_weights(Drafter.from_pretrained(folder, folder_target), final)
     card = (folder / "README.md").read_text()
     assert "`last.ckpt` (step 2)" in card and "Trained for 2 steps" in card
+
+
+def test_a_fit_drafter_folder_still_finds_its_run_without_a_local_path(fit_run):
+    assert not Path(Drafter.read_metadata(fit_run / "drafter")["fit"]["run_dir"]).is_absolute()
+    assert str(fit_run) not in (fit_run / "drafter" / "config.json").read_text()
+    assert resolve_source(str(fit_run / "drafter")) == (fit_run / "drafter", fit_run)
 
 
 def test_a_checkpoint_without_the_drafter_config_is_a_clear_error(fit_run, tmp_path):
@@ -349,6 +407,19 @@ def test_a_real_push_without_a_token_is_a_clear_error(export_dir, no_network):
     with pytest.raises(MissingTokenError, match="HF_TOKEN") as info:
         push_to_hub(export_dir, REPO_ID)
     assert "no Hugging Face token" in str(info.value) and REPO_ID in str(info.value)
+    assert "hf auth login" in str(info.value)
+
+
+def test_the_token_saved_by_hf_auth_login_is_used(export_dir, no_network, monkeypatch, tmp_path):
+    saved = tmp_path / "hf_home" / "token"
+    saved.parent.mkdir()
+    saved.write_text("hf_saved\n")  # what `hf auth login` writes
+    monkeypatch.setattr(hub.constants, "HF_TOKEN_PATH", str(saved))
+    assert hub.find_token() == ("hf_saved", "saved login")
+    assert push_to_hub(export_dir, REPO_ID, dry_run=True).token_source == "saved login"
+    monkeypatch.setenv("HF_TOKEN", "hf_env")  # the environment comes first, as in huggingface_hub
+    assert hub.find_token() == ("hf_env", "HF_TOKEN")
+    assert hub.find_token("hf_arg") == ("hf_arg", "argument")
 
 
 def test_a_real_push_creates_the_repo_and_uploads_the_export(export_dir, no_network, monkeypatch):

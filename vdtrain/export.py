@@ -23,7 +23,7 @@ def resolve_source(source: str) -> tuple[str | Path, Path | None]:
     """The drafter to export and the run folder it came from (None when unknown).
 
     A run folder gives its exported ``drafter/`` (else its ``checkpoints/last.ckpt``, for a run that was
-    stopped early); a drafter folder names its run in the saved fit summary; a ``.ckpt`` lies in
+    stopped early); a drafter folder names its run in the saved fit summary or lies in it; a ``.ckpt`` lies in
     ``<run>/checkpoints``. Anything else (a Hub repo id) goes to ``Drafter.from_pretrained`` as given.
     """
     path = resolve_folder(source)
@@ -31,9 +31,10 @@ def resolve_source(source: str) -> tuple[str | Path, Path | None]:
         run = path.parent.parent
         return path, run if is_run(run) else None
     if (path / CONFIG_FILE).is_file():
+        # an export records its run repo-relative (or not at all, outside the repo): else try the parent
         recorded = Drafter.read_metadata(path).get("fit", {}).get("run_dir")
-        run = Path(recorded) if recorded else path.parent
-        return path, run if is_run(run) else None
+        candidates = [resolve_folder(recorded)] if recorded else []
+        return path, next((run for run in [*candidates, path.parent] if is_run(run)), None)
     if is_run(path):
         drafter = path / "drafter"
         return (drafter if drafter.is_dir() else path / "checkpoints" / "last.ckpt"), path
@@ -55,6 +56,7 @@ def export(cfg: DictConfig) -> tuple[Path, PushPlan | None]:
         eval_results=eval_results,
         training_command=cfg.training_command,
         metadata={**(run_metadata(run) if run else {}), **drafter.metadata},
+        overwrite_card=cfg.overwrite_card,
     )
     print(f"exported {source} -> {folder}")
     for file in sorted(folder.iterdir()):

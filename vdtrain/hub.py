@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub import HfApi, constants, get_token, snapshot_download
 from huggingface_hub.utils import validate_repo_id
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -27,11 +28,16 @@ from vdtrain.config import TargetConfig
 from vdtrain.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterConfig
 from vdtrain.eval.table import EvalRow, read_results, to_markdown
 from vdtrain.targets.base import Target, TargetIdentity
+from vdtrain.targets.shapes import REPO_ROOT
+
+log = logging.getLogger(__name__)
 
 CARD_FILE = "README.md"
 EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, CARD_FILE)
 RESULTS_FILE = "results.json"
-TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # huggingface_hub reads them in this order
+# What an absolute path outside the repository becomes in an export: this prefix and its last component.
+LOCAL_PATH = "<local>"
 CARD_TAGS = ("vdtrain", "speculative-decoding", "eagle", "drafter", "text-to-image")
 # Unexpected weight names that give away a copied target embedding or head.
 BORROWED_WORDS = ("embed", "head", "output")
@@ -75,14 +81,18 @@ def export_drafter(
     eval_results: str | os.PathLike[str] | None = None,
     training_command: str | None = None,
     metadata: Mapping[str, Any] | None = None,
+    overwrite_card: bool = False,
 ) -> Path:
     """Write the export folder of a drafter for ``target`` and check that it reloads; returns the folder.
 
     ``drafter_or_source`` is a ``Drafter`` or anything ``Drafter.from_pretrained`` takes. ``metadata``
     (training summary, config, ...) defaults to what the drafter was loaded with (``drafter.metadata``);
-    ``training_command`` is recorded in it.
+    ``training_command`` is recorded in it. Absolute local paths in the metadata are not exported
+    (``redact_local_paths``): the folder is meant for the Hub.
     ``eval_results`` (a ``results.json`` of ``python -m vdtrain.evaluate``, or its folder) puts the
-    evaluation table into the model card. Raises ``ExportError`` if the written folder does not validate.
+    evaluation table into the model card. A ``README.md`` already in ``out_dir`` that vdtrain did not
+    write is refused (``ExportError``) unless ``overwrite_card``. Raises ``ExportError`` if the written
+    folder does not validate.
     """
     if isinstance(drafter_or_source, Drafter):
         drafter = drafter_or_source.attach(target)  # the identity check
@@ -95,18 +105,81 @@ def export_drafter(
     merged = dict(drafter.metadata if metadata is None else metadata)
     if training_command:
         merged["training_command"] = training_command
+    merged = redact_local_paths(merged)
+    card_file = Path(out_dir) / CARD_FILE
+    _check_card_overwrite(card_file, overwrite_card)
     results = None
     if eval_results is not None:
         found = find_results(eval_results)
         if found is None:
             raise FileNotFoundError(f"eval_results={str(eval_results)!r}: no {RESULTS_FILE} there")
         results = read_results(found)
+    card = model_card(drafter, merged, results)
+    if card_file.is_file() and card_file.read_text() != card:
+        log.warning("replacing the model card %s (it was written by an earlier export)", card_file)
     out = drafter.save_pretrained(out_dir, merged)
-    (out / CARD_FILE).write_text(model_card(drafter, merged, results))
+    card_file.write_text(card)
     problems = validate_export(out, target)
     if problems:
         raise ExportError(f"the export at {str(out)!r} is not valid: " + "; ".join(problems))
     return out
+
+
+def _check_card_overwrite(card_file: Path, overwrite: bool) -> None:
+    """A README.md vdtrain did not write is the user's: refuse to replace it unless told to."""
+    if overwrite or not card_file.is_file() or not _card_problems(card_file):
+        return
+    raise ExportError(
+        f"{str(card_file)!r} exists and is not a vdtrain model card; the export would replace it: "
+        "move it away, pick another out_dir, or pass overwrite_card=True (overwrite_card=true on the "
+        "command line)"
+    )
+
+
+def _is_local_path(text: str) -> bool:
+    return os.path.isabs(text) or text.startswith("~")
+
+
+def _redact_path(text: str) -> str:
+    path = Path(text).expanduser()
+    try:
+        return path.resolve().relative_to(REPO_ROOT).as_posix() or "."
+    except ValueError:
+        return f"{LOCAL_PATH}/{path.name}"
+
+
+def _redact_command(command: str) -> str:
+    """The command with every absolute path argument (``key=/a/b`` or ``/a/b``) redacted; any other
+    text with spaces comes back unchanged."""
+    try:
+        words = shlex.split(command)
+    except ValueError:  # not shell-like (an unbalanced quote): no arguments to redact
+        return command
+    redacted = []
+    for word in words:
+        key, sep, value = word.partition("=")
+        if sep and _is_local_path(value):
+            word = f"{key}={_redact_path(value)}"
+        elif _is_local_path(word):
+            word = _redact_path(word)
+        redacted.append(word)
+    return command if redacted == words else shlex.join(redacted)
+
+
+def redact_local_paths(value: Any) -> Any:
+    """``value`` with every absolute path made shareable: a path inside this repository becomes relative
+    to it (``checkpoints/shapes/target``), any other becomes ``<local>/<its last component>``; in a
+    string with spaces (the training command) each such argument is. Export metadata goes to the Hub, where a
+    user's folder layout (home, run folders, data) has no business."""
+    if isinstance(value, Mapping):
+        return {k: redact_local_paths(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact_local_paths(v) for v in value]
+    if not isinstance(value, str):
+        return value
+    if _is_local_path(value):
+        return _redact_path(value)
+    return _redact_command(value) if " " in value else value
 
 
 def find_results(path: str | os.PathLike[str]) -> Path | None:
@@ -334,7 +407,7 @@ class PushPlan:
     private: bool
     files: tuple[tuple[str, int], ...]  # (path in the repo, bytes)
     dry_run: bool
-    token_source: str  # "argument", the environment variable it came from, or "none"
+    token_source: str  # "argument", the environment variable it came from, "saved login" or "none"
     url: str | None = None  # the commit, after a real push
 
     def describe(self) -> str:
@@ -353,13 +426,15 @@ class PushPlan:
 
 
 def find_token(token: str | None = None) -> tuple[str | None, str]:
-    """The Hub token and where it came from: the argument, else ``HF_TOKEN`` / ``HUGGING_FACE_HUB_TOKEN``."""
+    """The Hub token and where it came from: the argument, else huggingface_hub's own lookup
+    (``HF_TOKEN`` / ``HUGGING_FACE_HUB_TOKEN``, then the token ``hf auth login`` saved)."""
     if token:
         return token, "argument"
-    for name in TOKEN_ENV:
-        if os.environ.get(name):
-            return os.environ[name], name
-    return None, "none"
+    found = get_token()
+    if found is None:
+        return None, "none"
+    source = next((name for name in TOKEN_ENV if os.environ.get(name, "").strip() == found), "saved login")
+    return found, source
 
 
 def push_to_hub(
@@ -392,9 +467,9 @@ def push_to_hub(
         return plan
     if token is None:
         raise MissingTokenError(
-            f"no Hugging Face token to push to {repo_id!r}: pass token=..., or set HF_TOKEN (or "
-            f"HUGGING_FACE_HUB_TOKEN) to a token with write access (https://huggingface.co/settings/tokens); "
-            "a dry run shows what would be uploaded without one"
+            f"no Hugging Face token to push to {repo_id!r}: run `hf auth login`, pass token=..., or set "
+            "HF_TOKEN to a token with write access (https://huggingface.co/settings/tokens); a dry run "
+            "shows what would be uploaded without one"
         )
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
