@@ -279,29 +279,29 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_folder, tmp_path):
 
 
 # --- 5. data parallel on CPU processes -----------------------------------------------------------------
-def test_shapes_stream_splits_ranks_and_resumes():
-    def keys(stream, n):
-        it = iter(stream)
-        return [image_key(next(it)["image"]) for _ in range(n)]
+def stream_keys(stream, start: int = 0) -> list[str]:
+    """The samples of one ``iter()`` from position ``start``, batch after batch."""
+    stream.start_at(start)
+    return [image_key(image) for batch in stream for image in batch["image"]]
 
+
+def test_shapes_stream_splits_ranks_and_resumes():
     world, per_epoch = 2, 12
     r0, r1 = (ShapesStream(per_epoch, TRAIN_SEED, rank, world, 2) for rank in range(2))
-    assert len(r0) == len(r1) == 6
-    e0 = [keys(r, 6) for r in (r0, r1)]  # one epoch each
+    assert len(r0) == len(r1) == 3  # batches an epoch
+    e0 = [stream_keys(r) for r in (r0, r1)]  # one epoch each
     assert not set(e0[0]) & set(e0[1])
     single = [image_key(ShapesStream(per_epoch, TRAIN_SEED).sample(0, i)["image"]) for i in range(per_epoch)]
     assert e0[0] == single[0::2] and e0[1] == single[1::2]  # every sample of the epoch, once
-    e1 = keys(r0, 6)  # the next __iter__ is epoch 1: fresh samples
-    assert not set(e1) & set(e0[0] + e0[1])
-    # Resuming after 4 samples continues mid-epoch, then runs into epoch 1.
-    resumed = ShapesStream(per_epoch, TRAIN_SEED, 0, world, 2)
-    resumed.start_at(4)
-    assert keys(resumed, 2) == e0[0][4:]
-    assert keys(resumed, 6) == e1
-    uneven = ShapesStream(13, TRAIN_SEED, 1, 3, 2)  # 13 samples, 3 ranks, batches of 2: 4 each
-    assert len(uneven) == 4
+    e1 = stream_keys(r0, 6)  # from position 6: epoch 1, fresh samples
+    assert len(e1) == 6 and not set(e1) & set(e0[0] + e0[1])
+    assert stream_keys(r0, 4) == e0[0][4:]  # resuming after 4 samples continues mid-epoch
+    uneven = ShapesStream(13, TRAIN_SEED, 1, 3, 2)  # 13 samples, 3 ranks, batches of 2: 2 batches each
+    assert len(uneven) == 2
     with pytest.raises(ValueError, match="less than one batch"):
         ShapesStream(3, TRAIN_SEED, 0, 2, 2)
+    with pytest.raises(ValueError, match="whole batch"):
+        r0.start_at(3)
 
 
 def test_fit_cli_ddp_two_cpu_processes(tiny_folder, tmp_path):

@@ -73,19 +73,21 @@ def test_fit_trains_from_shards(data, shard_sets, tiny_folder, tmp_path):
     assert "val/tau_sim" in summary
 
 
+def captions(stream: ShardStream, start: int = 0) -> list[str]:
+    stream.start_at(start)
+    return [c for batch in stream for c in batch["caption"]]
+
+
 def test_shard_stream_splits_ranks_and_resumes(shard_sets):
     pairs, _ = shard_sets
     config = DataConfig(source="shards", shards=str(pairs), batch_size=1, shuffle_buffer=4)
-    rank0 = [s["caption"] for s in ShardStream(config, 0, 2)]
-    rank1 = [s["caption"] for s in ShardStream(config, 1, 2)]
+    rank0 = captions(ShardStream(config, 0, 2))
+    rank1 = captions(ShardStream(config, 1, 2))
     assert len(rank0) == len(rank1) == 4 and not set(rank0) & set(rank1)
     stream = ShardStream(config, 0, 2)
-    epoch0 = [s["caption"] for s in stream]
-    epoch1 = [s["caption"] for s in stream]
-    assert epoch0 == rank0 and len(epoch1) == 4 and epoch1 != epoch0  # reshuffled each epoch
-    resumed = ShardStream(config, 0, 2)
-    resumed.start_at(4 + 1)  # one full epoch and one sample of the next
-    assert [s["caption"] for s in resumed] == epoch1[1:]
+    epoch1 = captions(stream, 4)
+    assert captions(stream) == rank0 and len(epoch1) == 4 and epoch1 != rank0  # reshuffled each epoch
+    assert captions(ShardStream(config, 0, 2), 4 + 1) == epoch1[1:]  # one epoch and one sample in
 
 
 def test_missing_shard_set_names_the_folder(tmp_path):

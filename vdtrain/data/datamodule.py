@@ -1,10 +1,14 @@
-"""The DataModule: picks the sample stream, shards it over ranks, and remembers the data position.
+"""The DataModule: picks the batch stream, splits it over ranks and workers, and keeps the data position.
 
-Its ``state_dict`` (saved in every Lightning checkpoint) is the number of samples this rank has
-consumed; on resume the stream continues from there.
+The position is the number of samples this rank has consumed (batches the fit loop processed × batch
+size). It is saved in every Lightning checkpoint (``state_dict``) and handed to the stream at every
+``iter()`` of the training loader, so each epoch, on any number of workers, starts where the last ended
+and a resumed run continues with the next unseen batch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
 
 import lightning as L
 from torch.utils.data import DataLoader
@@ -13,6 +17,19 @@ from vdtrain.config import DataConfig
 from vdtrain.data.streams import ResumableStream, ShapesStream, collate
 from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, generate
 from vdtrain.targets.base import TargetIdentity
+
+
+class PositionedLoader(DataLoader):
+    """A loader of a stream's whole batches that sets the stream's start before each iteration: workers
+    copy the stream when iteration starts, so this is the one place the position can reach them."""
+
+    def __init__(self, stream: ResumableStream, position: Callable[[], int], num_workers: int) -> None:
+        super().__init__(stream, batch_size=None, num_workers=num_workers)
+        self.position = position
+
+    def __iter__(self) -> Iterator:
+        self.dataset.start_at(self.position())
+        return super().__iter__()
 
 
 class DrafterDataModule(L.LightningDataModule):
@@ -36,21 +53,17 @@ class DrafterDataModule(L.LightningDataModule):
             return
         rank, world = self._rank_world()
         c = self.config
+        if c.num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {c.num_workers}")
         if c.source == "shapes":
             self.train_stream = ShapesStream(c.samples_per_epoch, TRAIN_SEED, rank, world, c.batch_size)
         else:
             from vdtrain.data.shard_stream import ShardStream
 
             self.train_stream = ShardStream(c, rank, world, self.target_identity)
-        self.train_stream.start_at(self._resume_consumed)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_stream,
-            batch_size=self.config.batch_size,
-            collate_fn=collate,
-            num_workers=self.config.num_workers,
-        )
+        return PositionedLoader(self.train_stream, self.consumed, self.config.num_workers)
 
     def val_dataloader(self) -> DataLoader | list:
         c = self.config
@@ -71,13 +84,14 @@ class DrafterDataModule(L.LightningDataModule):
         return DataLoader(samples, batch_size=c.batch_size, collate_fn=collate)
 
     def consumed(self) -> int:
-        """Samples this rank has trained on: the batches the fit loop has processed, times the batch size.
+        """Positions this rank has consumed: the batches the fit loop has processed, times the batch size
+        (a sample skipped as corrupt consumes its position too).
 
         ``processed``, not ``completed``: step checkpoints are saved in ``on_train_batch_end``, before the
         loop marks that batch completed, and Lightning counts it as done when it resumes from them."""
         trainer = self.trainer
         if trainer is None:
-            return 0
+            return self._resume_consumed
         done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
         return done * self.config.batch_size
 
@@ -86,5 +100,3 @@ class DrafterDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state: dict) -> None:
         self._resume_consumed = int(state["consumed"])
-        if self.train_stream is not None:
-            self.train_stream.start_at(self._resume_consumed)

@@ -1,26 +1,61 @@
-"""Training streams over webdataset shard sets (``data.source=shards``).
+"""Training batches from shard sets (``data.source=shards``).
 
-Epoch ``e`` visits the shards in an order shuffled by ``e`` and passes their samples through a
-seeded shuffle buffer; rank ``r`` of ``w`` takes every ``w``-th sample. The order is therefore a pure
-function of the epoch, and resuming skips the samples this rank already consumed in the epoch (they
-are read again, not trained on). A sample skipped as corrupt (``on_corrupt=skip``) shortens the epoch.
+The ordering of epoch ``e`` is over the sample *positions* the manifest lists: the shards in an order
+shuffled by ``e``, their positions passed through a seeded shuffle buffer. It is computed from the
+manifest alone, so every rank and DataLoader worker knows it without reading a byte, and it does not
+change when a sample turns out to be unreadable. Each process reads the shards in that order but
+decodes only the samples of its own batches (``ResumableStream`` splits ranks and workers).
+
+A sample skipped as corrupt (``data.on_corrupt=skip``) still consumes its position: its batch is one
+sample smaller, and every epoch has the same number of batches on every rank, so the data position
+(batches × batch size) stays exact and DDP ranks stay in step. A batch whose samples are all
+unreadable repeats the worker's previous batch (or its next one, at the start), with a warning.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import random
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Sequence
 
 from vdtrain.config import DataConfig
-from vdtrain.data.shards import ShardReader
-from vdtrain.data.streams import ResumableStream
+from vdtrain.data.shards import ShardError, ShardReader
+from vdtrain.data.streams import ResumableStream, collate
 from vdtrain.targets.base import TargetIdentity
+
+log = logging.getLogger(__name__)
 
 FIELDS = ("tokens", "caption", "cond_mask", "feats")  # what training reads; the rest stays on disk
 
 
 def _training_fields(sample: dict) -> dict:
     return {k: sample[k] for k in FIELDS if k in sample}
+
+
+def epoch_order(counts: Sequence[int], epoch: int, buffer_size: int) -> tuple[list[int], list[int]]:
+    """(shard visiting order, the epoch's ordering of global positions) for shards of ``counts`` samples.
+
+    Global position ``offset(shard) + i`` is sample ``i`` of that shard (manifest order). The buffer
+    emits a random held position once it holds ``buffer_size``; the rest are shuffled at the end."""
+    rng = random.Random(epoch)
+    shards = list(range(len(counts)))
+    rng.shuffle(shards)
+    offsets = [0]
+    for n in counts:
+        offsets.append(offsets[-1] + n)
+    buffer: list[int] = []
+    order: list[int] = []
+    for s in shards:
+        for i in range(counts[s]):
+            buffer.append(offsets[s] + i)
+            if len(buffer) >= buffer_size:
+                k = rng.randrange(len(buffer))
+                buffer[k], buffer[-1] = buffer[-1], buffer[k]
+                order.append(buffer.pop())
+    rng.shuffle(buffer)
+    return shards, order + buffer
 
 
 class ShardStream(ResumableStream):
@@ -37,35 +72,79 @@ class ShardStream(ResumableStream):
                 f"data.features=offline but {config.shards} has no feats.npy: "
                 "run `python -m data_prep.features`"
             )
-        super().__init__(len(self.reader), seed=0, rank=rank, world=world, multiple_of=config.batch_size)
+        super().__init__(len(self.reader), rank=rank, world=world, batch_size=config.batch_size)
         self.buffer_size = max(1, config.shuffle_buffer)
+        recorded = {s["name"]: s["samples"] for s in self.reader.manifest["shards"]}
+        self.counts = [recorded[name] for name in self.reader.shards]
+        self.offsets = [0]
+        for n in self.counts:
+            self.offsets.append(self.offsets[-1] + n)
 
-    def _epoch_order(self, epoch: int) -> Iterator[dict]:
-        rng = random.Random(epoch)
-        shards = list(self.reader.shards)
-        rng.shuffle(shards)
-        buffer: list[dict] = []
-        for name in shards:
-            for sample in self.reader.iter_shard(name):
-                buffer.append(sample)
-                if len(buffer) >= self.buffer_size:
-                    yield buffer.pop(rng.randrange(len(buffer)))
-        rng.shuffle(buffer)
-        yield from buffer
+    def _shard_of(self, position: int) -> int:
+        return bisect.bisect_right(self.offsets, position) - 1
 
     def __iter__(self) -> Iterator[dict]:
-        epoch, offset = divmod(self.consumed, self.per_rank_epoch)
-        mine = 0
-        for i, sample in enumerate(self._epoch_order(epoch)):
-            if i % self.world != self.rank:
-                continue
-            if mine >= self.per_rank_epoch:
-                break
-            mine += 1
-            if mine <= offset:
-                continue
-            self.consumed += 1
-            yield _training_fields(sample)
+        epoch, batches = self.epoch_and_batches()
+        shards, order = epoch_order(self.counts, epoch, self.buffer_size)
+        visit = {s: k for k, s in enumerate(shards)}  # shard -> when it is read
+        pending: deque[tuple[int, list[int], int]] = deque()  # (batch, positions, shard read last)
+        wanted: dict[int, set[int]] = {}  # shard -> positions in it this process decodes
+        for j in batches:
+            positions = [order[i] for i in self.batch_indices(j)]
+            last = 0
+            for g in positions:
+                s = self._shard_of(g)
+                wanted.setdefault(s, set()).add(g - self.offsets[s])
+                last = max(last, visit[s])
+            pending.append((j, positions, last))
+        samples: dict[int, dict] = {}
+        filler = _Filler(epoch, self.rank)
+        for done, s in enumerate(shards):
+            if s in wanted:
+                name = self.reader.shards[s]
+                for i, sample in self.reader.iter_slots(name, wanted[s]):
+                    if sample is not None:
+                        samples[self.offsets[s] + i] = _training_fields(sample)
+            while pending and pending[0][2] <= done:
+                j, positions, _ = pending.popleft()
+                found = [samples.pop(g) for g in positions if g in samples]
+                yield from filler.batches(j, collate(found) if found else None)
+        filler.finish()
+
+
+class _Filler:
+    """Stands in for a batch whose samples were all unreadable, so the batch count stays exact."""
+
+    def __init__(self, epoch: int, rank: int) -> None:
+        self.epoch, self.rank = epoch, rank
+        self.previous: dict | None = None
+        self.owed: list[int] = []  # empty batches seen before any readable one
+
+    def batches(self, index: int, batch: dict | None) -> Iterator[dict]:
+        if batch is None:
+            log.warning(
+                "epoch %d, rank %d, batch %d: every sample was unreadable (data.on_corrupt=skip); "
+                "training on a neighbouring batch in its place",
+                self.epoch,
+                self.rank,
+                index,
+            )
+            if self.previous is None:
+                self.owed.append(index)
+                return
+            batch = self.previous
+        for _ in self.owed:
+            yield batch
+        self.owed.clear()
+        self.previous = batch
+        yield batch
+
+    def finish(self) -> None:
+        if self.owed:
+            raise ShardError(
+                f"epoch {self.epoch}, rank {self.rank}: every sample of batches {self.owed} was unreadable "
+                "and no readable batch was left to stand in; check the set: `python -m data_prep.validate`"
+            )
 
 
 def read_all(folder: str, on_corrupt: str = "error") -> list[dict]:

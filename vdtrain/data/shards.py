@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import tarfile
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -495,6 +495,18 @@ class ShardReader:
         log.warning("%s — skipped", message)
 
     def iter_shard(self, name: str) -> Iterator[dict[str, Any]]:
+        for _, sample in self.iter_slots(name):
+            if sample is not None:
+                yield sample
+
+    def iter_slots(
+        self, name: str, wanted: Container[int] | None = None
+    ) -> Iterator[tuple[int, dict[str, Any] | None]]:
+        """(position in the shard, sample) for the ``wanted`` positions (all by default), in order.
+
+        Only wanted samples are decoded and checked, so a training process reads the whole tar but
+        pays for its own samples only. Under ``on_corrupt="skip"`` a bad wanted sample comes as
+        ``(position, None)``; positions after a break in the tar (or of a missing shard) never come."""
         path = self.folder / name
         entry = next(s for s in self.manifest["shards"] if s["name"] == name)
         if not path.is_file():
@@ -512,14 +524,17 @@ class ShardReader:
             except ShardError as exc:
                 self._bad(str(exc))
                 return
-            count += 1
+            position, count = count, count + 1
+            if wanted is not None and position not in wanted:
+                continue
             try:
                 sample = self.spec.decode(key, members)
             except ValueError as exc:
                 self._bad(sample_problem(path, key, str(exc)))
+                yield position, None
                 continue
             sample["shard"] = name
-            yield sample
+            yield position, sample
         if count != entry["samples"]:
             self._bad(sample_problem(path, None, f"{count} samples, the manifest records {entry['samples']}"))
 
