@@ -387,6 +387,33 @@ def test_a_broken_export_fails_validation_naming_the_problem(export_dir, tiny_ta
     assert expected in str(info.value)
 
 
+def _config_with(export_dir: Path, **changes) -> str:
+    config = json.loads((export_dir / "config.json").read_text())
+    return json.dumps({k: v for k, v in {**config, **changes}.items() if v is not None})
+
+
+BROKEN_CONFIGS = {
+    "truncated": (lambda d: (d / "config.json").read_text()[:40], "is not valid JSON"),
+    "not utf-8": (lambda d: b"\xff\xfe{}", "is not valid JSON"),
+    "a list": (lambda d: "[1, 2]", "holds a list, not a drafter config"),
+    "missing key": (lambda d: _config_with(d, hidden_size=None), "missing 1 required positional argument"),
+    "wrong type": (lambda d: _config_with(d, grid=4), "incomplete or mistyped drafter config"),
+}
+
+
+@pytest.mark.parametrize("broken", sorted(BROKEN_CONFIGS))
+def test_a_broken_config_json_is_a_checkpoint_error_naming_the_file(export_dir, broken):
+    make, expected = BROKEN_CONFIGS[broken]
+    content = make(export_dir)
+    config = export_dir / "config.json"
+    config.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(CheckpointError, match=expected) as info:
+        Drafter.from_pretrained(export_dir)
+    assert str(config) in str(info.value)
+    problems = validate_export(export_dir)
+    assert len(problems) == 1 and "config.json" in problems[0]
+
+
 def test_dry_run_push_lists_the_files_without_network(export_dir, no_network, monkeypatch):
     plan = push_to_hub(export_dir, REPO_ID, dry_run=True)
     sizes = {name: (export_dir / name).stat().st_size for name in FILES}

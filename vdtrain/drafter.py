@@ -205,11 +205,16 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DrafterConfig:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a drafter config is a JSON object, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown drafter config keys {unknown}; known: {sorted(known)}")
-        return cls(**data)
+        try:
+            return cls(**data)
+        except TypeError as err:  # a required key missing, or a value of the wrong type (a number for grid)
+            raise ValueError(f"incomplete or mistyped drafter config: {err}") from err
 
 
 def drafter_inputs(
@@ -431,7 +436,20 @@ class Drafter(nn.Module):
     @staticmethod
     def read_metadata(folder: str | os.PathLike[str]) -> dict[str, Any]:
         """The ``metadata`` saved next to the config (empty if none)."""
-        return json.loads((Path(folder) / CONFIG_FILE).read_text()).get("metadata", {})
+        return _read_config_json(Path(folder) / CONFIG_FILE).get("metadata", {})
+
+
+def _read_config_json(config_file: Path) -> dict[str, Any]:
+    """A drafter folder's ``config.json`` as a dict; a ``CheckpointError`` naming the file otherwise."""
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(
+            f"{str(config_file)!r} is not valid JSON ({err}); re-export the drafter or download it again"
+        ) from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{str(config_file)!r} holds a {type(data).__name__}, not a drafter config")
+    return data
 
 
 def _read_export(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], dict[str, Any]]:
@@ -445,9 +463,13 @@ def _read_export(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], 
             else ""
         )
         raise FileNotFoundError(f"no drafter at {str(folder)!r}: {CONFIG_FILE} is missing{hint}")
-    data = json.loads(config_file.read_text())
+    data = _read_config_json(config_file)
     metadata = data.pop("metadata", {})
-    return DrafterConfig.from_dict(data), read_state_dict(folder / WEIGHTS_FILE), metadata
+    try:
+        config = DrafterConfig.from_dict(data)
+    except ValueError as err:
+        raise CheckpointError(f"{str(config_file)!r} is not a usable drafter config: {err}") from err
+    return config, read_state_dict(folder / WEIGHTS_FILE), metadata
 
 
 def _read_lightning_checkpoint(path: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], dict[str, Any]]:
