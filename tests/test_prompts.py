@@ -36,6 +36,33 @@ def test_bad_caption_files(tmp_path):
         read_captions(tmp_path / "x.parquet")
 
 
+BAD_FILES = {
+    "latin1.txt": (b"caf\xe9 au lait\n", r"not UTF-8 text \(byte 0xe9 at offset 3\)"),
+    "latin1.csv": (b"Prompt\ncaf\xe9\n", "not UTF-8 text"),
+    "empty.csv": (b"", "no captions found"),
+    "blank.tsv": (b"\n\n", "no captions found"),
+    "header_only.csv": (b"Prompt,Category\n", "no captions found"),
+    "broken.json": (b'["a red square", ', "not valid JSON"),
+    "coco_without_captions.json": (b'{"annotations": [{"image_id": 1}]}', "without a string 'caption'"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_caption_files_are_value_errors_naming_the_file(tmp_path, name):
+    content, message = BAD_FILES[name]
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=message) as info:
+        read_captions(tmp_path / name)
+    assert str(tmp_path / name) in str(info.value)
+
+
+def test_a_byte_order_mark_and_short_rows_are_read(tmp_path):
+    (tmp_path / "excel.csv").write_bytes("\ufeffPrompt,Category\nfirst,a\n\nsecond\n".encode())
+    (tmp_path / "ragged.csv").write_text("Category,Prompt\nc,p1\nonly-one-field\nc,p2\n")
+    assert read_captions(tmp_path / "excel.csv") == ["first", "second"]
+    assert read_captions(tmp_path / "ragged.csv") == ["p1", "p2"]
+
+
 @pytest.mark.skipif(not SHARED.exists(), reason="shared data folder not beside the checkout")
 def test_shared_prompt_sets():
     assert len(read_captions(SHARED / "prompts" / "PartiPrompts.tsv")) == 1632

@@ -4,6 +4,7 @@ shapes world's held-out captions."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from pathlib import Path
@@ -39,29 +40,57 @@ def prompts_for_run(source: str | os.PathLike[str] | None, n: int) -> list[str]:
     return captions[:n]
 
 
+def _read_text(path: Path) -> str:
+    """The file as UTF-8 text (a leading byte-order mark dropped), or an error naming the file and the
+    first bad byte."""
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+            "save the caption file as UTF-8"
+        ) from err
+
+
+def _json_captions(path: Path) -> list[str]:
+    try:
+        data = json.loads(_read_text(path))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from err
+    if isinstance(data, dict) and isinstance(data.get("annotations"), list):
+        data = [a.get("caption") if isinstance(a, dict) else None for a in data["annotations"]]
+        if not all(isinstance(c, str) for c in data):
+            raise ValueError(f"{path}: a COCO annotation without a string 'caption'")
+    elif not (isinstance(data, list) and all(isinstance(c, str) for c in data)):
+        raise ValueError(f"{path}: expected a JSON list of strings or a COCO captions file")
+    return [c.strip() for c in data]
+
+
+def _table_captions(path: Path, delimiter: str) -> list[str]:
+    rows = [row for row in csv.reader(io.StringIO(_read_text(path), newline=""), delimiter=delimiter) if row]
+    if not rows:
+        return []
+    header = [h.strip().lower() for h in rows[0]]
+    column = next((header.index(n) for n in ("prompt", "caption", "text") if n in header), None)
+    index = column or 0
+    body = rows[1:] if column is not None else rows
+    return [row[index].strip() for row in body if len(row) > index]
+
+
 def read_captions(path: str | os.PathLike[str]) -> list[str]:
     """Captions from ``.txt`` (one per line), ``.json`` (a list of strings, or COCO ``annotations``),
-    ``.csv``/``.tsv`` (the ``Prompt``/``caption`` column, else the first)."""
+    ``.csv``/``.tsv`` (the ``Prompt``/``caption`` column, else the first). Files are UTF-8; a file that is
+    not, or does not parse, is a ``ValueError`` naming it."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"caption file not found: {str(path)!r}")
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        captions = [line.strip() for line in path.read_text().splitlines()]
+        captions = [line.strip() for line in _read_text(path).splitlines()]
     elif suffix == ".json":
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and "annotations" in data:
-            captions = [a["caption"].strip() for a in data["annotations"]]
-        elif isinstance(data, list) and all(isinstance(c, str) for c in data):
-            captions = [c.strip() for c in data]
-        else:
-            raise ValueError(f"{path}: expected a JSON list of strings or a COCO captions file")
+        captions = _json_captions(path)
     elif suffix in (".csv", ".tsv"):
-        with path.open(newline="") as f:
-            rows = list(csv.reader(f, delimiter="\t" if suffix == ".tsv" else ","))
-        header = [h.strip().lower() for h in rows[0]]
-        column = next((header.index(n) for n in ("prompt", "caption", "text") if n in header), None)
-        captions = [row[column or 0].strip() for row in (rows[1:] if column is not None else rows) if row]
+        captions = _table_captions(path, "\t" if suffix == ".tsv" else ",")
     else:
         raise ValueError(f"{path}: unsupported caption file type {suffix!r} (use .txt, .json, .csv or .tsv)")
     captions = [c for c in captions if c]
