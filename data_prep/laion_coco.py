@@ -17,7 +17,9 @@ Then encode them with the target's tokenizer:
     python -m data_prep.laion_coco input=../shared/data/coco_mini/train2017 out_dir=data/coco_mini  # shapes
 
 Images are centre-cropped and resized to the target's image size (LlamaGen's preprocessing); images
-that do not decode or have no caption are skipped with a warning. Resumable: re-run the same command.
+that do not decode or have no caption are skipped with a warning, and so is an input tar that cannot be
+read (``on_bad_tar=skip``; listed under ``skipped_parts``; ``on_bad_tar=error`` stops instead).
+Resumable: re-run the same command (a shard whose every input was skipped is tried again).
 """
 
 from __future__ import annotations
@@ -41,8 +43,14 @@ def run(cfg: DictConfig) -> dict:
         batch_size=cfg.batch_size,
         store_cond=cfg.store_cond,
         overwrite=cfg.overwrite,
+        on_bad_tar=cfg.on_bad_tar,
     )
-    return {"out_dir": cfg.out_dir, "num_samples": manifest["num_samples"], "shards": len(manifest["shards"])}
+    return {
+        "out_dir": cfg.out_dir,
+        "num_samples": manifest["num_samples"],
+        "shards": len(manifest["shards"]),
+        "skipped_parts": manifest["skipped_parts"],
+    }
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="data_prep/laion_coco")

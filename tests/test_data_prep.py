@@ -207,6 +207,40 @@ def test_laion_coco_skips_broken_images_and_missing_captions(target, img2dataset
 
 
 @needs_coco
+def test_laion_coco_retries_shards_whose_inputs_were_all_skipped(target, img2dataset_files, tmp_path):
+    source = Path(shutil.copytree(img2dataset_files, tmp_path / "in"))
+    captions = {p: p.read_text() for p in (source / "00000").glob("*.txt")}
+    for path in captions:
+        path.unlink()
+    with pytest.raises(ShardError, match="no usable samples"):  # a first run with no captions at all
+        prepare_laion_coco(target, source, tmp_path / "out", samples_per_shard=4, progress=False)
+    for path, text in captions.items():
+        path.write_text(text)
+    manifest = prepare_laion_coco(target, source, tmp_path / "out", samples_per_shard=4, progress=False)
+    assert manifest["num_samples"] == N_IMAGES and manifest["skipped_parts"] == {}
+    assert [(s["samples"], s["skipped_inputs"]) for s in manifest["shards"]] == [(4, 0), (4, 0)]
+
+
+@needs_coco
+def test_laion_coco_skips_a_truncated_input_tar_and_reports_it(
+    tiny_folder, img2dataset_tars, tmp_path, caplog
+):
+    from data_prep import laion_coco as laion_coco_cli
+
+    source = Path(shutil.copytree(img2dataset_tars, tmp_path / "in"))
+    broken = source / "00001.tar"
+    broken.write_bytes(broken.read_bytes()[: broken.stat().st_size // 2])  # an interrupted download
+    args = (f"target.folder={tiny_folder}", f"input={source}", "samples_per_shard=4", "device=cpu")
+    with caplog.at_level(logging.WARNING):
+        summary = laion_coco_cli.run(_compose("laion_coco", *args, f"out_dir={tmp_path / 'out'}"))
+    assert summary["num_samples"] == 4 and list(summary["skipped_parts"]) == ["00001"]
+    assert str(broken) in summary["skipped_parts"]["00001"] and "unreadable" in caplog.text
+    assert validate_shards(tmp_path / "out").num_samples == 4
+    with pytest.raises(ShardError, match=r"00001\.tar.* is unreadable"):
+        laion_coco_cli.run(_compose("laion_coco", *args, f"out_dir={tmp_path / 'b'}", "on_bad_tar=error"))
+
+
+@needs_coco
 def test_shards_are_plain_webdataset(coco_shards):
     """The shards read with webdataset too, and decode to the same samples."""
     manifest = read_manifest(coco_shards)

@@ -47,6 +47,7 @@ from vdtrain.targets.base import Condition, Target
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp")
+BAD_PART_POLICIES = ("skip", "error")  # what an unreadable input tar does to a laion_coco run
 
 
 def target_device(target: Target) -> torch.device:
@@ -266,16 +267,22 @@ def prepare_laion_coco(
     batch_size: int = 32,
     store_cond: bool = False,
     overwrite: bool = False,
+    on_bad_tar: str = "skip",
     progress: bool = True,
 ) -> dict[str, Any]:
-    """VQ-encode img2dataset output into a shard set; returns its manifest.
+    """VQ-encode img2dataset output into a shard set; returns its manifest, plus ``skipped_parts``.
 
     Each image is centre-cropped and resized to ``target.tokenizer.image_size`` (LlamaGen's
     preprocessing) and encoded with ``target.tokenizer``; its caption is the ``{key}.txt``. Samples
     whose image does not decode or whose caption is missing are skipped with a warning and counted
-    (``skipped_inputs`` per shard). Output shards are ``shard-<part>-<n>.tar``, ``samples_per_shard``
-    input samples each, never spanning two input parts; keys are the img2dataset keys.
+    (``skipped_inputs`` per shard). An input tar that cannot be read (truncated by a failed download)
+    is skipped with a warning and listed in ``skipped_parts`` (``on_bad_tar="skip"``) or stops the run
+    (``"error"``). Output shards are ``shard-<part>-<n>.tar``, ``samples_per_shard`` input samples each,
+    never spanning two input parts; keys are the img2dataset keys. A shard whose every input was
+    skipped is not taken as done on a re-run: it is tried again.
     """
+    if on_bad_tar not in BAD_PART_POLICIES:
+        raise ValueError(f"on_bad_tar must be one of {BAD_PART_POLICIES}, got {on_bad_tar!r}")
     if Path(out_dir).expanduser().resolve() == Path(source).expanduser().resolve():
         raise ValueError(f"out_dir {str(out_dir)!r} is the input folder; write the shards elsewhere")
     input_format, parts = img2dataset_parts(source)
@@ -296,11 +303,19 @@ def prepare_laion_coco(
         overwrite=overwrite,
     )
     planned: list[str] = []
+    skipped_parts: dict[str, str] = {}
     bar = tqdm(total=0, desc="laion_coco", unit="img", disable=not progress)
     written = already_done = 0
     for part in parts:
         try:
-            items = part.items()
+            try:
+                items = part.items()
+            except ShardError as exc:
+                if on_bad_tar == "error":
+                    raise
+                log.warning("laion_coco: skipped input part %s: %s", part.name, exc)
+                skipped_parts[part.name] = str(exc)
+                continue
             bar.total += len(items)
             bar.refresh()
             for c, (start, stop) in enumerate(_chunks(len(items), samples_per_shard)):
@@ -314,7 +329,7 @@ def prepare_laion_coco(
                     "last": chunk[-1].key,
                 }
                 planned.append(name)
-                if writer.finished(name, plan):
+                if _done_with_samples(writer, name, plan):
                     already_done += 1
                     bar.update(len(chunk))
                     bar.set_postfix(written=written, already_done=already_done)
@@ -330,8 +345,15 @@ def prepare_laion_coco(
     skipped = sum(s["skipped_inputs"] for s in manifest["shards"])
     if skipped:
         log.warning("laion_coco: %d input samples skipped (no caption or undecodable image)", skipped)
+    if skipped_parts:
+        log.warning(
+            "laion_coco: %d unreadable input part(s) skipped: %s", len(skipped_parts), sorted(skipped_parts)
+        )
     if manifest["num_samples"] == 0:
-        raise ShardError(f"{source}: no usable samples ({skipped} skipped; see the warnings above)")
+        raise ShardError(
+            f"{source}: no usable samples ({skipped} samples and {len(skipped_parts)} input parts skipped; "
+            "see the warnings above)"
+        )
     log.info(
         "laion_coco: %d shards (%d written, %d already done), %d samples in %s",
         len(planned),
@@ -340,7 +362,19 @@ def prepare_laion_coco(
         manifest["num_samples"],
         out_dir,
     )
-    return manifest
+    return {**manifest, "skipped_parts": skipped_parts}
+
+
+def _done_with_samples(writer: ShardWriter, name: str, plan: dict[str, Any]) -> bool:
+    """Finished for this plan, and not with every input skipped: such a shard is what a run whose
+    inputs could not be read (captions missing, an image codec absent) left, and is tried again."""
+    if not writer.finished(name, plan):
+        return False
+    entry = next(s for s in writer.manifest["shards"] if s["name"] == name)
+    if entry["samples"] == 0 and entry["skipped_inputs"] > 0:
+        log.info("%s: every input was skipped last time; trying it again", name)
+        return False
+    return True
 
 
 # --- self-generated data ------------------------------------------------------------------------------
