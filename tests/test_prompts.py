@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vdtrain.prompts import read_captions, shapes_heldout_captions
+from vdtrain.prompts import load_captions, read_captions, shapes_heldout_captions
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -54,6 +54,22 @@ def test_bad_caption_files_are_value_errors_naming_the_file(tmp_path, name):
     with pytest.raises(ValueError, match=message) as info:
         read_captions(tmp_path / name)
     assert str(tmp_path / name) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "cause"),
+    [
+        ("empty.csv", b"", "EmptyDataError"),
+        ("latin1.csv", b"caption\ncaf\xe9\n", "UnicodeDecodeError"),
+        ("empty.jsonl", b"", "StopIteration"),
+        ("broken.jsonl", b'{"caption": "a"', "JSON parse error"),
+    ],
+)
+def test_bad_tables_read_through_datasets_name_the_file(tmp_path, name, content, cause):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError, match=f"cannot be read as a .{name.split('.')[1]} table") as info:
+        load_captions(tmp_path / name, column="caption", cache_dir=tmp_path / "cache")
+    assert str(tmp_path / name) in str(info.value) and cause in str(info.value)
 
 
 def test_a_byte_order_mark_and_short_rows_are_read(tmp_path):

@@ -3,10 +3,12 @@ shapes world's held-out captions."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,14 +134,30 @@ def load_table(
         if suffix not in TABLE_FORMATS:
             raise ValueError(f"{path}: unsupported table type {suffix!r}; use one of {sorted(TABLE_FORMATS)}")
         builder, extra = TABLE_FORMATS[suffix]
-        return datasets.load_dataset(
-            builder, data_files=str(path), split=split, cache_dir=cache, **{**extra, **kwargs}
-        )
+        with _naming(path, f"a {suffix} table"):
+            return datasets.load_dataset(
+                builder, data_files=str(path), split=split, cache_dir=cache, **{**extra, **kwargs}
+            )
     if path.exists() or str(source).startswith((".", "/", "~")):
         if not path.exists():
             raise FileNotFoundError(f"table not found: {str(path)!r}")
-        return datasets.load_dataset(str(path), split=split, cache_dir=cache, **kwargs)
+        with _naming(path, "a dataset folder"):
+            return datasets.load_dataset(str(path), split=split, cache_dir=cache, **kwargs)
     return datasets.load_dataset(str(source), split=split, cache_dir=cache, **kwargs)
+
+
+@contextlib.contextmanager
+def _naming(path: Path, what: str) -> Iterator[None]:
+    """``datasets`` reports a bad local file as "An error occurred while generating the dataset" (or a
+    bare StopIteration for an empty one): say which file, and what the underlying error was."""
+    try:
+        yield
+    except Exception as err:
+        cause = err.__cause__ or err.__context__ or err
+        raise ValueError(
+            f"{path}: cannot be read as {what} (is it UTF-8, well-formed and not empty?): "
+            f"{type(cause).__name__}: {cause}"
+        ) from err
 
 
 def caption_column(columns: list[str], column: str | None = None) -> str:
