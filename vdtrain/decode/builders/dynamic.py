@@ -1,0 +1,224 @@
+"""EAGLE-2's dynamic draft tree as tensor ops: no device→host reads, an op count independent of the batch.
+
+It builds the same trees as ``engine.DynamicTreeBuilder`` (per-row ``shape``, PEANUT's deepest path),
+but in fixed padded shapes, so a step's host work does not grow with the batch or the tree:
+
+- the *envelope* (``R`` rounds, ``K`` wide) is a pair of host ints: ``depth``/``top_k`` here; a subclass
+  whose shapes change per step (PEANUT) overrides ``envelope`` with a bound it knows on the host;
+- the frontier is always ``K`` nodes and each round makes ``K·K`` candidates, frontier node ``j``'s
+  child of rank ``c`` at ``j·K + c``; a row with a smaller width, fewer rounds or a depth limit (the
+  image end) keeps these shapes and its extra candidates are invalid (never ranked before a valid one);
+- drafter scratch column of frontier node ``j`` in round ``r`` is ``(r−1)·K + j``, as in the old
+  builder; the visibility spans the whole image plus every round's scratch, so no ``max(committed)`` read.
+
+Ranking and ties (``torch.topk`` leaves ties unspecified, so they are fixed here): a node's children are
+its top-``k`` tokens by (−log q, token id); the frontier is the best ``k`` candidates by (−score, creation
+order); the tree keeps the best ``total_tokens − 1`` nodes by (−score, depth, creation order), the old
+builder's key. Creation order (depth-1 children, then round by round, frontier position, child rank) is
+the flat node index here. Scores are cumulative log q in float64, as the old builder's Python floats.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from vdtrain.decode.engine import DraftTreeBuilder, SpeculativeEngine, _StepState
+from vdtrain.decode.trees import DraftTree
+
+
+def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest float32 ``values`` along the last dim, equal values in ascending index order.
+
+    One ``topk`` over an int64 key: the float's order-preserving int32 image in the high half, the
+    reversed index in the low half (so the key is unique and ties resolve the same on every device).
+    """
+    n = values.shape[-1]
+    bits = (values.float() + 0.0).view(torch.int32).long()  # + 0.0 folds −0.0 into +0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = ordered * 2**32 + (n - 1 - torch.arange(n, device=values.device))
+    index = key.topk(k, dim=-1).indices
+    return values.gather(-1, index), index
+
+
+def ranked(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` best entries along the last dim: valid ones first, by (−score, index)."""
+    key = torch.where(valid, scores, float("-inf"))
+    return key.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class TensorDynamicTreeBuilder(DraftTreeBuilder):
+    """EAGLE-2's dynamic tree (see ``engine.DynamicTreeBuilder`` for the rule) in padded tensor shapes.
+
+    ``vocab_size``: when known, a ``top_k`` above it is refused here; otherwise widths are capped at the
+    drafter's vocabulary at build time. ``keep_deepest_path`` (PEANUT): the best-scoring path to the
+    deepest level drafted is kept whatever the node budget prunes.
+    """
+
+    keep_deepest_path: ClassVar[bool] = False
+
+    def __init__(
+        self, top_k: int = 10, depth: int = 5, total_tokens: int = 59, vocab_size: int | None = None
+    ) -> None:
+        if top_k < 1 or depth < 0 or total_tokens < 2:
+            raise ValueError(
+                f"dynamic tree needs top_k >= 1, depth >= 0 and total_tokens >= 2 "
+                f"(got top_k={top_k}, depth={depth}, total_tokens={total_tokens})"
+            )
+        if vocab_size is not None and top_k > vocab_size:
+            raise ValueError(
+                f"dynamic tree top_k={top_k} exceeds the vocabulary ({vocab_size} tokens): a node cannot "
+                f"have more distinct children than there are tokens"
+            )
+        self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
+
+    def max_nodes(self) -> int:
+        return max(self.total_tokens, 1 + self.top_k * (self.depth + 1))
+
+    def shape(self, state: _StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expansion rounds [B], top_k [B]) for this step's trees, on the state's device."""
+        batch, device = len(state.roots), state.roots.device
+        return (
+            torch.full((batch,), self.depth, dtype=torch.long, device=device),
+            torch.full((batch,), self.top_k, dtype=torch.long, device=device),
+        )
+
+    def envelope(self, state: _StepState) -> tuple[int, int]:
+        """Host bound (rounds, top_k) on this step's ``shape``: the padded shapes. Called after ``shape``."""
+        return self.depth, self.top_k
+
+    @staticmethod
+    def _logq(engine: SpeculativeEngine, logits: torch.Tensor) -> torch.Tensor:
+        return engine.draft_probs(logits).clamp_min(1e-30).log()
+
+    def build(self, engine: SpeculativeEngine, state: _StepState) -> DraftTree:
+        roots, limit, committed = state.roots, state.depth_limit, state.committed
+        batch, device = len(roots), roots.device
+        prefix, n_img = engine.target.prefix_length, engine.target.num_image_tokens
+        vocab = state.root_logits.shape[-1]
+        rounds, widths = self.shape(state)
+        rounds, widths = rounds.to(device), widths.to(device).clamp_max(vocab)
+        depth_cap, k_cap = self.envelope(state)
+        size = min(k_cap, vocab)  # K: frontier width and children per frontier node
+        if depth_cap * size > self.max_nodes():
+            raise ValueError(
+                f"{type(self).__name__}: an envelope of {depth_cap} rounds x {size} nodes needs "
+                f"{depth_cap * size} drafter scratch slots but max_nodes() reserves {self.max_nodes()}"
+            )
+        torch._assert_async(
+            ((rounds <= depth_cap) & (widths <= size)).all(),
+            f"{type(self).__name__}.shape gave a (rounds, top_k) outside envelope ({depth_cap}, {size})",
+        )
+        col = torch.arange(size, device=device)
+        kid_ok = (col[None, :, None] < widths[:, None, None]) & (col[None, None, :] < widths[:, None, None])
+        kid_ok = kid_ok.flatten(1)  # [B, K·K]: frontier position and child rank inside the row's width
+
+        # Depth 1: the root's children; they are round 1's frontier (in rank order).
+        front_logq, front_tok = topk_low_index_first(self._logq(engine, state.root_logits), size)
+        front_score = front_logq.double()
+        front_node = (1 + col).expand(batch, -1)
+        tokens = [roots[:, None], front_tok]
+        scores = [front_score.new_zeros(batch, 1), front_score]
+        parents = [torch.full_like(roots[:, None], -1), torch.zeros_like(front_tok)]
+        depths = [torch.zeros_like(roots[:, None]), torch.ones_like(front_tok)]
+        valid = [
+            torch.ones_like(roots[:, None], dtype=torch.bool),
+            (limit >= 1)[:, None] & (col < widths[:, None]),
+        ]
+
+        streams = state.root_feats.shape[0] // batch
+        feats = state.root_feats[:, None].expand(-1, size, -1)  # parent features of the frontier rows
+        scratch = torch.arange(depth_cap * size, device=device)
+        seen = torch.zeros(batch, size, depth_cap * size, dtype=torch.bool, device=device)
+        base = committed - 1
+        width = n_img - 1 + depth_cap * size  # any base (< n_img) plus every round's scratch
+        offset = 1 + size  # flat index of the current round's first candidate
+        for r in range(1, depth_cap + 1):
+            # Frontier rows see their ancestors' scratch columns and their own.
+            seen = seen | (scratch[None, None, :] == ((r - 1) * size + col)[None, :, None])
+            slots = prefix + base[:, None] + (r - 1) * size + col[None, :]
+            positions = (prefix + (committed - 2 + r).clamp_max(n_img - 1))[:, None].expand(-1, size)
+            vis = engine._visibility(base, base, seen, width)
+            f_hat, logits = engine.drafter_rows(feats, front_tok, positions, slots, vis)
+            kid_logq, kid_tok = topk_low_index_first(self._logq(engine, logits), size)  # [B, K, K]
+            cand_score = (front_score[:, :, None] + kid_logq.double()).flatten(1)
+            cand_tok = kid_tok.flatten(1)
+            grow = (rounds >= r) & (limit >= r + 1)
+            cand_valid = grow[:, None] & kid_ok
+            tokens.append(cand_tok)
+            scores.append(cand_score)
+            parents.append(front_node[:, :, None].expand(-1, -1, size).flatten(1))
+            depths.append(torch.full_like(cand_tok, r + 1))
+            valid.append(cand_valid)
+            if r < depth_cap:
+                pick = ranked(cand_score, cand_valid, size)  # next frontier [B, K]
+                src = pick // size  # its parents' frontier positions
+                front_tok, front_score = cand_tok.gather(1, pick), cand_score.gather(1, pick)
+                front_node = offset + pick
+                feats = f_hat.gather(1, src.repeat(streams, 1)[..., None].expand(-1, -1, f_hat.shape[-1]))
+                seen = seen.gather(1, src[..., None].expand(-1, -1, seen.shape[-1]))
+            offset += size * size
+        return self._select(
+            torch.cat(tokens, 1),
+            torch.cat(scores, 1),
+            torch.cat(parents, 1),
+            torch.cat(depths, 1),
+            torch.cat(valid, 1),
+            depth_cap,
+        )
+
+    def _select(
+        self,
+        tokens: torch.Tensor,
+        scores: torch.Tensor,
+        parents: torch.Tensor,
+        depths: torch.Tensor,
+        valid: torch.Tensor,
+        depth_cap: int,
+    ) -> DraftTree:
+        """Keep the best ``total_tokens − 1`` nodes (a parent outranks its children: log q <= 0), laid
+        out by depth then creation order; padding nodes as the old builder writes them."""
+        batch, count = tokens.shape
+        if self.keep_deepest_path:
+            scores = torch.where(
+                self._deepest_path(scores, parents, depths, valid, depth_cap), float("inf"), scores
+            )
+        keep = min(self.total_tokens, count) - 1
+        kept = 1 + ranked(scores[:, 1:], valid[:, 1:], keep)
+        order = torch.where(valid.gather(1, kept), kept, kept + count).sort(dim=1).values
+        kept, kept_valid = order % count, order < count
+        pad = self.total_tokens - 1 - keep
+        nodes = torch.cat([torch.zeros_like(kept[:, :1]), kept, kept.new_zeros(batch, pad)], 1)
+        node_ok = torch.cat(
+            [torch.ones_like(kept_valid[:, :1]), kept_valid, kept_valid.new_zeros(batch, pad)], 1
+        )
+        new_index = torch.zeros_like(tokens).scatter_(
+            1, kept, torch.arange(1, keep + 1, device=tokens.device).expand(batch, -1)
+        )
+        new_parents = new_index.gather(1, parents.gather(1, nodes).clamp_min(0))
+        new_parents[:, 0] = -1
+        return DraftTree(
+            torch.where(node_ok, tokens.gather(1, nodes), 0),
+            torch.where(node_ok, new_parents, 0),
+            torch.where(node_ok, depths.gather(1, nodes), 1),
+            node_ok,
+            None,
+            False,
+        )
+
+    @staticmethod
+    def _deepest_path(
+        scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor, depth_cap: int
+    ) -> torch.Tensor:
+        """[B, N] bool: the non-root nodes on the path to the best (first on ties) deepest node, where the
+        deepest level is 2 or more."""
+        deepest = torch.where(valid, depths, -1).max(dim=1, keepdim=True).values
+        best = torch.where(valid & (depths == deepest), scores, float("-inf")).argmax(dim=1, keepdim=True)
+        on_path = torch.zeros_like(valid)
+        node = best
+        for _ in range(depth_cap + 1):  # the deepest node is at most depth_cap + 1 levels down
+            on_path = on_path.scatter(1, node, True)
+            node = parents.gather(1, node).clamp_min(0)
+        on_path[:, 0] = False
+        return on_path & (deepest >= 2)
