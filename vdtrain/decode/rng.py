@@ -1,0 +1,127 @@
+"""Counter-based randomness per batch row, and the samplers that turn uniforms into tokens.
+
+A ``torch.Generator`` per row makes every draw one op per row, so a batched decode step would cost ops
+(and on a GPU launches) in proportion to the batch. ``RowRandom`` instead derives every uniform from a
+hash of ``(seed_b, step_b, purpose, element index)`` in plain int64 tensor ops: one op sequence for the
+whole batch, and row ``b``'s draws depend on its own seed and step counter only, so prompt ``i`` sees
+the same numbers whatever batch it is decoded in. Integer arithmetic is exact on every device, so the
+values are the same on a CPU and a GPU.
+
+The hash works on 32-bit words held in int64: ``_mix`` is an xor-shift / multiply bijection of
+[0, 2^32) whose odd multipliers are below 2^31, so no product reaches 2^63. The row key folds the two
+halves of the seed, the step and the purpose into one word; element ``i`` takes the words of counters
+``2i`` and ``2i + 1`` (two rounds of ``_mix`` each) and combines 27 + 26 of their bits into a double
+in [0, 1) with 53 random bits.
+
+One ``(step, purpose)`` pair is one stream: ``uniform(purpose, n)[:, :m]`` equals ``uniform(purpose,
+m)``, so draw each purpose once per step (or use another purpose) and ``advance`` between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import IntEnum
+
+import torch
+
+_MASK = 0xFFFFFFFF
+_MUL_A = 0x7FEB352D  # odd, < 2^31: a product with a 32-bit word stays below 2^63
+_MUL_B = 0x2C1B3C6D
+_SEED_SALT = 0x243F6A88  # digits of pi: keep a zero seed away from the all-zero word
+_PURPOSE_SALT = 0x9E3779B9  # 2^32 / golden ratio: spreads small purpose numbers over the word
+
+
+class Purpose(IntEnum):
+    """The streams a speculative step draws from; each is used at most once per step."""
+
+    ACCEPT = 1  # one uniform per tree node: the test when the node is tried as a child
+    BONUS = 2  # one uniform per row: the bonus / residual token by inverse CDF
+    DRAFT = 3  # Gumbel noise for sampling a tree's children without replacement
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of 32-bit words (int64 holding [0, 2^32)) with good avalanche."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _MASK
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _MASK
+    return x ^ (x >> 16)
+
+
+def _as_int64_seed(seed: int) -> int:
+    """Generators report seeds as unsigned 64-bit integers; store them as the int64 with the same bits."""
+    seed &= (1 << 64) - 1
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+class RowRandom:
+    """Uniform draws for a batch of rows from per-row seeds and step counters (see the module docstring)."""
+
+    def __init__(self, seeds: torch.Tensor) -> None:
+        if seeds.dim() != 1 or seeds.dtype != torch.long:
+            raise ValueError(
+                f"seeds must be a 1-D LongTensor [B], got {seeds.dtype} of shape {tuple(seeds.shape)}"
+            )
+        lo, hi = seeds & _MASK, (seeds >> 32) & _MASK
+        self.seed_key = _mix(_mix(lo ^ _SEED_SALT) ^ hi)  # [B]: fixed for the whole decode
+        self.steps = torch.zeros_like(seeds)  # [B]: advanced once per step by the rows still decoding
+
+    @classmethod
+    def from_generators(
+        cls, generators: Sequence[torch.Generator | None], device: torch.device | str | None = None
+    ) -> RowRandom:
+        """Rows seeded like the generators the engine is given (their ``initial_seed``); a ``None`` row
+        gets a seed from torch's global generator, so ``torch.manual_seed`` still fixes it."""
+        seeds = [
+            _as_int64_seed(g.initial_seed() if g is not None else int(torch.randint(1 << 62, ())))
+            for g in generators
+        ]
+        return cls(torch.tensor(seeds, dtype=torch.long, device=device))
+
+    @property
+    def batch(self) -> int:
+        return len(self.steps)
+
+    def advance(self, active: torch.Tensor | None = None) -> None:
+        """Move to the next step: every row, or only those where ``active`` [B] (bool) is set, so a
+        finished row's counter stays where it stopped."""
+        self.steps = self.steps + (1 if active is None else active.long())
+
+    def uniform(self, purpose: int, *shape: int) -> torch.Tensor:
+        """float64 [B, *shape] in [0, 1): a function of each row's (seed, step), ``purpose`` and the
+        element's row-major index only."""
+        if not 0 <= purpose <= _MASK:
+            raise ValueError(f"purpose must be in [0, 2^32), got {purpose}")
+        count = 1
+        for n in shape:
+            count *= n
+        if any(n < 0 for n in shape) or 2 * count > _MASK:
+            raise ValueError(f"cannot draw a block of shape {shape}: at most 2^31 non-negative elements")
+        salt = (purpose * _PURPOSE_SALT) & _MASK
+        key = _mix(_mix(self.seed_key ^ (self.steps & _MASK)) ^ salt)  # [B]
+        counters = torch.arange(2 * count, dtype=torch.long, device=key.device)
+        words = _mix(_mix(key[:, None] ^ counters))  # [B, 2 * count]
+        high, low = words[:, 0::2] >> 5, words[:, 1::2] >> 6  # 27 and 26 bits
+        return ((high * (1 << 26) + low).double() / float(1 << 53)).view(self.batch, *shape)
+
+
+def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample one index per row of ``p`` [..., V] with the uniforms ``u`` [...]: the first index whose
+    cumulative mass exceeds ``u`` times the row's total, so ``p`` need not sum exactly to 1 and a
+    zero-mass index is never returned (the cumulative sum does not grow there). A row with no mass at all
+    gives index 0. No host synchronisation."""
+    cdf = p.double().cumsum(-1)
+    target = u.double() * cdf[..., -1]
+    index = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
+    # Rounding can put u · total at the total itself: fall back to the last index with mass.
+    positions = torch.arange(p.shape[-1], device=p.device)
+    last = torch.where(p > 0, positions, 0).amax(-1)
+    return torch.where(index < p.shape[-1], index, last)
+
+
+def gumbel_topk(logq: torch.Tensor, u: torch.Tensor, k: int) -> torch.Tensor:
+    """``k`` indices per row drawn without replacement from ``softmax(logq)`` [..., V] (the Gumbel-top-k
+    trick), in the order they would be drawn one by one, with the uniforms ``u`` [..., V]. Zero-mass
+    indices (``logq = -inf``) come last, so ``k`` must not exceed the support for a true sample."""
+    gumbel = -torch.log(-torch.log(u.double()))  # u = 0 gives -inf: never ahead of a real draw
+    return (logq.double() + gumbel).topk(k, dim=-1).indices
