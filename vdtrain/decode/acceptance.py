@@ -50,6 +50,7 @@ from typing import ClassVar
 
 import torch
 
+from vdtrain.decode.rng import inverse_cdf
 from vdtrain.decode.trees import DraftTree
 
 
@@ -71,6 +72,13 @@ def _draw(p: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=generator))
 
 
+def _normalise_rows(p: torch.Tensor) -> torch.Tensor:
+    """``_normalise`` on every row of ``p`` [..., V] at once, without reading the device."""
+    total = p.sum(-1, keepdim=True)
+    exhausted = torch.zeros_like(p).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)
+    return torch.where(total > 0, p / total, exhausted)
+
+
 def _uniform(generator: torch.Generator | None) -> float:
     device = generator.device if generator is not None else None  # a CUDA generator draws on its GPU
     return float(torch.rand((), generator=generator, device=device))
@@ -90,12 +98,19 @@ class Rule:
     ``p_relax``) and share ``walk``."""
 
     needs_soft_p: ClassVar[bool] = False  # wants the T = 1 softmax at T = 0 (``p_relax``)
+    relaxes: ClassVar[bool] = False  # has a group at all (exact does not: batched acceptance has a shortcut)
     removes_group: ClassVar[bool] = False  # the residual drops the group's mass (LANTERN)
     credits_q: ClassVar[bool] = False  # Q sums q over the group too (GSD)
 
     def group(self, p: torch.Tensor, token: int) -> torch.Tensor:
         """Other tokens whose target mass is credited to ``token`` (LongTensor, may be empty)."""
         return p.new_zeros(0, dtype=torch.long)
+
+    def group_batch(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``group`` for many (distribution, token) pairs at once: ``p`` [..., V], ``x`` [...] →
+        candidate tokens [..., G] and a mask [..., G] of those in the group (G = 0 here)."""
+        empty = x.new_zeros(*x.shape, 0)
+        return empty, empty.bool()
 
     def masses(
         self, p: torch.Tensor, q: torch.Tensor, token: int, group: torch.Tensor
@@ -114,8 +129,10 @@ class Rule:
         greedy: bool,
         generator: torch.Generator | None,
         p_relax: torch.Tensor | None = None,
+        u_accept: torch.Tensor | None = None,
+        u_bonus: torch.Tensor | float | None = None,
     ) -> Verdict:
-        return walk(self, tree, row, p_nodes, greedy, generator, p_relax)
+        return walk(self, tree, row, p_nodes, greedy, generator, p_relax, u_accept, u_bonus)
 
 
 def walk(
@@ -126,10 +143,18 @@ def walk(
     greedy: bool,
     generator: torch.Generator | None,
     p_relax: torch.Tensor | None = None,
+    u_accept: torch.Tensor | None = None,
+    u_bonus: torch.Tensor | float | None = None,
 ) -> Verdict:
     """The one tree walk. ``p_nodes`` [T, V]: the target distribution at every node (what its children
     should be drawn from), made by the one sampling pipeline; ``p_relax`` [T, V]: at T = 0 the softmax
-    of the same filtered logits, where relaxed rules look for the argmax's group."""
+    of the same filtered logits, where relaxed rules look for the argmax's group.
+
+    ``u_accept`` [T] and ``u_bonus`` (a scalar) are pre-drawn uniforms that replace the generator: node
+    ``c`` is tested with ``u_accept[c]`` when tried as a child, and the bonus token is
+    ``inverse_cdf(p, u_bonus)``. Given the same uniforms, ``accept_batch`` returns what this walk does."""
+    if (u_accept is None) != (u_bonus is None):
+        raise ValueError("pass both u_accept and u_bonus (pre-drawn uniforms) or neither")
     tokens = tree.tokens[row]
     node, path, relaxed = 0, [], 0
     while True:
@@ -155,7 +180,7 @@ def walk(
                     q_c[tok] = 1.0
                 group = rule.group(p, tok)
                 p_mass, q_mass = rule.masses(p, q_c, tok, group)
-                u = _uniform(generator)
+                u = _uniform(generator) if u_accept is None else float(u_accept[c])
                 if u * q_mass < p_mass:  # u < P/Q without dividing by a zero Q
                     accepted = c
                     relaxed += not bool(u * q_c[tok] < p[tok])
@@ -165,7 +190,12 @@ def walk(
                     q = q.clone()
                     q[tok] = 0  # the next sibling was drawn without this one
         if accepted is None:
-            bonus = int(p.argmax()) if greedy else _draw(p.float(), generator)
+            if greedy:
+                bonus = int(p.argmax())
+            elif u_bonus is None:
+                bonus = _draw(p.float(), generator)
+            else:
+                bonus = int(inverse_cdf(p, torch.as_tensor(u_bonus, dtype=p.dtype, device=p.device)))
             return Verdict(path, bonus, relaxed)
         path.append(accepted)
         node = accepted
@@ -192,18 +222,25 @@ class _NeighbourRule(Rule):
 
     needs_soft_p: ClassVar[bool] = True
     removes_group: ClassVar[bool] = True
+    relaxes: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
 
-    def bound(self, p_token: float) -> float:
+    def bound(self, p_token: float | torch.Tensor) -> float | torch.Tensor:
         raise NotImplementedError
 
     def group(self, p: torch.Tensor, token: int) -> torch.Tensor:
         near = self.neighbours[token, : self.k].to(p.device)
         cumulative = p[near].cumsum(0)
         return near[: int((cumulative <= self.bound(float(p[token]))).sum())]
+
+    def group_batch(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # S_j never decreases, so the entries with S_j <= bound are the prefix ``group`` counts.
+        near = self.neighbours[:, : self.k].to(p.device)[x]  # [..., k]
+        cumulative = p.gather(-1, near).cumsum(-1)
+        return near, cumulative <= self.bound(p.gather(-1, x.unsqueeze(-1)))
 
 
 @dataclass(frozen=True, eq=False)
@@ -217,7 +254,7 @@ class Lantern(_NeighbourRule):
         if self.delta < 0:
             raise ValueError(f"LANTERN needs delta >= 0, got {self.delta}")
 
-    def bound(self, p_token: float) -> float:
+    def bound(self, p_token: float | torch.Tensor) -> float:
         return self.delta
 
 
@@ -232,7 +269,7 @@ class LanternPP(_NeighbourRule):
         if self.lam < 1:
             raise ValueError(f"LANTERN++ needs lam >= 1, got {self.lam}")
 
-    def bound(self, p_token: float) -> float:
+    def bound(self, p_token: float | torch.Tensor) -> float | torch.Tensor:
         return (self.lam - 1.0) * p_token
 
 
@@ -256,6 +293,7 @@ class Grouped(Rule):
 
     needs_soft_p: ClassVar[bool] = True
     credits_q: ClassVar[bool] = True
+    relaxes: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if self.group_size < 1:
@@ -273,3 +311,242 @@ class Grouped(Rule):
         emb = self.embeddings.to(p.device)
         dist = (emb[window].double() - emb[token].double()).pow(2).sum(-1)
         return window[close_p & (dist < self.max_distance)]
+
+    def group_batch(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.group_size == 1:
+            return super().group_batch(p, x)
+        vocab, size = p.shape[-1], self.group_size
+        order = p.sort(dim=-1, descending=True, stable=True).indices  # ties by token id, as in ``group``
+        place = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(vocab, device=p.device).expand_as(order)
+        )
+        start = place.gather(-1, x.unsqueeze(-1)) - size // 2  # [..., 1]: x's rank minus half the window
+        slots = start.clamp_min(0) + torch.arange(size, device=p.device)
+        in_window = (slots < start + size) & (slots < vocab)
+        window = order.gather(-1, slots.clamp_max(vocab - 1))  # [..., G]
+        close_p = (p.gather(-1, window) - p.gather(-1, x.unsqueeze(-1))).abs() < self.delta_p
+        emb = self.embeddings.to(p.device)
+        dist = (emb[window].double() - emb[x].double().unsqueeze(-2)).pow(2).sum(-1)
+        return window, in_window & (window != x.unsqueeze(-1)) & close_p & (dist < self.max_distance)
+
+
+# --- batched acceptance ------------------------------------------------------------------------------
+#
+# ``walk`` reads probabilities node by node on the host. ``accept_batch`` computes the same verdict for
+# every row with tensor ops only: no host synchronisation, and loops bounded by the tree's depth and
+# width (host-side ``DraftTree.depth_bound`` / ``width_bound``), never by the batch. The key fact is that
+# what happens at a node (which child is accepted first, what ``p`` is left when all are rejected)
+# depends only on that node's own distributions, children and uniforms, not on how the walk got there.
+# So every node is judged at once, then the accepted path is followed ``depth`` times by gathers:
+#
+# - T = 0 (every rule): one shot; a child is accepted if it is the argmax at its parent, else (relaxed
+#   rules, with ``p_relax``) if its group holds the argmax; the first such child per parent wins.
+# - T > 0, exact rule, deterministic drafts (EAGLE-2, PEANUT): one shot too. After rejecting the
+#   earlier siblings p is the original one without them, renormalised, so child c is accepted iff
+#   u_c · (Σ p − Σ_{earlier siblings} p) < p(c) (the first child: u_c < p(c), the walk's unnormalised
+#   test). Only [B, T] and [B, T, T] work besides one [B, V] residual for the bonus.
+# - T > 0 otherwise (sampled SpecInfer drafts, LANTERN, LANTERN++, GSD): the residual of each rejection
+#   feeds the next sibling's test, so the loop runs over sibling rank, each pass handling the r-th
+#   child of every node at once ([B, T, V] work). This takes ``width`` passes of a dozen ops, where a
+#   loop over depth × rank with [B, V] work would take ``depth × width`` passes.
+#
+# The arithmetic mirrors the walk's step for step, so verdicts agree exactly except where a uniform falls
+# within rounding (~1e-16) of a threshold (the shortcut's sums are grouped differently from the walk's).
+
+
+@dataclass
+class BatchVerdict:
+    """``Verdict`` for a whole batch, as device tensors."""
+
+    path: torch.Tensor  # [B, D] long: accepted nodes in depth order, then -1
+    accepted: torch.Tensor  # [B] long: accepted draft tokens (the bonus not counted)
+    bonus: torch.Tensor  # [B] long: the token drawn after the last accepted node
+    relaxed: torch.Tensor  # [B] long: accepted nodes that only a relaxed rule accepted
+
+    def verdicts(self) -> list[Verdict]:
+        """Per-row ``Verdict``s, read back in one transfer (for callers that still want lists)."""
+        rows = torch.cat([self.path, self.bonus[:, None], self.relaxed[:, None]], dim=1).tolist()
+        return [Verdict([n for n in row[:-2] if n >= 0], row[-2], row[-1]) for row in rows]
+
+
+def accept_batch(
+    rule: Rule,
+    tree: DraftTree,
+    p_nodes: torch.Tensor,
+    greedy: bool,
+    u_accept: torch.Tensor,
+    u_bonus: torch.Tensor,
+    p_relax: torch.Tensor | None = None,
+) -> BatchVerdict:
+    """Verify every row's tree at once: ``walk(rule, tree, b, p_nodes[b], greedy, None, p_relax[b],
+    u_accept[b], u_bonus[b])`` for each row ``b``, without reading the device.
+
+    ``p_nodes`` [B, T, V]: the target distribution at every node; ``u_accept`` [B, T]: the uniform for
+    testing node ``c`` as a child; ``u_bonus`` [B]: the bonus draw (both unused at T = 0); ``p_relax``
+    [B, T, V]: for relaxed rules at T = 0, the temperature-1 softmax (see the module docstring)."""
+    batch, size = tree.tokens.shape
+    _check_shapes(tree, p_nodes, u_accept, u_bonus, p_relax)
+    depth = size - 1 if tree.depth_bound is None else tree.depth_bound
+    if greedy:
+        best = p_nodes.argmax(-1)  # [B, T]
+        child_of, relaxed_at = _greedy_choices(rule, tree, best, p_relax)
+        path, final, relaxed = _follow(child_of, relaxed_at, depth)
+        bonus = best.gather(1, final[:, None]).squeeze(1)
+    elif not tree.sampled and not rule.relaxes:
+        child_of = _exact_choices(tree, p_nodes, u_accept)
+        path, final, relaxed = _follow(child_of, torch.zeros_like(tree.valid), depth)
+        bonus = inverse_cdf(_exact_residual(tree, p_nodes, final), u_bonus)
+    else:
+        width = size - 1 if tree.width_bound is None else tree.width_bound
+        child_of, relaxed_at, p_left = _tried_choices(rule, tree, p_nodes, u_accept, width)
+        path, final, relaxed = _follow(child_of, relaxed_at, depth)
+        vocab = p_left.shape[-1]
+        bonus = inverse_cdf(
+            p_left.gather(1, final[:, None, None].expand(batch, 1, vocab)).squeeze(1), u_bonus
+        )
+    return BatchVerdict(path, (path >= 0).sum(1), bonus, relaxed)
+
+
+def _check_shapes(
+    tree: DraftTree,
+    p_nodes: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_bonus: torch.Tensor,
+    p_relax: torch.Tensor | None,
+) -> None:
+    batch, size = tree.tokens.shape
+    if p_nodes.dim() != 3 or p_nodes.shape[:2] != (batch, size):
+        raise ValueError(f"p_nodes must be [B={batch}, T={size}, V], got {tuple(p_nodes.shape)}")
+    if u_accept.shape != (batch, size) or u_bonus.shape != (batch,):
+        raise ValueError(
+            f"u_accept must be [B={batch}, T={size}] and u_bonus [B={batch}], "
+            f"got {tuple(u_accept.shape)} and {tuple(u_bonus.shape)}"
+        )
+    if p_relax is not None and p_relax.shape != p_nodes.shape:
+        raise ValueError(
+            f"p_relax must have p_nodes' shape {tuple(p_nodes.shape)}, got {tuple(p_relax.shape)}"
+        )
+    if tree.sampled and (tree.q is None or tree.q.shape != p_nodes.shape):
+        raise ValueError(f"a sampled tree needs q of p_nodes' shape {tuple(p_nodes.shape)}")
+
+
+def _first_per_parent(flag: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """[B, T]: for each node, its first (lowest-stored) child with ``flag`` set, −1 where none."""
+    size = flag.shape[1]
+    nodes = torch.arange(size, device=flag.device).expand_as(flag)
+    first = torch.full_like(parents, size).scatter_reduce(
+        1, parents.clamp_min(0), torch.where(flag, nodes, size), reduce="amin"
+    )
+    return torch.where(first < size, first, -1)
+
+
+def _follow(
+    child_of: torch.Tensor, relaxed_at: torch.Tensor, depth: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Walk down from the root along each node's accepted child (``child_of`` [B, T], −1: none):
+    (path [B, depth], last node [B], relaxed acceptances on the path [B])."""
+    batch = child_of.shape[0]
+    node = torch.zeros(batch, dtype=torch.long, device=child_of.device)
+    relaxed = torch.zeros_like(node)
+    steps = []
+    for _ in range(depth):
+        nxt = child_of.gather(1, node[:, None]).squeeze(1)
+        relaxed = relaxed + (relaxed_at.gather(1, node[:, None]).squeeze(1) & (nxt >= 0))
+        steps.append(nxt)
+        node = torch.where(nxt >= 0, nxt, node)
+    path = torch.stack(steps, 1) if steps else node.new_zeros(batch, 0)
+    return path, node, relaxed
+
+
+def _greedy_choices(
+    rule: Rule, tree: DraftTree, best: torch.Tensor, p_relax: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """T = 0: (accepted child [B, T], whether it was accepted only by the relaxation [B, T]) per node."""
+    parents = tree.parents.clamp_min(0)
+    is_child = tree.valid & (tree.parents >= 0)
+    best_at_parent = best.gather(1, parents)
+    first_hit = _first_per_parent(is_child & (tree.tokens == best_at_parent), parents)
+    if p_relax is None:
+        return first_hit, torch.zeros_like(tree.valid)
+    vocab = p_relax.shape[-1]
+    soft = p_relax.double().gather(1, parents[..., None].expand(-1, -1, vocab))  # each child's parent row
+    candidates, member = rule.group_batch(soft, tree.tokens)
+    holds_best = ((candidates == best_at_parent[..., None]) & member).any(-1)
+    first_group = _first_per_parent(is_child & holds_best, parents)
+    relaxed_at = (first_hit < 0) & (first_group >= 0)
+    return torch.where(first_hit >= 0, first_hit, first_group), relaxed_at
+
+
+def _exact_choices(tree: DraftTree, p_nodes: torch.Tensor, u_accept: torch.Tensor) -> torch.Tensor:
+    """T > 0, exact rule, deterministic drafts: the first accepted child of every node [B, T] in one
+    shot (see the section comment)."""
+    batch, size, vocab = p_nodes.shape
+    p = p_nodes.double()
+    parents = tree.parents.clamp_min(0)
+    is_child = tree.valid & (tree.parents >= 0)
+    earlier = tree.earlier_siblings()  # [B, T, T]
+    p_child = p.reshape(batch, size * vocab).gather(1, parents * vocab + tree.tokens)
+    # A token repeated among siblings was zeroed when its first copy was rejected.
+    repeated = (earlier & (tree.tokens[:, :, None] == tree.tokens[:, None, :])).any(-1)
+    p_child = torch.where(repeated, 0.0, p_child)
+    removed = (earlier.double() @ p_child[..., None]).squeeze(-1)
+    left = torch.where(earlier.any(-1), p.sum(-1).gather(1, parents) - removed, 1.0)
+    # ``left`` <= 0: the walk's p was exhausted and fell back to a point mass on token 0.
+    accept = torch.where(left > 0, u_accept.double() * left < p_child, tree.tokens == 0)
+    return _first_per_parent(is_child & accept, parents)
+
+
+def _exact_residual(tree: DraftTree, p_nodes: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    """[B, V]: p at each row's last accepted node once all its children were rejected: the children's
+    tokens zeroed, renormalised (untouched at a leaf)."""
+    batch, _, vocab = p_nodes.shape
+    p = p_nodes.double().gather(1, final[:, None, None].expand(batch, 1, vocab)).squeeze(1)
+    tried = tree.valid & (tree.parents == final[:, None])  # [B, T]
+    hit = torch.zeros_like(p).scatter_add_(1, tree.tokens, tried.double()) > 0
+    return torch.where(tried.any(1, keepdim=True), _normalise_rows(p.masked_fill(hit, 0.0)), p)
+
+
+def _tried_choices(
+    rule: Rule, tree: DraftTree, p_nodes: torch.Tensor, u_accept: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """T > 0, general: children tried rank by rank at every node at once. Returns the first accepted
+    child [B, T], whether only the relaxation accepted it [B, T], and p left at each node after all its
+    children [B, T, V] (what the bonus is drawn from where none was accepted)."""
+    table = tree.child_table(width)  # [B, T, W]
+    p = p_nodes.double()
+    q = tree.q.double() if tree.sampled else None
+    u_all = u_accept.double()
+    child_of = torch.full_like(tree.parents, -1)
+    relaxed_at = torch.zeros_like(tree.valid)
+    for rank in range(width):
+        kid = table[:, :, rank]
+        has = kid >= 0
+        x = tree.tokens.gather(1, kid.clamp_min(0))  # [B, T]: each node's child at this rank
+        u = u_all.gather(1, kid.clamp_min(0))
+        p_x = p.gather(-1, x[..., None]).squeeze(-1)
+        if q is not None:
+            q = _normalise_rows(q)
+            q_x = q.gather(-1, x[..., None]).squeeze(-1)
+        else:  # deterministic draft: a point mass on the child
+            q_x = torch.ones_like(p_x)
+        candidates, member = rule.group_batch(p, x)
+        p_mass, q_mass = p_x, q_x
+        if candidates.shape[-1]:
+            p_mass = p_x + (p.gather(-1, candidates) * member).sum(-1)
+            if rule.credits_q and q is not None:
+                q_mass = q_x + (q.gather(-1, candidates) * member).sum(-1)
+        accept = has & (u * q_mass < p_mass)
+        new = accept & (child_of < 0)
+        child_of = torch.where(new, kid, child_of)
+        relaxed_at = torch.where(new, ~(u * q_x < p_x), relaxed_at)
+        # The residual after rejecting x (used only where it was rejected and tried).
+        p_g = p
+        if rule.removes_group and candidates.shape[-1]:
+            p_g = p.masked_fill(torch.zeros_like(p, dtype=torch.bool).scatter_(-1, candidates, member), 0.0)
+        if q is not None:
+            rest = (p_g - q).clamp_min(0)
+            q = q.scatter(-1, x[..., None], 0.0)  # the next sibling was drawn without this one
+        else:
+            rest = p_g.scatter(-1, x[..., None], (p_g.gather(-1, x[..., None]) - 1.0).clamp_min(0))
+        p = torch.where(has[..., None], _normalise_rows(rest), p)
+    return child_of, relaxed_at, p

@@ -129,10 +129,36 @@ class DraftTree:
     valid: torch.Tensor  # [B, T] bool: padding nodes are never verified or accepted
     q: torch.Tensor | None  # [B, T, V] or None
     sampled: bool
+    # Host-side bounds that the builder knows without reading the device; batched acceptance loops this
+    # many times. None: the tree size bounds them (correct, but loops T - 1 times).
+    depth_bound: int | None = None  # no valid node is deeper
+    width_bound: int | None = None  # no node has more valid children
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
+
+    def earlier_siblings(self) -> torch.Tensor:
+        """[B, T, T] bool: ``j`` is a valid sibling stored before ``i`` (tried before it). The root and
+        invalid nodes have none."""
+        index = torch.arange(self.size, device=self.parents.device)
+        same_parent = self.parents[:, :, None] == self.parents[:, None, :]
+        before = index[None, :, None] > index[None, None, :]
+        has_parent = (self.parents >= 0) & self.valid
+        return same_parent & before & self.valid[:, None, :] & has_parent[:, :, None]
+
+    def child_table(self, width: int) -> torch.Tensor:
+        """[B, T, width] long: the valid child of node ``n`` at sibling rank ``r`` (its place among
+        the valid children, in stored order), −1 where there is none. Children ranked ``width`` or
+        later are left out."""
+        batch, size = self.parents.shape
+        ranks = self.earlier_siblings().sum(-1)
+        keep = self.valid & (self.parents >= 0) & (ranks < width)
+        slot = torch.where(keep, self.parents.clamp_min(0) * width + ranks, size * width)  # spare slot
+        nodes = torch.arange(size, device=self.parents.device).expand(batch, size)
+        table = torch.full((batch, size * width + 1), -1, dtype=torch.long, device=self.parents.device)
+        table.scatter_(1, slot, torch.where(keep, nodes, -1))
+        return table[:, :-1].view(batch, size, width)
 
     def children(self, row: int, node: int) -> list[int]:
         """Valid children of ``node`` in stored (rank) order."""

@@ -1,0 +1,379 @@
+"""Batched acceptance (``accept_batch``) against the reference tree walk, and its cost contract.
+
+Given the same uniforms, ``accept_batch`` must return exactly what ``walk`` returns row by row, for every
+rule, deterministic and sampled drafts, T = 0 and T > 0, on random trees with ragged validity and on
+distributions with zeros. It must never read the device and its op count must not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import Counter
+from contextlib import ExitStack, contextmanager
+from unittest.mock import patch
+
+import pytest
+import torch
+from scipy import stats
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vdtrain.decode.acceptance import EXACT, Grouped, Lantern, LanternPP, Verdict, accept_batch, walk
+from vdtrain.decode.rng import Purpose, RowRandom, gumbel_topk
+from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree, static_tree
+
+VOCAB = 12
+
+
+g_rules = torch.Generator().manual_seed(5)
+# Random latent neighbours [V, V - 1] (self excluded) and token embeddings.
+NEIGHBOURS = torch.stack(
+    [(order := torch.randperm(VOCAB, generator=g_rules))[order != v] for v in range(VOCAB)]
+)
+EMBEDDINGS = torch.randn(VOCAB, 3, generator=g_rules)
+RULES = {
+    "exact": EXACT,
+    "lantern": Lantern(NEIGHBOURS, k=4, delta=0.8),
+    "lantern_k_all": Lantern(NEIGHBOURS, k=50, delta=0.6),
+    "lantern_pp": LanternPP(NEIGHBOURS, k=5, lam=20.0),
+    "gsd": Grouped(EMBEDDINGS, group_size=5, delta_p=0.5, max_distance=6.0),
+    "gsd_even_wide": Grouped(EMBEDDINGS, group_size=8, delta_p=1.0, max_distance=100.0),
+    "lantern_delta_0": Lantern(NEIGHBOURS, k=4, delta=0.0),
+    "lantern_pp_lam_1": LanternPP(NEIGHBOURS, k=4, lam=1.0),
+    "gsd_g1": Grouped(EMBEDDINGS, group_size=1),
+}
+
+
+def random_shape(size: int, style: str, g: torch.Generator) -> tuple[list[int], list[int]]:
+    """Parents and depths of one row's tree: parents before children; ``wide`` hangs nodes anywhere,
+    ``deep`` mostly under the previous node, ``static`` uses LANTERN++'s tree (cut to ``size``)."""
+    if style == "static":
+        tree = static_tree(LANTERN_PP_PATHS)
+        return list(tree.parents[:size]), list(tree.depths[:size])
+    parents, depths = [-1], [0]
+    for i in range(1, size):
+        chain = style == "deep" and torch.rand((), generator=g) < 0.7
+        parent = i - 1 if chain else int(torch.randint(i, (), generator=g))
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    return parents, depths
+
+
+def random_distributions(shape: tuple[int, ...], g: torch.Generator, favour: torch.Tensor) -> torch.Tensor:
+    """Random distributions [..., V] with top-p-like truncated supports, some one-hot, and extra mass on
+    the two ``favour`` tokens [..., 2] (a child's, a neighbour's) so that paths get deep."""
+    logits = torch.randn(*shape, VOCAB, generator=g, dtype=torch.float64) * 2
+    boost = (
+        torch.tensor([3.0, 2.0], dtype=torch.float64)
+        + torch.rand(*shape, 2, generator=g, dtype=torch.float64) * 4
+    )
+    logits.scatter_add_(-1, favour, boost)
+    keep = torch.rand(*shape, VOCAB, generator=g) < torch.rand(*shape, 1, generator=g)
+    keep.scatter_(-1, favour, True)  # the favoured tokens and the argmax are in the support
+    keep.scatter_(-1, logits.argmax(-1, keepdim=True), True)
+    one_hot = torch.rand(*shape, 1, generator=g) < 0.1
+    keep &= ~one_hot | (logits == logits.amax(-1, keepdim=True))
+    return logits.masked_fill(~keep, float("-inf")).softmax(-1)
+
+
+def random_case(batch: int, size: int, style: str, sampled: bool, greedy: bool, seed: int):
+    """A batch of random trees with their target distributions and uniforms."""
+    g = torch.Generator().manual_seed(seed)
+    parents, depths, valid = [], [], []
+    for _ in range(batch):
+        par, dep = random_shape(size, style, g)
+        limit = int(torch.randint(1, max(dep) + 2, (), generator=g))
+        ok = [d <= limit for d in dep]
+        pad = int(torch.randint(0, size // 3 + 1, (), generator=g))  # dynamic-tree style padding at the end
+        for i in range(size - pad, size):
+            par[i], dep[i], ok[i] = 0, 1, False
+        ok[0] = True
+        parents.append(par)
+        depths.append(dep)
+        valid.append(ok)
+    parents_t = torch.tensor(parents)
+    tokens = torch.randint(VOCAB, (batch, size), generator=g)
+    # Each node favours one of its children's tokens, or a near neighbour of one (what relaxed rules
+    # accept), or a random token: paths then get deep and relaxations happen.
+    favour = torch.randint(VOCAB, (batch, size, 2), generator=g)
+    for b in range(batch):
+        for i in reversed(range(1, size)):
+            pick, x = float(torch.rand((), generator=g)), int(tokens[b, i])
+            if pick < 0.5:
+                favour[b, parents[b][i], 0] = x
+            elif pick < 0.8:
+                favour[b, parents[b][i]] = torch.tensor([NEIGHBOURS[x, 0], x])
+    q = random_distributions((batch, size), g, favour) if sampled else None
+    if sampled:  # children drawn without replacement from their parent's q (when it has the support)
+        for b in range(batch):
+            for n in range(size):
+                kids = [i for i in range(size) if parents[b][i] == n]
+                support = int((q[b, n] > 0).sum())
+                if kids and len(kids) <= support:
+                    tokens[b, kids] = torch.multinomial(q[b, n], len(kids), generator=g)
+    tree = DraftTree(
+        tokens, parents_t, torch.tensor(depths), torch.tensor(valid), q, sampled, depth_bound=None
+    )
+    soft = random_distributions((batch, size), g, favour)
+    p_nodes = torch.zeros_like(soft).scatter_(-1, soft.argmax(-1, keepdim=True), 1.0) if greedy else soft
+    u_accept = torch.rand(batch, size, generator=g, dtype=torch.float64)
+    u_accept[torch.rand(batch, size, generator=g) < 0.05] = 0.0
+    u_bonus = torch.rand(batch, generator=g, dtype=torch.float64)
+    return tree, p_nodes.float(), soft.float(), u_accept, u_bonus
+
+
+def with_bounds(tree: DraftTree) -> DraftTree:
+    """The tree with the tight host-side bounds a builder would give."""
+    depth = int(torch.where(tree.valid, tree.depths, 0).max())
+    width = max(len(tree.children(b, n)) for b in range(len(tree.tokens)) for n in range(tree.size))
+    return DraftTree(tree.tokens, tree.parents, tree.depths, tree.valid, tree.q, tree.sampled, depth, width)
+
+
+def reference(rule, tree, p_nodes, greedy, u_accept, u_bonus, p_relax) -> list[Verdict]:
+    return [
+        walk(
+            rule,
+            tree,
+            b,
+            p_nodes[b],
+            greedy,
+            None,
+            None if p_relax is None else p_relax[b],
+            u_accept[b],
+            u_bonus[b],
+        )
+        for b in range(len(tree.tokens))
+    ]
+
+
+CASES = [
+    pytest.param(style, sampled, greedy, relax,
+                 id=f"{style}-{'q' if sampled else 'det'}-T{int(not greedy)}{'-relax' if relax else ''}")
+    for style in ("wide", "deep", "static")
+    for sampled, greedy in ((False, True), (False, False), (True, False))
+    for relax in ((False, True) if greedy else (False,))
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("rule_name", list(RULES))
+@pytest.mark.parametrize(("style", "sampled", "greedy", "relax"), CASES)
+def test_accept_batch_equals_the_walk_row_by_row(rule_name, style, sampled, greedy, relax):
+    rule = RULES[rule_name]
+    seed = zlib.crc32(f"{rule_name}-{style}-{sampled}-{greedy}-{relax}".encode()) % 10_000
+    for trial, size in enumerate((12, 30, 58)):
+        tree, p_nodes, soft, u_accept, u_bonus = random_case(6, size, style, sampled, greedy, seed + trial)
+        p_relax = soft if relax else None
+        want = reference(rule, tree, p_nodes, greedy, u_accept, u_bonus, p_relax)
+        for t in (tree, with_bounds(tree)):
+            got = accept_batch(rule, t, p_nodes, greedy, u_accept, u_bonus, p_relax)
+            assert got.verdicts() == want, f"trial {trial}"
+            assert got.accepted.tolist() == [len(v.path) for v in want]
+
+
+@pytest.mark.parametrize("rule_name", ["lantern", "lantern_k_all", "lantern_pp", "gsd", "gsd_even_wide"])
+def test_the_random_cases_exercise_relaxations(rule_name):
+    """Guards the equality test against vacuous cases: each relaxed rule relaxes at T = 0 and T > 0,
+    with deterministic and sampled drafts."""
+    for sampled, greedy in ((False, True), (False, False), (True, False)):
+        relaxed = 0
+        for seed in range(3):
+            tree, p_nodes, soft, u_accept, u_bonus = random_case(8, 30, "wide", sampled, greedy, seed)
+            relaxed += sum(
+                v.relaxed for v in reference(RULES[rule_name], tree, p_nodes, greedy, u_accept, u_bonus, soft)
+            )
+        assert relaxed >= 2, (sampled, greedy)
+
+
+def test_the_random_cases_exercise_deep_paths_and_bonus_draws():
+    depths, bonus_not_argmax = Counter(), 0
+    for seed in range(4):
+        tree, p_nodes, _, u_accept, u_bonus = random_case(8, 30, "deep", False, False, seed)
+        out = accept_batch(EXACT, tree, p_nodes, False, u_accept, u_bonus)
+        for b, v in enumerate(out.verdicts()):
+            depths[len(v.path)] += 1
+            bonus_not_argmax += int(p_nodes[b, v.path[-1] if v.path else 0].argmax()) != v.bonus
+    assert max(depths) >= 4 and len(depths) >= 4 and bonus_not_argmax >= 5
+
+
+def test_repeated_sibling_tokens_match_the_walk():
+    """A token drafted twice under one parent has no mass left the second time (the walk zeroed it)."""
+    tree, p_nodes, _, u_accept, u_bonus = random_case(8, 20, "wide", False, False, 3)
+    tokens = tree.tokens.clone()
+    tokens[:, 2] = tokens[:, 1]
+    tree = DraftTree(tokens, tree.parents, tree.depths, tree.valid, None, False)
+    tree.parents[:, 2] = tree.parents[:, 1]
+    tree.depths[:, 2] = tree.depths[:, 1]
+    want = reference(EXACT, tree, p_nodes, False, u_accept, u_bonus, None)
+    assert accept_batch(EXACT, tree, p_nodes, False, u_accept, u_bonus).verdicts() == want
+
+
+def test_shapes_are_checked():
+    tree, p_nodes, _, u_accept, u_bonus = random_case(2, 6, "wide", False, False, 0)
+    with pytest.raises(ValueError, match="p_nodes must be"):
+        accept_batch(EXACT, tree, p_nodes[:, :5], False, u_accept, u_bonus)
+    with pytest.raises(ValueError, match="u_accept must be"):
+        accept_batch(EXACT, tree, p_nodes, False, u_accept[:, :5], u_bonus)
+    with pytest.raises(ValueError, match="needs q"):
+        accept_batch(EXACT, DraftTree(tree.tokens, tree.parents, tree.depths, tree.valid, None, True),
+                     p_nodes, False, u_accept, u_bonus)  # fmt: skip
+
+
+def test_walk_wants_both_uniforms_or_none():
+    tree, p_nodes, _, u_accept, _ = random_case(1, 6, "wide", False, False, 0)
+    with pytest.raises(ValueError, match="both"):
+        walk(EXACT, tree, 0, p_nodes[0], False, None, u_accept=u_accept[0])
+
+
+# --- losslessness through the uniforms ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["deterministic", "sampled"])
+def test_first_committed_token_has_the_target_distribution(sampled):
+    """One level of 3 drafts from q (top-3, or Gumbel-top-3 samples from q), verified with RowRandom's
+    uniforms: the first committed token (accepted draft or bonus) must follow p exactly."""
+    rows = 6000
+    p = torch.tensor([0.3, 0.25, 0.2, 0.1, 0.1, 0.05, 0.0, 0.0], dtype=torch.float64)
+    q = torch.tensor([0.05, 0.1, 0.3, 0.2, 0.1, 0.05, 0.2, 0.0], dtype=torch.float64)
+    rng = RowRandom(torch.arange(rows) + 100)
+    if sampled:
+        drafts = gumbel_topk(q.log().expand(rows, -1), rng.uniform(Purpose.DRAFT, len(q)), 3)
+    else:
+        drafts = q.topk(3).indices.expand(rows, -1)
+    size = 4
+    tree = DraftTree(
+        tokens=torch.cat([torch.zeros(rows, 1, dtype=torch.long), drafts], 1),
+        parents=torch.tensor([-1, 0, 0, 0]).expand(rows, -1),
+        depths=torch.tensor([0, 1, 1, 1]).expand(rows, -1),
+        valid=torch.ones(rows, size, dtype=torch.bool),
+        q=q.expand(rows, size, -1) if sampled else None,
+        sampled=sampled,
+        depth_bound=1,
+        width_bound=3,
+    )
+    out = accept_batch(
+        EXACT,
+        tree,
+        p.expand(rows, size, -1),
+        False,
+        rng.uniform(Purpose.ACCEPT, size),
+        rng.uniform(Purpose.BONUS),
+    )
+    first = torch.where(
+        out.accepted > 0, tree.tokens.gather(1, out.path[:, :1].clamp_min(0)).squeeze(1), out.bonus
+    )
+    counts = torch.bincount(first, minlength=len(p)).double()
+    assert counts[p == 0].sum() == 0
+    support = p > 0
+    assert stats.chisquare(counts[support].numpy(), (p[support] * rows).numpy()).pvalue > 1e-3
+
+
+# --- the cost contract: no host syncs, ops independent of the batch ----------------------------------
+
+SYNCING_OPS = {"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "item"}
+
+
+class OpLog(TorchDispatchMode):
+    """Counts every dispatched aten op and fails on the ones that read a device tensor on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in SYNCING_OPS:
+            raise AssertionError(f"host sync: aten.{name}")
+        for a in args:  # boolean-mask indexing waits for the mask's size
+            if (
+                name == "index"
+                and isinstance(a, list | tuple)
+                and any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in a)
+            ):
+                raise AssertionError("host sync: boolean-mask indexing")
+        self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def no_host_reads():
+    """Tensor methods that copy device values to the host raise inside this block."""
+
+    def refuse(name):
+        def method(*args, **kwargs):
+            raise AssertionError(f"host sync: Tensor.{name}")
+
+        return method
+
+    names = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    with ExitStack() as stack:
+        for name in names:
+            stack.enter_context(patch.object(torch.Tensor, name, refuse(name)))
+        yield
+
+
+PATHS = {
+    "greedy_relaxed": ("gsd", False, True, True),
+    "greedy_lantern": ("lantern", False, True, True),
+    "exact_deterministic": ("exact", False, False, False),
+    "exact_sampled": ("exact", True, False, False),
+    "lantern_pp_deterministic": ("lantern_pp", False, False, False),
+    "gsd_sampled": ("gsd", True, False, False),
+}
+
+
+def counted_ops(path: str, batch: int) -> Counter[str]:
+    """The aten ops ``accept_batch`` dispatches on a 30-node tree of ``batch`` rows, refusing host reads."""
+    rule_name, sampled, greedy, relax = PATHS[path]
+    tree, p_nodes, soft, u_accept, u_bonus = random_case(batch, 30, "wide", sampled, greedy, batch)
+    tree = DraftTree(tree.tokens, tree.parents, tree.depths, tree.valid, tree.q, tree.sampled, 8, 6)
+    log = OpLog()
+    with no_host_reads(), log:
+        out = accept_batch(
+            RULES[rule_name], tree, p_nodes, greedy, u_accept, u_bonus, soft if relax else None
+        )
+    assert out.path.shape == (batch, 8)
+    return log.ops
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_accept_batch_never_reads_the_device_and_its_op_count_does_not_grow_with_the_batch(path):
+    assert counted_ops(path, 8) == counted_ops(path, 1)
+
+
+def test_the_sync_guards_catch_the_walk():
+    """The guards are live: the reference walk reads the device, and each guard refuses it."""
+    tree, p_nodes, _, u_accept, u_bonus = random_case(1, 6, "wide", False, False, 0)
+    for guard in (OpLog, no_host_reads):
+        with pytest.raises(AssertionError, match="host sync"), guard():
+            walk(EXACT, tree, 0, p_nodes[0], False, None, None, u_accept[0], u_bonus[0])
+
+
+def test_eagle1_static_tree_bounds_give_the_same_verdicts():
+    """Bounds from a StaticTree (what the engine's builder knows) change nothing but the loop counts."""
+    shape = static_tree(EAGLE1_PATHS)
+    batch, g = 4, torch.Generator().manual_seed(9)
+    tokens = torch.randint(VOCAB, (batch, shape.size), generator=g)
+    favour = tokens[:, 1:3, None].expand(batch, 2, shape.size).transpose(1, 2)
+    p = random_distributions((batch, shape.size), g, favour).float()
+    tree = DraftTree(
+        tokens,
+        torch.tensor(shape.parents).expand(batch, -1),
+        torch.tensor(shape.depths).expand(batch, -1),
+        torch.ones(batch, shape.size, dtype=torch.bool),
+        None,
+        False,
+        depth_bound=shape.depth,
+        width_bound=max(shape.width(n) for n in range(shape.size)),
+    )
+    u_accept, u_bonus = (
+        torch.rand(batch, shape.size, generator=g).double(),
+        torch.rand(batch, generator=g).double(),
+    )
+    for rule in (EXACT, RULES["lantern_pp"]):
+        want = reference(rule, tree, p, False, u_accept, u_bonus, None)
+        assert accept_batch(rule, tree, p, False, u_accept, u_bonus).verdicts() == want
+
+
+def test_random_distributions_are_distributions():
+    p = random_distributions((50, 7), torch.Generator().manual_seed(0), torch.randint(VOCAB, (50, 7, 2)))
+    assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(50, 7, dtype=torch.float64))
+    assert (p == 0).any() and ((p > 0).sum(-1) == 1).any()  # truncated supports and one-hot rows
