@@ -3,13 +3,18 @@
 #
 #   ./launch.sh [overrides...]                                  one process (CPU or one GPU)
 #   NPROC=4 ./launch.sh trainer=deepspeed_stage_2               4 GPUs on this machine
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.1.2.3 NPROC=8 ./launch.sh trainer=multinode
+#   VDTRAIN_RUN_NAME=exp1 NNODES=2 NODE_RANK=0 MASTER_ADDR=10.1.2.3 NPROC=8 ./launch.sh trainer=multinode
 #                                                               on every node, with its own NODE_RANK
 #   sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 launch.sh trainer=multinode
 #                                                               under SLURM: srun starts one task per GPU
 #
 # Under SLURM the ranks come from SLURM's variables; otherwise torchrun sets RANK/WORLD_SIZE/... and
 # Lightning picks them up. Extra arguments are Hydra overrides passed to `python -m vdtrain.fit`.
+#
+# All ranks and nodes write one run folder, checkpoints/runs/<name> (unless hydra.run.dir is given):
+# <name> is VDTRAIN_RUN_NAME; on one node it defaults to the start time taken here, under SLURM to
+# slurm-<job>.<step> (the same after a requeue, so resume=last finds the checkpoint); for several nodes
+# without SLURM set VDTRAIN_RUN_NAME to one name on every node (vdtrain.fit refuses to guess).
 set -euo pipefail
 NPROC=${NPROC:-1}
 NNODES=${NNODES:-1}
@@ -28,6 +33,9 @@ if [[ -n "${SLURM_STEP_ID:-}" ]]; then  # already inside srun
 fi
 if (( NPROC == 1 && NNODES == 1 )); then
     exec "$PYTHON" -m vdtrain.fit "$@"
+fi
+if (( NNODES == 1 )); then
+    export VDTRAIN_RUN_NAME=${VDTRAIN_RUN_NAME:-$(date +%Y-%m-%d_%H-%M-%S)}
 fi
 exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \

@@ -26,7 +26,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from vdtrain.config import DrafterTrainConfig, FitConfig, OptimConfig
+from vdtrain.config import DrafterTrainConfig, FitConfig, OptimConfig, UnknownConfigKeyError, check_known_keys
 from vdtrain.data.streams import ShapesStream, collate
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
@@ -391,17 +391,17 @@ def test_ddp_ranks_train_on_their_own_samples_and_validate_each_sample_once(tiny
 
 
 # --- 6. two nodes on loopback --------------------------------------------------------------------------
-def test_launch_sh_two_nodes_on_loopback(tiny_folder, tmp_path):
-    run, port = tmp_path / "run", free_port()
+def test_launch_sh_two_nodes_on_loopback_share_one_run_folder(tiny_folder, tmp_path):
+    run, port = tmp_path / "checkpoints" / "runs" / "shared", free_port()
     args = [
         str(REPO / "launch.sh"),
         "trainer=ddp_cpu",
         f"target.folder={tiny_folder}",
         *SMALL,
         "trainer.max_steps=3",
-        f"hydra.run.dir={run}",
     ]
     env = {"NNODES": "2", "NPROC": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env["VDTRAIN_RUN_NAME"] = "shared"  # the same on every node; no hydra.run.dir given
     env["PYTHON"] = sys.executable
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"  # torchrun
     nodes = [
@@ -424,9 +424,44 @@ def test_launch_sh_two_nodes_on_loopback(tiny_folder, tmp_path):
     for rank, (node, output) in enumerate(zip(nodes, outputs, strict=True)):
         assert node.returncode == 0, f"node {rank}:\n{output[-3000:]}"
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in outputs[1]
+    assert [p.name for p in run.parent.iterdir()] == ["shared"]  # no folder of a node's own
     ckpt = read_ckpt(run / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 3
     assert json.loads((run / "summary.json").read_text())["steps"] == 3
+
+
+LAUNCH_ENV = (
+    "VDTRAIN_RUN_NAME",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+    "SLURM_ARRAY_JOB_ID",
+    "SLURM_ARRAY_TASK_ID",
+)
+
+
+def hydra_run_dir(monkeypatch, **env: str) -> str:
+    """``hydra.run.dir`` as a process started with ``env`` resolves it."""
+    for name in (*LAUNCH_ENV, "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with initialize_config_dir(str(CONF), version_base=None):
+        return compose("fit", return_hydra_config=True).hydra.run.dir
+
+
+def test_every_rank_of_a_launch_resolves_the_same_run_folder(monkeypatch):
+    runs = "checkpoints/runs"
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "WORLD_SIZE": "16"}
+    assert hydra_run_dir(monkeypatch, **slurm, SLURM_PROCID="9") == f"{runs}/slurm-77.0"
+    array = {"SLURM_ARRAY_JOB_ID": "70", "SLURM_ARRAY_TASK_ID": "3"}
+    assert hydra_run_dir(monkeypatch, **slurm, **array) == f"{runs}/slurm-70_3.0"
+    assert hydra_run_dir(monkeypatch, VDTRAIN_RUN_NAME="exp1", WORLD_SIZE="4") == f"{runs}/exp1"
+    assert hydra_run_dir(monkeypatch, TORCHELASTIC_RUN_ID="j1", WORLD_SIZE="2") == f"{runs}/torchrun-j1"
+    with pytest.raises(Exception, match="VDTRAIN_RUN_NAME"):  # torchrun without --rdzv-id or a name
+        hydra_run_dir(monkeypatch, TORCHELASTIC_RUN_ID="none", WORLD_SIZE="2")
+    with pytest.raises(Exception, match="plain folder name"):
+        hydra_run_dir(monkeypatch, VDTRAIN_RUN_NAME="../elsewhere")
+    assert re.fullmatch(rf"{runs}/\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d", hydra_run_dir(monkeypatch))
 
 
 # --- 7. strategies -------------------------------------------------------------------------------------
@@ -525,6 +560,19 @@ def test_misspelled_key_fails_at_cli_start(tiny_folder, tmp_path):
     )
     assert result.returncode != 0 and "max_stepz" in result.stderr
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_plus_added_typo_is_refused_naming_the_key_and_close_matches(tiny_folder, tmp_path):
+    cfg = fit_config(tiny_folder, tmp_path / "run", "+trainer.max_stepz=3", "+optim.lrr=1")
+    with pytest.raises(
+        UnknownConfigKeyError, match=r"trainer\.max_stepz \(did you mean trainer\.max_steps"
+    ) as error:
+        fit(cfg)
+    assert "optim.lrr (did you mean optim.lr?)" in str(error.value)
+    assert not (tmp_path / "run").exists()
+    # The free-form maps the docs add keys to with + keep taking them.
+    ok = ("+drafter.layer.n_head=2", "+trainer.deepspeed.zero_optimization.overlap_comm=true")
+    check_known_keys(fit_config(tiny_folder, tmp_path / "run", *ok))
 
 
 def test_drafter_of_another_target_is_refused(tiny_folder, tmp_path):

@@ -7,11 +7,15 @@ is its documentation.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import os
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 
 @dataclass
@@ -46,7 +50,7 @@ class DataConfig:
     p_null: float = 0.1  # probability a sample is null-conditioned (online features)
     shuffle_buffer: int = 256  # source=shards: in-memory shuffle buffer
     on_corrupt: str = "error"  # error: stop at a bad sample | skip: log it and go on
-    num_workers: int = 0
+    num_workers: int = 0  # DataLoader worker processes; each makes every num_workers-th batch (same order)
 
 
 @dataclass
@@ -139,5 +143,67 @@ class FitConfig:
 
 
 def register_configs() -> None:
-    """Make ``fit_schema`` available to ``conf/fit.yaml``'s defaults list (it types every group)."""
+    """Make ``fit_schema`` available to ``conf/fit.yaml``'s defaults list (it types every group), and
+    the ``run_name`` resolver its ``hydra.run.dir`` uses."""
     ConfigStore.instance().store(name="fit_schema", node=FitConfig)
+    OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+
+
+def run_name() -> str:
+    """The run folder's name, the same in every process of one launch, so that all ranks and nodes write
+    (and ``resume=last`` reads) one folder: ``VDTRAIN_RUN_NAME`` (``launch.sh`` sets it), else the SLURM
+    job and step (the same again when the job is requeued), else a torchrun ``--rdzv-id``, else the time
+    (one process; Lightning's own DDP children are handed the parent's folder)."""
+    env = os.environ
+    if env.get("VDTRAIN_RUN_NAME"):
+        name = env["VDTRAIN_RUN_NAME"]
+        if "/" in name or name in (".", ".."):
+            raise ValueError(f"VDTRAIN_RUN_NAME must be a plain folder name, got {name!r}")
+        return name
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
+        job = env["SLURM_JOB_ID"]
+        if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+            job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+        return f"slurm-{job}.{env['SLURM_STEP_ID']}"
+    if env.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
+    if int(env.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            f"this is one of WORLD_SIZE={env['WORLD_SIZE']} processes with no shared run name, so each "
+            "would make its own timestamped run folder: start them with ./launch.sh, set VDTRAIN_RUN_NAME "
+            "to one name on every node, pass torchrun --rdzv-id, or give hydra.run.dir"
+        )
+    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def unknown_keys(cfg: DictConfig, schema: type, prefix: str = "") -> list[str]:
+    """Keys of ``cfg`` that ``schema`` (a config dataclass) does not declare, each with close matches.
+
+    Hydra's ``+key=value`` adds a key even to a typed config; free-form ``dict`` fields (such as
+    ``drafter.layer`` or ``trainer.deepspeed``) take any key and are not searched."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    found = []
+    for key, child in cfg.items_ex(resolve=False):
+        path = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=3, cutoff=0.6)
+            hint = f" (did you mean {', '.join(prefix + c for c in close)}?)" if close else ""
+            found.append(f"{path}{hint}")
+            continue
+        kind = OmegaConf.get_type(child)
+        if isinstance(child, DictConfig) and kind is not None and dataclasses.is_dataclass(kind):
+            found += unknown_keys(child, kind, f"{path}.")
+    return found
+
+
+class UnknownConfigKeyError(ValueError):
+    pass
+
+
+def check_known_keys(cfg: DictConfig, schema: type = FitConfig) -> None:
+    unknown = unknown_keys(cfg, schema)
+    if unknown:
+        raise UnknownConfigKeyError(
+            "unknown config key(s) " + "; ".join(unknown) + " — added with '+', which bypasses the typed "
+            "config (vdtrain/config.py); '+' is only for the free-form maps (e.g. +drafter.layer.n_head=8)"
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -17,21 +18,23 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from vdtrain.config import FitConfig, register_configs
+from vdtrain.config import FitConfig, check_known_keys, register_configs
 from vdtrain.data.datamodule import DrafterDataModule
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.hub import export_drafter, find_results, push_to_hub, training_command
 from vdtrain.prompts import prompts_for_run
 from vdtrain.targets import load_target
-from vdtrain.train.module import DrafterModule
+from vdtrain.train.checkpointing import AtomicCheckpointIO, FiniteCheckpoint, Preempted
+from vdtrain.train.module import DrafterModule, NonFiniteLossError
 
 log = logging.getLogger(__name__)
 
 register_configs()
 
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, what a shell reports for a process the signal ended
 STRATEGIES = ("auto", "ddp", "ddp_cpu", "deepspeed_stage_2", "deepspeed_stage_3")
 
 
@@ -98,7 +101,12 @@ def resume_path(cfg: FitConfig, run_dir: Path) -> str | None:
 
 
 def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
-    """Train; ``callbacks`` are added to the configured ones (tests use them to interrupt a run)."""
+    """Train; ``callbacks`` are added to the configured ones (tests use them to interrupt a run).
+
+    Raises ``Preempted`` after SIGTERM (``last.ckpt`` then holds the step reached) and
+    ``NonFiniteLossError`` / ``NonFiniteWeightsError`` naming the last checkpoint with finite weights."""
+    if isinstance(cfg, DictConfig):
+        check_known_keys(cfg)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -116,15 +124,19 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         cfg.trainer.max_steps,
     )
     data = DrafterDataModule(cfg.data, target.identity)
+    ckpt_path = resume_path(cfg, run_dir)
+    last = FiniteCheckpoint(
+        dirpath=run_dir / "checkpoints",
+        filename="step{step}",
+        save_last=True,
+        every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
+        save_top_k=0,
+        enable_version_counter=False,  # always last.ckpt, even if a resumed run changes the settings
+        resumed_from=ckpt_path,
+    )
     hooks: list[L.Callback] = [
-        ModelCheckpoint(
-            dirpath=run_dir / "checkpoints",
-            filename="step{step}",
-            save_last=True,
-            every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
-            save_top_k=0,
-        ),
-        ModelCheckpoint(
+        last,
+        FiniteCheckpoint(
             dirpath=run_dir / "checkpoints",
             filename="best",
             monitor=cfg.best_metric,
@@ -160,9 +172,19 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         callbacks=[*hooks, *(callbacks or [])],
         default_root_dir=str(run_dir),
         enable_model_summary=False,
+        # DeepSpeed writes its own checkpoint folders and takes no CheckpointIO plugin.
+        plugins=None if t.strategy.startswith("deepspeed") else [AtomicCheckpointIO()],
     )
     start = time.monotonic()
-    trainer.fit(module, datamodule=data, ckpt_path=resume_path(cfg, run_dir))
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    except SIGTERMException as stop:
+        raise Preempted(
+            f"stopped by SIGTERM at step {trainer.global_step}; {last.last_finite_hint()}, "
+            f"or resume=last with run_dir={str(run_dir)!r}"
+        ) from stop
+    except NonFiniteLossError as err:
+        raise NonFiniteLossError(f"{err}; {last.last_finite_hint()}") from err
     minutes = (time.monotonic() - start) / 60
     if data.val_dataloader():  # the summary reports the final drafter, not the last epoch's
         trainer.validate(module, datamodule=data, verbose=False)
@@ -207,7 +229,11 @@ def push_at_end(export: Path, cfg: FitConfig) -> None:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="fit")
 def main(cfg: DictConfig) -> None:
-    summary = fit(cfg)
+    try:
+        summary = fit(cfg)
+    except Preempted as stop:
+        log.error("%s", stop)
+        sys.exit(PREEMPTED_EXIT_CODE)
     if summary.get("drafter"):
         print(json.dumps(summary, indent=2))
         nan = float("nan")

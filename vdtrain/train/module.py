@@ -127,8 +127,7 @@ class DrafterModule(L.LightningModule):
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
                 f"non-finite drafter loss at step {self.global_step} (feature={parts['feature'].item()}, "
-                f"cls={parts['cls'].item()}); checkpoints written so far are intact — lower optim.lr, "
-                "check the features, or resume from the last checkpoint"
+                f"cls={parts['cls'].item()}) — lower optim.lr or check the features"
             )
         size = len(batch["caption"])
         for name, value in parts.items():

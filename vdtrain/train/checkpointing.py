@@ -1,0 +1,111 @@
+"""Training checkpoints that a run can always resume from.
+
+- ``AtomicCheckpointIO`` writes each file next to its final name and renames it into place, so a full
+  disk or a kill mid-write leaves the previous ``last.ckpt`` whole (Lightning's default stages the file
+  in the system temp folder and copies it over when that is another filesystem, truncating the old one).
+- ``FiniteCheckpoint`` refuses to write weights that are NaN or infinite, remembers the last file it did
+  write (errors name it), and on SIGTERM (SLURM preemption) writes ``last.ckpt`` at the step reached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+
+class NonFiniteWeightsError(FloatingPointError):
+    pass
+
+
+class CheckpointWriteError(OSError):
+    pass
+
+
+class Preempted(RuntimeError):
+    """Training stopped by SIGTERM after writing a resumable checkpoint."""
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        final = Path(path)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")  # same folder: same filesystem
+        data = io.BytesIO()  # serialised first: torch.save into a full disk reports no errno
+        torch.save(checkpoint, data)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data.getbuffer())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException as err:
+            tmp.unlink(missing_ok=True)
+            if isinstance(err, OSError):
+                kept = (
+                    f"the previous {final.name} is kept" if final.exists() else f"no {final.name} was written"
+                )
+                raise CheckpointWriteError(
+                    err.errno, f"cannot write checkpoint {str(final)!r} ({err}); {kept}"
+                ) from err
+            raise
+        with contextlib.suppress(OSError):  # make the rename itself durable
+            fd = os.open(final.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def non_finite(state: Mapping[str, Any]) -> list[str]:
+    """Names of the floating-point tensors of ``state`` holding a NaN or an infinity."""
+    return [
+        name
+        for name, value in state.items()
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all()
+    ]
+
+
+class FiniteCheckpoint(ModelCheckpoint):
+    def __init__(self, *args: Any, resumed_from: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.last_finite = resumed_from  # the newest checkpoint file known to hold finite weights
+
+    def last_finite_hint(self) -> str:
+        if self.last_finite is None:
+            return "no checkpoint was written before it"
+        return f"the last finite checkpoint is {self.last_finite!r} (resume=<that path>)"
+
+    def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        bad = non_finite(trainer.lightning_module.state_dict())
+        if bad:
+            shown = ", ".join(bad[:5]) + (f", … ({len(bad) - 5} more)" if len(bad) > 5 else "")
+            raise NonFiniteWeightsError(
+                f"step {trainer.global_step}: non-finite weights ({shown}); {filepath!r} not written, "
+                f"{self.last_finite_hint()} — lower optim.lr or check the features"
+            )
+        super()._save_checkpoint(trainer, filepath)
+        self.last_finite = filepath
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        """SIGTERM: write ``last.ckpt`` at the step reached (unless this step's is already written)."""
+        if not isinstance(exception, SIGTERMException) or not self.save_last:
+            return
+        if self._last_global_step_saved == trainer.global_step and self.last_finite is not None:
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
