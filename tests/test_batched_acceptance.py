@@ -377,3 +377,27 @@ def test_random_distributions_are_distributions():
     p = random_distributions((50, 7), torch.Generator().manual_seed(0), torch.randint(VOCAB, (50, 7, 2)))
     assert torch.isfinite(p).all() and torch.allclose(p.sum(-1), torch.ones(50, 7, dtype=torch.float64))
     assert (p == 0).any() and ((p > 0).sum(-1) == 1).any()  # truncated supports and one-hot rows
+
+
+def test_sibling_order_and_child_table_skip_invalid_nodes():
+    #        0
+    #   1    2(invalid)   3        4 is 1's child, 5 is 3's child; 6 is padding.
+    tree = DraftTree(
+        tokens=torch.zeros(1, 7, dtype=torch.long),
+        parents=torch.tensor([[-1, 0, 0, 0, 1, 3, 0]]),
+        depths=torch.tensor([[0, 1, 1, 1, 2, 2, 1]]),
+        valid=torch.tensor([[True, True, False, True, True, True, False]]),
+        q=None,
+        sampled=False,
+    )
+    earlier = tree.earlier_siblings()[0]
+    assert [earlier[i].nonzero().flatten().tolist() for i in range(7)] == [[], [], [], [1], [], [], []]
+    assert tree.child_table(3)[0].tolist() == [
+        [1, 3, -1],
+        [4, -1, -1],
+        [-1] * 3,
+        [5, -1, -1],
+        *[[-1] * 3] * 3,
+    ]
+    assert tree.child_table(1)[0, 0].tolist() == [1]  # ranks past the width are left out
+    assert [tree.children(0, n) for n in range(7)] == [[1, 3], [4], [], [5], [], [], []]

@@ -73,10 +73,13 @@ def _draw(p: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def _normalise_rows(p: torch.Tensor) -> torch.Tensor:
-    """``_normalise`` on every row of ``p`` [..., V] at once, without reading the device."""
+    """``_normalise`` on every row of ``p`` [..., V] (p >= 0) at once, without reading the device. An
+    exhausted row is all zeros, whose argmax is token 0: its fallback is a point mass on token 0."""
     total = p.sum(-1, keepdim=True)
-    exhausted = torch.zeros_like(p).scatter_(-1, p.argmax(-1, keepdim=True), 1.0)
-    return torch.where(total > 0, p / total, exhausted)
+    exhausted = total <= 0
+    out = p / torch.where(exhausted, 1.0, total)
+    out[..., :1] += exhausted
+    return out
 
 
 def _uniform(generator: torch.Generator | None) -> float:
@@ -347,7 +350,7 @@ class Grouped(Rule):
 #   test). Only [B, T] and [B, T, T] work besides one [B, V] residual for the bonus.
 # - T > 0 otherwise (sampled SpecInfer drafts, LANTERN, LANTERN++, GSD): the residual of each rejection
 #   feeds the next sibling's test, so the loop runs over sibling rank, each pass handling the r-th
-#   child of every node at once ([B, T, V] work). This takes ``width`` passes of a dozen ops, where a
+#   child of every node at once ([B, T, V] work). This takes ``width`` passes of a few dozen ops, where a
 #   loop over depth × rank with [B, V] work would take ``depth × width`` passes.
 #
 # The arithmetic mirrors the walk's step for step, so verdicts agree exactly except where a uniform falls
@@ -443,19 +446,19 @@ def _first_per_parent(flag: torch.Tensor, parents: torch.Tensor) -> torch.Tensor
 def _follow(
     child_of: torch.Tensor, relaxed_at: torch.Tensor, depth: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Walk down from the root along each node's accepted child (``child_of`` [B, T], −1: none):
-    (path [B, depth], last node [B], relaxed acceptances on the path [B])."""
-    batch = child_of.shape[0]
-    node = torch.zeros(batch, dtype=torch.long, device=child_of.device)
+    """Walk down from the root along each node's accepted child (``child_of`` [B, T], −1: none; ``relaxed_at``
+    [B, T] is set only where there is one): (path [B, depth], last node [B], relaxed acceptances [B])."""
+    relaxed_at = relaxed_at.long()
+    node = torch.zeros_like(child_of[:, :1])  # [B, 1]
     relaxed = torch.zeros_like(node)
     steps = []
     for _ in range(depth):
-        nxt = child_of.gather(1, node[:, None]).squeeze(1)
-        relaxed = relaxed + (relaxed_at.gather(1, node[:, None]).squeeze(1) & (nxt >= 0))
+        nxt = child_of.gather(1, node)
+        relaxed = relaxed + relaxed_at.gather(1, node)
         steps.append(nxt)
         node = torch.where(nxt >= 0, nxt, node)
-    path = torch.stack(steps, 1) if steps else node.new_zeros(batch, 0)
-    return path, node, relaxed
+    path = torch.cat(steps, 1) if steps else child_of[:, :0]
+    return path, node.squeeze(1), relaxed.squeeze(1)
 
 
 def _greedy_choices(
@@ -539,14 +542,15 @@ def _tried_choices(
         new = accept & (child_of < 0)
         child_of = torch.where(new, kid, child_of)
         relaxed_at = torch.where(new, ~(u * q_x < p_x), relaxed_at)
-        # The residual after rejecting x (used only where it was rejected and tried).
-        p_g = p
+        # The residual after rejecting x (used only where it was rejected and tried), in place on a copy.
         if rule.removes_group and candidates.shape[-1]:
-            p_g = p.masked_fill(torch.zeros_like(p, dtype=torch.bool).scatter_(-1, candidates, member), 0.0)
-        if q is not None:
-            rest = (p_g - q).clamp_min(0)
-            q = q.scatter(-1, x[..., None], 0.0)  # the next sibling was drawn without this one
+            rest = p.scatter(-1, candidates, p.gather(-1, candidates) * ~member)  # the group's mass set to 0
         else:
-            rest = p_g.scatter(-1, x[..., None], (p_g.gather(-1, x[..., None]) - 1.0).clamp_min(0))
+            rest = p.clone()
+        if q is not None:
+            rest.sub_(q).clamp_min_(0)
+            q.scatter_(-1, x[..., None], 0.0)  # the next sibling was drawn without this one
+        else:
+            rest.scatter_(-1, x[..., None], (rest.gather(-1, x[..., None]) - 1.0).clamp_min(0))
         p = torch.where(has[..., None], _normalise_rows(rest), p)
     return child_of, relaxed_at, p

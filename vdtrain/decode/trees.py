@@ -130,7 +130,8 @@ class DraftTree:
     q: torch.Tensor | None  # [B, T, V] or None
     sampled: bool
     # Host-side bounds that the builder knows without reading the device; batched acceptance loops this
-    # many times. None: the tree size bounds them (correct, but loops T - 1 times).
+    # many times, so a bound below the truth cuts paths or children off. None: the tree size bounds
+    # them (always right, but loops T - 1 times).
     depth_bound: int | None = None  # no valid node is deeper
     width_bound: int | None = None  # no node has more valid children
 
