@@ -35,6 +35,7 @@ from vdtrain.decode.jacobi import JacobiWindowBuilder
 from vdtrain.decode.neighbours import latent_neighbours
 from vdtrain.decode.peanut import PeanutTreeBuilder
 from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.decode.sjd_pac import SjdPacBuilder
 from vdtrain.decode.trees import STATIC_TREES, static_tree
 from vdtrain.decode.vvs import SimilaritySchedule, UniformSchedule, VerificationSchedule
 from vdtrain.drafter import Drafter
@@ -43,7 +44,7 @@ from vdtrain.targets.base import Condition, Target
 
 @dataclass
 class TreeConfig:
-    kind: str = "none"  # none (AR) | static | dynamic | jacobi (SJD, no drafter)
+    kind: str = "none"  # none (AR) | static | dynamic | jacobi (SJD, no drafter) | sjd_pac (no drafter)
     preset: str | None = None  # static: a named tree (eagle1, lantern_pp)
     paths: list[list[int]] | None = None  # static: explicit rank paths instead of a preset
     top_k: int = 10  # dynamic: children per expanded node and frontier width
@@ -51,6 +52,10 @@ class TreeConfig:
     total_tokens: int = 59  # dynamic: nodes kept, root included
     window: int = 16  # jacobi: draft tokens per Jacobi window (SJD's W)
     init: str = "random"  # jacobi: fresh drafts, random | {horizontal,vertical}_{repeat,sample}
+    # sjd_pac (SJD-PAC, no drafter, vdtrain.decode.sjd_pac) reads `window` as L, the tokens per forward with
+    # the root (the release's max_num_new_tokens): a full `width`-ary tree of `levels` levels + a chain.
+    width: int = 3  # sjd_pac: W, tokens drafted per tree level (proactive drafting)
+    levels: int = 3  # sjd_pac: D, tree levels, the root included (the release's tree_depth)
     # peanut (EAGLE-2 trees adapted per tree, vdtrain.decode.peanut; also reads total_tokens and `init`:
     # horizontal_repeat | vertical_repeat | random). d counts draft levels (= dynamic depth + 1).
     beta: float = 1.0  # peanut: positive threshold on α = accepted drafts / tree depth
@@ -100,7 +105,7 @@ class DecodeConfig:
 
     @property
     def needs_drafter(self) -> bool:
-        return self.tree.kind not in ("none", "jacobi")
+        return self.tree.kind not in ("none", "jacobi", "sjd_pac")
 
     @property
     def exact(self) -> bool:
@@ -182,6 +187,8 @@ def tree_builder(config: TreeConfig) -> DraftTreeBuilder:
         return DynamicTreeBuilder(config.top_k, config.depth, config.total_tokens)
     if config.kind == "jacobi":
         return JacobiWindowBuilder(config.window, config.init)
+    if config.kind == "sjd_pac":
+        return SjdPacBuilder(config.window, config.width, config.levels)
     if config.kind == "peanut":
         return PeanutTreeBuilder(
             init=config.init,
@@ -197,7 +204,8 @@ def tree_builder(config: TreeConfig) -> DraftTreeBuilder:
             total_tokens=config.total_tokens,
             seed=config.init_seed,
         )
-    raise ValueError(f"unknown tree kind {config.kind!r}; use none, static, dynamic, jacobi or peanut")
+    kinds = "none, static, dynamic, jacobi, sjd_pac or peanut"
+    raise ValueError(f"unknown tree kind {config.kind!r}; use {kinds}")
 
 
 class ARMethod:

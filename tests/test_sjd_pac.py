@@ -1,0 +1,316 @@
+"""SJD-PAC: a drafter-free tree (full W-ary tree of D levels + a chain) with the engine's exact walk.
+
+T = 0: token identity with AR. T = 1: the chi-square test over whole images of ``test_engine`` on targets
+small enough to enumerate every image, and the same test rejects the release's B1 (the longest accepted
+leaf path wins) and B2 (uniform bonus after an all-accepted main path), implemented here only. The window
+rules (shared columns, siblings, continuation, fresh uniform positions) are checked on scripted steps.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import random_gpt, random_vq, tiny_condition
+from omegaconf import OmegaConf
+from test_engine import (
+    MICRO_GPT,
+    MICRO_VQ,
+    SIGNIFICANCE,
+    chi_square_pvalue,
+    exact_ar_distribution,
+    make_target,
+    sample_images,
+)
+from test_jacobi import grid3  # noqa: F401  (the 3×3 grid over 3 tokens, a module fixture)
+
+from vdtrain.decode.acceptance import Verdict, residual, verify_exact
+from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.engine import SpeculativeEngine, _StepState
+from vdtrain.decode.methods import PRESETS, build_method, load_preset, tree_builder
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.decode.sjd_pac import SjdPacBuilder, tree_nodes
+from vdtrain.targets.base import Condition
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+
+# --- T = 0: identical tokens --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("window", "width", "levels"), [(64, 3, 3), (16, 3, 3), (6, 2, 2), (4, 1, 1)])
+@pytest.mark.parametrize("cfg_scale", [1.0, 2.5])
+def test_greedy_sjd_pac_matches_ar(cfg_scale, window, width, levels):
+    target = make_target()
+    cond = tiny_condition()
+    sampling = SamplingConfig(cfg_scale=cfg_scale, temperature=0.0)
+    ar = generate_ar(target, cond, sampling, [None, None])
+    builder = SjdPacBuilder(window, width, levels)
+    engine = SpeculativeEngine(target, None, builder, sampling)
+    result = engine.generate(cond, [torch.Generator().manual_seed(i) for i in range(2)])
+    assert torch.equal(result.tokens, ar)
+    n = target.num_image_tokens
+    for st in result.stats:
+        assert sum(st.committed_per_step) == n - 1 and st.drafter_forwards == 0
+        assert st.target_forwards == 1 + st.steps
+        assert max(st.depth_per_step) == min(builder.main_depth, n - 2)
+
+
+# --- T = 1: the distribution over whole images, and the release's bugs -------------------------------
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    """A 2×2 grid over 4 tokens whose next-token distributions are peaked and depend strongly on the token
+    before (weights of std 1, no CFG): a later sibling's subtree is often accepted where the first
+    sibling's is not, which is where B1 departs from the first accepted sibling (a first-step analysis put
+    its total-variation distance at 0.05, the largest of 48 candidate targets)."""
+    target = LlamaGenTarget(
+        random_gpt(MICRO_GPT, seed=6, std=1.0),
+        VQTokenizer(random_vq(MICRO_VQ), 4),
+        None,
+        "tiny",
+        SamplingConfig(),
+    )
+    cond = Condition(
+        torch.randn(1, 2, MICRO_GPT.caption_dim, generator=torch.Generator().manual_seed(5)),
+        torch.ones(1, 2, dtype=torch.bool),
+    )
+    sampling = SamplingConfig(cfg_scale=1.0, temperature=1.0)
+    return target, cond, sampling, exact_ar_distribution(target, cond, sampling)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "shape", "count"),
+    [("sharp", (8, 2, 3), 4000), ("grid3", (9, 2, 3), 4000)],
+    ids=["sharp_W2_D3", "grid3_W2_D3_chain_cfg"],
+)
+def test_sjd_pac_sampling_has_the_ar_distribution(fixture, shape, count, request):
+    target, cond, sampling, exact = request.getfixturevalue(fixture)
+    engine = SpeculativeEngine(target, None, SjdPacBuilder(*shape), sampling)
+    samples = sample_images(engine, cond, count, seed=1)
+    assert chi_square_pvalue(samples, exact) > SIGNIFICANCE
+
+
+def longest_accepted_path(tree, row, p_nodes, greedy, generator) -> Verdict:
+    """B1: every sibling is judged (on the residual of the earlier ones, as if they were rejected) and the
+    accepted child with the longest accepted run below it is committed, not the first accepted one."""
+
+    def run(node: int) -> tuple[list[int], torch.Tensor]:
+        p, q = p_nodes[node].double(), tree.q[row, node].double()
+        best: list[int] | None = None
+        for child in tree.children(row, node):
+            token = int(tree.tokens[row, child])
+            q = q / q.sum()
+            if float(torch.rand((), generator=generator)) * q[token] < p[token]:
+                below, _ = run(child)
+                if best is None or len(below) + 1 > len(best):
+                    best = [child, *below]
+            p = residual(p, q, p.new_zeros(0, dtype=torch.long))
+            q = q.clone()
+            q[token] = 0
+        if best is None:
+            return [], p
+        return best, p_nodes[best[-1]].double()
+
+    path, p = run(0)
+    if path and tree.children(row, path[-1]):  # stopped by a rejection below the last node
+        return verify_exact_bonus(tree, row, path, p_nodes, generator)
+    return Verdict(path, int(torch.multinomial(p.float(), 1, generator=generator)))
+
+
+def verify_exact_bonus(tree, row, path, p_nodes, generator) -> Verdict:
+    """The bonus below ``path[-1]``: the residual after its children are tried (SpecInfer)."""
+    p, q = p_nodes[path[-1]].double(), tree.q[row, path[-1]].double()
+    for child in tree.children(row, path[-1]):
+        q = q / q.sum()
+        p = residual(p, q, p.new_zeros(0, dtype=torch.long))
+        q = q.clone()
+        q[int(tree.tokens[row, child])] = 0
+    return Verdict(path, int(torch.multinomial(p.float(), 1, generator=generator)))
+
+
+def uniform_bonus_after_the_main_path(tree, row, p_nodes, greedy, generator) -> Verdict:
+    """B2: exact walk, but when it accepts the whole main path the bonus is uniform instead of from p."""
+    verdict = verify_exact(tree, row, p_nodes, greedy, generator)
+    if verdict.path and len(verdict.path) == int(tree.max_depth()[row]):
+        bonus = int(torch.randint(p_nodes.shape[-1], (), generator=generator))
+        return Verdict(verdict.path, bonus)
+    return verdict
+
+
+@pytest.mark.parametrize(
+    ("fixture", "shape", "count", "accept"),
+    [
+        ("sharp", (8, 2, 3), 6000, longest_accepted_path),
+        ("sharp", (8, 2, 3), 4000, uniform_bonus_after_the_main_path),
+    ],
+    ids=["B1_longest_path", "B2_uniform_bonus"],
+)
+def test_the_distribution_test_rejects_the_release_bugs(fixture, shape, count, accept, request):
+    target, cond, sampling, exact = request.getfixturevalue(fixture)
+    engine = SpeculativeEngine(target, None, SjdPacBuilder(*shape), sampling, accept)
+    assert chi_square_pvalue(sample_images(engine, cond, count, seed=2), exact) < SIGNIFICANCE
+
+
+# --- the window, step by step -------------------------------------------------------------------------
+
+H, W, V = 4, 4, 8  # a 4×4 grid over 8 tokens
+
+
+def _engine(temperature: float = 1.0):
+    target = SimpleNamespace(grid=(H, W), num_image_tokens=H * W, vocab_size=V)
+    return SimpleNamespace(target=target, sampling=SamplingConfig(temperature=temperature))
+
+
+def _state(root: int, committed: int, seed: int = 0) -> _StepState:
+    return _StepState(
+        roots=torch.tensor([root]),
+        root_feats=None,
+        root_logits=None,
+        committed=torch.tensor([committed]),
+        depth_limit=torch.tensor([H * W - 1 - committed]),
+        generators=[torch.Generator().manual_seed(seed)],
+    )
+
+
+def _first(window: int = 16, width: int = 3, levels: int = 3, seed: int = 0):
+    builder = SjdPacBuilder(window, width, levels)
+    builder.reset(1)
+    return builder, builder.build(_engine(), _state(root=5, committed=1, seed=seed))
+
+
+def test_the_window_is_a_full_tree_of_shared_columns_then_a_chain():
+    builder, tree = _first()
+    depths = tree.depths[0].tolist()
+    assert builder.max_nodes() == tree.size == 16 and builder.main_depth == 5 and tree.sampled
+    assert [depths.count(d) for d in range(6)] == [1, 3, 9, 1, 1, 1] and tree.valid.all()
+    assert tree_nodes(3, 3) == 13 and tree_nodes(1, 4) == 4
+    ranks, tokens = builder.ranks.tolist(), tree.tokens[0].tolist()
+    for d in (1, 2):  # every node at depth d carries its rank's token of the same W distinct tokens
+        level = [i for i in range(16) if depths[i] == d]
+        column = {ranks[i]: tokens[i] for i in level}
+        assert len(set(column.values())) == 3 and all(tokens[i] == column[ranks[i]] for i in level)
+    # The chain hangs off the all-rank-0 leaf; q at a node = its children's column q, uniform when fresh.
+    chain = builder.main[3:]
+    assert [int(tree.parents[0, i]) for i in chain] == builder.main[2:5]
+    holders = [i for i in range(16) if depths[i] < 5]
+    assert torch.allclose(tree.q[0, holders], torch.full((len(holders), V), 1.0 / V))
+    assert not tree.q[0, builder.main[5]].any()
+
+
+def test_siblings_are_drawn_without_replacement_within_q_support():
+    """A column whose q has two tokens gets two ranks; the third rank and its subtree stay undrafted."""
+    builder, tree = _first(window=13, width=3, levels=3)
+    p = torch.zeros(1, 13, V)
+    p[0, :, [2, 6]] = 0.5
+    builder.observe(tree, [Verdict([], bonus=1)], p, torch.tensor([0]))
+    nxt = builder.build(_engine(), _state(root=1, committed=2))
+    # Depth 1 continues the old depth 2, depth 2 is the position after the window: both q = p (tokens 2, 6).
+    assert torch.equal(nxt.q[0, :4], p[0, :4]) and set(nxt.tokens[0, 1:3].tolist()) == {2, 6}
+    drafted = [True, True, False]
+    assert nxt.valid[0].tolist() == [True, *drafted, *drafted, *drafted, False, False, False]
+    for seed in range(5):  # a fresh (uniform) column has W distinct tokens
+        _, tree = _first(window=13, seed=seed)
+        for d in (1, 2):
+            assert len(set(tree.tokens[0, tree.depths[0] == d][:3].tolist())) == 3
+
+
+def test_continuation_keeps_a_passing_draft_and_stores_p_as_its_q():
+    builder, tree = _first(window=16)
+    p = torch.full((1, 16, V), 1.0 / V)  # p = q (uniform): every draft passes
+    builder.observe(tree, [Verdict([], bonus=7)], p, torch.tensor([0]))
+    nxt = builder.build(_engine(), _state(root=7, committed=2))
+    # Depths 2 .. 5 of the old main path continue as depths 1 .. 4; depth 5 is the draw after the window.
+    main = builder.main
+    assert nxt.tokens[0, main[1:5]].tolist() == tree.tokens[0, main[2:6]].tolist()
+    assert torch.equal(nxt.q[0, main[:5]], p[0, main[1:6]])
+
+
+def test_continuation_redraws_from_its_own_nodes_residual():
+    """After a rejection at depth 1, the depth-2 draft continues under p at its own parent (the rank-0
+    child of the root): kept with min(1, p/q), else from norm(max(0, p − q)) — overall a draw from p.
+    The release draws from the residual after all siblings (B4), which is not p."""
+    target_p = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0, 0.0, 0.0, 0.0])
+    seen = []
+    for seed in range(3000):
+        builder, tree = _first(window=16, seed=seed)
+        p = torch.full((1, 16, V), 1.0 / V)
+        p[0, builder.main[1]] = target_p
+        builder.observe(tree, [Verdict([], bonus=7)], p, torch.tensor([0]))
+        seen.append(int(builder._windows[0].tokens[0]))
+        assert torch.equal(builder._windows[0].q[0], target_p)
+    freq = torch.bincount(torch.tensor(seen), minlength=V) / len(seen)
+    assert torch.allclose(freq, target_p, atol=0.03)
+
+
+def test_continuation_follows_the_accepted_path():
+    """Accepting the rank-1 child at depth 1 (its subtree ends at depth 2): depth 3 continues under the p
+    computed at that child's rank-0 child (a leaf), depth 4 and on under the main path's chain."""
+    builder, tree = _first(window=16)
+    rank1 = 2  # the root's second child
+    below = builder.first_child[rank1]
+    p = torch.softmax(torch.randn(1, 16, V, generator=torch.Generator().manual_seed(3)), -1)
+    builder.observe(tree, [Verdict([rank1], bonus=0)], p, torch.tensor([0]))
+    window = builder._windows[0]
+    assert window.start == 3  # depths 3, 4, 5 and the position after the window (depth 6)
+    assert torch.equal(window.q, p[0, [below, *builder.main[3:6]]])
+
+
+def test_an_accepted_main_path_leaves_a_fresh_uniform_window():
+    builder, tree = _first(window=16)
+    p = torch.full((1, 16, V), 1.0 / V)
+    builder.observe(tree, [Verdict(builder.main[1:], bonus=3)], p, torch.tensor([0]))
+    nxt = builder.build(_engine(), _state(root=3, committed=7))
+    depths = nxt.depths[0]
+    assert torch.allclose(nxt.q[0, depths < 5], torch.full((int((depths < 5).sum()), V), 1.0 / V))
+
+
+def test_a_window_never_passes_the_last_image_token():
+    builder = SjdPacBuilder(16, 3, 3)
+    builder.reset(1)
+    state = _state(root=5, committed=H * W - 2)  # one image token left to draft
+    tree = builder.build(_engine(), state)
+    assert tree.max_depth().item() == 1 and tree.valid[0].sum().item() == 4
+
+
+def test_greedy_continuation_takes_the_argmax():
+    builder = SjdPacBuilder(16, 3, 3)
+    builder.reset(1)
+    tree = builder.build(_engine(0.0), _state(root=5, committed=1))
+    p = torch.softmax(torch.randn(1, 16, V, generator=torch.Generator().manual_seed(0)), -1)
+    builder.observe(tree, [Verdict([], bonus=1)], p, torch.tensor([0]))
+    main = builder.main
+    assert builder._windows[0].tokens.tolist() == p[0, main[1:6]].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"width": 0}, "width >= 1"),
+        ({"levels": 0}, "levels >= 1"),
+        ({"window": 12}, "cannot hold its tree"),
+        ({"window": 1, "width": 1, "levels": 1}, "at least one draft"),
+    ],
+)
+def test_impossible_windows_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SjdPacBuilder(**{"window": 64, "width": 3, "levels": 3, **kwargs})
+
+
+# --- configuration ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("preset", "window"), [("sjd_pac", 64), ("sjd_pac_16", 16)])
+def test_presets_build_a_drafter_free_engine(preset, window):
+    config = load_preset(preset)
+    assert config.name == preset and not config.needs_drafter and config.exact
+    builder = tree_builder(config.tree)
+    assert isinstance(builder, SjdPacBuilder)
+    assert (builder.window, builder.width, builder.levels) == (window, 3, 3)
+    method = build_method(config, make_target(), None, SamplingConfig())
+    assert isinstance(method, SpeculativeEngine) and method.drafter is None
+
+
+def test_sjd_pac_is_in_the_default_evaluation():
+    methods = OmegaConf.load(PRESETS.parent / "eval" / "default.yaml").methods
+    assert "sjd_pac" in methods and "sjd" in methods
