@@ -73,6 +73,10 @@ class Twin(DraftTreeBuilder):
 
     def build(self, engine, state):
         trees = [b.build(engine, state) for b in self.builders]
+        for tree in trees[1:]:  # the tensor builders' host bounds hold
+            children = (tree.parents[:, :, None] == torch.arange(tree.size)) & tree.valid[:, :, None]
+            assert int(tree.max_depth().max()) <= tree.depth_bound
+            assert int(children.sum(1).max()) <= tree.width_bound
         self.trees.append(
             [(t.tokens.clone(), t.parents.clone(), t.depths.clone(), t.valid.clone()) for t in trees]
         )

@@ -166,6 +166,7 @@ class TensorDynamicTreeBuilder(DraftTreeBuilder):
             torch.cat(depths, 1),
             torch.cat(valid, 1),
             depth_cap,
+            size,
         )
 
     def _select(
@@ -176,9 +177,11 @@ class TensorDynamicTreeBuilder(DraftTreeBuilder):
         depths: torch.Tensor,
         valid: torch.Tensor,
         depth_cap: int,
+        width: int,
     ) -> DraftTree:
         """Keep the best ``total_tokens − 1`` nodes (a parent outranks its children: log q <= 0), laid
-        out by depth then creation order; padding nodes as the old builder writes them."""
+        out by depth then creation order; padding nodes as the old builder writes them. The envelope
+        bounds the tree's depth and widest node on the host (batched acceptance loops that often)."""
         batch, count = tokens.shape
         if self.keep_deepest_path:
             scores = torch.where(
@@ -205,6 +208,8 @@ class TensorDynamicTreeBuilder(DraftTreeBuilder):
             node_ok,
             None,
             False,
+            depth_bound=min(depth_cap + 1, self.total_tokens - 1),
+            width_bound=min(width, self.total_tokens - 1),
         )
 
     @staticmethod
