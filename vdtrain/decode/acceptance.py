@@ -41,6 +41,9 @@ the bonus is the argmax at the last accepted node.
 δ = 0, λ = 1 and G = 1 reproduce exact verification bit for bit: same acceptances, same residuals, the
 same random draws. ``Verdict.relaxed`` counts the acceptances that exact verification would have refused
 with the same uniform draw (at T = 0: accepted although not the argmax).
+
+``walk`` is the reference, one row at a time on the host; ``accept_batch`` returns the same verdicts for a
+whole batch with tensor ops only, given the same pre-drawn uniforms (see "batched acceptance" below).
 """
 
 from __future__ import annotations
