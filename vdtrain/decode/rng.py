@@ -37,6 +37,7 @@ class Purpose(IntEnum):
     ACCEPT = 1  # one uniform per tree node: the test when the node is tried as a child
     BONUS = 2  # one uniform per row: the bonus / residual token by inverse CDF
     DRAFT = 3  # Gumbel noise for sampling a tree's children without replacement
+    SHAPE = 4  # PEANUT's random initialisation of a tree's (depth, width)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
