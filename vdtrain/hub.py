@@ -168,9 +168,9 @@ def _redact_command(command: str) -> str:
 
 def redact_local_paths(value: Any) -> Any:
     """``value`` with every absolute path made shareable: a path inside this repository becomes relative
-    to it (``checkpoints/shapes/target``), any other becomes ``<local>/<its last component>``; in a
-    string with spaces (the training command) each such argument is. Export metadata goes to the Hub, where a
-    user's folder layout (home, run folders, data) has no business."""
+    to it (``checkpoints/shapes/target``), any other becomes ``<local>/<its last component>``, also as an
+    argument of a command (the training command). Export metadata goes to the Hub, where a user's folder
+    layout (home, run folders, data) has no business."""
     if isinstance(value, Mapping):
         return {k: redact_local_paths(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
