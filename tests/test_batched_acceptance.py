@@ -401,3 +401,40 @@ def test_sibling_order_and_child_table_skip_invalid_nodes():
     ]
     assert tree.child_table(1)[0, 0].tolist() == [1]  # ranks past the width are left out
     assert [tree.children(0, n) for n in range(7)] == [[1, 3], [4], [], [5], [], [], []]
+
+
+@pytest.mark.parametrize(
+    "parents",
+    [[-1, 0, 0, 1, 1, 2, 2], [-1, 0, 0, 0, 0, 0, 0], [-1, 0, 0, 0, 1, 1, 1]],
+    ids=["binary", "star", "two_fans"],
+)
+@pytest.mark.parametrize("rule_name", ["exact", "lantern_pp", "gsd_even_wide"])
+def test_passes_over_later_ranks_hold_every_node_of_a_tight_tree(parents, rule_name):
+    """Pass r works on (T − 1) // (r + 1) nodes: trees where exactly that many have an r-th child."""
+    size, batch = len(parents), 64
+    g = torch.Generator().manual_seed(size)
+    depths = [0] * size
+    for i in range(1, size):
+        depths[i] = depths[parents[i]] + 1
+    tokens = torch.randint(VOCAB, (batch, size), generator=g)
+    favour = torch.randint(VOCAB, (batch, size, 2), generator=g)
+    for i in reversed(range(1, size)):  # each node favours its first two children's tokens
+        favour[:, parents[i]] = torch.stack([tokens[:, i], favour[:, parents[i], 0]], -1)
+    for sampled in (False, True):
+        q = random_distributions((batch, size), g, favour).float() if sampled else None
+        p = random_distributions((batch, size), g, favour).float()
+        tree = DraftTree(
+            tokens,
+            torch.tensor(parents).expand(batch, -1),
+            torch.tensor(depths).expand(batch, -1),
+            torch.ones(batch, size, dtype=torch.bool),
+            q,
+            sampled,
+        )
+        u_accept = torch.rand(batch, size, generator=g, dtype=torch.float64)
+        u_bonus = torch.rand(batch, generator=g, dtype=torch.float64)
+        want = reference(RULES[rule_name], tree, p, False, u_accept, u_bonus, None)
+        got = accept_batch(RULES[rule_name], tree, p, False, u_accept, u_bonus).verdicts()
+        assert got == want
+        assert sum(len(v.path) for v in want) > 10
+        assert any(v.path[:1] != [1] for v in want)  # the root's first child rejected: later ranks ran

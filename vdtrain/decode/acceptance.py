@@ -517,43 +517,71 @@ def _tried_choices(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """T > 0, general: children tried rank by rank at every node at once. Returns the first accepted
     child [B, T], whether only the relaxation accepted it [B, T], and p left at each node after all its
-    children [B, T, V] (what the bonus is drawn from where none was accepted)."""
+    children [B, T, V] (what the bonus is drawn from where none was accepted).
+
+    A node with a child at rank r has r + 1 children, so at most (T − 1) // (r + 1) nodes take part in
+    pass r: later passes work on those rows only (gathered, then written back)."""
+    size, vocab = p_nodes.shape[1:]
     table = tree.child_table(width)  # [B, T, W]
-    p = p_nodes.double()
-    q = tree.q.double() if tree.sampled else None
+    p, q = p_nodes.double(), tree.q.double() if tree.sampled else None
     u_all = u_accept.double()
     child_of = torch.full_like(tree.parents, -1)
     relaxed_at = torch.zeros_like(tree.valid)
     for rank in range(width):
         kid = table[:, :, rank]
-        has = kid >= 0
-        x = tree.tokens.gather(1, kid.clamp_min(0))  # [B, T]: each node's child at this rank
+        count = (size - 1) // (rank + 1)
+        rows = None  # all nodes; else [B, count]: the nodes with a child at this rank first
+        if count < size - 1:
+            rows = (kid < 0).to(torch.int8).sort(dim=1, stable=True).indices[:, :count]
+            kid = kid.gather(1, rows)
+        x = tree.tokens.gather(1, kid.clamp_min(0))  # each node's child at this rank
         u = u_all.gather(1, kid.clamp_min(0))
-        p_x = p.gather(-1, x[..., None]).squeeze(-1)
+        if rows is None:
+            accept, relaxed, p, q = _try_children(rule, p, q, x, u, kid >= 0)
+            first = accept & (child_of < 0)
+            child_of = torch.where(first, kid, child_of)
+            relaxed_at = torch.where(first, relaxed, relaxed_at)
+            continue
+        spread = rows[..., None].expand(-1, -1, vocab)
+        taken_q = None if q is None else q.gather(1, spread)
+        accept, relaxed, p_rows, q_rows = _try_children(rule, p.gather(1, spread), taken_q, x, u, kid >= 0)
+        first = accept & (child_of.gather(1, rows) < 0)
+        child_of = child_of.scatter(1, rows, torch.where(first, kid, child_of.gather(1, rows)))
+        relaxed_at = relaxed_at.scatter(1, rows, torch.where(first, relaxed, relaxed_at.gather(1, rows)))
+        p.scatter_(1, spread, p_rows)  # p and q are this function's own after the first pass
         if q is not None:
-            q = _normalise_rows(q)
-            q_x = q.gather(-1, x[..., None]).squeeze(-1)
-        else:  # deterministic draft: a point mass on the child
-            q_x = torch.ones_like(p_x)
-        candidates, member = rule.group_batch(p, x)
-        p_mass, q_mass = p_x, q_x
-        if candidates.shape[-1]:
-            p_mass = p_x + (p.gather(-1, candidates) * member).sum(-1)
-            if rule.credits_q and q is not None:
-                q_mass = q_x + (q.gather(-1, candidates) * member).sum(-1)
-        accept = has & (u * q_mass < p_mass)
-        new = accept & (child_of < 0)
-        child_of = torch.where(new, kid, child_of)
-        relaxed_at = torch.where(new, ~(u * q_x < p_x), relaxed_at)
-        # The residual after rejecting x (used only where it was rejected and tried), in place on a copy.
-        if rule.removes_group and candidates.shape[-1]:
-            rest = p.scatter(-1, candidates, p.gather(-1, candidates) * ~member)  # the group's mass set to 0
-        else:
-            rest = p.clone()
-        if q is not None:
-            rest.sub_(q).clamp_min_(0)
-            q.scatter_(-1, x[..., None], 0.0)  # the next sibling was drawn without this one
-        else:
-            rest.scatter_(-1, x[..., None], (rest.gather(-1, x[..., None]) - 1.0).clamp_min(0))
-        p = torch.where(has[..., None], _normalise_rows(rest), p)
+            q.scatter_(1, spread, q_rows)
     return child_of, relaxed_at, p
+
+
+def _try_children(
+    rule: Rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor, u: torch.Tensor, has: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One step of the walk's sibling loop for many nodes: node i (current ``p`` [N.., V], ``q`` or None
+    for point-mass drafts) tries child token ``x`` with uniform ``u`` where ``has``. Returns (accepted,
+    accepted only by the relaxation, p after rejecting x, q without x), the last two freshly allocated."""
+    p_x = p.gather(-1, x[..., None]).squeeze(-1)
+    if q is not None:
+        q = _normalise_rows(q)
+        q_x = q.gather(-1, x[..., None]).squeeze(-1)
+    else:  # deterministic draft: a point mass on the child
+        q_x = torch.ones_like(p_x)
+    candidates, member = rule.group_batch(p, x)
+    p_mass, q_mass = p_x, q_x
+    if candidates.shape[-1]:
+        p_mass = p_x + (p.gather(-1, candidates) * member).sum(-1)
+        if rule.credits_q and q is not None:
+            q_mass = q_x + (q.gather(-1, candidates) * member).sum(-1)
+    accept = has & (u * q_mass < p_mass)
+    relaxed = ~(u * q_x < p_x)
+    # The residual after rejecting x (kept only where x was tried), built in place on one copy.
+    if rule.removes_group and candidates.shape[-1]:
+        rest = p.scatter(-1, candidates, p.gather(-1, candidates) * ~member)  # the group's mass set to 0
+    else:
+        rest = p.clone()
+    if q is not None:
+        rest.sub_(q).clamp_min_(0)
+        q.scatter_(-1, x[..., None], 0.0)  # the next sibling was drawn without this one
+    else:
+        rest.scatter_(-1, x[..., None], (rest.gather(-1, x[..., None]) - 1.0).clamp_min(0))
+    return accept, relaxed, torch.where(has[..., None], _normalise_rows(rest), p), q
