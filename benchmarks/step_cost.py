@@ -1,0 +1,320 @@
+"""What one speculative step costs, in AR steps: r = time per verified step ÷ time per AR step.
+
+    python -m benchmarks.step_cost                                  # shapes target, 3 presets, batch 1, CPU
+    python -m benchmarks.step_cost --presets eagle1 eagle2 peanut sjd vvs --batch 1 16 --out step_cost.json
+    python -m benchmarks.step_cost --device cuda --targets shapes llamagen-b llamagen-l llamagen-xl \\
+        --batch 1 16 --compile --out step_cost_gpu.json
+
+For each target × preset × batch × mode (eager; compiled with ``--compile``) it decodes the same prompts
+with the same seeds with AR and with the method (one untimed warm-up each) and reports:
+
+- the AR step time (between consecutive target forwards: forward + sampling);
+- the speculative step time, split into draft / verify / accept / commit / other (loop bookkeeping),
+  all in AR steps, and ``host``: the step's time outside target and drafter forwards, in AR steps;
+- r, efficiency 1/r, S (image tokens per target forward), projected speedup S/r and the measured
+  speedup (AR decode time ÷ method decode time on the same prompts, prefill included).
+
+The first step (it holds the prefill) is left out of every per-step figure; a VVS step that skips the
+target is charged to the verified step after it, so S/r stays the speedup. Random-weight LlamaGen-B/-L/-XL
+shaped targets (``llamagen-b`` …: vocabulary 16384, 16×16 image tokens, 120 caption rows, a random
+drafter of the same shape) give r at real sizes, but their S is meaningless: their S/r uses the shapes
+target's S for the same preset, batch and mode when this run measured it, and is labelled a projection.
+docs/decoding.md ("Step cost") explains the columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, replace
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+
+from vdtrain.decode.methods import build_method, load_preset
+from vdtrain.decode.profiling import PHASES, PhaseTimer
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.evaluate import device_description, load_drafter
+from vdtrain.models.llamagen_gpt import GPT_PRESETS, GPTConfig, LlamaGenGPT
+from vdtrain.models.vq import VQConfig, VQModel
+from vdtrain.prompts import shapes_heldout_captions
+from vdtrain.targets import load_target_folder
+from vdtrain.targets.base import Condition, Target
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+
+# Random-weight targets of the released LlamaGen t2i shapes (GPT_PRESETS: layers, width, heads).
+RANDOM_TARGETS = {"llamagen-b": "GPT-B", "llamagen-l": "GPT-L", "llamagen-xl": "GPT-XL"}
+NOT_YET = {"chameleon-7b": "no Chameleon target in vdtrain.targets yet"}
+# LlamaGen's t2i sampling defaults (conf/target/llamagen_t2i_xl_stage1.yaml): CFG doubles the batch.
+LLAMAGEN_SAMPLING = SamplingConfig(cfg_scale=7.5, temperature=1.0, top_k=1000, top_p=1.0)
+
+
+@dataclass
+class Row:
+    target: str
+    preset: str
+    batch: int
+    mode: str  # eager | compiled
+    ar_step_ms: float
+    step_ms: float
+    r: float
+    phases: dict[str, float]  # draft / verify / accept / commit / other, in AR steps
+    host: float  # step time outside target and drafter forwards, in AR steps
+    s: float  # this target's image tokens per target forward
+    efficiency: float  # 1 / r
+    projected_speedup: float | None  # S / r
+    s_from: str | None  # whose S the projection uses (None: none measured)
+    measured_speedup: float  # AR decode time / method decode time, same prompts
+    verified_steps: int
+
+
+# --- targets ------------------------------------------------------------------------------------------
+def random_llamagen(size: str, device: torch.device, seed: int) -> tuple[Target, Drafter]:
+    """A LlamaGen t2i-shaped target and drafter with random weights (no files needed)."""
+    torch.manual_seed(seed)
+    config = replace(GPTConfig(), **GPT_PRESETS[RANDOM_TARGETS[size]])  # vocab 16384, 120 + 256 rows
+    # A small VQ of the right codebook and grid: only its codebook is read (LANTERN, VVS); never decoded.
+    vq = VQModel(
+        VQConfig(ch=8, ch_mult=(1, 1, 1, 1, 1), num_res_blocks=1, z_channels=8, norm_groups=4)
+    ).eval()
+    target = LlamaGenTarget(
+        LlamaGenGPT(config).eval(), VQTokenizer(vq, image_size=256), None, size, LLAMAGEN_SAMPLING
+    ).to(device)
+    drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
+    return target, drafter.attach(target)
+
+
+def load(name: str, device: torch.device, drafter_folder: str, seed: int) -> tuple[Target, Drafter]:
+    if name == "shapes":
+        target = load_target_folder(None, device)
+        return target, load_drafter(drafter_folder, target).to(device).eval()
+    return random_llamagen(name, device, seed)
+
+
+def conditions(target: Target, name: str, prompts: int, batch: int, seed: int) -> list[Condition]:
+    """The same prompts for AR and every method, in batches of ``batch``."""
+    if name == "shapes":
+        captions = shapes_heldout_captions(prompts)
+        return [target.encode_captions(captions[i : i + batch]) for i in range(0, prompts, batch)]
+    g = torch.Generator().manual_seed(seed)
+    rows, dim = target.prefix_length, target.gpt.config.caption_dim  # type: ignore[attr-defined]
+    out = []
+    for i in range(0, prompts, batch):
+        n = min(batch, prompts - i)
+        features = torch.randn(n, rows, dim, generator=g).to(target.device)
+        out.append(Condition(features, torch.ones(n, rows, dtype=torch.bool, device=target.device)))
+    return out
+
+
+# --- timing -------------------------------------------------------------------------------------------
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _generators(device: torch.device, seed: int, start: int, n: int) -> list[torch.Generator]:
+    return [torch.Generator(device).manual_seed(seed + start + i) for i in range(n)]
+
+
+@contextmanager
+def forward_times(target: Target) -> Iterator[list[float]]:
+    """Timestamps of every ``target.forward_tokens`` call: AR makes one per step."""
+    stamps: list[float] = []
+    original = target.forward_tokens
+
+    def stamped(*args, **kwargs):
+        stamps.append(_now(target.device))
+        return original(*args, **kwargs)
+
+    target.forward_tokens = stamped
+    try:
+        yield stamps
+    finally:
+        del target.forward_tokens
+
+
+def time_ar(target: Target, conds: Sequence[Condition], seed: int, sampling) -> tuple[float, float]:
+    """(seconds per AR step, whole decode seconds)."""
+    method = build_method(load_preset("ar"), target, None, sampling)
+    method.generate(conds[0], _generators(target.device, seed, 0, len(conds[0])))  # warm-up
+    intervals, total, start = [], 0.0, 0
+    for cond in conds:
+        gens = _generators(target.device, seed, start, len(cond))
+        with forward_times(target) as stamps:
+            t0 = _now(target.device)
+            method.generate(cond, gens)
+            total += _now(target.device) - t0
+        intervals += [b - a for a, b in pairwise(stamps)]
+        start += len(cond)
+    return sum(intervals) / len(intervals), total
+
+
+def time_method(target, drafter, preset: str, conds, seed: int, sampling) -> dict[str, float]:
+    """Per verified step: seconds, phases, forwards; S and whole-decode seconds."""
+    method = build_method(load_preset(preset), target, drafter, sampling)
+    method.generate(conds[0], _generators(target.device, seed, 0, len(conds[0])))  # warm-up
+    steps, stats, total, start = [], [], 0.0, 0
+    for cond in conds:
+        gens = _generators(target.device, seed, start, len(cond))
+        with PhaseTimer(method) as timer:
+            t0 = _now(target.device)
+            result = method.generate(cond, gens, on_step=timer.on_step)
+            total += _now(target.device) - t0
+        steps += timer.steps()[1]
+        stats += result.stats
+        start += len(cond)
+    verified = max(1, sum(s.verified for s in steps))
+    out = {p: sum(s.phases[p] for s in steps) / verified for p in PHASES}
+    out["other"] = sum(s.other for s in steps) / verified
+    out["step"] = sum(s.seconds for s in steps) / verified
+    out["forward"] = sum(s.forward for s in steps) / verified
+    out["verified"] = verified
+    out["s"] = sum(target.num_image_tokens / s.target_forwards for s in stats) / len(stats)
+    out["total"] = total
+    return out
+
+
+@contextmanager
+def compiled(target: Target, drafter: Drafter, mode: str) -> Iterator[None]:
+    """The target's and drafter's transformer forwards under ``torch.compile`` (dynamic shapes: trees,
+    batches and cache lengths vary per step)."""
+    modules = [target.gpt, drafter.layer]  # type: ignore[attr-defined]
+    for module in modules:
+        module.forward = torch.compile(module.forward, mode=mode, dynamic=True)
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module.forward
+
+
+def make_row(name: str, preset: str, batch: int, mode: str, ar: tuple[float, float], m, s_shapes) -> Row:
+    """One table row from the AR timing (step, total) and the method's ``time_method`` figures."""
+    ar_step, ar_total = ar
+    r = m["step"] / ar_step
+    return Row(
+        target=name,
+        preset=preset,
+        batch=batch,
+        mode=mode,
+        ar_step_ms=1e3 * ar_step,
+        step_ms=1e3 * m["step"],
+        r=r,
+        phases={p: m[p] / ar_step for p in (*PHASES, "other")},
+        host=(m["step"] - m["forward"]) / ar_step,
+        s=m["s"],
+        efficiency=1 / r,
+        projected_speedup=None if s_shapes is None else s_shapes / r,
+        s_from=None if s_shapes is None else "shapes",
+        measured_speedup=ar_total / m["total"],
+        verified_steps=int(m["verified"]),
+    )
+
+
+def measure(args: argparse.Namespace) -> list[Row]:
+    """Every row, printed as it is measured."""
+    device = torch.device(args.device)
+    rows: list[Row] = []
+    shapes_s: dict[tuple[str, int, str], float] = {}  # S of the shapes target, for the projections
+    modes = ["eager", "compiled"] if args.compile else ["eager"]
+    for name in args.targets:
+        target, drafter = load(name, device, args.drafter, args.seed)
+        sampling = target.sampling_defaults
+        if args.temperature is not None:
+            sampling = replace(sampling, temperature=args.temperature)
+        for batch, mode in [(b, m) for b in args.batch for m in modes]:
+            conds = conditions(target, name, max(args.prompts, batch), batch, args.seed)
+            speedup = compiled(target, drafter, args.compile_mode) if mode == "compiled" else nullcontext()
+            with speedup, torch.no_grad():
+                ar = time_ar(target, conds, args.seed, sampling)
+                for preset in args.presets:
+                    m = time_method(target, drafter, preset, conds, args.seed, sampling)
+                    if name == "shapes":
+                        shapes_s[(preset, batch, mode)] = m["s"]
+                    rows.append(
+                        make_row(name, preset, batch, mode, ar, m, shapes_s.get((preset, batch, mode)))
+                    )
+                    print(table(rows[-1:], header=len(rows) == 1), flush=True)
+        del target, drafter
+    return rows
+
+
+def table(rows: Sequence[Row], header: bool = True) -> str:
+    """Markdown rows; phase columns and host in AR steps; S/r marked * when S is another target's."""
+    cols = "target | preset | B | mode | AR step ms | step ms | r | draft | verify | accept | commit | other"
+    cols += " | host | S | 1/r | S/r | measured"
+    lines = [f"| {cols} |", "|" + "---|" * (cols.count("|") + 1)] if header else []
+    for w in rows:
+        p = w.phases
+        if w.projected_speedup is None:
+            projected = "—"
+        else:
+            projected = f"{w.projected_speedup:.2f}" + ("" if w.s_from == w.target else f"* ({w.s_from} S)")
+        lines.append(
+            f"| {w.target} | {w.preset} | {w.batch} | {w.mode} | {w.ar_step_ms:.2f} | {w.step_ms:.2f} "
+            f"| {w.r:.2f} | {p['draft']:.2f} | {p['verify']:.2f} | {p['accept']:.2f} | {p['commit']:.2f} "
+            f"| {p['other']:.2f} | {w.host:.2f} | {w.s:.2f} | {w.efficiency:.3f} | {projected} "
+            f"| {w.measured_speedup:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    known = ["shapes", *RANDOM_TARGETS, *NOT_YET]
+    parser.add_argument("--targets", nargs="+", default=["shapes"], choices=known)
+    parser.add_argument(
+        "--presets", nargs="+", default=["eagle1", "eagle2", "sjd"], help="conf/decode presets (not ar)"
+    )
+    parser.add_argument("--batch", nargs="+", type=int, default=[1], help="prompts per batch")
+    parser.add_argument("--prompts", type=int, default=1, help="prompts per row (at least one batch)")
+    parser.add_argument("--temperature", type=float, default=None, help="default: the target's")
+    parser.add_argument(
+        "--drafter", default="checkpoints/shapes/drafter", help="the shapes target's drafter folder"
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compile", action="store_true", help="also time under torch.compile")
+    parser.add_argument("--compile-mode", default="reduce-overhead")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default on a CPU: 1; on a GPU: torch's)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    for name in args.targets:
+        if name in NOT_YET:
+            parser.error(f"target {name!r} is not yet supported: {NOT_YET[name]}")
+    if "ar" in args.presets:
+        parser.error("ar is the reference every row is divided by; leave it out of --presets")
+    if min(args.batch) < 1 or args.prompts < 1:
+        parser.error("--batch and --prompts must be >= 1")
+    if args.threads or args.device == "cpu":
+        # A 4-layer target decodes fastest on one thread of a CPU shared with other processes.
+        torch.set_num_threads(args.threads or 1)
+
+    rows = measure(args)
+    device = device_description(torch.device(args.device))
+    print(f"\n{device}; phases, host and r in AR steps; * S from another target\n")
+    print(table(rows))
+    if args.out:
+        settings = {
+            "command": " ".join(["python -m benchmarks.step_cost", *sys.argv[1:]]),
+            **{k: v for k, v in vars(args).items() if k != "out"},
+            "device": device,
+            "threads": torch.get_num_threads(),
+        }
+        rows_json = [asdict(w) for w in rows]
+        Path(args.out).write_text(json.dumps({"settings": settings, "rows": rows_json}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

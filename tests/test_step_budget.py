@@ -1,0 +1,101 @@
+"""Issue #14's step budget, checked for every method preset on the tiny target and drafter.
+
+A fast engine waits for the device at most twice per speculative step, however many prompts and tree
+nodes it handles, and launches about as many ATen ops for 8 prompts as for 1 (batched, not looped per
+prompt). Counted as a GPU would see them (``vdtrain.decode.profiling``, as-if-GPU mode), with the
+prefill and first step left out. Cases the engine does not meet yet are strict xfails: a fix turns them
+into XPASS failures, so the marker must then be removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cache
+
+import pytest
+import torch
+from conftest import random_gpt, random_vq, tiny_condition
+
+from vdtrain.decode.methods import build_method, load_preset, preset_names
+from vdtrain.decode.profiling import StepCounts, count_steps
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+
+MAX_SYNCS_PER_STEP = 2
+MAX_OPS_RATIO = 1.2  # ATen ops per step at batch 8 over batch 1
+PRESETS = [name for name in preset_names() if name != "ar"]  # AR is the reference, not speculative
+NOT_YET = "#14: engine not tensorized yet"
+# Measured on the engine of this commit (numbers in docs/decoding.md, "Step cost"): every preset syncs
+# per prompt, per tree node or per tree level (B=1: 41-498 syncs per step; B=8: 175-3769), and loops
+# over prompts (ops per step at B=8: 1.7-7.6x B=1). A preset added later must meet the budget or be
+# listed here on purpose.
+FAILING_TODAY = [
+    *("eagle1", "eagle2", "gsd", "gsd_tree", "lantern", "lantern_pp", "peanut", "peanut_lantern"),
+    *("sjd", "sjd_pac", "sjd_pac_16", "vvs", "vvs_uniform"),
+]
+SYNCS_FAIL = {(name, t, b) for name in FAILING_TODAY for t in (0.0, 1.0) for b in (1, 8)}
+OPS_FAIL = {(name, t) for name in FAILING_TODAY for t in (0.0, 1.0)}
+pytestmark = pytest.mark.slow  # about 40 decodes under the counters: 1.5-4 min on a CPU
+
+
+def expected_failures(cases: list[tuple], failing: set[tuple]) -> list:
+    """``cases`` as pytest params, the ``failing`` ones strict xfails."""
+    xfail = pytest.mark.xfail(strict=True, raises=AssertionError, reason=NOT_YET)  # a crash still fails
+    return [pytest.param(*c, marks=xfail) if c in failing else c for c in cases]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def neighbour_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("neighbours"))
+
+
+@cache
+def _counts(name: str, temperature: float, batch: int, cache_dir: str) -> StepCounts:
+    """One decode of ``batch`` prompts with preset ``name`` (shared by both budget tests)."""
+    target = LlamaGenTarget(
+        random_gpt(), VQTokenizer(random_vq(), image_size=8), None, "tiny", SamplingConfig(cfg_scale=2.0)
+    )
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.for_target(target))
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    sampling = replace(target.sampling_defaults, temperature=temperature)
+    config = load_preset(name, {"acceptance": {"cache_dir": cache_dir}})
+    method = build_method(config, target, drafter.eval(), sampling)
+    generators = [torch.Generator().manual_seed(i) for i in range(batch)]
+    counts, _ = count_steps(method, tiny_condition(batch), generators, as_if_gpu=True)
+    assert counts.steps, f"{name}: the decode finished in one step; nothing to measure"
+    return counts
+
+
+@pytest.mark.parametrize(
+    "name, temperature, batch",
+    expected_failures([(n, t, b) for n in PRESETS for t in (0.0, 1.0) for b in (1, 8)], SYNCS_FAIL),
+)
+def test_at_most_two_host_syncs_per_step(name, temperature, batch, neighbour_cache):
+    counts = _counts(name, temperature, batch, neighbour_cache)
+    assert counts.max_syncs <= MAX_SYNCS_PER_STEP, (
+        f"{name} T={temperature:g} B={batch}: up to {counts.max_syncs} host syncs per step "
+        f"(mean {counts.mean_syncs:.1f}); budget {MAX_SYNCS_PER_STEP}"
+    )
+
+
+@pytest.mark.parametrize(
+    "name, temperature", expected_failures([(n, t) for n in PRESETS for t in (0.0, 1.0)], OPS_FAIL)
+)
+def test_aten_ops_per_step_do_not_grow_with_the_batch(name, temperature, neighbour_cache):
+    one = _counts(name, temperature, 1, neighbour_cache).mean_ops
+    eight = _counts(name, temperature, 8, neighbour_cache).mean_ops
+    assert eight <= MAX_OPS_RATIO * one, (
+        f"{name} T={temperature:g}: {eight:.0f} ATen ops per step at batch 8 vs {one:.0f} at batch 1 "
+        f"({eight / one:.2f}x; budget {MAX_OPS_RATIO}x)"
+    )
