@@ -22,12 +22,12 @@ with q = 0.
 p at the last accepted node when nothing was rejected there: all-accepted paths included). Every later
 depth ``j`` keeps a draft: along the *continuation path* — from the last accepted node, its rank-0 child at
 each depth, or the main path's node where that path has no children (a leaf off the main path) — the
-node ``c_j`` holds the rank-0 token x of column j, its parent ``c_{j−1}`` the target p just computed for
-it and ``q_j``. x is kept with probability ``min(1, p(x)/q_j(x))``, else replaced by a draw from
-``norm(max(0, p − q_j))`` (its own node's residual): the result is a draw from p, so it becomes the next
-window's draft with ``q = p``. The position after the deepest draft has a p but no draft: a draw from p.
-p was conditioned on stale drafts; exactness does not need fresh context, only that each draft is a draw
-from the q it is judged with (as in SJD's refinement, ``vdtrain.decode.jacobi``).
+node ``c_j`` holds the rank-0 token x of column j, the node before it on the path, ``c_{j−1}``, the
+target p just computed for depth j and ``q_j``. x is kept with probability ``min(1, p(x)/q_j(x))``, else
+replaced by a draw from ``norm(max(0, p − q_j))`` (its own node's residual): the result is a draw from p,
+so it becomes the next window's draft with ``q = p``. The position after the deepest draft has a p but no
+draft: a draw from p. p was conditioned on stale drafts; exactness does not need fresh context, only that
+each draft is a draw from the q it is judged with (as in SJD's refinement, ``vdtrain.decode.jacobi``).
 
 **Fresh positions** (past what the last forward computed): uniform over the image tokens, ``q`` uniform
 (the release's padding), so a fresh draft x is accepted with ``min(1, V·p(x))``.
