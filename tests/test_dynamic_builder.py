@@ -10,39 +10,40 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import tiny_condition
+from reference_builders import ReferenceDeepestPathBuilder, ReferenceDynamicTreeBuilder
 from test_engine import make_drafter, make_target
 
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.builders.dynamic import TensorDynamicTreeBuilder, ranked, topk_low_index_first
-from vdtrain.decode.engine import DraftTreeBuilder, DynamicTreeBuilder, SpeculativeEngine, _StepState
-from vdtrain.decode.peanut import PeanutTreeBuilder
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, ranked, topk_low_index_first
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.profiling import Counts, OpCounter
 from vdtrain.decode.sampling import SamplingConfig
 
 # --- per-row shapes (PEANUT-like): a fixed pseudo-random function of the row and its progress ------------
 
 
-def row_shapes(state: _StepState, max_rounds: int, max_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def row_shapes(state: StepState, max_rounds: int, max_width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rounds, width) per row, changing from step to step and from row to row."""
     key = state.committed * 7 + torch.arange(len(state.roots), device=state.roots.device) * 3
     return key % (max_rounds + 1), 1 + (key * 11 + 4) % max_width
 
 
-class OldPerRow(DynamicTreeBuilder):
+class OldPerRow(ReferenceDynamicTreeBuilder):
     def shape(self, state):
         return row_shapes(state, self.depth, self.top_k)
 
 
-class NewPerRow(TensorDynamicTreeBuilder):
+class NewPerRow(DynamicTreeBuilder):
     def shape(self, state):
         return row_shapes(state, self.depth, self.top_k)
 
 
-class OldPeanut(PeanutTreeBuilder):
+class OldPeanut(ReferenceDeepestPathBuilder):
     """PEANUT's tree (deepest path kept) with scripted shapes instead of the adaptation rule."""
 
     def __init__(self, depth: int, top_k: int, total_tokens: int) -> None:
-        super().__init__(total_tokens=total_tokens)
+        super().__init__(top_k=top_k, depth=depth, total_tokens=total_tokens)
         self.max_rounds, self.max_width = depth, top_k
 
     def shape(self, state):
@@ -112,8 +113,8 @@ def assert_same_trees(twin: Twin, a: int = 0, b: int = 1) -> None:
 )
 def test_fixed_shapes_give_the_old_builders_trees(top_k, depth, total_tokens, temperature, cfg_scale):
     twin = Twin(
+        ReferenceDynamicTreeBuilder(top_k=top_k, depth=depth, total_tokens=total_tokens),
         DynamicTreeBuilder(top_k=top_k, depth=depth, total_tokens=total_tokens),
-        TensorDynamicTreeBuilder(top_k=top_k, depth=depth, total_tokens=total_tokens),
     )
     run_twin(twin, temperature, cfg_scale)
     assert_same_trees(twin)
@@ -144,8 +145,8 @@ def test_peanut_trees_keep_the_same_deepest_path(temperature):
 @pytest.mark.parametrize(
     "builder",
     [
-        TensorDynamicTreeBuilder(top_k=4, depth=3, total_tokens=16),
-        TensorDynamicTreeBuilder(top_k=10, depth=5, total_tokens=59),
+        DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16),
+        DynamicTreeBuilder(top_k=10, depth=5, total_tokens=59),
         NewPerRow(top_k=6, depth=4, total_tokens=20),
         NewPeanut(top_k=5, depth=4, total_tokens=8),
     ],
@@ -188,9 +189,9 @@ def stub_engine(logits: torch.Tensor, n_img: int = 16, prefix: int = 3) -> Simpl
     )
 
 
-def stub_state(logits: torch.Tensor, batch: int = 1, committed: int = 2, n_img: int = 16) -> _StepState:
+def stub_state(logits: torch.Tensor, batch: int = 1, committed: int = 2, n_img: int = 16) -> StepState:
     committed_t = torch.full((batch,), committed)
-    return _StepState(
+    return StepState(
         roots=torch.full((batch,), 7),
         root_feats=torch.zeros(batch, 4),
         root_logits=logits.expand(batch, -1),
@@ -217,7 +218,7 @@ def stub_state(logits: torch.Tensor, batch: int = 1, committed: int = 2, n_img: 
 def test_ties_resolve_by_token_id_then_creation_order(total_tokens, tokens, parents, depths):
     # Tokens 1, 2, 3 tie above token 0: a node's children are always tokens 1, 2 (the lower ids).
     logits = torch.tensor([0.0, 1.0, 1.0, 1.0])
-    builder = TensorDynamicTreeBuilder(top_k=2, depth=2, total_tokens=total_tokens)
+    builder = DynamicTreeBuilder(top_k=2, depth=2, total_tokens=total_tokens)
     tree = builder.build(stub_engine(logits), stub_state(logits))
     assert tree.tokens.tolist() == [tokens]
     assert tree.parents.tolist() == [parents]
@@ -227,7 +228,7 @@ def test_ties_resolve_by_token_id_then_creation_order(total_tokens, tokens, pare
 
 def test_a_depth_limit_and_padding_follow_the_old_layout():
     logits = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])
-    builder = TensorDynamicTreeBuilder(top_k=2, depth=3, total_tokens=12)
+    builder = DynamicTreeBuilder(top_k=2, depth=3, total_tokens=12)
     state = stub_state(logits, batch=3, n_img=8)
     state.depth_limit = torch.tensor([2, 0, 1])
     tree = builder.build(stub_engine(logits, n_img=8), state)
@@ -245,20 +246,20 @@ def test_a_depth_limit_and_padding_follow_the_old_layout():
 
 def test_top_k_above_a_known_vocabulary_is_refused():
     with pytest.raises(ValueError, match="exceeds the vocabulary"):
-        TensorDynamicTreeBuilder(top_k=25, vocab_size=24)
-    TensorDynamicTreeBuilder(top_k=24, vocab_size=24)
+        DynamicTreeBuilder(top_k=25, vocab_size=24)
+    DynamicTreeBuilder(top_k=24, vocab_size=24)
 
 
 @pytest.mark.parametrize("kwargs", [{"top_k": 0}, {"depth": -1}, {"total_tokens": 1}])
 def test_impossible_tensor_trees_are_refused(kwargs):
     with pytest.raises(ValueError, match="dynamic tree"):
-        TensorDynamicTreeBuilder(**kwargs)
+        DynamicTreeBuilder(**kwargs)
 
 
 def test_top_k_above_the_vocabulary_is_capped_at_build():
     logits = torch.tensor([0.3, 1.0, -2.0, 0.5])
-    wide = TensorDynamicTreeBuilder(top_k=9, depth=1, total_tokens=30)
-    exact = TensorDynamicTreeBuilder(top_k=4, depth=1, total_tokens=30)
+    wide = DynamicTreeBuilder(top_k=9, depth=1, total_tokens=30)
+    exact = DynamicTreeBuilder(top_k=4, depth=1, total_tokens=30)
     got, want = (b.build(stub_engine(logits), stub_state(logits, batch=2)) for b in (wide, exact))
     for x, y in zip(
         (got.tokens, got.parents, got.depths, got.valid),
@@ -269,7 +270,7 @@ def test_top_k_above_the_vocabulary_is_capped_at_build():
     assert int(got.valid.sum()) == 2 * 21  # 4 + 16 drafts per row: every child of every token
 
 
-class OutOfEnvelope(TensorDynamicTreeBuilder):
+class OutOfEnvelope(DynamicTreeBuilder):
     def shape(self, state):
         rounds, widths = super().shape(state)
         return rounds + 1, widths
@@ -281,7 +282,7 @@ def test_a_shape_outside_the_envelope_is_refused():
         OutOfEnvelope(top_k=2, depth=1).build(stub_engine(logits), stub_state(logits))
 
 
-class TooWide(TensorDynamicTreeBuilder):
+class TooWide(DynamicTreeBuilder):
     def envelope(self, state):
         return self.depth, 3 * self.top_k
 
@@ -331,7 +332,7 @@ def count_builds(
 
 
 @pytest.mark.parametrize(
-    "builder", [TensorDynamicTreeBuilder(4, 3, 16), NewPeanut(5, 4, 8)], ids=["eagle2", "peanut"]
+    "builder", [DynamicTreeBuilder(4, 3, 16), NewPeanut(5, 4, 8)], ids=["eagle2", "peanut"]
 )
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_build_reads_nothing_on_the_host(builder, temperature):
@@ -341,14 +342,14 @@ def test_build_reads_nothing_on_the_host(builder, temperature):
 
 
 def test_the_counter_sees_the_old_builders_host_reads():
-    (first,) = count_builds(DynamicTreeBuilder(4, 3, 16), batch=2, builds=1)
+    (first,) = count_builds(ReferenceDynamicTreeBuilder(4, 3, 16), batch=2, builds=1)
     assert first.syncs > 0
 
 
 def test_build_op_count_does_not_grow_with_the_batch():
     one, eight, old_one, old_eight = (
         count_builds(builder, batch, builds=1)[0].ops
-        for builder in (TensorDynamicTreeBuilder(4, 3, 16), DynamicTreeBuilder(4, 3, 16))
+        for builder in (DynamicTreeBuilder(4, 3, 16), ReferenceDynamicTreeBuilder(4, 3, 16))
         for batch in (1, 8)
     )
     assert eight <= 1.2 * one

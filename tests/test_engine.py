@@ -15,9 +15,12 @@ import torch
 from conftest import TINY_GPT, TINY_VQ, random_gpt, random_vq, tiny_condition
 from scipy.stats import chisquare
 
-from vdtrain.decode.acceptance import Verdict
+from vdtrain.decode.acceptance import BatchVerdict, Verdict
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.engine import DraftTreeBuilder, DynamicTreeBuilder, SpeculativeEngine, StaticTreeBuilder
+from vdtrain.decode.builders.base import DraftTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig, probabilities
 from vdtrain.decode.trees import (
     EAGLE1_PATHS,
@@ -238,6 +241,20 @@ def exact_ar_distribution(target, cond, sampling) -> dict[tuple[int, ...], float
     return {tuple(x.tolist()): float(pr) for x, pr in zip(images, probs, strict=True)}
 
 
+class RowVerifierEngine(SpeculativeEngine):
+    """The engine with a per-row ``verify(tree, row, p_nodes, greedy, generator) -> Verdict`` in place of
+    batched acceptance: for deliberately wrong rules that the distribution tests must reject."""
+
+    def __init__(self, *args, verify, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.verify, self.generator = verify, torch.Generator().manual_seed(0)
+
+    def _accept(self, tree, p_nodes, p_relax):
+        greedy = self.sampling.greedy
+        rows = [self.verify(tree, b, p_nodes[b], greedy, self.generator) for b in range(len(p_nodes))]
+        return BatchVerdict.from_verdicts(rows, tree.size - 1)
+
+
 def wrong_verifier(tree, row, p_nodes, greedy, generator) -> Verdict:
     """A classic bug: accept with min(1, p/q) but draw the bonus from p instead of the residual."""
     node, path = 0, []
@@ -306,9 +323,8 @@ def test_speculative_sampling_has_the_ar_distribution(micro, builder):
 
 def test_the_distribution_test_rejects_a_wrong_verifier(micro):
     target, drafter, cond, sampling, exact = micro
-    engine = SpeculativeEngine(
-        target, drafter, StaticTreeBuilder(static_tree(EAGLE1_PATHS)), sampling, accept=wrong_verifier
-    )
+    builder = StaticTreeBuilder(static_tree(EAGLE1_PATHS))
+    engine = RowVerifierEngine(target, drafter, builder, sampling, verify=wrong_verifier)
     assert chi_square_pvalue(sample_images(engine, cond, 6000, seed=2), exact) < SIGNIFICANCE
 
 

@@ -25,10 +25,13 @@ from test_engine import (
 )
 
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.engine import DynamicTreeBuilder, SpeculativeEngine, StaticTreeBuilder, _StepState
+from vdtrain.decode.builders.base import StepState
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import ARMethod, build_method, load_preset, preset_names
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, static_tree
+from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree, static_tree
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.targets.base import Condition
 
@@ -98,16 +101,29 @@ def test_exact_methods_keep_the_distribution_when_q_has_fewer_tokens_than_childr
     assert chi_square_pvalue(samples, exact) > SIGNIFICANCE
 
 
-def step_state(engine, root_logits: torch.Tensor, limit: int, seed: int = 0) -> _StepState:
-    batch = root_logits.shape[0]
-    return _StepState(
-        roots=torch.zeros(batch, dtype=torch.long),
-        root_feats=torch.zeros(batch, engine.drafter.config.hidden_size),
-        root_logits=root_logits,
-        committed=torch.full((batch,), 2, dtype=torch.long),
-        depth_limit=torch.full((batch,), limit, dtype=torch.long),
-        generators=[torch.Generator().manual_seed(seed + b) for b in range(batch)],
-    )
+class FirstTree(Exception):
+    def __init__(self, tree: DraftTree) -> None:
+        self.tree = tree
+
+
+def first_tree(engine: SpeculativeEngine, root_logits: torch.Tensor, limit: int) -> DraftTree:
+    """The first tree ``engine``'s builder drafts in a real decode of one prompt, with the drafter's
+    root logits replaced by ``root_logits`` [1, V] and the depth limited to ``limit``."""
+    build = engine.builder.build
+
+    def build_once(eng, state: StepState) -> DraftTree:
+        state.root_logits, state.depth_limit = root_logits, torch.full_like(state.depth_limit, limit)
+        raise FirstTree(build(eng, state))
+
+    engine.builder.build = build_once
+    try:
+        cond = Condition(torch.randn(1, 2, MICRO_GPT.caption_dim), torch.ones(1, 2, dtype=torch.bool))
+        engine.generate(cond, [torch.Generator().manual_seed(0)])
+    except FirstTree as done:
+        return done.tree
+    finally:
+        del engine.builder.build
+    raise AssertionError("the engine drafted no tree")
 
 
 def test_static_children_outside_qs_support_are_not_drafted():
@@ -118,7 +134,7 @@ def test_static_children_outside_qs_support_are_not_drafted():
     )
     # q over 4 tokens keeps 2 (top-k): of the root's 4 children only ranks 0 and 1 are drafts.
     logits = torch.tensor([[0.0, 3.0, -1.0, 2.0]])
-    tree = engine.builder.build(engine, step_state(engine, logits, limit=1))
+    tree = first_tree(engine, logits, limit=1)
     kids = tree.children(0, 0)
     assert len(kids) == 2
     assert sorted(tree.tokens[0, kids].tolist()) == [1, 3]

@@ -23,10 +23,11 @@ from test_engine import (
     sample_images,
 )
 
-from vdtrain.decode.acceptance import Grouped, Verdict, verify_exact
+from vdtrain.decode.acceptance import EXACT, BatchVerdict, Grouped, Verdict, verify_exact
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.engine import SpeculativeEngine, _StepState
-from vdtrain.decode.jacobi import INITS, JacobiWindowBuilder
+from vdtrain.decode.builders.base import StepState, row_verdicts
+from vdtrain.decode.builders.jacobi import INITS, JacobiWindowBuilder
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import DecodeConfig, TreeConfig, build_method, tree_builder
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import DraftTree
@@ -95,10 +96,10 @@ class KeepDrafts(JacobiWindowBuilder):
     """A plausible bug (GSD's Algorithm 1 read literally): the unaccepted positions take the new
     distributions as q but keep their old tokens instead of being re-drawn from them."""
 
-    def observe(self, tree, verdicts, p_nodes, roots_at):
-        super().observe(tree, verdicts, p_nodes, roots_at)
+    def observe(self, tree, batch_verdict, verified, p_nodes, roots_at):
+        super().observe(tree, batch_verdict, verified, p_nodes, roots_at)
         lengths = tree.max_depth()
-        for b, verdict in enumerate(verdicts):
+        for b, verdict in enumerate(row_verdicts(batch_verdict, verified)):
             if verdict is None:
                 continue
             a, prompt = len(verdict.path), self._prompts[b]
@@ -150,8 +151,8 @@ def _engine(temperature: float = 1.0):
     return SimpleNamespace(target=target, sampling=SamplingConfig(temperature=temperature))
 
 
-def _state(root: int, committed: int, seed: int = 0) -> _StepState:
-    return _StepState(
+def _state(root: int, committed: int, seed: int = 0) -> StepState:
+    return StepState(
         roots=torch.tensor([root]),
         root_feats=None,
         root_logits=None,
@@ -196,7 +197,7 @@ def test_refinement_redraws_the_positions_after_a_rejection():
     p[0, 3, [5, 6]] = 0.5
     p[0, 4, [6, 7]] = 0.5
     # The draft at position 1 is accepted, the one at position 2 rejected: the bonus replaces it.
-    builder.observe(tree, [Verdict([1], bonus=7)], p, torch.tensor([0]))
+    builder.observe(tree, *batched([Verdict([1], bonus=7)], tree), p, torch.tensor([0]))
     nxt = builder.build(_engine(), _state(root=7, committed=3))
     # Positions 3, 4, 5 (depths 1, 2, 3 of the new chain) carry draws from the distributions just computed
     # for them (p at nodes 2, 3, 4 of the old chain, conditioned on the rejected draft) and those as q.
@@ -214,7 +215,7 @@ def test_refined_tokens_are_drawn_with_the_prompts_generator():
         builder = JacobiWindowBuilder(4)
         builder.reset(1)
         tree = builder.build(_engine(), _state(root=5, committed=1, seed=seed))
-        builder.observe(tree, [Verdict([], bonus=2)], p, torch.tensor([0]))
+        builder.observe(tree, *batched([Verdict([], bonus=2)], tree), p, torch.tensor([0]))
         runs.append(builder.build(_engine(), _state(root=2, committed=2)).tokens[0, 1:].tolist())
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
@@ -223,12 +224,14 @@ def test_all_accepted_and_greedy_refinement():
     builder = JacobiWindowBuilder(3)
     builder.reset(1)
     tree = builder.build(_engine(0.0), _state(root=5, committed=1))
-    builder.observe(tree, [Verdict([1, 2, 3], bonus=0)], _point_masses([1, 2, 3, 4]), torch.tensor([0]))
+    builder.observe(
+        tree, *batched([Verdict([1, 2, 3], bonus=0)], tree), _point_masses([1, 2, 3, 4]), torch.tensor([0])
+    )
     nxt = builder.build(_engine(0.0), _state(root=0, committed=5))
     assert _is_point_mass(nxt.q[0, :3], nxt.tokens[0, 1:])  # nothing left to refine: all fresh
     # At T = 0 refinement takes the argmax of the computed distributions (vanilla Jacobi).
     p = torch.softmax(torch.randn(1, 4, V, generator=torch.Generator().manual_seed(0)), -1)
-    builder.observe(nxt, [Verdict([], bonus=1)], p, torch.tensor([4]))
+    builder.observe(nxt, *batched([Verdict([], bonus=1)], nxt), p, torch.tensor([4]))
     last = builder.build(_engine(0.0), _state(root=1, committed=6))
     assert torch.equal(last.tokens[0, 1:4], p[0, 1:4].argmax(-1))
 
@@ -250,7 +253,7 @@ def _step_two(init: str, seed: int = 0):
     builder.reset(1)
     first = builder.build(_engine(), _state(root=X0, committed=1, seed=seed))
     p = _point_masses([stored(k) for k in range(1, 6)])
-    builder.observe(first, [Verdict([1, 2, 3, 4], bonus=BONUS)], p, torch.tensor([0]))
+    builder.observe(first, *batched([Verdict([1, 2, 3, 4], bonus=BONUS)], first), p, torch.tensor([0]))
     second = builder.build(_engine(), _state(root=BONUS, committed=6, seed=seed))
     board = [X0, *first.tokens[0, 1:].tolist(), BONUS]  # committed tokens of positions 0 .. 5
     fresh = second.tokens[0, 1:].tolist()  # positions 6, 7, 8, 9
@@ -311,7 +314,7 @@ def test_stored_distributions_are_the_refined_q_of_drafts_and_p_of_committed_tok
         builder = JacobiWindowBuilder(4, init)
         builder.reset(1)
         tree = builder.build(_engine(), _state(root=X0, committed=1))
-        builder.observe(tree, [Verdict([1], bonus=0)], p, torch.tensor([0]))
+        builder.observe(tree, *batched([Verdict([1], bonus=0)], tree), p, torch.tensor([0]))
         nxt = builder.build(_engine(), _state(root=0, committed=3))
         assert nxt.tokens[0, 1:4].tolist() == [3, 4, 5]  # refined positions 3, 4, 5
         fresh[init] = int(nxt.tokens[0, 4])  # position 6
@@ -353,7 +356,7 @@ def test_gsd_with_group_size_one_is_sjd(temperature):
     cond = tiny_condition()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=temperature, top_k=12)
     runs = []
-    for accept in (verify_exact, _gsd(target, 1)):
+    for accept in (EXACT, _gsd(target, 1)):
         engine = SpeculativeEngine(
             target, None, JacobiWindowBuilder(6, "horizontal_sample"), sampling, accept
         )
@@ -371,3 +374,8 @@ def test_gsd_groups_accept_more_than_sjd():
     engine = SpeculativeEngine(target, None, JacobiWindowBuilder(6), sampling, _gsd(target, 14))
     result = engine.generate(cond, [torch.Generator().manual_seed(i) for i in range(2)])
     assert sum(s.relaxed_acceptances for s in result.stats) > 0
+
+
+def batched(verdicts: list[Verdict], tree: DraftTree) -> tuple[BatchVerdict, torch.Tensor]:
+    """``observe``'s (verdict, verified) for per-row verdicts, every row verified."""
+    return BatchVerdict.from_verdicts(verdicts, tree.size - 1), torch.ones(len(verdicts), dtype=torch.bool)

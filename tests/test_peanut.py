@@ -18,11 +18,12 @@ from test_engine import (  # noqa: F401  (micro is a fixture)
     sample_images,
 )
 
-from vdtrain.decode.acceptance import Verdict
+from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.engine import SpeculativeEngine, _StepState
+from vdtrain.decode.builders.base import StepState
+from vdtrain.decode.builders.peanut import PeanutTreeBuilder
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import TreeConfig, tree_builder
-from vdtrain.decode.peanut import PeanutTreeBuilder
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import DraftTree
 
@@ -38,7 +39,7 @@ def make_builder(grid=(1, 64), batch=1, **kwargs) -> PeanutTreeBuilder:
 def plan(builder, committed: int, generator=None) -> tuple[int, int]:
     """The (d̂, k̂) ``shape`` returns for a one-prompt batch with ``committed`` image tokens."""
     n = builder.grid[0] * builder.grid[1]
-    state = _StepState(
+    state = StepState(
         roots=torch.zeros(1, dtype=torch.long),
         root_feats=None,
         root_logits=None,
@@ -70,8 +71,10 @@ def step(builder, committed: int, accepted, tree_depth: int | None = None) -> tu
     depth = d if tree_depth is None else tree_depth
     accepted = depth if accepted == "F" else accepted
     assert accepted <= depth
-    verdict = Verdict(list(range(1, accepted + 1)), bonus=0)
-    builder.observe(chain(depth), [verdict], torch.zeros(1), torch.tensor([committed - 1]))
+    path = torch.tensor([list(range(1, accepted + 1)) + [-1] * (depth - accepted)])
+    verdict = BatchVerdict(path, torch.tensor([accepted]), torch.zeros(1, dtype=torch.long), torch.zeros(1))
+    verified = torch.ones(1, dtype=torch.bool)
+    builder.observe(chain(depth), verdict, verified, torch.zeros(1), torch.tensor([committed - 1]))
     return d, k, committed + accepted + 1
 
 
@@ -138,7 +141,7 @@ def test_llamagen_defaults():
 def test_alpha_is_measured_against_the_tree_actually_drafted():
     builder = make_builder(**CHAMELEON)
     step(builder, 1, accepted=2, tree_depth=2)  # planned d̂ = 5, but the tree had 2 levels: all used
-    assert builder.alpha[0] == 1.0
+    assert float(builder.alpha[0]) == 1.0
     assert plan(builder, 4) == (6, 7)
 
 
@@ -164,8 +167,8 @@ def test_accepted_positions_inherit_their_tree():
 def seeded(init: str, **kwargs) -> PeanutTreeBuilder:
     """A 3 × 4 grid whose position p holds (d, k) = (1 + p % 9, 4 + p), after a positive tree."""
     builder = make_builder(grid=(3, 4), init=init, **CHAMELEON, **kwargs)
-    builder.depth_grid[0] = 1 + torch.arange(12) % 9
-    builder.width_grid[0] = 4 + torch.arange(12)
+    builder.depth_grid[0, :12] = 1 + torch.arange(12) % 9
+    builder.width_grid[0, :12] = 4 + torch.arange(12)
     builder.alpha[0] = 1.0
     return builder
 
@@ -223,7 +226,7 @@ def test_reset_forgets_the_grid():
     builder = make_builder(**CHAMELEON)
     run_script(builder, ["F", "F"])
     builder.reset(1)
-    assert builder.alpha == [None] and int(builder.depth_grid.max()) == -1
+    assert bool(builder.alpha.isnan().all()) and int(builder.depth_grid.max()) == -1
     assert plan(builder, 1) == (5, 10)
 
 

@@ -10,7 +10,8 @@ import torch
 from conftest import random_gpt, random_vq, tiny_condition
 
 from vdtrain.decode import profiling
-from vdtrain.decode.engine import SpeculativeEngine, StaticTreeBuilder
+from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.profiling import OpCounter, PhaseTimer, count_steps
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS, static_tree

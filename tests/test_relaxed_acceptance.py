@@ -16,8 +16,10 @@ from conftest import tiny_condition
 from test_engine import make_drafter, make_target
 
 from vdtrain.decode import neighbours as nb
-from vdtrain.decode.acceptance import Grouped, Lantern, LanternPP, Verdict, residual, verify_exact
-from vdtrain.decode.engine import DynamicTreeBuilder, SpeculativeEngine, StaticTreeBuilder
+from vdtrain.decode.acceptance import EXACT, Grouped, Lantern, LanternPP, Verdict, residual, verify_exact
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import AcceptanceConfig, DecodeConfig, TreeConfig, acceptance_rule, build_method
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS, DraftTree, static_tree
@@ -248,7 +250,7 @@ def test_degenerate_relaxations_reproduce_exact_verification(tiny, builder, temp
     target, drafter = tiny
     # top_k = 6 of 24 leaves zero-mass neighbours, which δ = 0 / λ = 1 put in A(x) (they add nothing).
     sampling = SamplingConfig(cfg_scale=2.0, temperature=temperature, top_k=6)
-    exact, exact_rng = decode(target, drafter, BUILDERS[builder](), sampling, verify_exact)
+    exact, exact_rng = decode(target, drafter, BUILDERS[builder](), sampling, EXACT)
     for name, make in RULES.items():
         off, off_rng = decode(target, drafter, BUILDERS[builder](), sampling, make(target, False))
         assert torch.equal(off.tokens, exact.tokens), name
@@ -256,8 +258,12 @@ def test_degenerate_relaxations_reproduce_exact_verification(tiny, builder, temp
         assert all(torch.equal(a, b) for a, b in zip(off_rng, exact_rng, strict=True)), name
         assert all(s.relaxed_acceptances == 0 for s in off.stats)
         # The same setting with a real relaxation does relax (so the comparison above is not vacuous).
-        on, _ = decode(target, drafter, BUILDERS[builder](), sampling, make(target, True))
-        assert sum(s.relaxed_acceptances for s in on.stats) > 0, name
+        # Relaxations are rare on this tiny target: count them over a few seeds.
+        runs = [
+            decode(target, drafter, BUILDERS[builder](), sampling, make(target, True), seed)[0]
+            for seed in (11, 12, 13)
+        ]
+        assert sum(s.relaxed_acceptances for on in runs for s in on.stats) > 0, name
 
 
 # --- configuration ------------------------------------------------------------------------------------
@@ -266,7 +272,7 @@ def test_degenerate_relaxations_reproduce_exact_verification(tiny, builder, temp
 def test_acceptance_config_builds_each_rule(tiny, tmp_path):
     target, drafter = tiny
     cache = str(tmp_path)
-    assert acceptance_rule(AcceptanceConfig(), target) is verify_exact
+    assert acceptance_rule(AcceptanceConfig(), target) is EXACT
     rule = acceptance_rule(AcceptanceConfig(kind="lantern", k=1000, delta=0.2, cache_dir=cache), target)
     assert isinstance(rule, Lantern) and rule.neighbours.shape == (24, 23) and rule.delta == 0.2
     rule = acceptance_rule(AcceptanceConfig(kind="lantern_pp", k=10, lam=3.0, cache_dir=cache), target)

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.engine import DynamicTreeBuilder, SpeculativeEngine, StaticTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS, static_tree
 from vdtrain.drafter import Drafter

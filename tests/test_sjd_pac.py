@@ -18,6 +18,7 @@ from test_engine import (
     MICRO_GPT,
     MICRO_VQ,
     SIGNIFICANCE,
+    RowVerifierEngine,
     chi_square_pvalue,
     exact_ar_distribution,
     make_target,
@@ -25,12 +26,13 @@ from test_engine import (
 )
 from test_jacobi import grid3  # noqa: F401  (the 3×3 grid over 3 tokens, a module fixture)
 
-from vdtrain.decode.acceptance import Verdict, residual, verify_exact
+from vdtrain.decode.acceptance import BatchVerdict, Verdict, residual, verify_exact
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.engine import SpeculativeEngine, _StepState
+from vdtrain.decode.builders.base import StepState
+from vdtrain.decode.builders.sjd_pac import SjdPacBuilder, tree_nodes
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import PRESETS, build_method, load_preset, tree_builder
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.decode.sjd_pac import SjdPacBuilder, tree_nodes
 from vdtrain.targets.base import Condition
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
@@ -134,7 +136,7 @@ def uniform_bonus_after_the_main_path(tree, row, p_nodes, greedy, generator) -> 
 )
 def test_the_distribution_test_rejects_the_release_bugs(fixture, shape, count, accept, request):
     target, cond, sampling, exact = request.getfixturevalue(fixture)
-    engine = SpeculativeEngine(target, None, SjdPacBuilder(*shape), sampling, accept)
+    engine = RowVerifierEngine(target, None, SjdPacBuilder(*shape), sampling, verify=accept)
     assert chi_square_pvalue(sample_images(engine, cond, count, seed=2), exact) < SIGNIFICANCE
 
 
@@ -148,8 +150,8 @@ def _engine(temperature: float = 1.0):
     return SimpleNamespace(target=target, sampling=SamplingConfig(temperature=temperature))
 
 
-def _state(root: int, committed: int, seed: int = 0) -> _StepState:
-    return _StepState(
+def _state(root: int, committed: int, seed: int = 0) -> StepState:
+    return StepState(
         roots=torch.tensor([root]),
         root_feats=None,
         root_logits=None,
@@ -189,7 +191,7 @@ def test_siblings_are_drawn_without_replacement_within_q_support():
     builder, tree = _first(window=13, width=3, levels=3)
     p = torch.zeros(1, 13, V)
     p[0, :, [2, 6]] = 0.5
-    builder.observe(tree, [Verdict([], bonus=1)], p, torch.tensor([0]))
+    builder.observe(tree, *batched([Verdict([], bonus=1)], tree), p, torch.tensor([0]))
     nxt = builder.build(_engine(), _state(root=1, committed=2))
     # Depth 1 continues the old depth 2, depth 2 is the position after the window: both q = p (tokens 2, 6).
     assert torch.equal(nxt.q[0, :4], p[0, :4]) and set(nxt.tokens[0, 1:3].tolist()) == {2, 6}
@@ -204,7 +206,7 @@ def test_siblings_are_drawn_without_replacement_within_q_support():
 def test_continuation_keeps_a_passing_draft_and_stores_p_as_its_q():
     builder, tree = _first(window=16)
     p = torch.full((1, 16, V), 1.0 / V)  # p = q (uniform): every draft passes
-    builder.observe(tree, [Verdict([], bonus=7)], p, torch.tensor([0]))
+    builder.observe(tree, *batched([Verdict([], bonus=7)], tree), p, torch.tensor([0]))
     nxt = builder.build(_engine(), _state(root=7, committed=2))
     # Depths 2 .. 5 of the old main path continue as depths 1 .. 4; depth 5 is the draw after the window.
     main = builder.main
@@ -222,7 +224,7 @@ def test_continuation_redraws_from_its_own_nodes_residual():
         builder, tree = _first(window=16, seed=seed)
         p = torch.full((1, 16, V), 1.0 / V)
         p[0, builder.main[1]] = target_p
-        builder.observe(tree, [Verdict([], bonus=7)], p, torch.tensor([0]))
+        builder.observe(tree, *batched([Verdict([], bonus=7)], tree), p, torch.tensor([0]))
         seen.append(int(builder._windows[0].tokens[0]))
         assert torch.equal(builder._windows[0].q[0], target_p)
     freq = torch.bincount(torch.tensor(seen), minlength=V) / len(seen)
@@ -236,7 +238,7 @@ def test_continuation_follows_the_accepted_path():
     rank1 = 2  # the root's second child
     below = builder.first_child[rank1]
     p = torch.softmax(torch.randn(1, 16, V, generator=torch.Generator().manual_seed(3)), -1)
-    builder.observe(tree, [Verdict([rank1], bonus=0)], p, torch.tensor([0]))
+    builder.observe(tree, *batched([Verdict([rank1], bonus=0)], tree), p, torch.tensor([0]))
     window = builder._windows[0]
     assert window.start == 3  # depths 3, 4, 5 and the position after the window (depth 6)
     assert torch.equal(window.q, p[0, [below, *builder.main[3:6]]])
@@ -245,7 +247,7 @@ def test_continuation_follows_the_accepted_path():
 def test_an_accepted_main_path_leaves_a_fresh_uniform_window():
     builder, tree = _first(window=16)
     p = torch.full((1, 16, V), 1.0 / V)
-    builder.observe(tree, [Verdict(builder.main[1:], bonus=3)], p, torch.tensor([0]))
+    builder.observe(tree, *batched([Verdict(builder.main[1:], bonus=3)], tree), p, torch.tensor([0]))
     nxt = builder.build(_engine(), _state(root=3, committed=7))
     depths = nxt.depths[0]
     assert torch.allclose(nxt.q[0, depths < 5], torch.full((int((depths < 5).sum()), V), 1.0 / V))
@@ -264,7 +266,7 @@ def test_greedy_continuation_takes_the_argmax():
     builder.reset(1)
     tree = builder.build(_engine(0.0), _state(root=5, committed=1))
     p = torch.softmax(torch.randn(1, 16, V, generator=torch.Generator().manual_seed(0)), -1)
-    builder.observe(tree, [Verdict([], bonus=1)], p, torch.tensor([0]))
+    builder.observe(tree, *batched([Verdict([], bonus=1)], tree), p, torch.tensor([0]))
     main = builder.main
     assert builder._windows[0].tokens.tolist() == p[0, main[1:6]].argmax(-1).tolist()
 
@@ -301,3 +303,8 @@ def test_the_preset_builds_a_drafter_free_engine(overrides, window):
 def test_sjd_pac_is_in_the_default_evaluation():
     methods = OmegaConf.load(PRESETS.parent / "eval" / "default.yaml").methods
     assert "sjd_pac" in methods and "sjd" in methods
+
+
+def batched(verdicts: list[Verdict], tree) -> tuple[BatchVerdict, torch.Tensor]:
+    """``observe``'s (verdict, verified) for per-row verdicts, every row verified."""
+    return BatchVerdict.from_verdicts(verdicts, tree.size - 1), torch.ones(len(verdicts), dtype=torch.bool)

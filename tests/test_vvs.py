@@ -20,7 +20,9 @@ from omegaconf import OmegaConf
 from test_engine import assert_cache_is_fresh_prefill
 
 from vdtrain.decode.acceptance import Lantern
-from vdtrain.decode.engine import DynamicTreeBuilder, SpeculativeEngine, StaticTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import ScheduleConfig, verification_schedule
 from vdtrain.decode.metrics import summarize
 from vdtrain.decode.neighbours import latent_neighbours
@@ -75,7 +77,7 @@ class Trace:
         for b, m in enumerate(committed.tolist()):
             if m == self.before[b]:
                 continue
-            self.kinds[b].append("S" if int(self.engine.pending[b]) > 0 else "V")
+            self.kinds[b].append("S" if int(self.engine.run.pending[b]) > 0 else "V")
             self.forced[b].append(self.before[b] == self.n_img - 1)  # no draft possible: must verify
             self.before[b] = m
 
@@ -193,7 +195,7 @@ def test_caches_equal_a_fresh_pass_after_every_verified_step(builder_kind):
 
     def check(cache, committed, tokens):
         for b in range(batch):
-            m, pending = int(committed[b]), int(engine.pending[b])
+            m, pending = int(committed[b]), int(engine.run.pending[b])
             was, previous_pending[b] = previous_pending[b], pending
             if pending or m < 2:
                 continue
@@ -202,7 +204,7 @@ def test_caches_equal_a_fresh_pass_after_every_verified_step(builder_kind):
             sub = Condition(stream.features[rows], stream.mask[rows])
             n = prefix + m - 1
             true = target.forward_sequence(sub, tokens[b, : m - 1].repeat(2, 1)).hidden  # [2, L+m-1, H]
-            torch.testing.assert_close(engine._fcache[rows, :n], true, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(engine.run.fcache[rows, :n], true, atol=1e-4, rtol=1e-4)
             # Drafter rows 0 .. L+m-2: f_s with the embedding of the token at slot s+1.
             nxt = torch.cat(
                 [true.new_zeros(2, prefix - 1, true.shape[-1]), drafter.embed(tokens[b, :m].repeat(2, 1))], 1
@@ -210,7 +212,7 @@ def test_caches_equal_a_fresh_pass_after_every_verified_step(builder_kind):
             fresh = drafter.new_cache(2, target.max_seq_len)
             pos = torch.arange(n)
             drafter(true, nxt, pos, teacher_mask(sub.mask, n), fresh, pos)
-            dk, dv = engine._dcache.k[:, rows, :, :n], engine._dcache.v[:, rows, :, :n]
+            dk, dv = engine.run.dcache.k[:, rows, :, :n], engine.run.dcache.v[:, rows, :, :n]
             torch.testing.assert_close(dk, fresh.k[:, :, :, :n], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(dv, fresh.v[:, :, :, :n], atol=1e-4, rtol=1e-4)
             if was:
@@ -235,18 +237,18 @@ def test_skipped_rows_use_the_most_recent_cached_features():
 
     def check(cache, committed, tokens):
         m_new = int(committed[0])
-        if int(engine.pending[0]) > 0:  # a skip committed γ tokens after m
+        if int(engine.run.pending[0]) > 0:  # a skip committed γ tokens after m
             m, g = state["m"], m_new - state["m"]
-            assert g == int(engine.pending[0])
+            assert g == int(engine.run.pending[0])
             fc = state["cache"]  # the feature cache before the skip (a skip does not change it)
-            torch.testing.assert_close(engine._fcache, fc)
+            torch.testing.assert_close(engine.run.fcache, fc)
             stale = fc[:, prefix + m - 1 - g + torch.arange(g)]
             nxt = drafter.embed(tokens[:, m : m + g])
             fresh = drafter.new_cache(1, target.max_seq_len)
             n = prefix + m - 1
             fresh.k[:, :, :, :n], fresh.v[:, :, :, :n] = (
-                engine._dcache.k[:, :, :, :n],
-                engine._dcache.v[:, :, :, :n],
+                engine.run.dcache.k[:, :, :, :n],
+                engine.run.dcache.v[:, :, :, :n],
             )
             slots = n + torch.arange(g)
             mask = torch.cat(
@@ -256,10 +258,10 @@ def test_skipped_rows_use_the_most_recent_cached_features():
             drafter(stale, nxt, slots, mask[:, None], fresh, slots)
             rows = slice(n, n + g)
             torch.testing.assert_close(
-                engine._dcache.k[:, :, :, rows], fresh.k[:, :, :, rows], atol=1e-5, rtol=1e-4
+                engine.run.dcache.k[:, :, :, rows], fresh.k[:, :, :, rows], atol=1e-5, rtol=1e-4
             )
             seen.append(g)
-        state["m"], state["cache"] = m_new, engine._fcache.clone()
+        state["m"], state["cache"] = m_new, engine.run.fcache.clone()
 
     engine.generate(cond, generators(1, seed=5), on_step=check)
     assert len(seen) >= 3

@@ -369,6 +369,19 @@ class BatchVerdict:
     bonus: torch.Tensor  # [B] long: the token drawn after the last accepted node
     relaxed: torch.Tensor  # [B] long: accepted nodes that only a relaxed rule accepted
 
+    @classmethod
+    def from_verdicts(cls, verdicts: list[Verdict], depth: int) -> BatchVerdict:
+        """The batch form of per-row ``Verdict``s, paths padded with −1 to ``depth`` (reference code)."""
+        path = torch.full((len(verdicts), depth), -1, dtype=torch.long)
+        for b, v in enumerate(verdicts):
+            path[b, : len(v.path)] = torch.tensor(v.path, dtype=torch.long)
+        return cls(
+            path,
+            torch.tensor([len(v.path) for v in verdicts]),
+            torch.tensor([v.bonus for v in verdicts]),
+            torch.tensor([v.relaxed for v in verdicts]),
+        )
+
     def verdicts(self) -> list[Verdict]:
         """Per-row ``Verdict``s, read back in one transfer (for callers that still want lists)."""
         rows = torch.cat([self.path, self.bonus[:, None], self.relaxed[:, None]], dim=1).tolist()

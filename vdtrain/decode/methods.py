@@ -20,22 +20,17 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from vdtrain.decode.acceptance import Grouped, Lantern, LanternPP, verify_exact
+from vdtrain.decode.acceptance import EXACT, Grouped, Lantern, LanternPP, Rule
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.engine import (
-    Acceptance,
-    DecodeResult,
-    DecodeStats,
-    DraftTreeBuilder,
-    DynamicTreeBuilder,
-    SpeculativeEngine,
-    StaticTreeBuilder,
-)
-from vdtrain.decode.jacobi import JacobiWindowBuilder
+from vdtrain.decode.builders.base import DraftTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.builders.jacobi import JacobiWindowBuilder
+from vdtrain.decode.builders.peanut import PeanutTreeBuilder
+from vdtrain.decode.builders.sjd_pac import SjdPacBuilder
+from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.engine import DecodeResult, DecodeStats, SpeculativeEngine
 from vdtrain.decode.neighbours import latent_neighbours
-from vdtrain.decode.peanut import PeanutTreeBuilder
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.decode.sjd_pac import SjdPacBuilder
 from vdtrain.decode.trees import STATIC_TREES, static_tree
 from vdtrain.decode.vvs import SimilaritySchedule, UniformSchedule, VerificationSchedule
 from vdtrain.drafter import Drafter
@@ -146,8 +141,8 @@ def _gsd_embeddings(config: AcceptanceConfig, target: Target) -> torch.Tensor:
     raise ValueError(f"unknown GSD embedding {config.embedding!r}; use token_embedding or codebook")
 
 
-ACCEPTANCE: dict[str, Callable[[AcceptanceConfig, Target], Acceptance]] = {
-    "exact": lambda c, t: verify_exact,
+ACCEPTANCE: dict[str, Callable[[AcceptanceConfig, Target], Rule]] = {
+    "exact": lambda c, t: EXACT,
     "lantern": lambda c, t: Lantern(_neighbour_table(c, t), c.k, delta=c.delta),
     "lantern_pp": lambda c, t: LanternPP(_neighbour_table(c, t), c.k, lam=c.lam),
     "gsd": lambda c, t: Grouped(
@@ -156,7 +151,7 @@ ACCEPTANCE: dict[str, Callable[[AcceptanceConfig, Target], Acceptance]] = {
 }
 
 
-def acceptance_rule(config: AcceptanceConfig, target: Target) -> Acceptance:
+def acceptance_rule(config: AcceptanceConfig, target: Target) -> Rule:
     """The verification callable for ``config``, with the tables it needs built from ``target``."""
     if config.kind not in ACCEPTANCE:
         raise ValueError(f"unknown acceptance {config.kind!r}; known: {sorted(ACCEPTANCE)}")

@@ -352,7 +352,7 @@ def phase_methods(engine: Any) -> dict[str, list[tuple[Any, str]]]:
     return {
         "draft": [(engine.builder, "build"), (engine.builder, "observe")],
         "verify": [(engine, "_verify")],
-        "accept": [(engine, "accept")],
+        "accept": [(engine, "_accept")],
         "commit": [(engine, "_commit"), (engine, "_commit_unverified")],
         "forward": [(engine.target, "forward_tokens"), *drafter],
     }

@@ -101,17 +101,15 @@ def static_tree(paths: tuple[tuple[int, ...], ...] | list[list[int]]) -> StaticT
 
 def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     """``parents`` [B, T] (−1 at the root) → [B, T, T] bool: node ``i`` sees ``j`` iff ``j`` is ``i``
-    or one of its ancestors. Each pass adds one more generation, so it loops tree-depth times."""
+    or one of its ancestors. Each pass composes the relation with itself, doubling the path length it
+    covers, so ⌈log2 T⌉ passes reach every ancestor: a fixed count, with no read of the device."""
     batch, size = parents.shape
     eye = torch.eye(size, dtype=torch.bool, device=parents.device)
-    anc = eye.expand(batch, size, size).clone()
-    index = parents.clamp_min(0)[..., None].expand(batch, size, size)
-    has_parent = (parents >= 0)[..., None]
-    while True:
-        grown = anc | (anc.gather(1, index) & has_parent)
-        if torch.equal(grown, anc):
-            return anc
-        anc = grown
+    cols = torch.arange(size, device=parents.device)
+    anc = eye | (parents[..., None] == cols)  # itself and its parent
+    for _ in range(max(1, size - 1).bit_length()):
+        anc = anc | (anc.float() @ anc.float() > 0)
+    return anc
 
 
 @dataclass

@@ -1,5 +1,6 @@
-"""Draft-tree builders written as batched tensor programs (no per-row or per-node host work).
+"""Draft-tree builders, written as batched tensor programs (no per-row or per-node host work).
 
-Builders subclass ``vdtrain.decode.engine.DraftTreeBuilder``; import them from their modules
-(``vdtrain.decode.builders.dynamic``) in code that sits above the engine (``methods``, ``peanut``).
+``base`` holds the interface the engine's loop calls; ``static`` (EAGLE-1, LANTERN++), ``dynamic``
+(EAGLE-2), ``peanut`` (PEANUT's adaptive dynamic trees), ``jacobi`` (SJD) and ``sjd_pac`` (SJD-PAC) the
+builders. ``vdtrain.decode.methods`` picks one per method preset.
 """

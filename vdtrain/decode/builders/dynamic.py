@@ -1,7 +1,15 @@
 """EAGLE-2's dynamic draft tree as tensor ops: no device→host reads, an op count independent of the batch.
 
-It builds the same trees as ``engine.DynamicTreeBuilder`` (per-row ``shape``, PEANUT's deepest path),
-but in fixed padded shapes, so a step's host work does not grow with the batch or the tree:
+The rule (EAGLE-2, ALGORITHMS.md §2): from the root take the ``top_k`` most likely children; then for
+``depth`` rounds expand the frontier — the ``top_k`` nodes of the newest layer with the highest
+cumulative log-probability — each into its ``top_k`` children, one batched drafter forward per round.
+Finally keep the ``total_tokens - 1`` best nodes by cumulative log-probability (ancestors always outrank
+their descendants), parents before children. Drafts are deterministic: verification treats q as a
+point mass on each child.
+
+It builds the same trees as the node-by-node reference builder the tests keep
+(``tests/reference_builders.py``), but in fixed padded shapes, so a step's host work does not grow with
+the batch or the tree:
 
 - the *envelope* (``R`` rounds, ``K`` wide) is a pair of host ints: ``depth``/``top_k`` here; a subclass
   whose shapes change per step (PEANUT) overrides ``envelope`` with a bound it knows on the host;
@@ -20,12 +28,15 @@ the flat node index here. Scores are cumulative log q in float64, as the old bui
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from vdtrain.decode.engine import DraftTreeBuilder, SpeculativeEngine, _StepState
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
 from vdtrain.decode.trees import DraftTree
+
+if TYPE_CHECKING:
+    from vdtrain.decode.engine import SpeculativeEngine
 
 
 def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,8 +59,8 @@ def ranked(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
     return key.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-class TensorDynamicTreeBuilder(DraftTreeBuilder):
-    """EAGLE-2's dynamic tree (see ``engine.DynamicTreeBuilder`` for the rule) in padded tensor shapes.
+class DynamicTreeBuilder(DraftTreeBuilder):
+    """EAGLE-2's dynamic tree in padded tensor shapes, with per-prompt ``depth`` and ``top_k`` (``shape``).
 
     ``vocab_size``: when known, a ``top_k`` above it is refused here; otherwise widths are capped at the
     drafter's vocabulary at build time. ``keep_deepest_path`` (PEANUT): the best-scoring path to the
@@ -76,7 +87,7 @@ class TensorDynamicTreeBuilder(DraftTreeBuilder):
     def max_nodes(self) -> int:
         return max(self.total_tokens, 1 + self.top_k * (self.depth + 1))
 
-    def shape(self, state: _StepState) -> tuple[torch.Tensor, torch.Tensor]:
+    def shape(self, state: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         """(expansion rounds [B], top_k [B]) for this step's trees, on the state's device."""
         batch, device = len(state.roots), state.roots.device
         return (
@@ -84,7 +95,7 @@ class TensorDynamicTreeBuilder(DraftTreeBuilder):
             torch.full((batch,), self.top_k, dtype=torch.long, device=device),
         )
 
-    def envelope(self, state: _StepState) -> tuple[int, int]:
+    def envelope(self, state: StepState) -> tuple[int, int]:
         """Host bound (rounds, top_k) on this step's ``shape``: the padded shapes. Called after ``shape``."""
         return self.depth, self.top_k
 
@@ -92,7 +103,7 @@ class TensorDynamicTreeBuilder(DraftTreeBuilder):
     def _logq(engine: SpeculativeEngine, logits: torch.Tensor) -> torch.Tensor:
         return engine.draft_probs(logits).clamp_min(1e-30).log()
 
-    def build(self, engine: SpeculativeEngine, state: _StepState) -> DraftTree:
+    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
         roots, limit, committed = state.roots, state.depth_limit, state.committed
         batch, device = len(roots), roots.device
         prefix, n_img = engine.target.prefix_length, engine.target.num_image_tokens

@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vdtrain.decode.acceptance import Verdict
-from vdtrain.decode.engine import DraftTreeBuilder, SpeculativeEngine, _StepState
+from vdtrain.decode.acceptance import BatchVerdict
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, row_verdicts
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.trees import DraftTree
 
 INITS = ("random", "horizontal_repeat", "horizontal_sample", "vertical_repeat", "vertical_sample")
@@ -91,7 +92,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         return self.init.endswith("_sample")
 
     # --- drafting ------------------------------------------------------------------------------------
-    def build(self, engine: SpeculativeEngine, state: _StepState) -> DraftTree:
+    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
         target = engine.target
         batch, device = len(state.roots), state.roots.device
         n_img, vocab = target.num_image_tokens, target.vocab_size
@@ -159,8 +160,14 @@ class JacobiWindowBuilder(DraftTreeBuilder):
 
     # --- after verification --------------------------------------------------------------------------
     def observe(
-        self, tree: DraftTree, verdicts: list[Verdict | None], p_nodes: torch.Tensor, roots_at: torch.Tensor
+        self,
+        tree: DraftTree,
+        verdict: BatchVerdict,
+        verified: torch.Tensor,
+        p_nodes: torch.Tensor,
+        roots_at: torch.Tensor,
     ) -> None:
+        verdicts = row_verdicts(verdict, verified)
         lengths = tree.max_depth()
         for b, verdict in enumerate(verdicts):
             prompt = self._prompts[b]

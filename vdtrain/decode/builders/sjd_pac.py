@@ -27,7 +27,8 @@ target p just computed for depth j and ``q_j``. x is kept with probability ``min
 replaced by a draw from ``norm(max(0, p − q_j))`` (its own node's residual): the result is a draw from p,
 so it becomes the next window's draft with ``q = p``. The position after the deepest draft has a p but no
 draft: a draw from p. p was conditioned on stale drafts; exactness does not need fresh context, only that
-each draft is a draw from the q it is judged with (as in SJD's refinement, ``vdtrain.decode.jacobi``).
+each draft is a draw from the q it is judged with (as in SJD's refinement,
+``vdtrain.decode.builders.jacobi``).
 
 **Fresh positions** (past what the last forward computed): uniform over the image tokens, ``q`` uniform
 (the release's padding), so a fresh draft x is accepted with ``min(1, V·p(x))``.
@@ -49,8 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vdtrain.decode.acceptance import Verdict
-from vdtrain.decode.engine import DraftTreeBuilder, SpeculativeEngine, _StepState
+from vdtrain.decode.acceptance import BatchVerdict
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, row_verdicts
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.trees import DraftTree, static_tree
 
 
@@ -113,7 +115,7 @@ class SjdPacBuilder(DraftTreeBuilder):
         self._greedy = False
 
     # --- drafting ------------------------------------------------------------------------------------
-    def build(self, engine: SpeculativeEngine, state: _StepState) -> DraftTree:
+    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
         batch, device = len(state.roots), state.roots.device
         vocab, size = engine.target.vocab_size, self.window
         if len(self._windows) != batch:
@@ -162,8 +164,14 @@ class SjdPacBuilder(DraftTreeBuilder):
 
     # --- after verification --------------------------------------------------------------------------
     def observe(
-        self, tree: DraftTree, verdicts: list[Verdict | None], p_nodes: torch.Tensor, roots_at: torch.Tensor
+        self,
+        tree: DraftTree,
+        verdict: BatchVerdict,
+        verified: torch.Tensor,
+        p_nodes: torch.Tensor,
+        roots_at: torch.Tensor,
     ) -> None:
+        verdicts = row_verdicts(verdict, verified)
         lengths = tree.max_depth()
         for b, verdict in enumerate(verdicts):
             if verdict is None:

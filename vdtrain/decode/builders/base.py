@@ -1,0 +1,68 @@
+"""What every draft-tree builder is: the interface the engine's loop calls, and the state it passes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from vdtrain.decode.acceptance import BatchVerdict, Verdict
+from vdtrain.decode.rng import RowRandom
+from vdtrain.decode.trees import DraftTree
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from vdtrain.decode.engine import SpeculativeEngine
+
+
+@dataclass
+class StepState:
+    """What a tree builder needs to know about the current step (device tensors, no host copies)."""
+
+    roots: torch.Tensor  # [B] root tokens
+    root_feats: torch.Tensor | None  # [R, H] drafter feature predicted for the root's slot (R = streams·B)
+    root_logits: torch.Tensor | None  # [R, V] drafter logits for the root's children (None: no drafter)
+    committed: torch.Tensor  # [B] m
+    depth_limit: torch.Tensor  # [B] max tree depth allowed (image tokens left to draft)
+    generators: Sequence[torch.Generator | None]
+    rng: RowRandom | None = None  # the run's per-row counter-based uniforms (this step's draws)
+
+
+class DraftTreeBuilder:
+    """Builds each step's tree; subclasses decide its shape (static, dynamic, adaptive, Jacobi).
+
+    ``reset`` and ``observe`` let a builder keep per-prompt state across steps (PEANUT's depth/width
+    grid, SJD's window); the plain trees ignore them.
+    """
+
+    needs_drafter: ClassVar[bool] = True  # False: drafts without a drafter model (SJD)
+
+    def max_nodes(self) -> int:
+        raise NotImplementedError
+
+    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
+        raise NotImplementedError
+
+    def reset(self, batch: int) -> None:
+        """A new ``generate`` call with ``batch`` prompts begins."""
+
+    def observe(
+        self,
+        tree: DraftTree,
+        verdict: BatchVerdict,
+        verified: torch.Tensor,
+        p_nodes: torch.Tensor,
+        roots_at: torch.Tensor,
+    ) -> None:
+        """After verification: every row's ``verdict`` (meaningful where ``verified`` [B] is set), the
+        target distribution at every node ``p_nodes`` [B, T, V], and each tree's root image index."""
+
+
+def row_verdicts(verdict: BatchVerdict, verified: torch.Tensor) -> list[Verdict | None]:
+    """Per-prompt ``Verdict``s, None where the step was not verified, in one read of the device (for
+    builders whose per-prompt state is still host code)."""
+    flags = verified.long()[:, None]
+    rows = torch.cat([verdict.path, verdict.bonus[:, None], verdict.relaxed[:, None], flags], 1).tolist()
+    return [Verdict([n for n in r[:-3] if n >= 0], r[-3], r[-2]) if r[-1] else None for r in rows]

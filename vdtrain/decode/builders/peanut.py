@@ -1,0 +1,242 @@
+"""PEANUT: adjacency-adaptive dynamic draft trees (ALGORITHMS.md §5; lossless with exact acceptance).
+
+EAGLE-2 dynamic trees (``vdtrain.decode.builders.dynamic``) whose depth d̂ and width (top-k) k̂ change
+per tree and per prompt. Each tree's (d̂, k̂) is chosen in two phases:
+
+1. **Initialisation** from a per-prompt grid over the image (h × w, raster order) holding the (d, k)
+   of the tree each position belongs to. The tree rooted at position (i, j) starts from
+   (d̃, k̃) = the grid at
+   - ``horizontal`` (= ``horizontal_repeat``, default): (i, j−1); in the first column (i−1, j), the
+     position above;
+   - ``vertical`` (= ``vertical_repeat``): (i−1, j); in the first row (i, j−1), the position to the left;
+   - ``random``: d̃ ~ U{d_min+1 .. d_max−1}, k̃ ~ U{k_min+1 .. k_max−1}, from the prompt's own
+     counter-based uniforms (``RowRandom``, ``Purpose.SHAPE``), so the draws follow the prompt
+     whatever the batching (a builder-owned stream seeded with ``seed + b`` when driven without an
+     engine).
+   The first tree of a prompt (rooted at position 0, no neighbour) starts from (d_init, k_init).
+2. **Bisectional adaptation** from α = the previous tree's accepted draft tokens (bonus excluded) /
+   that tree's depth: positive (α ≥ β; with β = 1 every level was used) → d̂ = d̃ + l_d, k̂ = k̃ − l_k
+   (deeper, narrower); negative → d̂ = d̃ − l_d, k̂ = k̃ + l_k (shallower, wider). The first tree is
+   not adapted (there is no previous tree).
+
+Bounds are open, as written in the paper: d_min < d̂ < d_max and k_min < k̂ < k_max, i.e. the integers
+d_min+1 .. d_max−1 and k_min+1 .. k_max−1. The depth is always clamped. The width is clamped only when
+the unclamped new depth d̃ ± l_d > 1: the drafting cost C_S = k̂²(d̂ − 1) + k̂ grows with k̂² only for
+trees of more than one level, so a tree shrinking to one level may widen past k_max. Such a width is
+still capped at the node budget ``total_tokens − 1`` (more first-level children than that could not be
+kept) — or k_max − 1 if that is larger — and at the vocabulary; the next positive tree clamps it back.
+
+Depth mapping. d̂ is the number of draft levels: the most draft tokens one tree can have accepted, so
+α ≤ 1 and α = 1 means every level was used. ``DynamicTreeBuilder.depth`` counts expansion rounds after
+the root's children, so PEANUT builds ``rounds = d̂ − 1`` (d̂ = 1: the root's k̂ children only). The
+node budget is EAGLE-2's fixed ``total_tokens`` (59 with the root by default; the paper does not scale
+it with the tree). So that a tree really has d̂ levels when that budget would prune its deepest ones,
+the best-scoring path to the deepest level is always kept; the other nodes are EAGLE-2's best by
+cumulative log q. The engine's per-step tree depth (``DecodeStats.depth_per_step``, hence d̄) is then
+d̂ — less only where the image ends first — and α's denominator is that same depth.
+
+Grid bookkeeping. After verification the tree's (d̂, k̂) is written at its root and at every position
+it committed (accepted drafts and the bonus). A root was committed by the previous tree and is
+overwritten by the tree rooted there, so each position holds the last tree it belonged to; the
+horizontal neighbour of a root inside a row is therefore always the previous tree.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from vdtrain.decode.acceptance import BatchVerdict
+from vdtrain.decode.builders.base import StepState
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.rng import Purpose, RowRandom
+from vdtrain.decode.trees import DraftTree
+
+if TYPE_CHECKING:
+    from vdtrain.decode.engine import SpeculativeEngine
+
+PEANUT_INITS = ("horizontal", "vertical", "random")
+# The paper's names ("Horizontal Repeat", ...), as TreeConfig.init spells them (shared with SJD's inits).
+_INIT_ALIASES = {"horizontal_repeat": "horizontal", "vertical_repeat": "vertical"}
+
+
+class PeanutTreeBuilder(DynamicTreeBuilder):
+    """EAGLE-2 trees with per-tree, per-prompt depth and width (see the module docstring).
+
+    ``d_init``/``k_init``: the first tree's shape. ``grid`` (h, w) is taken from the engine's target
+    at the first ``build``; pass it to drive ``shape``/``observe`` without an engine. The per-prompt
+    state (grids, α, the planned shape) lives on the device; ``shape`` and ``observe`` are tensor code.
+    """
+
+    keep_deepest_path = True
+
+    def __init__(
+        self,
+        init: str = "horizontal",
+        beta: float = 1.0,
+        l_d: int = 1,
+        l_k: int = 10,
+        d_min: int = 0,
+        d_max: int = 10,
+        k_min: int = 3,
+        k_max: int = 40,
+        d_init: int = 5,
+        k_init: int = 10,
+        total_tokens: int = 59,
+        seed: int = 0,
+        grid: tuple[int, int] | None = None,
+    ) -> None:
+        init = _INIT_ALIASES.get(init, init)
+        if init not in PEANUT_INITS:
+            raise ValueError(
+                f"unknown PEANUT initialisation {init!r}; use horizontal_repeat, vertical_repeat or random"
+            )
+        if l_d < 0 or l_k < 0:
+            raise ValueError(f"PEANUT steps must be >= 0 (got l_d={l_d}, l_k={l_k})")
+        if d_min < 0 or d_max - d_min < 2 or k_min < 0 or k_max - k_min < 2:
+            raise ValueError(
+                f"PEANUT bounds are open intervals holding at least one integer, d_min >= 0, k_min >= 0 "
+                f"(got d in ({d_min}, {d_max}), k in ({k_min}, {k_max}))"
+            )
+        if not (d_min < d_init < d_max and k_min < k_init < k_max):
+            raise ValueError(
+                f"PEANUT's initial tree must lie inside the bounds: d_init={d_init} in ({d_min}, {d_max}), "
+                f"k_init={k_init} in ({k_min}, {k_max})"
+            )
+        super().__init__(top_k=k_init, depth=d_init - 1, total_tokens=total_tokens)
+        self.init, self.beta, self.l_d, self.l_k = init, beta, l_d, l_k
+        self.d_min, self.d_max, self.k_min, self.k_max = d_min, d_max, k_min, k_max
+        self.d_init, self.k_init, self.seed = d_init, k_init, seed
+        self.k_ceiling = max(total_tokens - 1, k_max - 1)  # widest tree ever (an unrestricted width)
+        self.grid = grid
+        self.reset(0)
+
+    # --- the rule ------------------------------------------------------------------------------------
+    def max_nodes(self) -> int:
+        # Drafter scratch: (rounds) × (the batch's widest frontier) columns; the target tree: total_tokens.
+        return max(self.total_tokens, 1 + self.k_ceiling * (self.d_max - 1))
+
+    def adapt(self, d, k, alpha):
+        """Bisectional adaptation of the initial (d̃, k̃) given the previous tree's acceptance rate α
+        (ints or tensors of one shape)."""
+        d, k, alpha = torch.as_tensor(d), torch.as_tensor(k), torch.as_tensor(alpha)
+        positive = alpha >= self.beta
+        raw_d = torch.where(positive, d + self.l_d, d - self.l_d)
+        raw_k = torch.where(positive, k - self.l_k, k + self.l_k)
+        new_d = raw_d.clamp(self.d_min + 1, self.d_max - 1)
+        # A one-level tree: its cost is linear in k, the width is not restricted.
+        new_k = torch.where(
+            raw_d > 1, raw_k.clamp(self.k_min + 1, self.k_max - 1), raw_k.clamp(1, self.k_ceiling)
+        )
+        return new_d, new_k
+
+    def neighbour(self, position: torch.Tensor) -> torch.Tensor:
+        """The grid position the tree rooted at ``position`` [B] is initialised from (−1: none)."""
+        w = self.grid[1]
+        row, col = position // w, position % w
+        if self.init == "horizontal":
+            src = torch.where(col > 0, position - 1, position - w)
+        else:
+            src = torch.where(row > 0, position - w, position - 1)
+        return torch.where(position > 0, src, -1)
+
+    # --- engine hooks --------------------------------------------------------------------------------
+    def reset(self, batch: int) -> None:
+        self.batch = batch
+        self.depth_grid = self.width_grid = None  # [B, h·w + 1], −1 where unset; the last column is scratch
+        self.alpha: torch.Tensor | None = None  # [B] the previous tree's acceptance rate, NaN before one
+        self.planned: torch.Tensor | None = None  # [B, 2] (d̂, k̂) of the current tree
+        self._history: list[tuple[torch.Tensor, ...]] = []
+        # Draws when the engine passes no per-prompt randomness: seeded with ``seed + b``.
+        self._own_rng = RowRandom(torch.arange(batch, dtype=torch.long) + self.seed)
+        if self.grid is not None:
+            self._allocate(torch.device("cpu"))
+
+    def _allocate(self, device: torch.device) -> None:
+        n = self.grid[0] * self.grid[1]
+        self.depth_grid = torch.full((self.batch, n + 1), -1, dtype=torch.long, device=device)
+        self.width_grid = torch.full((self.batch, n + 1), -1, dtype=torch.long, device=device)
+        self.alpha = torch.full((self.batch,), float("nan"), device=device)
+        self.planned = torch.tensor([[self.d_init, self.k_init]] * self.batch, device=device).view(-1, 2)
+
+    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
+        grid, device = tuple(engine.target.grid), state.roots.device
+        if self.grid != grid or self.depth_grid is None or self.depth_grid.device != device:
+            self.grid = grid
+            self._allocate(device)
+        return super().build(engine, state)
+
+    def shape(self, state: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rounds = d̂ − 1 [B], width = k̂ [B]) for this step's trees."""
+        if self.depth_grid is None:
+            if self.grid is None:
+                raise ValueError("PEANUT needs the image grid: build through the engine or pass grid=(h, w)")
+            self._allocate(state.committed.device)
+        n = self.grid[0] * self.grid[1]
+        root = state.committed - 1
+        if self.init == "random":
+            rng = state.rng
+            if rng is None:
+                rng = self._own_rng
+                rng.advance()
+            u = rng.uniform(Purpose.SHAPE, 2).to(root.device)
+            d = self.d_min + 1 + (u[:, 0] * (self.d_max - self.d_min - 1)).long()
+            k = self.k_min + 1 + (u[:, 1] * (self.k_max - self.k_min - 1)).long()
+        else:
+            src = self.neighbour(root)
+            d = self.depth_grid.gather(1, src.clamp_min(0)[:, None]).squeeze(1)
+            k = self.width_grid.gather(1, src.clamp_min(0)[:, None]).squeeze(1)
+            unset = (src < 0) | (d < 0)
+            d, k = torch.where(unset, self.d_init, d), torch.where(unset, self.k_init, k)
+        new_d, new_k = self.adapt(d, k, self.alpha.nan_to_num(0.0))
+        has_alpha = ~self.alpha.isnan()
+        d, k = torch.where(has_alpha, new_d, d), torch.where(has_alpha, new_k, k)
+        update = (root < n - 1)[:, None]  # finished prompts keep their last plan
+        self.planned = torch.where(update, torch.stack([d, k], 1), self.planned)
+        return self.planned[:, 0] - 1, self.planned[:, 1]
+
+    def envelope(self, state: StepState) -> tuple[int, int]:
+        """The batch's largest (rounds, width) this step: PEANUT's one read of the device per step."""
+        rounds, width = self.planned.amax(0).tolist()
+        return rounds - 1, width
+
+    def observe(
+        self,
+        tree: DraftTree,
+        verdict: BatchVerdict,
+        verified: torch.Tensor,
+        p_nodes: torch.Tensor,
+        roots_at: torch.Tensor,
+    ) -> None:
+        n = self.depth_grid.shape[1] - 1
+        depth, accepted = tree.max_depth(), verdict.accepted
+        # The tree's (d̂, k̂) at its root, its accepted drafts and its bonus; other columns → scratch.
+        j = torch.arange(verdict.path.shape[1] + 2, device=roots_at.device)[None]
+        write = verified[:, None] & (j <= accepted[:, None] + 1)
+        at = torch.where(write, roots_at[:, None] + j, n)
+        self.depth_grid.scatter_(1, at, self.planned[:, :1].expand_as(at))
+        self.width_grid.scatter_(1, at, self.planned[:, 1:].expand_as(at))
+        # A depth-0 tree (the image's last token) says nothing about α.
+        measured = verified & (depth > 0)
+        self.alpha = torch.where(measured, accepted / depth.clamp_min(1), self.alpha)
+        self._history.append((verified, roots_at.clone(), self.planned.clone(), accepted))
+
+    # --- views ---------------------------------------------------------------------------------------
+    @property
+    def history(self) -> list[list[tuple[int, int, int, int]]]:
+        """Per prompt, (root, d̂, k̂, accepted drafts) of every verified tree (read back on demand)."""
+        rows: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.batch)]
+        if not self._history:
+            return rows
+        steps = [torch.stack([v.long(), r, p[:, 0], p[:, 1], a], 1) for v, r, p, a in self._history]
+        for step in torch.stack(steps).tolist():
+            for b, (verified, root, d, k, accepted) in enumerate(step):
+                if verified:
+                    rows[b].append((root, d, k, accepted))
+        return rows
+
+    def maps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The depth and width grids as [B, h, w] (−1 where no tree has been yet)."""
+        h, w = self.grid
+        return self.depth_grid[:, :-1].reshape(-1, h, w), self.width_grid[:, :-1].reshape(-1, h, w)
