@@ -32,6 +32,8 @@ from vdtrain.decode.builders.base import StepState
 from vdtrain.decode.builders.sjd_pac import SjdPacBuilder, tree_nodes
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import PRESETS, build_method, load_preset, tree_builder
+from vdtrain.decode.profiling import OpCounter
+from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.targets.base import Condition
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
@@ -158,6 +160,7 @@ def _state(root: int, committed: int, seed: int = 0) -> StepState:
         committed=torch.tensor([committed]),
         depth_limit=torch.tensor([H * W - 1 - committed]),
         generators=[torch.Generator().manual_seed(seed)],
+        rng=RowRandom(torch.tensor([seed])),
     )
 
 
@@ -173,7 +176,7 @@ def test_the_window_is_a_full_tree_of_shared_columns_then_a_chain():
     assert builder.max_nodes() == tree.size == 16 and builder.main_depth == 5 and tree.sampled
     assert [depths.count(d) for d in range(6)] == [1, 3, 9, 1, 1, 1] and tree.valid.all()
     assert tree_nodes(3, 3) == 13 and tree_nodes(1, 4) == 4
-    ranks, tokens = builder.ranks.tolist(), tree.tokens[0].tolist()
+    ranks, tokens = builder.shape.ranks, tree.tokens[0].tolist()
     for d in (1, 2):  # every node at depth d carries its rank's token of the same W distinct tokens
         level = [i for i in range(16) if depths[i] == d]
         column = {ranks[i]: tokens[i] for i in level}
@@ -225,8 +228,8 @@ def test_continuation_redraws_from_its_own_nodes_residual():
         p = torch.full((1, 16, V), 1.0 / V)
         p[0, builder.main[1]] = target_p
         builder.observe(tree, *batched([Verdict([], bonus=7)], tree), p, torch.tensor([0]))
-        seen.append(int(builder._windows[0].tokens[0]))
-        assert torch.equal(builder._windows[0].q[0], target_p)
+        seen.append(int(builder._windows.tokens[0, 0]))
+        assert torch.equal(builder._windows.q[0, 0], target_p)
     freq = torch.bincount(torch.tensor(seen), minlength=V) / len(seen)
     assert torch.allclose(freq, target_p, atol=0.03)
 
@@ -239,9 +242,9 @@ def test_continuation_follows_the_accepted_path():
     below = builder.first_child[rank1]
     p = torch.softmax(torch.randn(1, 16, V, generator=torch.Generator().manual_seed(3)), -1)
     builder.observe(tree, *batched([Verdict([rank1], bonus=0)], tree), p, torch.tensor([0]))
-    window = builder._windows[0]
-    assert window.start == 3  # depths 3, 4, 5 and the position after the window (depth 6)
-    assert torch.equal(window.q, p[0, [below, *builder.main[3:6]]])
+    window = builder._windows
+    assert window.start.item() == 3 and window.count.item() == 4  # depths 3, 4, 5 and 6 (past the window)
+    assert torch.equal(window.q[0, :4], p[0, [below, *builder.main[3:6]]])
 
 
 def test_an_accepted_main_path_leaves_a_fresh_uniform_window():
@@ -268,7 +271,7 @@ def test_greedy_continuation_takes_the_argmax():
     p = torch.softmax(torch.randn(1, 16, V, generator=torch.Generator().manual_seed(0)), -1)
     builder.observe(tree, *batched([Verdict([], bonus=1)], tree), p, torch.tensor([0]))
     main = builder.main
-    assert builder._windows[0].tokens.tolist() == p[0, main[1:6]].argmax(-1).tolist()
+    assert builder._windows.tokens[0, :5].tolist() == p[0, main[1:6]].argmax(-1).tolist()
 
 
 @pytest.mark.parametrize(
@@ -283,6 +286,54 @@ def test_greedy_continuation_takes_the_argmax():
 def test_impossible_windows_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SjdPacBuilder(**{"window": 64, "width": 3, "levels": 3, **kwargs})
+
+
+# --- batched: a step reads nothing from the device --------------------------------------------------
+
+
+def _batch_step(batch: int, temperature: float) -> tuple[int, int]:
+    """(host syncs, ATen ops) of one build and one observe for ``batch`` prompts at different progress,
+    counted as a GPU would see them, after a first step that lays the window out."""
+    builder = SjdPacBuilder(16, 3, 3)
+    builder.reset(batch)
+    engine = _engine(temperature)
+    committed = torch.arange(batch) % 12 + 1
+    state = StepState(
+        roots=torch.arange(batch) % V,
+        root_feats=None,
+        root_logits=None,
+        committed=committed,
+        depth_limit=H * W - 1 - committed,
+        generators=[None] * batch,
+        rng=RowRandom(torch.arange(batch)),
+    )
+    p = torch.softmax(torch.randn(batch, 16, V, generator=torch.Generator().manual_seed(1)), -1)
+    rows = [Verdict([], bonus=1), Verdict([1], bonus=2), Verdict([2, 6], bonus=0)]
+    verdicts = [rows[b % 3] for b in range(batch)]
+    tree = builder.build(engine, state)
+    verdict = batched(verdicts, tree)
+    builder.observe(tree, *verdict, p, committed - 1)
+    state.committed = committed + torch.tensor([len(v.path) + 1 for v in verdicts])
+    with OpCounter(as_if_gpu=True) as counter:
+        tree = builder.build(engine, state)
+        builder.observe(tree, *verdict, p, state.committed - 1)
+    return counter.counts.syncs, counter.counts.ops
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_step_reads_nothing_and_costs_the_same_ops_at_any_batch(temperature):
+    """Issue #14's budget for the builder alone (tests/test_step_budget.py checks whole decodes)."""
+    one, eight = _batch_step(1, temperature), _batch_step(8, temperature)
+    assert one[0] == eight[0] == 0
+    assert one[1] == eight[1]
+
+
+def test_the_builder_needs_the_runs_row_random():
+    builder = SjdPacBuilder(16, 3, 3)
+    state = _state(root=5, committed=1)
+    state.rng = None
+    with pytest.raises(ValueError, match="RowRandom"):
+        builder.build(_engine(), state)
 
 
 # --- configuration ------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ class Purpose(IntEnum):
     BONUS = 2  # one uniform per row: the bonus / residual token by inverse CDF
     DRAFT = 3  # Gumbel noise for sampling a tree's children without replacement
     SHAPE = 4  # PEANUT's random initialisation of a tree's (depth, width)
+    CONTINUE = 5  # SJD-PAC's continuation: per later position a keep test and a redraw
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

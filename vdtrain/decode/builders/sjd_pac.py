@@ -14,9 +14,9 @@ distribution its children were drawn from. The draws do not depend on the parent
 walk reaches at depth ``d − 1``, its children are W draws without replacement from its stored ``q``.
 
 **Proactive drafting.** The rank-0 token of a column is the continued (or fresh) draft; ranks 1 .. W − 1
-are further draws from ``q_d`` without the earlier ranks. Where ``q_d`` has fewer tokens than W the missing
-ranks (and their subtrees) stay undrafted (``valid`` False): a draw outside q's support would be judged
-with q = 0.
+are further draws from ``q_d`` without the earlier ranks, one after another by inverse CDF on the mass
+not drawn yet. Where ``q_d`` has fewer tokens than W the missing ranks (and their subtrees) stay undrafted
+(``valid`` False): a draw outside q's support would be judged with q = 0.
 
 **Adaptive continuation** (``observe``). The walk commits a accepted nodes and a bonus at depth a + 1 (from
 p at the last accepted node when nothing was rejected there: all-accepted paths included). Every later
@@ -34,8 +34,14 @@ each draft is a draw from the q it is judged with (as in SJD's refinement,
 (the release's padding), so a fresh draft x is accepted with ``min(1, V·p(x))``.
 
 At T = 0 p is one-hot: continuation takes its argmax (vanilla Jacobi), a continued column has no siblings,
-a fresh one W distinct uniform tokens. Per-prompt windows live across steps; every draw uses the prompt's
-own generator (``state.generators``).
+a fresh one W distinct uniform tokens.
+
+**Batched.** The windows of all prompts are device tensors of fixed shape (``_Windows``: the main path's
+depth per prompt), built and continued with tensor ops over the whole batch and a host-side layout of the
+tree (which node continues which), so a step reads nothing from the device and costs the same ops at any
+batch size. Every draw is a per-prompt ``RowRandom`` uniform: ``Purpose.DRAFT`` [M, W] for the fresh
+rank-0 tokens (column, rank 0) and the siblings (column, rank r), ``Purpose.CONTINUE`` [M, 2] for the
+continuation's keep test and redraw; a prompt's draws do not depend on its batch.
 
 The release departs from this in four places, each biased (docs/decoding.md): it commits the leaf path
 with the longest accepted prefix (B1), draws the bonus uniformly when the whole main path is accepted
@@ -45,15 +51,18 @@ from the all-siblings residual (B4).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, row_verdicts
-from vdtrain.decode.engine import SpeculativeEngine
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree, static_tree
+
+if TYPE_CHECKING:
+    from vdtrain.decode.engine import SpeculativeEngine
 
 
 def tree_nodes(width: int, levels: int) -> int:
@@ -62,12 +71,26 @@ def tree_nodes(width: int, levels: int) -> int:
 
 
 @dataclass
-class _Window:
-    """One prompt's continued drafts: rank-0 tokens and their proposals for image positions ``start ..``."""
+class _Windows:
+    """Every prompt's continued drafts: entry ``k`` of row ``b`` is the rank-0 token (and its proposal)
+    for image position ``start[b] + k``, for ``k < count[b]``."""
 
-    start: int
-    tokens: torch.Tensor  # [n] long
-    q: torch.Tensor  # [n, V]
+    start: torch.Tensor  # [B] long: the committed count the window was continued for (−1: none yet)
+    count: torch.Tensor  # [B] long
+    tokens: torch.Tensor  # [B, M] long
+    q: torch.Tensor  # [B, M, V]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The window's shape on one device."""
+
+    parents: torch.Tensor  # [T]
+    depths: torch.Tensor  # [T]
+    path_ranks: torch.Tensor  # [T, max(D − 1, 1)]: ranks along a node's path at the branching depths
+    column_slot: torch.Tensor  # [T]: (depth − 1)·W + rank, where a node's token sits in the [M, W] columns
+    q_column: torch.Tensor  # [T]: the column whose q a node stores (its depth; clamped for the deepest)
+    onward: torch.Tensor  # [T, M + 1]: the continuation path from each node, its node at every depth
 
 
 class SjdPacBuilder(DraftTreeBuilder):
@@ -91,76 +114,113 @@ class SjdPacBuilder(DraftTreeBuilder):
         for _ in range(levels - 1):
             level = [(*p, r) for p in level for r in range(width)]
             paths += level
-        shape = static_tree(paths)
-        self.parents = torch.tensor(shape.parents)
-        self.depths = torch.tensor(shape.depths)
-        self.ranks = torch.tensor(shape.ranks)
-        # Ranks along each node's path at the branching depths 1 .. D − 1 (0 where the path is shorter).
-        branching = max(levels - 1, 1)
-        self.path_ranks = torch.tensor([(*p, *(0,) * branching)[:branching] for p in ((), *shape.paths)])
-        self.first_child = [-1] * shape.size
-        for i in range(shape.size - 1, 0, -1):  # the lowest index among a node's children is its rank 0
-            self.first_child[shape.parents[i]] = i
+        self.shape = static_tree(paths)
+        self.first_child = [-1] * self.shape.size
+        for i in range(self.shape.size - 1, 0, -1):  # the lowest index among a node's children is its rank 0
+            self.first_child[self.shape.parents[i]] = i
         self.main = [0] * (self.main_depth + 1)  # main[d]: the all-rank-0 node at depth d
         for d in range(1, self.main_depth + 1):
             self.main[d] = self.first_child[self.main[d - 1]]
+        self._layouts: dict[torch.device, _Layout] = {}
         self.reset(0)
 
     def max_nodes(self) -> int:
         return self.window
 
     def reset(self, batch: int) -> None:
-        self._windows: list[_Window | None] = [None] * batch
-        self._generators: Sequence[torch.Generator | None] = [None] * batch
+        self._windows: _Windows | None = None
+        self._rng: RowRandom | None = None
         self._greedy = False
+
+    def layout(self, device: torch.device) -> _Layout:
+        """The host-side tree layout on ``device``, made once."""
+        if device not in self._layouts:
+            shape, branching = self.shape, max(self.levels - 1, 1)
+            full_paths = ((), *shape.paths)
+            path_ranks = [(*p, *(0,) * branching)[:branching] for p in full_paths]
+            slots = [0] + [
+                (d - 1) * self.width + r for d, r in zip(shape.depths[1:], shape.ranks[1:], strict=True)
+            ]
+            # From node i: its ancestors up to its depth, then rank-0 children, then the main path's node
+            # once there are none (a leaf off the main path, or past the full tree).
+            onward = []
+            for i in range(shape.size):
+                row = []
+                for j in range(self.main_depth + 1):
+                    node = i
+                    while shape.depths[node] > j:
+                        node = shape.parents[node]
+                    while shape.depths[node] < j:
+                        child = self.first_child[node]
+                        node = child if child >= 0 else self.main[j]
+                    row.append(node)
+                onward.append(row)
+            make = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+            self._layouts[device] = _Layout(
+                make(shape.parents),
+                make(shape.depths),
+                make(path_ranks),
+                make(slots),
+                make([min(d, self.main_depth - 1) for d in shape.depths]),
+                make(onward),
+            )
+        return self._layouts[device]
+
+    def _windows_for(self, batch: int, vocab: int, device: torch.device) -> _Windows:
+        win = self._windows
+        if win is None or win.tokens.shape[0] != batch or win.tokens.device != device:
+            win = self._windows = _Windows(
+                torch.full((batch,), -1, dtype=torch.long, device=device),
+                torch.zeros(batch, dtype=torch.long, device=device),
+                torch.zeros(batch, self.main_depth, dtype=torch.long, device=device),
+                torch.zeros(batch, self.main_depth, vocab, device=device),
+            )
+        return win
 
     # --- drafting ------------------------------------------------------------------------------------
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
+        if state.rng is None:
+            raise ValueError("SjdPacBuilder draws from the run's RowRandom: StepState.rng is None")
         batch, device = len(state.roots), state.roots.device
-        vocab, size = engine.target.vocab_size, self.window
-        if len(self._windows) != batch:
-            self.reset(batch)
-        self._generators, self._greedy = state.generators, engine.sampling.greedy
-        depths, ranks = self.depths.to(device), self.ranks.to(device)
-        path_ranks = self.path_ranks.to(device)
-        tokens = torch.zeros(batch, size, dtype=torch.long, device=device)
-        tokens[:, 0] = state.roots
-        q = torch.zeros(batch, size, vocab, device=device)
-        valid = torch.zeros(batch, size, dtype=torch.bool, device=device)
-        deepest = 0
-        for b in range(batch):
-            m, limit = int(state.committed[b]), int(state.depth_limit[b])
-            n = max(0, min(self.main_depth, limit))  # never draft past the last image token
-            deepest = max(deepest, n)
-            window = self._windows[b]
-            if window is None or window.start != m:  # a new prompt (or state from another run)
-                window = _Window(m, tokens.new_zeros(0), q.new_zeros(0, vocab))
-            keep = min(n, len(window.tokens))
-            gen = state.generators[b]
-            fresh = torch.randint(vocab, (n - keep,), generator=gen, device=device)
-            cols_q = torch.cat([window.q[:keep], q.new_full((n - keep, vocab), 1.0 / vocab)])
-            cols = tokens.new_zeros(n, self.width)
-            cols[:, 0] = torch.cat([window.tokens[:keep], fresh])
-            counts = tokens.new_ones(max(self.levels - 1, 1))
-            for d in range(1, min(self.levels - 1, n) + 1):  # siblings at the branching depths
-                rest = cols_q[d - 1].clone()
-                rest[cols[d - 1, 0]] = 0
-                k = min(self.width - 1, int((rest > 0).sum()))
-                if k:
-                    cols[d - 1, 1 : 1 + k] = torch.multinomial(rest, k, replacement=False, generator=gen)
-                counts[d - 1] = 1 + k
-            if n == 0:
-                valid[b, 0] = True
-                continue
-            inside = depths <= n
-            valid[b] = inside & (path_ranks < counts[None, :]).all(-1)
-            drafts = torch.arange(1, size, device=device)[inside[1:]]
-            tokens[b, drafts] = cols[depths[drafts] - 1, ranks[drafts]]
-            holders = torch.arange(size, device=device)[depths < n]  # nodes with children: their column's q
-            q[b, holders] = cols_q[depths[holders]]
-        parents = self.parents.to(device).expand(batch, -1).clone()
-        depths = depths.expand(batch, -1).clone()
-        return DraftTree(tokens, parents, depths, valid, q, True, depth_bound=deepest, width_bound=self.width)
+        vocab, width, deep = engine.target.vocab_size, self.width, self.main_depth
+        lay = self.layout(device)
+        win = self._windows_for(batch, vocab, device)
+        self._rng, self._greedy = state.rng, engine.sampling.greedy
+        n = state.depth_limit.clamp(0, deep)  # never draft past the last image token
+        keep = torch.where(win.start == state.committed, torch.minimum(win.count, n), 0)
+        continued = torch.arange(deep, device=device)[None] < keep[:, None]  # [B, M]
+        u = state.rng.uniform(Purpose.DRAFT, deep, width)  # [B, M, W]: (column, rank)
+        fresh = (u[..., 0] * vocab).long().clamp_max(vocab - 1)
+        rank0 = torch.where(continued, win.tokens, fresh)
+        cols_q = torch.where(continued[..., None], win.q, 1.0 / vocab)  # [B, M, V]
+        counts = torch.ones(batch, max(self.levels - 1, 1), dtype=torch.long, device=device)
+        siblings = rank0.new_zeros(batch, deep, width - 1)
+        for d in range(min(self.levels - 1, deep) if width > 1 else 0):  # the branching depths
+            left = cols_q[:, d].double().scatter(1, rank0[:, d, None], 0.0)
+            for r in range(1, width):  # without replacement: the mass not drawn yet
+                has = (left > 0).any(-1)  # past q's support: this rank and its subtree stay undrafted
+                token = inverse_cdf(left, u[:, d, r])
+                siblings[:, d, r - 1] = token
+                counts[:, d] += has
+                left = left.scatter(1, token[:, None], 0.0)
+        cols = torch.cat([rank0[..., None], siblings], -1).view(batch, deep * width)
+        tokens = torch.cat([state.roots[:, None], cols.index_select(1, lay.column_slot[1:])], 1)
+        depths = lay.depths[None]
+        valid = (depths <= n[:, None]) & (lay.path_ranks[None] < counts[:, None, :]).all(-1)
+        holders = depths < n[:, None]  # nodes with children store their children's column q
+        q = cols_q.index_select(1, lay.q_column)
+        q = torch.where(holders[..., None], q, 0.0)
+        depth_bound = max(1, min(deep, engine.target.num_image_tokens - 2))
+        return DraftTree(
+            tokens,
+            lay.parents.expand(batch, -1),
+            depths.expand(batch, -1),
+            valid,
+            q,
+            True,
+            depth_bound=depth_bound,
+            width_bound=width,
+        )
 
     # --- after verification --------------------------------------------------------------------------
     def observe(
@@ -171,48 +231,44 @@ class SjdPacBuilder(DraftTreeBuilder):
         p_nodes: torch.Tensor,
         roots_at: torch.Tensor,
     ) -> None:
-        verdicts = row_verdicts(verdict, verified)
-        lengths = tree.max_depth()
-        for b, verdict in enumerate(verdicts):
-            if verdict is None:
-                continue
-            m, n, a = int(roots_at[b]) + 1, int(lengths[b]), len(verdict.path)
-            # The continuation path c_a (last accepted node) .. c_n, one node per depth.
-            chain = [verdict.path[-1] if a else 0]
-            for d in range(a + 1, n + 1):
-                child = self.first_child[chain[-1]]
-                chain.append(child if child >= 0 and bool(tree.valid[b, child]) else self.main[d])
-            ids = torch.tensor(chain, dtype=torch.long, device=p_nodes.device)
-            parents, nodes = ids[1:], ids[2:]  # p for depths a+2 .. n+1; the drafts of depths a+2 .. n
-            rows, held, gen = p_nodes[b, parents].clone(), parents[: len(nodes)], self._generators[b]
-            continued = self._continue(tree.tokens[b, nodes], rows[: len(nodes)], tree.q[b, held], gen)
-            if a < n:  # the position after the deepest draft: no draft, a draw from p
-                last = rows[-1:].argmax(-1) if self._greedy else self._draw(rows[-1:], gen)
-                continued = torch.cat([continued, last])
-            self._windows[b] = _Window(m + a + 1, continued, rows)
-
-    def _continue(
-        self, drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, generator: torch.Generator | None
-    ) -> torch.Tensor:
-        """Each draft kept with min(1, p(x)/q(x)), else redrawn from norm(max(0, p − q)): a draw from p."""
-        if not len(drafts):
-            return drafts
+        win, lay, deep = self._windows, self.layout(p_nodes.device), self.main_depth
+        if win is None:
+            raise RuntimeError("SjdPacBuilder.observe before build: no window to continue")
+        vocab = p_nodes.shape[-1]
+        accepted = verdict.accepted
+        last = torch.zeros_like(accepted)  # the last accepted node (the root if none)
+        if verdict.path.shape[1]:
+            at = (accepted - 1).clamp(0, verdict.path.shape[1] - 1)[:, None]
+            last = torch.where(accepted > 0, verdict.path.gather(1, at).squeeze(1), last)
+        onward = lay.onward.index_select(0, last)  # [B, M + 1]: the continuation path by depth
+        # Entry k of the next window is depth j = a + 2 + k: its draft sits at c_j, its p and q at c_{j−1}.
+        k = torch.arange(deep, device=p_nodes.device)[None]
+        holder = onward.gather(1, (accepted[:, None] + 1 + k).clamp_max(deep))
+        node = onward.gather(1, (accepted[:, None] + 2 + k).clamp_max(deep))
+        spread = holder[..., None].expand(-1, -1, vocab)
+        p = p_nodes.gather(1, spread)  # [B, M, V]
+        count = (tree.max_depth() - accepted).clamp_min(0)  # depths a + 2 .. n, and n + 1 (undrafted)
         if self._greedy:
-            return p.argmax(-1)
-        p, q = p.double(), q.double()
-        px = p.gather(1, drafts[:, None]).squeeze(1)
-        qx = q.gather(1, drafts[:, None]).squeeze(1)
-        device = generator.device if generator is not None else p.device
-        u = torch.rand(len(drafts), generator=generator, device=device, dtype=torch.float64).to(p.device)
-        rejected = (u * qx >= px).nonzero().flatten()
-        out = drafts.clone()
-        if len(rejected):
-            residual = (p[rejected] - q[rejected]).clamp_min(0)
-            empty = residual.sum(-1) <= 0  # p = q up to rounding: nothing to reject into, draw from p
-            residual[empty] = p[rejected][empty]
-            out[rejected] = self._draw(residual, generator)
-        return out
+            out = p.argmax(-1)
+        else:
+            out = self._continue(
+                tree.tokens.gather(1, node), p, tree.q.gather(1, spread), k >= count[:, None] - 1
+            )
+        win.start = torch.where(verified, roots_at + accepted + 2, win.start)
+        win.count = torch.where(verified, count, win.count)
+        win.tokens = torch.where(verified[:, None], out, win.tokens)
+        win.q = torch.where(verified[:, None, None], p.to(win.q.dtype), win.q)
 
-    @staticmethod
-    def _draw(rows: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-        return torch.multinomial(rows, 1, generator=generator).squeeze(1)
+    def _continue(self, drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, undrafted: torch.Tensor):
+        """Each draft kept with min(1, p(x)/q(x)), else redrawn from norm(max(0, p − q)): a draw from p.
+        ``undrafted`` entries (the position after the deepest draft) are drawn from p."""
+        u = self._rng.uniform(Purpose.CONTINUE, drafts.shape[1], 2)  # [B, M, 2]: keep test, redraw
+        p = p.double()
+        q = torch.where(undrafted[..., None], 0.0, q.double())
+        p_x = p.gather(-1, drafts[..., None]).squeeze(-1)
+        q_x = q.gather(-1, drafts[..., None]).squeeze(-1)
+        kept = ~undrafted & (u[..., 0] * q_x < p_x)
+        residual = (p - q).clamp_min(0)
+        empty = residual.sum(-1, keepdim=True) <= 0  # p = q up to rounding: nothing to reject into, use p
+        redraw = inverse_cdf(torch.where(empty, p, residual), u[..., 1])
+        return torch.where(kept, drafts, redraw)
