@@ -9,20 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from vdtrain.decode.sampling import SamplingConfig, next_tokens
+from vdtrain.decode.sampling import SamplingConfig, cfg_batch, next_tokens, split_cfg
 from vdtrain.targets.base import Condition, Target
-
-
-def cfg_batch(target: Target, cond: Condition, sampling: SamplingConfig) -> Condition:
-    """Rows ``[cond; null]`` when CFG is on, else ``cond`` alone."""
-    return cond.cat(target.null_condition(cond)) if sampling.uses_cfg else cond
-
-
-def split_cfg(logits: torch.Tensor, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if not sampling.uses_cfg:
-        return logits, None
-    cond, uncond = logits.chunk(2)
-    return cond, uncond
 
 
 @torch.no_grad()

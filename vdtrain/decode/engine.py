@@ -38,10 +38,16 @@ from dataclasses import dataclass, field
 import torch
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
-from vdtrain.decode.ar import cfg_batch, split_cfg
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
 from vdtrain.decode.rng import Purpose, RowRandom
-from vdtrain.decode.sampling import SamplingConfig, next_tokens, probabilities, processed_logits
+from vdtrain.decode.sampling import (
+    SamplingConfig,
+    cfg_batch,
+    next_tokens,
+    probabilities,
+    processed_logits,
+    split_cfg,
+)
 from vdtrain.decode.trees import DraftTree, ancestor_matrix
 from vdtrain.decode.vvs import VerificationSchedule, unverified_path
 from vdtrain.drafter import Drafter, teacher_mask

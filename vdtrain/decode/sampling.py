@@ -2,42 +2,34 @@
 
 ``l = l_uncond + s·(l_cond − l_uncond)`` → ``/ temperature`` → top-k → top-p → softmax = p.
 Temperature 0 is greedy: p is the one-hot of the argmax of the same masked logits, so verification code
-can treat greedy and sampled decoding alike.
+can treat greedy and sampled decoding alike. With CFG every model runs a batch of two streams, the
+conditional rows then the null rows (``cfg_batch``, ``split_cfg``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from vdtrain.sampling_config import SamplingConfig
 
-@dataclass(frozen=True)
-class SamplingConfig:
-    """``top_k = 0`` and ``top_p = 1`` disable those filters; ``temperature = 0`` means greedy."""
+if TYPE_CHECKING:
+    from vdtrain.targets.base import Condition, Target
 
-    cfg_scale: float = 1.0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
 
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+def cfg_batch(target: Target, cond: Condition, sampling: SamplingConfig) -> Condition:
+    """Rows ``[cond; null]`` when CFG is on, else ``cond`` alone."""
+    return cond.cat(target.null_condition(cond)) if sampling.uses_cfg else cond
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
-    @property
-    def uses_cfg(self) -> bool:
-        """LlamaGen's rule: guidance (and its unconditional stream) only when ``cfg_scale > 1``."""
-        return self.cfg_scale > 1.0
+def split_cfg(logits: torch.Tensor, sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits of a CFG batch → (conditional rows, null rows or None)."""
+    if not sampling.uses_cfg:
+        return logits, None
+    cond, uncond = logits.chunk(2)
+    return cond, uncond
 
 
 def combine_cfg(cond: torch.Tensor, uncond: torch.Tensor | None, scale: float) -> torch.Tensor:

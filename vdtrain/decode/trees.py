@@ -103,7 +103,7 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     """``parents`` [B, T] (−1 at the root) → [B, T, T] bool: node ``i`` sees ``j`` iff ``j`` is ``i``
     or one of its ancestors. Each pass composes the relation with itself, doubling the path length it
     covers, so ⌈log2 T⌉ passes reach every ancestor: a fixed count, with no read of the device."""
-    batch, size = parents.shape
+    size = parents.shape[1]
     eye = torch.eye(size, dtype=torch.bool, device=parents.device)
     cols = torch.arange(size, device=parents.device)
     anc = eye | (parents[..., None] == cols)  # itself and its parent

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.models.kv_cache import KVCache
+from vdtrain.sampling_config import SamplingConfig
 
 
 @dataclass(frozen=True)

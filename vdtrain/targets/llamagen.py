@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from vdtrain.checkpoint_io import load_strict, read_state_dict
-from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.models.llamagen_gpt import GPT_PRESETS, GPTConfig, LlamaGenGPT, prefix_causal_mask
 from vdtrain.models.text_encoders import HFTextEncoder
 from vdtrain.models.vq import VQ_PRESETS, VQConfig, VQModel
+from vdtrain.sampling_config import SamplingConfig
 from vdtrain.targets.base import (
     Condition,
     ImageTokenizer,
