@@ -36,6 +36,7 @@ class TargetConfig:
     caption_overflow: str = "truncate"  # truncate (warn) | error
     sampling: dict[str, Any] = field(default_factory=dict)  # the target's sampling defaults
     quality: str | None = None  # per-image quality metric (shapes_consistency) or null
+    dtype: str = "fp32"  # fp32 | bf16 | fp16: weights and KV cache when decoding (generate, evaluate)
 
 
 @dataclass

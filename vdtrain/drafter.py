@@ -405,8 +405,9 @@ class Drafter(nn.Module):
         A repo id (``owner/name``; ``revision`` and ``cache_dir`` apply to it only) is fetched with
         ``huggingface_hub`` and honours ``HF_HUB_OFFLINE`` and the local cache. With ``target`` the
         recorded target identity is checked (an error names every field that differs), the target's
-        embedding and head are attached and the drafter moves to its device. ``drafter.metadata`` is
-        what was saved with the weights (training summary, config, command; a ``.ckpt``'s step).
+        embedding and head are attached and the drafter moves to its device and dtype (a bf16 target gets
+        a bf16 drafter). ``drafter.metadata`` is what was saved with the weights (training summary,
+        config, command; a ``.ckpt``'s step).
         """
         path = Path(source).expanduser()
         if path.is_file() and path.suffix == ".ckpt":
@@ -430,7 +431,10 @@ class Drafter(nn.Module):
                 drafter.attach(target)
             except ValueError as err:
                 raise ValueError(f"cannot use drafter {str(source)!r}: {err}") from err
-            drafter.to(target.token_embedding.weight.device)
+            weight = target.token_embedding.weight
+            rope = drafter.rope  # fp32 like the target's: rotations are computed in fp32
+            drafter.to(weight.device, weight.dtype)
+            drafter.rope = rope.to(weight.device)
         return drafter.eval()
 
     @staticmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -19,6 +20,8 @@ __all__ = [
     "TargetIdentity",
     "TargetOutput",
     "build_llamagen_target",
+    "cast_for_inference",
+    "inference_dtype",
     "load_target",
     "load_target_folder",
     "pick_device",
@@ -33,18 +36,62 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def target_for_run(cfg) -> Target:
-    """The target of a Hydra app's config (keys ``target``, ``device``, ``threads``) on its device."""
+# ``target.dtype`` spellings: the short names conf/target uses, and torch's own.
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def inference_dtype(name: str) -> torch.dtype:
+    """The torch dtype a ``target.dtype`` names; a clear error for anything else."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown target.dtype {name!r}; use fp32, bf16 or fp16")
+    return DTYPES[name]
+
+
+def cast_for_inference(target: Target, name: str) -> Target:
+    """``target`` running in the dtype ``name`` (``target.dtype``) for decoding; fp32 leaves it as it is.
+
+    Half precision on a CPU runs but is usually slower than fp32 (few CPUs have bf16 matrix units), so it
+    is allowed with a warning: useful to check bf16 numerics before a GPU run, not to go faster.
+    """
+    dtype = inference_dtype(name)
+    if dtype == target.dtype:
+        return target
+    if target.token_embedding.weight.device.type == "cpu":
+        warnings.warn(
+            f"target.dtype={name} on the CPU: it runs, but is usually slower than fp32 there",
+            stacklevel=2,
+        )
+    return target.use_dtype(dtype)
+
+
+def target_for_run(cfg, *, apply_dtype: bool = False) -> Target:
+    """The target of a Hydra app's config (keys ``target``, ``device``, ``threads``) on its device.
+
+    ``apply_dtype`` casts it to ``target.dtype`` (decoding apps: generate, evaluate); the others (data
+    preparation, export) keep the checkpoint's fp32, as training does.
+    """
     from omegaconf import OmegaConf
 
     if cfg.get("threads"):
         torch.set_num_threads(cfg.threads)
-    return load_target(OmegaConf.to_container(cfg.target), pick_device(cfg.get("device", "auto")))
+    target = load_target(OmegaConf.to_container(cfg.target), pick_device(cfg.get("device", "auto")))
+    return cast_for_inference(target, cfg.target.get("dtype", "fp32")) if apply_dtype else target
 
 
 def load_target(config: Mapping[str, object], device: str | torch.device = "cpu") -> Target:
-    """Build the target a ``conf/target/*.yaml`` describes (``kind: folder`` or ``kind: llamagen``)."""
-    fields = {k: v for k, v in config.items() if k not in ("kind", "quality")}
+    """Build the fp32 target a ``conf/target/*.yaml`` describes (``kind: folder`` or ``kind: llamagen``).
+
+    Its ``dtype`` is checked here but applied by ``cast_for_inference``: training keeps fp32 weights.
+    """
+    inference_dtype(str(config.get("dtype", "fp32")))
+    fields = {k: v for k, v in config.items() if k not in ("kind", "quality", "dtype")}
     kind = config.get("kind")
     if kind == "folder":
         return load_target_folder(fields.get("folder"), device)

@@ -135,6 +135,16 @@ class Target(nn.Module, ABC):
     def max_seq_len(self) -> int:
         return self.prefix_length + self.num_image_tokens
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the transformer runs in (``target.dtype``; fp32 unless cast for inference)."""
+        return self.token_embedding.weight.dtype
+
+    @abstractmethod
+    def use_dtype(self, dtype: torch.dtype) -> Target:
+        """Cast the transformer (not the tokenizer or caption encoder) to ``dtype`` for inference; logits
+        stay fp32 and the identity is the fp32 checkpoint's."""
+
     # --- conditioning ---------------------------------------------------------------------------
     @abstractmethod
     def encode_captions(self, captions: list[str]) -> Condition: ...

@@ -117,6 +117,19 @@ class LlamaGenTarget(Target):
     def device(self) -> torch.device:
         return self.gpt.tok_embeddings.weight.device
 
+    def use_dtype(self, dtype: torch.dtype) -> LlamaGenTarget:
+        """Run the GPT (weights, KV cache, hidden states) in ``dtype``; logits stay fp32.
+
+        The identity is fixed first, from the checkpoint's own weights, so a drafter trained against the
+        fp32 target still matches. The RoPE table stays fp32 (rotations are computed in fp32 anyway), and
+        the VQ tokenizer and caption encoder are left alone: they run once per image, not per step.
+        """
+        _ = self.identity
+        rope = self.gpt.rope
+        self.gpt.to(dtype=dtype)
+        self.gpt.rope = rope
+        return self
+
     def encode_captions(self, captions: list[str]) -> Condition:
         if self.caption_encoder is None:
             raise RuntimeError(f"target {self.name!r} was built without a caption encoder")
@@ -137,7 +150,8 @@ class LlamaGenTarget(Target):
         return self.gpt.output(hidden).float()
 
     def forward_sequence(self, cond: Condition, tokens: torch.Tensor) -> TargetOutput:
-        x = torch.cat([self.gpt.embed_caption(cond.features), self.gpt.tok_embeddings(tokens)], dim=1)
+        features = self.gpt.embed_caption(cond.features.to(self.dtype))
+        x = torch.cat([features, self.gpt.tok_embeddings(tokens)], dim=1)
         seq = x.shape[1]
         mask = prefix_causal_mask(cond.mask, seq)
         hidden = self.gpt(x, torch.arange(seq, device=x.device), mask)
@@ -147,7 +161,7 @@ class LlamaGenTarget(Target):
         return self.gpt.new_cache(batch, self.max_seq_len + extra_slots)
 
     def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:
-        x = self.gpt.embed_caption(cond.features)
+        x = self.gpt.embed_caption(cond.features.to(self.dtype))
         length = x.shape[1]
         slots = torch.arange(length, device=x.device)
         hidden = self.gpt(x, slots, prefix_causal_mask(cond.mask, length), cache, slots)
