@@ -25,10 +25,12 @@ from test_engine import (
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Grouped, Verdict, verify_exact
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.builders.base import StepState, row_verdicts
+from vdtrain.decode.builders.base import StepState
 from vdtrain.decode.builders.jacobi import INITS, JacobiWindowBuilder
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import DecodeConfig, TreeConfig, build_method, tree_builder
+from vdtrain.decode.profiling import OpCounter
+from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import DraftTree
 from vdtrain.targets.base import Condition
@@ -96,15 +98,12 @@ class KeepDrafts(JacobiWindowBuilder):
     """A plausible bug (GSD's Algorithm 1 read literally): the unaccepted positions take the new
     distributions as q but keep their old tokens instead of being re-drawn from them."""
 
-    def observe(self, tree, batch_verdict, verified, p_nodes, roots_at):
-        super().observe(tree, batch_verdict, verified, p_nodes, roots_at)
-        lengths = tree.max_depth()
-        for b, verdict in enumerate(row_verdicts(batch_verdict, verified)):
-            if verdict is None:
-                continue
-            a, prompt = len(verdict.path), self._prompts[b]
-            kept = min(len(prompt.tokens), int(lengths[b]) - a - 1)
-            prompt.tokens[:kept] = tree.tokens[b, a + 2 : a + 2 + kept]
+    def observe(self, tree, verdict, verified, p_nodes, roots_at):
+        super().observe(tree, verdict, verified, p_nodes, roots_at)
+        win, k = self._windows, torch.arange(self.window)[None]
+        old = tree.tokens.gather(1, (verdict.accepted[:, None] + 2 + k).clamp_max(tree.size - 1))
+        drafted = verified[:, None] & (k < win.count[:, None] - 1)  # the last entry had no draft
+        win.tokens = torch.where(drafted, old, win.tokens)
 
 
 def test_the_distribution_test_rejects_refinement_without_redrawing(micro):
@@ -146,19 +145,20 @@ def test_the_exact_walk_on_a_chain_is_sjd_verification(q, accept, residual):
 H, W, V = 3, 4, 8  # a 3×4 grid over 8 tokens
 
 
-def _engine(temperature: float = 1.0):
-    target = SimpleNamespace(grid=(H, W), num_image_tokens=H * W, vocab_size=V)
+def _engine(temperature: float = 1.0, grid: tuple[int, int] = (H, W)):
+    target = SimpleNamespace(grid=grid, num_image_tokens=grid[0] * grid[1], vocab_size=V)
     return SimpleNamespace(target=target, sampling=SamplingConfig(temperature=temperature))
 
 
-def _state(root: int, committed: int, seed: int = 0) -> StepState:
+def _state(root: int, committed: int, seed: int = 0, image: int = H * W) -> StepState:
     return StepState(
         roots=torch.tensor([root]),
         root_feats=None,
         root_logits=None,
         committed=torch.tensor([committed]),
-        depth_limit=torch.tensor([H * W - 1 - committed]),
-        generators=[torch.Generator().manual_seed(seed)],
+        depth_limit=torch.tensor([image - 1 - committed]),
+        generators=[None],
+        rng=RowRandom(torch.tensor([seed])),
     )
 
 
@@ -208,7 +208,7 @@ def test_refinement_redraws_the_positions_after_a_rejection():
     assert nxt.valid[0].all() and _is_point_mass(nxt.q[0, 3], nxt.tokens[0, 4])
 
 
-def test_refined_tokens_are_drawn_with_the_prompts_generator():
+def test_refined_tokens_are_drawn_with_the_prompts_row_random():
     p = torch.full((1, 5, V), 1.0 / V)
     runs = []
     for seed in (0, 0, 1):
@@ -321,6 +321,50 @@ def test_stored_distributions_are_the_refined_q_of_drafts_and_p_of_committed_tok
     assert fresh == {"horizontal_sample": 5, "vertical_sample": 2}
 
 
+# A 6 × 2 grid: step 1 commits positions 1 .. 3 (drafts) and 4 (bonus); the window of step 2 (positions
+# 5, 6, 7) is all fresh and spans two rows, so position 7's walk up the column passes the fresh 5 to 3.
+NARROW = (6, 2)
+
+
+def _narrow_step_two(init: str) -> tuple[list[int], list[int]]:
+    builder = JacobiWindowBuilder(3, init)
+    builder.reset(1)
+    engine, image = _engine(grid=NARROW), NARROW[0] * NARROW[1]
+    first = builder.build(engine, _state(root=X0, committed=1, image=image))
+    p = _point_masses([stored(k) for k in range(1, 5)])
+    builder.observe(first, *batched([Verdict([1, 2, 3], bonus=BONUS)], first), p, torch.tensor([0]))
+    second = builder.build(engine, _state(root=BONUS, committed=5, image=image))
+    return [X0, *first.tokens[0, 1:].tolist(), BONUS], second.tokens[0, 1:].tolist()
+
+
+def test_vertical_initialisations_walk_past_fresh_positions_in_a_wide_window():
+    board, fresh = _narrow_step_two("vertical_repeat")
+    assert fresh == [board[3], board[4], board[3]]  # 7 ← 5 ← 3: a fresh token copies a fresh copy
+    _, fresh = _narrow_step_two("vertical_sample")
+    assert fresh == [stored(3), stored(4), stored(3)]  # 5 and 7 ~ stored(3): 5 is fresh, stores nothing
+
+
+def test_horizontal_initialisations_stay_in_the_row():
+    board, fresh = _narrow_step_two("horizontal_repeat")
+    assert fresh[0] == board[4] and fresh[2] == fresh[1]  # 5 ← 4; 7 ← 6, itself first in its row
+    _, fresh = _narrow_step_two("horizontal_sample")
+    assert fresh[0] == stored(4)  # 5 ~ stored(4); 7: only the fresh 6 left of it: random
+
+
+def test_repeat_past_an_unknown_token_draws_once_and_copies_it():
+    """A window built without the steps before it (no committed board): position 5 has nothing known
+    above it, draws uniformly, and 7 below it copies that draw; 6 copies the root at 4."""
+    seen = set()
+    for seed in range(12):
+        builder = JacobiWindowBuilder(3, "vertical_repeat")
+        builder.reset(1)
+        state = _state(root=BONUS, committed=5, seed=seed, image=NARROW[0] * NARROW[1])
+        fresh = builder.build(_engine(grid=NARROW), state).tokens[0, 1:].tolist()
+        assert fresh[1] == BONUS and fresh[2] == fresh[0]
+        seen.add(fresh[0])
+    assert len(seen) > 1
+
+
 def test_impossible_windows_are_refused():
     with pytest.raises(ValueError, match="at least one draft"):
         JacobiWindowBuilder(0)
@@ -379,3 +423,84 @@ def test_gsd_groups_accept_more_than_sjd():
 def batched(verdicts: list[Verdict], tree: DraftTree) -> tuple[BatchVerdict, torch.Tensor]:
     """``observe``'s (verdict, verified) for per-row verdicts, every row verified."""
     return BatchVerdict.from_verdicts(verdicts, tree.size - 1), torch.ones(len(verdicts), dtype=torch.bool)
+
+
+# --- batched: a step reads nothing, and a prompt's drafts do not depend on its batch ------------------
+
+VERDICTS = [Verdict([], bonus=1), Verdict([1], bonus=2), Verdict([1, 2, 3, 4, 5], bonus=0)]
+
+
+def _prompts(batch: int) -> list[tuple[int, int, int]]:
+    """(seed, tokens committed before the first step, verdict) of ``batch`` prompts at different progress."""
+    return [(b, b % 7 + 1, b % 3) for b in range(batch)]
+
+
+def _two_steps(init: str, temperature: float, prompts: list[tuple[int, int, int]], counted: bool = False):
+    """Two build + observe steps (each prompt gets the same verdict both times); returns the second
+    step's tree and, with ``counted``, that step's (host syncs, ATen ops) as a GPU would see them."""
+    batch = len(prompts)
+    builder = JacobiWindowBuilder(5, init)
+    builder.reset(batch)
+    engine = _engine(temperature)
+    committed = torch.tensor([c for _, c, _ in prompts])
+    rng = RowRandom(torch.tensor([seed for seed, _, _ in prompts]))
+    p = torch.softmax(torch.randn(len(VERDICTS), 6, V, generator=torch.Generator().manual_seed(1)), -1)
+    p = p[[v for _, _, v in prompts]]
+    verdict = BatchVerdict.from_verdicts([VERDICTS[v] for _, _, v in prompts], 5)
+    verified = torch.ones(batch, dtype=torch.bool)
+    counter = OpCounter(as_if_gpu=True)
+    for step in range(2):
+        state = StepState(
+            roots=committed % V,
+            root_feats=None,
+            root_logits=None,
+            committed=committed,
+            depth_limit=H * W - 1 - committed,
+            generators=[None] * batch,
+            rng=rng,
+        )
+        if step and counted:
+            counter.__enter__()
+        tree = builder.build(engine, state)
+        builder.observe(tree, verdict, verified, p, committed - 1)
+        if step and counted:
+            counter.__exit__(None, None, None)
+        committed = committed + verdict.accepted + 1
+        rng.advance()
+    return tree, (counter.counts.syncs, counter.counts.ops)
+
+
+@pytest.mark.parametrize("init", ["random", "horizontal_repeat", "vertical_sample"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_step_reads_nothing_and_costs_the_same_ops_at_any_batch(temperature, init):
+    """Issue #14's budget for the builder alone (tests/test_step_budget.py checks whole decodes)."""
+    _, one = _two_steps(init, temperature, _prompts(1), counted=True)
+    _, eight = _two_steps(init, temperature, _prompts(8), counted=True)
+    assert one[0] == eight[0] == 0
+    assert one[1] == eight[1]
+
+
+@pytest.mark.parametrize("init", INITS)
+def test_a_prompts_window_is_the_same_batched_and_alone(init):
+    prompts = _prompts(6)
+    together, _ = _two_steps(init, 1.0, prompts)
+    for b, prompt in enumerate(prompts):
+        alone, _ = _two_steps(init, 1.0, [prompt])
+        assert torch.equal(together.tokens[b], alone.tokens[0]) and torch.equal(together.q[b], alone.q[0])
+        assert torch.equal(together.valid[b], alone.valid[0])
+
+
+def test_the_builder_needs_the_runs_row_random():
+    builder = JacobiWindowBuilder(4)
+    state = _state(root=5, committed=1)
+    state.rng = None
+    with pytest.raises(ValueError, match="RowRandom"):
+        builder.build(_engine(), state)
+
+
+def test_the_tree_bounds_its_depth_and_width_on_the_host():
+    builder = JacobiWindowBuilder(16)
+    builder.reset(1)
+    tree = builder.build(_engine(), _state(root=5, committed=1))
+    assert (tree.depth_bound, tree.width_bound) == (H * W - 2, 1)
+    assert int(tree.max_depth()[0]) == H * W - 2

@@ -39,6 +39,7 @@ class Purpose(IntEnum):
     DRAFT = 3  # Gumbel noise for sampling a tree's children without replacement
     SHAPE = 4  # PEANUT's random initialisation of a tree's (depth, width)
     CONTINUE = 5  # SJD-PAC's continuation: per later position a keep test and a redraw
+    REFINE = 6  # SJD's refinement: per window position a redraw from the distribution just computed
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

@@ -35,34 +35,50 @@ Fallbacks: the first column (horizontal), the first row (vertical), or no stored
 (``*_sample``): ``random``. A fresh token's ``q`` is always its point mass (ALGORITHMS.md §6, and the
 published code), also for the ``*_sample`` inits. At T = 0 refinement takes the argmax (vanilla Jacobi).
 
-Per-prompt state (window, board of tokens, stored distributions) lives across ``generate`` steps; draws
-use the prompt's own generator (``state.generators``), so a sample depends on its seed only.
+**Batched.** The state of all prompts is a set of device tensors of fixed shape (``_Windows``), made by
+``build`` and changed by ``observe`` with tensor ops over the whole batch, so a step reads nothing from
+the device and costs the same ops at any batch size. The fresh positions of a window are always its tail
+(after the kept refined tokens), so the walk an initialisation takes has a closed form: a repeat copies
+the first committed or refined token the walk meets (or the uniform token drawn for the fresh position it
+stops at: the first column / row, or past an unknown token), a sample draws from the stored distribution
+of the first non-fresh position on its walk. That position is never more than one row before the window,
+so only the distributions of the last committed row are kept (a ring of one slot per column, for
+``vertical_sample``; one slot, the last committed position, for ``horizontal_sample``), and the board of
+committed tokens only for ``*_repeat``. Every draw is a per-prompt ``RowRandom`` uniform, independent of
+the batch: ``Purpose.DRAFT`` [W, 2] in ``build`` (a uniform token ⌊u·V⌋; a draw from a stored
+distribution by inverse CDF), ``Purpose.REFINE`` [W] in ``observe`` (the refined tokens, by inverse CDF).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, row_verdicts
-from vdtrain.decode.engine import SpeculativeEngine
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree
+
+if TYPE_CHECKING:
+    from vdtrain.decode.engine import SpeculativeEngine
 
 INITS = ("random", "horizontal_repeat", "horizontal_sample", "vertical_repeat", "vertical_sample")
 
 
 @dataclass
-class _Prompt:
-    """One prompt's Jacobi state: the window of drafts for image positions ``start ..``."""
+class _Windows:
+    """Every prompt's Jacobi state: entry ``k`` of row ``b`` is the refined draft (and its proposal) for
+    image position ``start[b] + k``, for ``k < count[b]``."""
 
-    board: torch.Tensor  # [N] long: committed tokens and current drafts by image index, −1 unknown
-    start: int  # image index of the window's first draft (= committed count when it is drafted)
-    tokens: torch.Tensor  # [n] long: the drafts
-    q: torch.Tensor  # [n, V]: the proposal each draft was drawn from
-    dists: dict[int, torch.Tensor] = field(default_factory=dict)  # stored distributions (*_sample only)
+    start: torch.Tensor  # [B] long: the committed count the window was refined for (−1: none yet)
+    count: torch.Tensor  # [B] long
+    tokens: torch.Tensor  # [B, W] long
+    q: torch.Tensor  # [B, W, V]
+    board: torch.Tensor | None  # [B, N + W + 1] long: committed tokens by image index, −1 unknown (*_repeat)
+    stored: torch.Tensor | None  # [B, S, V]: the distribution of the last committed position ≡ slot mod S
+    stored_at: torch.Tensor | None  # [B, S] long: the position each slot holds, −1 none (*_sample)
 
 
 class JacobiWindowBuilder(DraftTreeBuilder):
@@ -76,87 +92,121 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         if init not in INITS:
             raise ValueError(f"unknown Jacobi initialisation {init!r}; known: {list(INITS)}")
         self.window, self.init = window, init
+        self._ranges: dict[tuple[torch.device, int], torch.Tensor] = {}
         self.reset(0)
 
     def max_nodes(self) -> int:
         return self.window + 1
 
     def reset(self, batch: int) -> None:
-        self._prompts: list[_Prompt | None] = [None] * batch
-        self._generators: Sequence[torch.Generator | None] = [None] * batch
+        self._windows: _Windows | None = None
+        self._rng: RowRandom | None = None
         self._greedy = False
-        self._width = 1
 
-    @property
-    def _stores(self) -> bool:
-        return self.init.endswith("_sample")
+    def _arange(self, length: int, device: torch.device) -> torch.Tensor:
+        """``arange(length)`` on ``device``, made once (node depths, window entries, ring slots)."""
+        if (device, length) not in self._ranges:
+            self._ranges[device, length] = torch.arange(length, device=device)
+        return self._ranges[device, length]
+
+    def _windows_for(self, batch: int, n_img: int, vocab: int, width: int, device: torch.device) -> _Windows:
+        win = self._windows
+        if win is None or win.tokens.shape[0] != batch or win.tokens.device != device:
+            long = {"dtype": torch.long, "device": device}
+            slots = width if self.init == "vertical_sample" else 1
+            sample = self.init.endswith("_sample")
+            win = self._windows = _Windows(
+                torch.full((batch,), -1, **long),
+                torch.zeros(batch, **long),
+                torch.zeros(batch, self.window, **long),
+                torch.zeros(batch, self.window, vocab, device=device),
+                torch.full((batch, n_img + self.window + 1), -1, **long)
+                if self.init.endswith("_repeat")
+                else None,
+                torch.zeros(batch, slots, vocab, device=device) if sample else None,
+                torch.full((batch, slots), -1, **long) if sample else None,
+            )
+        return win
 
     # --- drafting ------------------------------------------------------------------------------------
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
+        if state.rng is None:
+            raise ValueError("JacobiWindowBuilder draws from the run's RowRandom: StepState.rng is None")
         target = engine.target
         batch, device = len(state.roots), state.roots.device
-        n_img, vocab = target.num_image_tokens, target.vocab_size
-        if len(self._prompts) != batch:
-            self.reset(batch)
-        self._generators, self._greedy, self._width = state.generators, engine.sampling.greedy, target.grid[1]
-        size = self.window + 1
-        tokens = torch.zeros(batch, size, dtype=torch.long, device=device)
-        tokens[:, 0] = state.roots
-        q = torch.zeros(batch, size, vocab, device=device)
-        depths = torch.arange(size, device=device).expand(batch, -1).clone()
-        lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        for b in range(batch):
-            m, limit = int(state.committed[b]), int(state.depth_limit[b])
-            prompt = self._prompts[b]
-            if prompt is None or prompt.start != m:  # a new prompt (or state from another run): afresh
-                prompt = _Prompt(
-                    torch.full((n_img,), -1, dtype=torch.long, device=device),
-                    m,
-                    torch.zeros(0, dtype=torch.long, device=device),
-                    torch.zeros(0, vocab, device=device),
-                )
-                self._prompts[b] = prompt
-            prompt.board[m - 1] = state.roots[b]
-            n = max(0, min(self.window, limit))  # never draft past the last image token
-            keep = min(n, len(prompt.tokens))
-            fresh_tokens = []
-            for k in range(m + keep, m + n):
-                prompt.dists.pop(k, None)  # a fresh draft has no stored distribution
-                token = self._initial(prompt, k, vocab, state.generators[b])
-                prompt.board[k] = token
-                fresh_tokens.append(token)
-            fresh = torch.stack(fresh_tokens) if fresh_tokens else prompt.tokens[:0]
-            prompt.tokens = torch.cat([prompt.tokens[:keep], fresh])
-            prompt.q = torch.cat([prompt.q[:keep], torch.nn.functional.one_hot(fresh, vocab).to(q.dtype)])
-            prompt.board[m + n :] = -1
-            tokens[b, 1 : n + 1] = prompt.tokens
-            q[b, :n] = prompt.q
-            lengths[b] = n
-        parents = (depths - 1).clone()
-        return DraftTree(tokens, parents, depths, depths <= lengths[:, None], q, sampled=True)
+        n_img, vocab, size = target.num_image_tokens, target.vocab_size, self.window
+        width = target.grid[1]
+        win = self._windows_for(batch, n_img, vocab, width, device)
+        self._rng, self._greedy = state.rng, engine.sampling.greedy
+        chain = self._arange(size + 1, device)
+        entries = chain[None, :size]
+        m = state.committed
+        n = state.depth_limit.clamp(0, size)  # never draft past the last image token
+        keep = torch.where(win.start == m, torch.minimum(win.count, n), 0)
+        kept = entries < keep[:, None]  # [B, W]
+        u = state.rng.uniform(Purpose.DRAFT, size, 2)  # [B, W, 2]: a uniform token, a stored-dist draw
+        uniform = (u[..., 0] * vocab).long().clamp_max(vocab - 1)
+        fresh = uniform
+        if self.init != "random":
+            fresh = self._initial(win, state, width, keep, uniform, u[..., 1])
+        drafts = torch.where(kept, win.tokens, fresh)
+        point = torch.zeros_like(win.q).scatter_(2, drafts[..., None], 1.0)
+        q = torch.where(kept[..., None], win.q, point)
+        q = torch.where((entries < n[:, None])[..., None], q, 0.0)
+        depths = chain[None]
+        return DraftTree(
+            torch.cat([state.roots[:, None], drafts], 1),
+            (depths - 1).expand(batch, -1),
+            depths.expand(batch, -1),
+            depths <= n[:, None],
+            torch.cat([q, q.new_zeros(batch, 1, vocab)], 1),
+            sampled=True,
+            depth_bound=max(1, min(size, n_img - 2)),
+            width_bound=1,
+        )
 
     def _initial(
-        self, prompt: _Prompt, k: int, vocab: int, generator: torch.Generator | None
+        self,
+        win: _Windows,
+        state: StepState,
+        width: int,
+        keep: torch.Tensor,
+        uniform: torch.Tensor,
+        u: torch.Tensor,
     ) -> torch.Tensor:
-        """A freshly initialised token for image position ``k`` (positions before it are all known)."""
-        width = self._width
-        row, col = divmod(k, width)
+        """[B, W]: the freshly initialised token of every window entry (meaningful where it is fresh).
+
+        The fresh positions are ``first = m + keep`` onwards; the walk from position ``k`` goes left
+        (``step`` 1) or up (``step`` = the grid's width) and may take ``reach`` steps before leaving the
+        row or the image. It meets its first non-fresh position after ``hops`` steps."""
+        size = self.window
         horizontal = self.init.startswith("horizontal")
-        has_neighbour = col > 0 if horizontal else row > 0
-        if has_neighbour and self.init != "random":
-            step = 1 if horizontal else width
-            first = row * width if horizontal else 0  # the walk for a stored distribution stays in the row
-            if self.init.endswith("_repeat"):
-                token = prompt.board[k - step]
-                if token >= 0:
-                    return token.clone()
-            else:
-                for j in range(k - step, first - 1, -step):
-                    dist = prompt.dists.get(j)
-                    if dist is not None:
-                        return torch.multinomial(dist, 1, generator=generator)[0]
-        device = prompt.board.device
-        return torch.randint(vocab, (), generator=generator, device=device)
+        step = 1 if horizontal else width
+        m = state.committed[:, None]
+        k = m + self._arange(size, m.device)[None]  # [B, W] image positions
+        first = m + keep[:, None]
+        reach = k % width if horizontal else k // width
+        hops = ((k - first).div(step, rounding_mode="floor") + 1).clamp_min(1)
+        if self.init.endswith("_repeat"):
+            walk = torch.minimum(hops, reach)  # 0 without a neighbour: the uniform token at k itself
+            source = k - walk * step
+            known = source < first  # a committed or refined token (else a fresh one that drew uniformly)
+            refined = win.tokens.gather(1, (source - m).clamp(0, size - 1))
+            win.board.scatter_(1, m - 1, state.roots[:, None])  # the root is committed
+            token = torch.where(source >= m, refined, win.board.gather(1, source.clamp_min(0)))
+            # Past an unknown token the walk's last fresh position drew uniformly; the rest copy it.
+            origin = torch.where(known, source + step, source)
+            copied = uniform.gather(1, (origin - m).clamp(0, size - 1))
+            return torch.where(known & (token >= 0), token, copied)
+        source = (k - hops * step).clamp_min(0)
+        slots = win.stored.shape[1]
+        refined = source >= m  # a refined draft: its q; else a committed position: the ring, if it holds it
+        slot = source % slots
+        held = win.stored_at.gather(1, slot) == source
+        has = (hops <= reach) & (refined | held)
+        index = torch.where(refined, slots + source - m, slot).clamp(0, slots + size - 1)
+        dists = torch.cat([win.stored, win.q], 1).gather(1, index[..., None].expand(-1, -1, win.q.shape[-1]))
+        return torch.where(has, inverse_cdf(dists, u), uniform)
 
     # --- after verification --------------------------------------------------------------------------
     def observe(
@@ -167,33 +217,33 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         p_nodes: torch.Tensor,
         roots_at: torch.Tensor,
     ) -> None:
-        verdicts = row_verdicts(verdict, verified)
-        lengths = tree.max_depth()
-        for b, verdict in enumerate(verdicts):
-            prompt = self._prompts[b]
-            if verdict is None or prompt is None:
-                continue
-            m, n, a = int(roots_at[b]) + 1, int(lengths[b]), len(verdict.path)
-            p = p_nodes[b]
-            # Committed: the a accepted drafts (positions m .. m+a-1) and the bonus (position m+a).
-            prompt.board[m : m + a] = tree.tokens[b, verdict.path]
-            prompt.board[m + a] = verdict.bonus
-            # Refinement: positions m+a+1 .. m+n from the distributions just computed for them (p_nodes at
-            # the node before each: node d-1 predicts depth d), which become their proposals.
-            rows = p[a + 1 : n + 1].clone()
-            if not len(rows):
-                refined = prompt.tokens[:0]
-            elif self._greedy:
-                refined = rows.argmax(-1)
-            else:
-                refined = torch.multinomial(rows, 1, generator=self._generators[b]).squeeze(1)
-            prompt.start, prompt.tokens, prompt.q = m + a + 1, refined, rows
-            prompt.board[m + a + 1 : m + n + 1] = refined
-            prompt.board[m + n + 1 :] = -1
-            if self._stores:
-                for i in range(a + 1):
-                    prompt.dists[m + i] = p[i].clone()
-                for j in range(len(rows)):
-                    prompt.dists[m + a + 1 + j] = rows[j]
-                for k in [k for k in prompt.dists if k < prompt.start - self._width - 1]:
-                    del prompt.dists[k]  # never looked up again: one row up is as far back as a walk goes
+        win = self._windows
+        if win is None:
+            raise RuntimeError("JacobiWindowBuilder.observe before build: no window to refine")
+        size, vocab, last = self.window, p_nodes.shape[-1], tree.size - 1
+        m, accepted = roots_at + 1, verdict.accepted
+        entries = self._arange(size + 1, p_nodes.device)[None]
+        # Refinement: entry k of the next window is position m + a + 1 + k, predicted by node a + 1 + k.
+        nodes = (accepted[:, None] + 1 + entries[:, :size]).clamp_max(last)
+        p = p_nodes.gather(1, nodes[..., None].expand(-1, -1, vocab))  # [B, W, V]
+        refined = p.argmax(-1) if self._greedy else inverse_cdf(p, self._rng.uniform(Purpose.REFINE, size))
+        count = (tree.max_depth() - accepted).clamp_min(0)  # positions m + a + 1 .. m + n
+        if win.board is not None:  # committed: the a accepted drafts (positions m ..) and the bonus
+            at = m[:, None] + entries
+            drafts = tree.tokens.gather(1, (entries + 1).clamp_max(last).expand(len(m), -1))
+            new = torch.where(entries == accepted[:, None], verdict.bonus[:, None], drafts)
+            write = verified[:, None] & (entries <= accepted[:, None])
+            win.board.scatter_(1, at, torch.where(write, new, win.board.gather(1, at)))
+        if win.stored is not None:  # slot s: the last committed position ≡ s, p at its node if new
+            slots = win.stored.shape[1]
+            top = (m + accepted)[:, None]
+            held = top - (top - self._arange(slots, top.device)[None]) % slots
+            node = held - m[:, None]
+            new = verified[:, None] & (node >= 0)
+            dist = p_nodes.gather(1, node.clamp(0, last)[..., None].expand(-1, -1, vocab))
+            win.stored = torch.where(new[..., None], dist.to(win.stored.dtype), win.stored)
+            win.stored_at = torch.where(new, held, win.stored_at)
+        win.start = torch.where(verified, m + accepted + 1, win.start)
+        win.count = torch.where(verified, count, win.count)
+        win.tokens = torch.where(verified[:, None], refined, win.tokens)
+        win.q = torch.where(verified[:, None, None], p.to(win.q.dtype), win.q)
