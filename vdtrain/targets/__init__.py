@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 
 from vdtrain.targets.base import Condition, ImageTokenizer, Target, TargetIdentity, TargetOutput
+from vdtrain.targets.chameleon import load_chameleon_target
 from vdtrain.targets.llamagen import LlamaGenSpec, LlamaGenTarget, build_llamagen_target
 from vdtrain.targets.shapes import load_target_folder
 
@@ -97,4 +98,6 @@ def load_target(config: Mapping[str, object], device: str | torch.device = "cpu"
         return load_target_folder(fields.get("folder"), device)
     if kind == "llamagen":
         return build_llamagen_target(LlamaGenSpec(**fields), device)
+    if kind == "chameleon":  # Anole, Lumina-mGPT (vdtrain.targets.chameleon)
+        return load_chameleon_target(fields, device)
     raise ValueError(f"unknown target kind {kind!r}; use 'folder' or 'llamagen'")

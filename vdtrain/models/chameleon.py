@@ -1,0 +1,275 @@
+"""The Chameleon decoder (Anole, Lumina-mGPT) with the released HF parameter names and a slot KV cache.
+
+transformers' ``ChameleonForConditionalGeneration`` cannot serve as a target: its ``forward`` sets every
+image-token logit to the dtype minimum, and its caches take one position vector for the whole batch, not
+per-row slots with a tree-shaped mask. This module computes what ``model.model`` + ``lm_head`` compute
+(tests compare the two on the same weights) with explicit RoPE positions, a boolean mask and slots.
+
+Two q/k-norm layouts are released: transformers' ``[heads, head_dim]`` (Anole) and Lumina-mGPT's vendored
+``[model_parallel_size, head_dim]``, repeat-interleaved over each shard's heads at run time. The module
+keeps the per-head layout; ``per_head_state`` converts the per-shard one when loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vdtrain.models.kv_cache import KVCache
+
+QK_NORM_LAYOUTS = ("per_head", "per_shard")
+QK_NORM_EPS = 1e-5  # hard-coded in both official implementations
+
+
+@dataclass(frozen=True)
+class ChameleonConfig:
+    vocab_size: int = 65536
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    swin_norm: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    model_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by {self.num_attention_heads} heads"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"{self.num_attention_heads} heads are not a multiple of {self.num_key_value_heads} kv heads"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, object]) -> ChameleonConfig:
+        """From a released ``config.json`` (transformers 4.x ``rope_theta`` or 5.x ``rope_parameters``)."""
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Chameleon config has hidden_act={act!r}; only 'silu' is released")
+        rope = config.get("rope_parameters") or {}
+        scaling = config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+        if rope_type != "default":
+            raise ValueError(
+                f"Chameleon config asks for RoPE scaling {rope_type!r}; only plain RoPE is supported"
+            )
+        heads = int(config.get("num_attention_heads", 32))
+        return cls(
+            vocab_size=int(config.get("vocab_size", 65536)),
+            hidden_size=int(config.get("hidden_size", 4096)),
+            intermediate_size=int(config.get("intermediate_size", 11008)),
+            num_hidden_layers=int(config.get("num_hidden_layers", 32)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            swin_norm=bool(config.get("swin_norm", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            model_parallel_size=int(config.get("model_parallel_size") or 1),
+        )
+
+
+def per_head_state(
+    state: Mapping[str, torch.Tensor], config: ChameleonConfig, layout: str
+) -> dict[str, torch.Tensor]:
+    """``state`` with q/k-norm weights and biases in the per-head ``[heads, head_dim]`` layout.
+
+    ``per_shard`` (Lumina-mGPT) holds ``[model_parallel_size, head_dim]`` per norm; each shard's row is
+    repeated for that shard's heads, as the vendored ``ChameleonLayerNorm.repeat_param`` does.
+    """
+    if layout not in QK_NORM_LAYOUTS:
+        raise ValueError(f"qk_norm_layout must be one of {QK_NORM_LAYOUTS}, got {layout!r}")
+    out = dict(state)
+    if layout == "per_head":
+        return out
+    mp = config.model_parallel_size
+    heads = {"q_norm": config.num_attention_heads, "k_norm": config.num_key_value_heads}
+    for key, value in state.items():
+        norm = key.split(".")[-2] if key.count(".") >= 1 else ""
+        if norm not in heads:
+            continue
+        if tuple(value.shape) != (mp, config.head_dim):
+            raise ValueError(
+                f"{key}: Lumina-mGPT layout expects [model_parallel_size={mp}, head_dim={config.head_dim}], "
+                f"file has {tuple(value.shape)}"
+            )
+        if heads[norm] % mp:
+            raise ValueError(f"{key}: {heads[norm]} heads do not split over model_parallel_size={mp}")
+        out[key] = value.repeat_interleave(heads[norm] // mp, dim=0)
+    return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class HeadNorm(nn.Module):
+    """LayerNorm over ``head_dim`` with a separate affine per head (Chameleon's q/k norm)."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(heads, head_dim))
+        self.bias = nn.Parameter(torch.zeros(heads, head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), None, None, eps=QK_NORM_EPS) * self.weight + self.bias
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [B, S, head_dim] for ``positions`` [B, S], half-split like transformers' Llama RoPE."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device)
+    inv_freq = 1.0 / (theta ** (steps / head_dim))
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, H, S, D] by ``cos``/``sin`` [B, S, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ChameleonConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        kv_width = c.num_key_value_heads * c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, kv_width, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, kv_width, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = HeadNorm(c.num_attention_heads, c.head_dim)
+        self.k_norm = HeadNorm(c.num_key_value_heads, c.head_dim)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: KVCache | None,
+        layer: int,
+        slots: torch.Tensor | None,
+    ) -> torch.Tensor:
+        c = self.config
+        bsz, seq, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(bsz, seq, c.num_attention_heads, c.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(bsz, seq, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            if slots is None:
+                raise ValueError("a cached forward needs explicit slots")
+            k, v = cache.write(layer, slots, k, v, kv_len=mask.shape[-1])
+        groups = c.num_attention_heads // c.num_key_value_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, c.hidden_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ChameleonConfig) -> None:
+        super().__init__()
+        c = config
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm (Chameleon-7B, Anole, Lumina-mGPT) or, with ``swin_norm``, norm after each sublayer."""
+
+    def __init__(self, config: ChameleonConfig) -> None:
+        super().__init__()
+        self.swin_norm = config.swin_norm
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: KVCache | None,
+        layer: int,
+        slots: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if self.swin_norm:
+            h = x + self.input_layernorm(self.self_attn(x, rope, mask, cache, layer, slots))
+            return h + self.post_attention_layernorm(self.mlp(h))
+        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, slots)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ChameleonBackbone(nn.Module):
+    def __init__(self, config: ChameleonConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class ChameleonLM(nn.Module):
+    """``model.*`` + ``lm_head`` of a released checkpoint (its ``model.vqmodel.*`` is loaded elsewhere)."""
+
+    def __init__(self, config: ChameleonConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = ChameleonBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Input embeddings ``x`` [B, S, D] at RoPE ``positions`` ([S] or [B, S]) with boolean ``mask``
+        [B, 1, S, K] (True = may attend) → final-norm hidden states [B, S, D]."""
+        if positions.dim() == 1:
+            positions = positions.expand(x.shape[0], -1)
+        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        h = x
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, rope, mask, cache, i, slots)
+        return self.model.norm(h)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.config
+        ref = self.lm_head.weight
+        return KVCache(
+            c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, ref.dtype, ref.device
+        )

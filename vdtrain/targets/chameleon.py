@@ -1,0 +1,424 @@
+"""Chameleon-family targets (Anole, Lumina-mGPT): one decoder, two token layouts and guidance rules.
+
+The condition prefix is the prompt's BPE ids, embedded and left-padded to ``prefix_length`` rows:
+``[bos] + text + image prefix``, where the image prefix is ``[boi]`` (Anole) or ``[boi, size_h, size_w]``
+(Lumina-mGPT). Padded rows are hidden from every query, and since RoPE is relative, a left-padded prompt
+gives the logits of the unpadded one.
+
+The target's token space is not the BPE vocabulary: index ``c < codebook size`` is VQGAN code ``c`` (BPE id
+from the token *name*, ``IMGIMG…Z``), and Lumina-mGPT adds one more index for its end-of-row token. Its
+image sequence is ``h`` rows of ``w`` codes, each followed by that token, so the target grid is
+``(h, w + 1)``; the tokenizer adds and strips the column. Forced tokens are part of the target's logits:
+a row whose next token is forced holds 0 for that token and ``FORCED_LOGIT`` elsewhere, and rows that
+must not emit the end-of-row token hold ``FORCED_LOGIT`` for it, in every guidance stream. Any guidance
+combination of such rows is the same row (no inf − inf), so the shared sampling pipeline puts
+probability exactly 1 on a forced token, at any temperature.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from vdtrain.checkpoint_io import CheckpointError
+from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
+from vdtrain.models.chameleon_io import (
+    load_chameleon_lm,
+    load_vqgan_hf,
+    load_vqgan_meta,
+    read_hf_config,
+    read_hf_weights,
+    text_tokenizer,
+    vocabulary_map,
+)
+from vdtrain.models.chameleon_vocab import image_token_ids, token_id
+from vdtrain.models.chameleon_vqgan import ChameleonVQGAN
+from vdtrain.models.kv_cache import KVCache
+from vdtrain.models.llamagen_gpt import prefix_causal_mask
+from vdtrain.sampling_config import SamplingConfig
+from vdtrain.targets.base import Condition, ImageTokenizer, Target, TargetIdentity, TargetOutput, fingerprint
+
+FAMILIES = ("anole", "lumina_mgpt")
+FORCED_LOGIT = -1e9  # finite, so u + s·(c − u) of two forced rows is that row, never NaN
+CAPTION_OVERFLOW = ("error", "truncate")
+BOS, BOI, EOI = "<s>", "<racm3:break>", "<eoss>"
+LUMINA_NEWLINE = "<reserved08799>"
+LUMINA_END_OF_TURN = "<reserved08706>"  # Lumina-mGPT's conversation separator after the human turn
+LUMINA_PROMPT = "Generate an image of {width}x{height} according to the following prompt:\n{text}"
+LUMINA_SIZE_PATCH = 32  # size tokens count 32-pixel patches: <reserved{8800 + n}>
+
+
+def lumina_size_token(pixels: int) -> str:
+    if pixels % LUMINA_SIZE_PATCH:
+        raise ValueError(f"Lumina-mGPT image sides are multiples of {LUMINA_SIZE_PATCH} pixels, got {pixels}")
+    return f"<reserved{8800 + pixels // LUMINA_SIZE_PATCH:05d}>"
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """How a family combines its guidance streams' raw logits.
+
+    Streams ``s_0`` (the full prompt) … ``s_n`` (the null prompt) give
+    ``s_n + Σ_k scales[k]·(s_k − s_{k+1})``.
+    Lumina-mGPT: one scale (3.0), ``u + 3(c − u)``. Anole: Meta's instruct CFG over (full, image-only,
+    null) with scales (text 3.0, image 1.2): ``u + 1.2(i − u) + 3.0(f − i)``.
+    """
+
+    scales: tuple[float, ...]
+
+    def combine(self, streams: Sequence[torch.Tensor]) -> torch.Tensor:
+        if len(streams) != len(self.scales) + 1:
+            raise ValueError(f"guidance with {len(self.scales)} scales takes {len(self.scales) + 1} streams")
+        out = streams[-1]
+        for scale, hi, lo in zip(self.scales, streams[:-1], streams[1:], strict=True):
+            out = out + scale * (hi - lo)
+        return out
+
+
+@dataclass(frozen=True)
+class ChameleonLayout:
+    """Where a family puts its prompt, image and special tokens (BPE ids)."""
+
+    family: str
+    latent: tuple[int, int]  # VQ code grid (h, w)
+    bos: int
+    image_prefix: tuple[int, ...]  # closes the prompt: (boi,) or (boi, size_h, size_w)
+    null_prompt: tuple[int, ...]  # the unconditional stream's whole context
+    newline: int | None  # Lumina-mGPT's end-of-row token, forced after every w codes
+    prompt_template: str  # {text}, {width}, {height}
+    guidance: Guidance
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        h, w = self.latent
+        return (h, w + 1) if self.newline is not None else (h, w)
+
+
+def chameleon_layout(family: str, vocab: dict[str, int], image_size: int, downsample: int) -> ChameleonLayout:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown Chameleon family {family!r}; use one of {FAMILIES}")
+    if image_size % downsample:
+        raise ValueError(
+            f"image_size {image_size} is not a multiple of the VQGAN's downsampling {downsample}"
+        )
+    side = image_size // downsample
+    bos, boi = token_id(vocab, BOS), token_id(vocab, BOI)
+    if family == "anole":
+        # Meta's image generation: [bos] + prompt + [boi]; its image-only and null streams are [bos, boi].
+        return ChameleonLayout(
+            family, (side, side), bos, (boi,), (bos, boi), None, "{text}", Guidance((3.0, 1.2))
+        )
+    size = token_id(vocab, lumina_size_token(image_size))
+    prefix = (boi, size, size)  # height, then width
+    template = LUMINA_PROMPT + LUMINA_END_OF_TURN
+    # Lumina-mGPT's unbatched CFG: the null context starts at the image start token, without text.
+    return ChameleonLayout(
+        family, (side, side), bos, prefix, prefix, token_id(vocab, LUMINA_NEWLINE), template, Guidance((3.0,))
+    )
+
+
+class ChameleonTokenizer(ImageTokenizer):
+    """The Chameleon VQGAN in the target's token space (with Lumina-mGPT's end-of-row column)."""
+
+    def __init__(self, vqgan: ChameleonVQGAN, image_size: int, newline_column: bool) -> None:
+        super().__init__()
+        down = vqgan.config.downsample
+        if image_size % down:
+            raise ValueError(f"image_size {image_size} is not a multiple of the VQGAN's downsampling {down}")
+        self.vqgan = vqgan
+        self.image_size = image_size
+        self.latent = (image_size // down, image_size // down)
+        self.newline_column = newline_column
+        self.codebook_size = vqgan.config.num_embeddings
+        self.grid = (self.latent[0], self.latent[1] + int(newline_column))
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        codes = self.vqgan.encode(images)
+        if self.newline_column:
+            codes = torch.cat([codes, torch.full_like(codes[..., :1], self.codebook_size)], dim=-1)
+        return codes.flatten(1)
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
+        grid = tokens.view(-1, *self.grid)
+        if self.newline_column:
+            grid = grid[..., :-1]
+        bad = (grid < 0) | (grid >= self.codebook_size)
+        if bad.any():
+            raise ValueError(
+                f"{int(bad.sum())} image positions hold non-code tokens (e.g. {int(grid[bad][0])}); "
+                f"codes are 0..{self.codebook_size - 1}"
+            )
+        return self.vqgan.decode(grid).clamp(-1, 1)
+
+    def codebook(self) -> torch.Tensor:
+        codes = self.vqgan.quantize.embedding.weight.detach()
+        if not self.newline_column:
+            return codes
+        # The end-of-row token has no code vector; put it far from every code so it is nobody's neighbour.
+        far = codes.abs().max() * 1e3 + 1.0
+        return torch.cat([codes, torch.full_like(codes[:1], float(far))])
+
+
+class ChameleonTarget(Target):
+    def __init__(
+        self,
+        lm: ChameleonLM,
+        tokenizer: ChameleonTokenizer,
+        layout: ChameleonLayout,
+        image_ids: torch.Tensor,
+        encode_text: Callable[[str], list[int]] | None,
+        name: str,
+        prefix_length: int,
+        sampling_defaults: SamplingConfig,
+        caption_overflow: str = "error",
+    ) -> None:
+        super().__init__()
+        if tokenizer.grid != layout.grid:
+            raise ValueError(f"tokenizer grid {tokenizer.grid} != the {layout.family} layout's {layout.grid}")
+        if caption_overflow not in CAPTION_OVERFLOW:
+            raise ValueError(f"caption_overflow must be one of {CAPTION_OVERFLOW}, got {caption_overflow!r}")
+        frame = max(
+            len(layout.null_prompt), 2 + len(layout.image_prefix)
+        )  # bos, >= 1 text token, image prefix
+        if prefix_length < frame:
+            raise ValueError(f"prefix_length {prefix_length} < {frame}, the shortest {layout.family} prompt")
+        self.lm = lm.eval().requires_grad_(False)
+        self.tokenizer = tokenizer.eval().requires_grad_(False)
+        self.layout = layout
+        self.encode_text = encode_text
+        self.name = name
+        self.sampling_defaults = sampling_defaults
+        self.caption_overflow = caption_overflow
+        self._prefix_length = prefix_length
+        # Target index → BPE id: the codes by name, then Lumina-mGPT's end-of-row token.
+        extra = [] if layout.newline is None else [layout.newline]
+        vocab_ids = torch.cat([image_ids, torch.tensor(extra, dtype=torch.long)]).to(lm.lm_head.weight.device)
+        self.register_buffer("vocab_ids", vocab_ids, persistent=False)
+        dim = lm.config.hidden_size
+        self.image_embedding = nn.Embedding(len(vocab_ids), dim).requires_grad_(False)
+        self.image_head = nn.Linear(dim, len(vocab_ids), bias=False).requires_grad_(False)
+        with torch.no_grad():
+            self.image_embedding.weight.copy_(lm.model.embed_tokens.weight[vocab_ids])
+            self.image_head.weight.copy_(lm.lm_head.weight[vocab_ids])
+        self.to(lm.lm_head.weight.device)
+        self._identity: TargetIdentity | None = None
+
+    # --- shape ------------------------------------------------------------------------------------
+    @property
+    def identity(self) -> TargetIdentity:
+        if self._identity is None:
+            self._identity = TargetIdentity(
+                family=self.layout.family,
+                name=self.name,
+                hidden_size=self.lm.config.hidden_size,
+                vocab_size=len(self.vocab_ids),
+                grid=self.layout.grid,
+                prefix_length=self._prefix_length,
+                head_fingerprint=fingerprint(self.image_head.weight),
+            )
+        return self._identity
+
+    @property
+    def token_embedding(self) -> nn.Embedding:
+        return self.image_embedding
+
+    @property
+    def head(self) -> nn.Module:
+        return self.image_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.image_head.weight.device
+
+    def use_dtype(self, dtype: torch.dtype) -> ChameleonTarget:
+        """Run the decoder and its image-token embedding/head in ``dtype``; logits stay fp32, RoPE angles
+        are computed in fp32, the VQGAN is left alone, and the identity is the fp32 weights'."""
+        _ = self.identity
+        for module in (self.lm, self.image_embedding, self.image_head):
+            module.to(dtype=dtype)
+        return self
+
+    @property
+    def guidance(self) -> Guidance:
+        """The family's guidance rule; ``sampling_defaults.cfg_scale`` is its first (text) scale."""
+        return self.layout.guidance
+
+    def forced_tokens(self, image_index: torch.Tensor) -> torch.Tensor:
+        """The token forced at each image index (Lumina-mGPT's end of row), −1 where sampling is free.
+
+        The drafter never needs to propose these, and verification may accept them unconditionally:
+        the target's p is one-hot there.
+        """
+        forced = torch.full_like(image_index, -1)
+        if self.layout.newline is None:
+            return forced
+        w = self.layout.grid[1]
+        inside = (image_index >= 0) & (image_index < self.num_image_tokens)
+        return forced.masked_fill(inside & (image_index % w == w - 1), len(self.vocab_ids) - 1)
+
+    # --- conditioning -----------------------------------------------------------------------------
+    def prompt_ids(self, caption: str) -> list[int]:
+        """``[bos] + text + image prefix`` as the official pipeline tokenizes it."""
+        if self.encode_text is None:
+            raise RuntimeError(f"target {self.name!r} was built without a text tokenizer")
+        side = self.tokenizer.image_size
+        text = self.encode_text(self.layout.prompt_template.format(text=caption, width=side, height=side))
+        room = self._prefix_length - 1 - len(self.layout.image_prefix)
+        if len(text) > room:
+            if self.caption_overflow == "error":
+                raise ValueError(
+                    f"caption of {len(text)} prompt tokens exceeds the {room} that prefix_length "
+                    f"{self._prefix_length} leaves ({caption[:60]!r}); raise prefix_length or use "
+                    "caption_overflow=truncate"
+                )
+            text = text[:room]
+        return [self.layout.bos, *text, *self.layout.image_prefix]
+
+    def condition_from_ids(
+        self, prompts: Sequence[Sequence[int]], captions: list[str] | None = None
+    ) -> Condition:
+        """Left-padded, embedded prompts (zero rows and a False mask where padded)."""
+        length = self._prefix_length
+        ids = torch.zeros(len(prompts), length, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(prompts), length, dtype=torch.bool, device=self.device)
+        for row, prompt in enumerate(prompts):
+            if not 0 < len(prompt) <= length:
+                raise ValueError(f"a prompt of {len(prompt)} tokens does not fit prefix_length {length}")
+            ids[row, length - len(prompt) :] = torch.tensor(list(prompt), device=self.device)
+            mask[row, length - len(prompt) :] = True
+        features = self.lm.model.embed_tokens(ids) * mask[..., None].to(self.lm.lm_head.weight.dtype)
+        return Condition(features, mask, captions)
+
+    def encode_captions(self, captions: list[str]) -> Condition:
+        return self.condition_from_ids([self.prompt_ids(c) for c in captions], list(captions))
+
+    def null_condition(self, cond: Condition) -> Condition:
+        return self.condition_from_ids([self.layout.null_prompt] * len(cond))
+
+    def guidance_streams(self, cond: Condition) -> list[Condition]:
+        """The conditions ``guidance.combine`` expects, in order.
+
+        Anole's image-only stream keeps a prompt's bos, boi, eoi and image tokens (Meta's
+        ``_split_inputs_for_cfg``); for a text prompt that is ``[bos, boi]``, the null stream, so Anole's
+        rule equals ``u + 3.0·(f − u)``: plain CFG with ``cfg_scale = 3.0``.
+        """
+        null = self.null_condition(cond)
+        return [cond, null, null] if self.layout.family == "anole" else [cond, null]
+
+    # --- forward passes ---------------------------------------------------------------------------
+    def _logits(self, hidden: torch.Tensor, predicts: torch.Tensor) -> torch.Tensor:
+        """Image-token logits with the family's constraints; ``predicts`` is the image index each row
+        predicts (any value outside ``0 .. N-1`` is free)."""
+        logits = self.image_head(hidden).float()
+        if self.layout.newline is None:
+            return logits
+        newline = len(self.vocab_ids) - 1
+        logits[..., newline] = FORCED_LOGIT
+        forced_row = torch.full((newline + 1,), FORCED_LOGIT, dtype=logits.dtype, device=logits.device)
+        forced_row[newline] = 0.0
+        forced = (self.forced_tokens(predicts) == newline).expand(logits.shape[:-1])
+        return torch.where(forced[..., None], forced_row, logits)
+
+    def forward_sequence(self, cond: Condition, tokens: torch.Tensor) -> TargetOutput:
+        x = torch.cat([cond.features, self.image_embedding(tokens)], dim=1)
+        seq = x.shape[1]
+        positions = torch.arange(seq, device=x.device)
+        hidden = self.lm(x, positions, prefix_causal_mask(cond.mask, seq))
+        return TargetOutput(hidden, self._logits(hidden, positions - (self._prefix_length - 1)))
+
+    def new_cache(self, batch: int, extra_slots: int = 0) -> KVCache:
+        return self.lm.new_cache(batch, self.max_seq_len + extra_slots)
+
+    def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:
+        length = cond.features.shape[1]
+        slots = torch.arange(length, device=cond.features.device)
+        hidden = self.lm(cond.features, slots, prefix_causal_mask(cond.mask, length), cache, slots)
+        return TargetOutput(hidden, self._logits(hidden, slots - (length - 1)))
+
+    def forward_tokens(
+        self,
+        cond: Condition,
+        tokens: torch.Tensor,
+        image_index: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        image_visibility: torch.Tensor,
+    ) -> TargetOutput:
+        batch, steps = tokens.shape
+        prefix = cond.mask[:, None, :].expand(batch, steps, -1)
+        mask = torch.cat([prefix, image_visibility.expand(batch, -1, -1)], dim=-1)[:, None]
+        hidden = self.lm(self.image_embedding(tokens), self.rope_positions(image_index), mask, cache, slots)
+        return TargetOutput(hidden, self._logits(hidden, image_index + 1))
+
+
+# --- building from files ----------------------------------------------------------------------------
+
+
+@dataclass
+class ChameleonSpec:
+    """A Chameleon-family target from local files (mirrors ``conf/target/{anole,lumina_mgpt}.yaml``)."""
+
+    name: str
+    family: str  # anole | lumina_mgpt
+    model_dir: str  # HF folder: config.json + model.safetensors (or shards with an index)
+    tokenizer_file: str | None = None  # tokenizer.json; default: the one in model_dir
+    vqgan_ckpt: str | None = None  # Meta's vqgan.ckpt; None: model_dir's model.vqmodel.* (Anole)
+    vqgan_config: str | None = None  # Meta's vqgan.yaml, with vqgan_ckpt
+    image_size: int = 512
+    prefix_length: int = 128
+    caption_overflow: str = "error"
+    sampling: dict[str, float] = field(default_factory=dict)
+
+
+def build_chameleon_target(spec: ChameleonSpec, device: str | torch.device = "cpu") -> ChameleonTarget:
+    if spec.family not in FAMILIES:
+        raise ValueError(f"unknown Chameleon family {spec.family!r}; use one of {FAMILIES}")
+    config = read_hf_config(spec.model_dir)
+    state = read_hf_weights(spec.model_dir)
+    lm_config = ChameleonConfig.from_hf(config)
+    layout_kind = "per_head" if spec.family == "anole" else "per_shard"
+    lm = load_chameleon_lm(lm_config, state, layout_kind, f"{spec.family} decoder ({spec.model_dir})")
+    if spec.vqgan_ckpt is not None:
+        if spec.vqgan_config is None:
+            raise ValueError("vqgan_ckpt needs vqgan_config (Meta's vqgan.yaml)")
+        vqgan = load_vqgan_meta(spec.vqgan_ckpt, spec.vqgan_config)
+    else:
+        vqgan = load_vqgan_hf(config, state, f"{spec.family} VQGAN ({spec.model_dir})")
+    del state
+    tok_path = spec.tokenizer_file or os.path.join(spec.model_dir, "tokenizer.json")
+    vocab = vocabulary_map(config, tok_path if os.path.isfile(tok_path) else None)
+    layout = chameleon_layout(spec.family, vocab, spec.image_size, vqgan.config.downsample)
+    encode = text_tokenizer(tok_path) if os.path.isfile(tok_path) else None
+    if encode is None and spec.tokenizer_file is not None:
+        raise CheckpointError(f"text tokenizer not found: {spec.tokenizer_file!r}")
+    defaults = {"cfg_scale": layout.guidance.scales[0], **FAMILY_SAMPLING[spec.family], **spec.sampling}
+    target = ChameleonTarget(
+        lm,
+        ChameleonTokenizer(vqgan, spec.image_size, layout.newline is not None),
+        layout,
+        image_token_ids(vocab, vqgan.config.num_embeddings),
+        encode,
+        spec.name,
+        spec.prefix_length,
+        SamplingConfig(**defaults),
+        spec.caption_overflow,
+    )
+    return target.to(device)
+
+
+# The released sampling settings: Meta's image options (Anole) and Lumina-mGPT's demo defaults.
+FAMILY_SAMPLING: dict[str, dict[str, float]] = {
+    "anole": {"temperature": 0.7, "top_p": 0.9, "top_k": 0},
+    "lumina_mgpt": {"temperature": 1.0, "top_k": 2000, "top_p": 1.0},
+}
+
+
+def load_chameleon_target(fields: dict[str, object], device: str | torch.device = "cpu") -> ChameleonTarget:
+    """The registry's entry point: a ``kind: chameleon`` target config without ``kind``/``quality``."""
+    return build_chameleon_target(ChameleonSpec(**fields), device)
