@@ -508,3 +508,19 @@ def test_caption_overflow(anole_files):
         8900 + WORDS.index("red"),
         8197,
     ]
+
+
+@pytest.mark.parametrize("name", ["anole", "lumina_mgpt"])
+def test_shipped_target_configs_build_with_local_files(name, anole_files, lumina_files):
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "conf" / "target" / f"{name}.yaml").read_text())
+    folder = (anole_files if name == "anole" else lumina_files)[0]
+    config.update(model_dir=str(folder), image_size=IMAGE_SIZE, prefix_length=24)
+    if name == "lumina_mgpt":
+        config.update(vqgan_ckpt=str(folder / "vqgan.ckpt"), vqgan_config=str(folder / "vqgan.yaml"))
+    target = load_target(config)
+    expected = {"anole": (3.0, 0.7, 0, 0.9), "lumina_mgpt": (3.0, 1.0, 2000, 1.0)}[name]
+    s = target.sampling_defaults
+    assert (s.cfg_scale, s.temperature, s.top_k, s.top_p) == expected
+    assert target.identity.family == name
