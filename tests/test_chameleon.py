@@ -524,3 +524,23 @@ def test_shipped_target_configs_build_with_local_files(name, anole_files, lumina
     s = target.sampling_defaults
     assert (s.cfg_scale, s.temperature, s.top_k, s.top_p) == expected
     assert target.identity.family == name
+
+
+def test_self_generate_samples_lumina_rows_with_forced_newlines(lumina_files, tmp_path):
+    from vdtrain.data.prepare import prepare_self_generate
+
+    target = lumina_target(lumina_files[0])
+    sampling = SamplingConfig(cfg_scale=3.0, temperature=1.0, top_k=2000)
+    manifest = prepare_self_generate(
+        target,
+        ["a red circle", "big blue square", "a square"],
+        tmp_path,
+        sampling=sampling,
+        store_cond=True,
+        progress=False,
+    )
+    assert manifest["num_samples"] == 3
+    tokens = generate_ar(target, target.encode_captions(["a red circle"] * 4), sampling, [None] * 4)
+    grid = tokens.view(4, 4, 5)
+    assert (grid[..., -1] == CODEBOOK).all() and (grid[..., :-1] < CODEBOOK).all()
+    assert len(set(tokens[:, 0].tolist())) > 1  # sampled, not greedy
