@@ -50,7 +50,7 @@ def run(cfg: DictConfig) -> EvalResult:
         raise ValueError(f"methods {needy} need a drafter: set drafter=<export folder, .ckpt or Hub repo id>")
     quality = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QualityConfig), cfg.quality))
     prompts = prompts_for_run(cfg.prompts, cfg.num_prompts)
-    target = target_for_run(cfg)
+    target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device
     drafter = load_drafter(cfg.drafter, target) if needy else None
     out = Path(cfg.out_dir)
@@ -73,11 +73,13 @@ def run(cfg: DictConfig) -> EvalResult:
         quality=quality,
         image_dir=out / "images" if cfg.save_images else None,
         warmup=cfg.warmup,
+        compile=cfg.get("compile", False),
     )
     settings: dict[str, Any] = {
         "command": " ".join(["python -m vdtrain.evaluate", *sys.argv[1:]]),
         "device": device_description(device),
         "torch": torch.__version__,
+        "dtype": str(target.dtype).removeprefix("torch."),
         "target": asdict(target.identity),
         "sampling_defaults": asdict(target.sampling_defaults),
         "drafter": str(cfg.drafter) if drafter is not None else None,

@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from vdtrain.decode.compiled import compile_decoding
 from vdtrain.decode.methods import build_method, decode_config
 from vdtrain.decode.metrics import summarize
 from vdtrain.decode.sampling import SamplingConfig
@@ -62,7 +63,7 @@ def quality_summary(samples: list[dict]) -> dict:
 
 def run(cfg: DictConfig) -> dict:
     method_cfg = decode_config(cfg.decode)
-    target = target_for_run(cfg)
+    target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device
     sampling = sampling_config(target, cfg.sampling)
     drafter = None
@@ -70,6 +71,8 @@ def run(cfg: DictConfig) -> dict:
         if not cfg.drafter:
             raise ValueError(f"method {method_cfg.name!r} needs a drafter: set drafter=<folder>")
         drafter = Drafter.from_pretrained(resolve_folder(cfg.drafter), target)
+    if cfg.get("compile", False):
+        compile_decoding(target, drafter)
     method = build_method(method_cfg, target, drafter, sampling)
     prompts = prompts_for_run(cfg.prompts, cfg.num_prompts)
     scorer = quality_scorer(cfg.target.get("quality"))
@@ -120,6 +123,8 @@ def run(cfg: DictConfig) -> dict:
         "target": asdict(target.identity),
         "sampling": asdict(sampling),
         "device": str(device),
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "compile": bool(cfg.get("compile", False)),
         "num_samples": len(samples),
         "mean_latency_per_image_s": sum(s["batch_latency_s"] / s["batch_size"] for s in samples)
         / len(samples),

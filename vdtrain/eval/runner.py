@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from vdtrain.decode.compiled import compile_decoding
 from vdtrain.decode.engine import DecodeStats, SpeculativeEngine
 from vdtrain.decode.methods import ARMethod, DecodeConfig, build_method, load_preset
 from vdtrain.decode.metrics import position_maps as stats_position_maps
@@ -124,6 +125,7 @@ def evaluate(
     image_dir: str | os.PathLike[str] | None = None,
     progress: bool = True,
     warmup: bool = True,
+    compile: bool = False,
 ) -> EvalResult:
     """Rows, per-position maps and images for AR and every method at every temperature.
 
@@ -134,6 +136,8 @@ def evaluate(
     image is saved as ``<image_dir>/<method>_T<t>/<prompt index:04d>.png``. ``warmup`` first decodes one
     prompt, untimed, with a separate instance of each method: on a GPU the first calls pay for CUDA
     context, library handles and kernel loading, which would otherwise land on whichever method ran first.
+    ``compile`` wraps the target's and the drafter's forwards in ``torch.compile`` first (in place, see
+    ``vdtrain.decode.compiled``); the warm-up then also takes each method's compilation out of the timings.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate (the prompt set is empty)")
@@ -141,6 +145,8 @@ def evaluate(
     needy = [c.name for c in configs if c.needs_drafter]
     if needy and drafter is None:
         raise ValueError(f"methods {needy} need a drafter; none was given")
+    if compile:
+        compile_decoding(target, drafter)
     scorer = QualityScorer(quality, target.token_embedding.weight.device)
     baseline = load_preset("ar")
     runs = [(t, c) for t in temperatures for c in [baseline, *configs]]

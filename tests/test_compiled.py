@@ -1,0 +1,143 @@
+"""``compile=true``: compiled decoding gives the eager tokens; the CUDA-graph helpers keep addresses."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_gpt, random_vq, tiny_condition
+from hydra import compose, initialize_config_dir
+
+import vdtrain.generate
+from vdtrain.decode import compiled as compiled_module
+from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.compiled import compile_decoding, compile_mode, pooled_caches
+from vdtrain.decode.engine import SpeculativeEngine
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.eval import runner
+from vdtrain.models.kv_cache import KVCache
+from vdtrain.prompts import shapes_heldout_captions
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def random_drafter(target: LlamaGenTarget) -> Drafter:
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.for_target(target))
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return drafter.attach(target).eval()
+
+
+def decode(target: LlamaGenTarget, drafter: Drafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """AR and EAGLE-2-like tokens at T = 0 for a batch of two captions."""
+    cond, sampling = tiny_condition(), SamplingConfig(cfg_scale=2.0, temperature=0.0)
+    ar = generate_ar(target, cond, sampling, [None, None])
+    builder = DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16)
+    tree = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None]).tokens
+    return ar, tree
+
+
+@pytest.mark.slow
+def test_compiled_decoding_gives_the_eager_tokens_on_cpu_inductor(tiny_target):
+    drafter = random_drafter(tiny_target)
+    eager = decode(tiny_target, drafter)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_decoding(tiny_target, drafter)
+    assert tiny_target.gpt._vdtrain_compiled and drafter._vdtrain_compiled
+    # Until every step has one shape, each new width is a fresh static graph: four per forward keep the
+    # test short, later widths fall back to eager (what torch.compile does past its recompile limit).
+    with torch._dynamo.config.patch(recompile_limit=4):
+        start = time.perf_counter()
+        compiled = decode(tiny_target, drafter)
+    print(f"compiled decode (with compilation): {time.perf_counter() - start:.1f} s")
+    torch._dynamo.reset()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the target's and the drafter's
+    assert torch.equal(compiled[0], eager[0])
+    assert torch.equal(compiled[1], eager[1])
+
+
+def hashed_captions(captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stand-in caption encoder for the tiny target: fixed random features per caption."""
+    gens = [torch.Generator().manual_seed(zlib.crc32(c.encode())) for c in captions]
+    features = torch.stack([torch.randn(5, 12, generator=g) for g in gens])
+    return features, torch.ones(len(captions), 5, dtype=torch.bool)
+
+
+@pytest.fixture
+def recorded(monkeypatch) -> list[tuple[object, object]]:
+    """``compile_decoding`` calls made by the apps, run with the ``eager`` backend (no kernels to build)."""
+    calls: list[tuple[object, object]] = []
+
+    def record(target, drafter=None):
+        calls.append((target, drafter))
+        compiled_module.compile_decoding(target, drafter, backend="eager")
+
+    monkeypatch.setattr(runner, "compile_decoding", record)
+    monkeypatch.setattr(vdtrain.generate, "compile_decoding", record)
+    return calls
+
+
+def test_the_runner_compiles_once_when_asked(recorded):
+    target = LlamaGenTarget(
+        random_gpt(), VQTokenizer(random_vq(), 8), hashed_captions, "tiny", SamplingConfig(cfg_scale=2.0)
+    )
+    drafter = random_drafter(target)
+    prompts = shapes_heldout_captions(2)
+    result = runner.evaluate(target, drafter, prompts, ["eagle2"], [0], progress=False, compile=True)
+    assert recorded == [(target, drafter)] and target.gpt._vdtrain_compiled
+    assert [(r.method, r.identical_to_ar) for r in result.rows] == [("ar", True), ("eagle2", True)]
+    runner.evaluate(target, drafter, prompts[:1], [], [0], progress=False)
+    assert len(recorded) == 1  # compile=False (the default) leaves it alone
+
+
+def test_generate_compiles_when_compile_is_set(recorded, tiny_folder, tmp_path):
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose(
+            "generate",
+            overrides=[
+                f"target.folder={tiny_folder}",
+                f"out_dir={tmp_path}",
+                "num_prompts=1",
+                "compile=true",
+            ],
+        )
+    summary = vdtrain.generate.run(cfg)
+    assert summary["compile"] is True and len(recorded) == 1
+    assert summary["dtype"] == "float32"  # conf/target's default
+
+
+def test_the_mode_is_cuda_graphs_on_a_gpu_only():
+    assert compile_mode(torch.device("cuda", 0)) == "reduce-overhead"
+    assert compile_mode(torch.device("cpu")) == "default"
+
+
+def test_pooled_caches_reuse_one_zeroed_cache_per_shape():
+    make = pooled_caches(lambda batch, max_len: KVCache(1, batch, 2, max_len, 4))
+    first = make(2, 8)
+    first.k.fill_(1.0)
+    first.v.fill_(2.0)
+    again = make(2, 8)
+    assert again.k.data_ptr() == first.k.data_ptr() and again.v.data_ptr() == first.v.data_ptr()
+    assert again.k.abs().sum() == 0 and again.v.abs().sum() == 0
+    other = make(2, max_len=9)
+    assert other.max_len == 9 and other.k.data_ptr() != first.k.data_ptr()
+
+
+def test_compiling_twice_is_refused(tiny_target):
+    drafter = random_drafter(tiny_target)
+    compile_decoding(tiny_target, drafter, backend="eager")
+    with pytest.raises(RuntimeError, match="already applied"):
+        compile_decoding(tiny_target)
+
+
+def test_a_target_without_a_transformer_is_refused():
+    with pytest.raises(TypeError, match="needs a target with a `gpt` transformer; got object"):
+        compile_decoding(object())  # type: ignore[arg-type]

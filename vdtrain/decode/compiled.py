@@ -1,0 +1,88 @@
+"""``compile=true``: the target's cached forward and the drafter's forward under ``torch.compile``.
+
+The engine gives every forward of a step a shape fixed by the method (trees padded to their max nodes,
+visibility over the whole image plus scratch), so each wrapped forward compiles once per shape
+(``dynamic=False``) and is replayed after. On a GPU the mode is ``reduce-overhead``: the graphs are
+captured as CUDA graphs, which removes the per-kernel launch cost that dominates small decoding steps.
+CUDA graphs need fixed addresses, so there the KV caches come from a pool (one per shape, zeroed on
+reuse) and are marked static, and each output is copied out of the graph's memory before the next
+replay overwrites it. CPUs have no CUDA graphs: there the mode is ``default`` (inductor's C++ kernels).
+
+The wrapping lives on the module instances, not in the engine, so every method gets it unchanged and
+eager decoding stays the reference the compiled one is tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from vdtrain.drafter import Drafter
+from vdtrain.models.kv_cache import KVCache
+from vdtrain.targets.base import Target
+
+
+def compile_mode(device: torch.device) -> str:
+    """``reduce-overhead`` (CUDA graphs) on a GPU; ``default`` elsewhere, where CUDA graphs do not exist."""
+    return "reduce-overhead" if device.type == "cuda" else "default"
+
+
+def pooled_caches(make: Callable[..., KVCache]) -> Callable[..., KVCache]:
+    """``make`` returning one cache per argument set, zeroed on each reuse, with its tensors marked as
+    static inputs: CUDA graphs replay on fixed addresses. One decode at a time may use a pooled cache."""
+    pool: dict[tuple[Any, ...], KVCache] = {}
+
+    def new_cache(*args: Any, **kwargs: Any) -> KVCache:
+        key = (*args, *sorted(kwargs.items()))
+        cache = pool.get(key)
+        if cache is None:
+            cache = pool[key] = make(*args, **kwargs)
+            for tensor in (cache.k, cache.v):
+                torch._dynamo.mark_static_address(tensor)
+        else:
+            cache.k.zero_()
+            cache.v.zero_()
+        return cache
+
+    return new_cache
+
+
+def graph_replay(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``compiled`` as a CUDA-graph step: a new replay each call, its output cloned out of graph memory
+    (the engine keeps features and hidden states across steps)."""
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(*args, **kwargs).clone()
+
+    return forward
+
+
+def _compile_forward(module: nn.Module, mode: str, backend: str) -> None:
+    compiled = torch.compile(module.forward, mode=mode, backend=backend, fullgraph=False, dynamic=False)
+    module.forward = graph_replay(compiled) if mode == "reduce-overhead" else compiled
+
+
+def compile_decoding(target: Target, drafter: Drafter | None = None, *, backend: str = "inductor") -> None:
+    """Wrap, in place, the target transformer's forward (prefill and verification) and the drafter's.
+
+    ``backend`` is torch.compile's (``inductor``; ``aot_eager`` traces without generating kernels). Call
+    it once, after the target has its device and dtype and before decoding.
+    """
+    gpt = getattr(target, "gpt", None)
+    if not isinstance(gpt, nn.Module):
+        raise TypeError(
+            f"compiled decoding needs a target with a `gpt` transformer; got {type(target).__name__}"
+        )
+    modules: list[nn.Module] = [gpt] if drafter is None else [gpt, drafter]
+    if any(getattr(m, "_vdtrain_compiled", False) for m in modules):
+        raise RuntimeError("compile_decoding was already applied to this target or drafter")
+    mode = compile_mode(target.token_embedding.weight.device)
+    for module in modules:
+        if mode == "reduce-overhead":
+            module.new_cache = pooled_caches(module.new_cache)
+        _compile_forward(module, mode, backend)
+        module._vdtrain_compiled = True
