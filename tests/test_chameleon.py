@@ -544,3 +544,23 @@ def test_self_generate_samples_lumina_rows_with_forced_newlines(lumina_files, tm
     grid = tokens.view(4, 4, 5)
     assert (grid[..., -1] == CODEBOOK).all() and (grid[..., :-1] < CODEBOOK).all()
     assert len(set(tokens[:, 0].tolist())) > 1  # sampled, not greedy
+
+
+DRAFTER_FREE_EXACT = ["sjd", "sjd_pac"]
+
+
+@pytest.mark.parametrize("name", DRAFTER_FREE_EXACT)
+@pytest.mark.parametrize("family", ["anole", "lumina"])
+def test_drafter_free_exact_methods_give_the_ar_tokens_at_t0(
+    name, family, anole_files, lumina_files, tmp_path
+):
+    from vdtrain.decode.methods import build_method, load_preset
+
+    target = anole_target(anole_files[0]) if family == "anole" else lumina_target(lumina_files[0])
+    sampling = SamplingConfig(cfg_scale=3.0, temperature=0.0)
+    cond = target.encode_captions(["a red circle", "big blue square"])
+    expected = generate_ar(target, cond, sampling, [None, None])
+    config = load_preset(name, {"acceptance": {"cache_dir": str(tmp_path)}})
+    engine = build_method(config, target, None, sampling)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    assert torch.equal(engine.generate(cond, gens).tokens, expected)
