@@ -497,6 +497,10 @@ def test_vqgan_encoder_matches_transformers_and_both_release_formats_agree(anole
 
 
 def test_caption_overflow(anole_files):
+    with pytest.raises(ValueError, match="prefix_length 2 < 3, the shortest anole prompt"):
+        anole_target(anole_files[0], prefix_length=2)
+    with pytest.raises(CheckpointError, match="text tokenizer not found"):
+        anole_target(anole_files[0], tokenizer_file=str(anole_files[0] / "missing.json"))
     target = anole_target(anole_files[0], prefix_length=5)
     with pytest.raises(ValueError, match="exceeds the 3 that prefix_length 5 leaves"):
         target.encode_captions(["a big red blue circle"])
@@ -564,3 +568,15 @@ def test_drafter_free_exact_methods_give_the_ar_tokens_at_t0(
     engine = build_method(config, target, None, sampling)
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
     assert torch.equal(engine.generate(cond, gens).tokens, expected)
+
+
+def test_bf16_inference_keeps_identity_and_fp32_logits(lumina_files):
+    target = lumina_target(lumina_files[0])
+    identity = target.identity
+    target.use_dtype(torch.bfloat16)
+    assert target.dtype == torch.bfloat16 and target.identity == identity
+    cond = target.encode_captions(["a red circle"])
+    out = target.prefill(cond, target.new_cache(1))
+    assert out.hidden.dtype == torch.bfloat16 and out.logits.dtype == torch.float32
+    tokens = generate_ar(target, cond, SamplingConfig(cfg_scale=3.0, temperature=0.0), [None])
+    assert (tokens.view(4, 5)[:, -1] == CODEBOOK).all()

@@ -100,7 +100,7 @@ def per_head_state(
     mp = config.model_parallel_size
     heads = {"q_norm": config.num_attention_heads, "k_norm": config.num_key_value_heads}
     for key, value in state.items():
-        norm = key.split(".")[-2] if key.count(".") >= 1 else ""
+        norm = key.split(".")[-2] if "." in key else ""
         if norm not in heads:
             continue
         if tuple(value.shape) != (mp, config.head_dim):

@@ -45,7 +45,7 @@ from vdtrain.targets.base import Condition, ImageTokenizer, Target, TargetIdenti
 FAMILIES = ("anole", "lumina_mgpt")
 FORCED_LOGIT = -1e9  # finite, so u + s·(c − u) of two forced rows is that row, never NaN
 CAPTION_OVERFLOW = ("error", "truncate")
-BOS, BOI, EOI = "<s>", "<racm3:break>", "<eoss>"
+BOS, BOI = "<s>", "<racm3:break>"
 LUMINA_NEWLINE = "<reserved08799>"
 LUMINA_END_OF_TURN = "<reserved08706>"  # Lumina-mGPT's conversation separator after the human turn
 LUMINA_PROMPT = "Generate an image of {width}x{height} according to the following prompt:\n{text}"
@@ -183,9 +183,8 @@ class ChameleonTarget(Target):
             raise ValueError(f"tokenizer grid {tokenizer.grid} != the {layout.family} layout's {layout.grid}")
         if caption_overflow not in CAPTION_OVERFLOW:
             raise ValueError(f"caption_overflow must be one of {CAPTION_OVERFLOW}, got {caption_overflow!r}")
-        frame = max(
-            len(layout.null_prompt), 2 + len(layout.image_prefix)
-        )  # bos, >= 1 text token, image prefix
+        # the null prompt, or bos + one text token + the image prefix
+        frame = max(len(layout.null_prompt), 2 + len(layout.image_prefix))
         if prefix_length < frame:
             raise ValueError(f"prefix_length {prefix_length} < {frame}, the shortest {layout.family} prompt")
         self.lm = lm.eval().requires_grad_(False)
@@ -392,11 +391,12 @@ def build_chameleon_target(spec: ChameleonSpec, device: str | torch.device = "cp
         vqgan = load_vqgan_hf(config, state, f"{spec.family} VQGAN ({spec.model_dir})")
     del state
     tok_path = spec.tokenizer_file or os.path.join(spec.model_dir, "tokenizer.json")
-    vocab = vocabulary_map(config, tok_path if os.path.isfile(tok_path) else None)
-    layout = chameleon_layout(spec.family, vocab, spec.image_size, vqgan.config.downsample)
-    encode = text_tokenizer(tok_path) if os.path.isfile(tok_path) else None
-    if encode is None and spec.tokenizer_file is not None:
+    has_tokenizer = os.path.isfile(tok_path)
+    if spec.tokenizer_file is not None and not has_tokenizer:
         raise CheckpointError(f"text tokenizer not found: {spec.tokenizer_file!r}")
+    vocab = vocabulary_map(config, tok_path if has_tokenizer else None)
+    layout = chameleon_layout(spec.family, vocab, spec.image_size, vqgan.config.downsample)
+    encode = text_tokenizer(tok_path) if has_tokenizer else None
     defaults = {"cfg_scale": layout.guidance.scales[0], **FAMILY_SAMPLING[spec.family], **spec.sampling}
     target = ChameleonTarget(
         lm,
