@@ -26,15 +26,17 @@ from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import ScheduleConfig, verification_schedule
 from vdtrain.decode.metrics import summarize
 from vdtrain.decode.neighbours import latent_neighbours
+from vdtrain.decode.profiling import OpCounter
+from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS, DraftTree, static_tree
 from vdtrain.decode.vvs import (
     SimilaritySchedule,
     UniformSchedule,
+    VerificationSchedule,
     leaf_paths,
     path_similarity,
-    truncation_length,
-    unverified_path,
+    unverified_paths,
 )
 from vdtrain.drafter import Drafter, DrafterConfig, teacher_mask
 from vdtrain.generate import decode_config
@@ -150,7 +152,57 @@ def test_a_schedule_that_never_skips_is_its_base_method(temperature, tmp_path):
         for a, b in zip(result.stats, base.stats, strict=True):
             assert a.committed_per_step == b.committed_per_step and a.skipped_steps == 0
             assert a.target_forwards == b.target_forwards and a.drafter_forwards == b.drafter_forwards
-    assert all(len(s) > 0 for s in never.scores)  # the score really was computed
+    assert any(bool(s.isfinite().any()) for s in never.scores)  # the score really was computed
+
+
+# --- batched plans: one read of the device, no forward when every prompt skips ---------------------------
+
+
+@pytest.mark.parametrize("kind", ["always", "uniform", "similarity"])
+def test_plans_read_the_device_once_and_cost_the_same_at_any_batch(kind):
+    """As a GPU would count them: ``always`` costs no op at all; a skipping schedule's plan and path
+    pick read the device once, with the same ops for 1 and 8 prompts (no per-prompt loop)."""
+    codebook = torch.randn(16, 4)
+    counts = []
+    for batch in (1, 8):
+        schedule = {
+            "always": lambda: VerificationSchedule(),
+            "uniform": lambda: UniformSchedule(every=1),
+            "similarity": lambda: SimilaritySchedule(codebook, t_sim=-1.0, alpha=0.8),
+        }[kind]()
+        tree = repeat_rows(hand_tree(), batch)
+        schedule.reset(batch)
+        one, zero = torch.ones(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+        rng = RowRandom(torch.arange(batch))
+        active = one.bool()
+        with OpCounter(as_if_gpu=True) as counter:
+            plan = schedule.plan(tree, active, one, zero)
+            if plan.any_skip:
+                schedule.unverified_paths(tree, plan, rng)
+        assert plan.any_skip == (kind != "always")
+        counts.append((counter.counts.syncs, counter.counts.ops))
+    if kind == "always":
+        assert counts == [(0, 0), (0, 0)]
+    else:
+        assert counts[0] == counts[1] and counts[0][0] == 1, counts
+
+
+def test_a_step_every_prompt_skips_runs_no_target_forward():
+    target = make_target()
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+    builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
+    engine = SpeculativeEngine(target, make_drafter(target), builder, sampling, schedule=UniformSchedule(2))
+    forwards = []
+    forward_tokens = target.forward_tokens
+
+    def counted(*args, **kwargs):
+        forwards.append(len(engine.run.logs))  # the step it belongs to
+        return forward_tokens(*args, **kwargs)
+
+    target.forward_tokens = counted
+    engine.generate(tiny_condition(), generators(2))
+    verifying = [i for i, log in enumerate(engine.run.logs) if bool(log.verified.any())]
+    assert forwards == verifying and len(verifying) < len(engine.run.logs)  # some steps had no forward
 
 
 # --- metrics ------------------------------------------------------------------------------------------
@@ -279,43 +331,120 @@ def hand_tree() -> DraftTree:
     return DraftTree(tokens, parents, depths, valid, None, sampled=False)
 
 
+def repeat_rows(tree: DraftTree, batch: int) -> DraftTree:
+    """``batch`` copies of a one-row tree."""
+    rows = (x.expand(batch, -1) for x in (tree.tokens, tree.parents, tree.depths, tree.valid))
+    return DraftTree(*rows, None, sampled=False)
+
+
+def reference_paths(tree: DraftTree, row: int) -> list[list[int]]:
+    """Per-prompt host reference: root-to-leaf node paths of one row, by leaf index, root excluded."""
+    parents, valid = tree.parents[row].tolist(), tree.valid[row].tolist()
+    has_child = [False] * len(parents)
+    for i in range(1, len(parents)):
+        if valid[i]:
+            has_child[parents[i]] = True
+    paths = []
+    for leaf in range(1, len(parents)):
+        if valid[leaf] and not has_child[leaf]:
+            path, node = [], leaf
+            while node > 0:
+                path.append(node)
+                node = parents[node]
+            paths.append(path[::-1])
+    return paths
+
+
+def reference_similarity(paths: list[list[int]], codebook: torch.Tensor, alpha: float, stride: int) -> float:
+    """Per-prompt host reference of S̄ over token paths (the module doc's reading, level by level)."""
+    kept = paths[::stride] if len(paths[::stride]) >= 2 else paths
+    if len(kept) < 2:
+        return 1.0
+    unit = torch.nn.functional.normalize(codebook.double(), dim=-1)
+    total = weights = 0.0
+    for level in range(max(len(p) for p in kept)):
+        tokens = [p[level] for p in kept if len(p) > level]
+        if len(tokens) < 2:
+            break
+        e = unit[torch.tensor(tokens)]
+        n = len(tokens)
+        total += alpha**level * float(((e @ e.T).sum() - n) / (n * (n - 1)))
+        weights += alpha**level
+    return total / weights
+
+
+def tree_of_paths(paths: list[list[int]]) -> DraftTree:
+    """A tree whose root-to-leaf token paths are ``paths`` (disjoint branches), leaves in that order."""
+    tokens, parents, depths = [0], [-1], [0]
+    for path in paths:
+        parent = 0
+        for depth, token in enumerate(path, 1):
+            tokens.append(token)
+            parents.append(parent)
+            depths.append(depth)
+            parent = len(tokens) - 1
+    t = lambda x: torch.tensor([x])  # noqa: E731
+    return DraftTree(
+        t(tokens), t(parents), t(depths), torch.ones(1, len(tokens), dtype=torch.bool), None, False
+    )
+
+
 def test_path_choice_and_truncation_on_a_hand_made_tree():
     tree = hand_tree()
-    paths = leaf_paths(tree, 0)
-    assert paths == [[2], [1, 4], [1, 3, 5]]  # by leaf node index; the padding node is no leaf
-    # L̄ = (1 + 2 + 3) / 3 = 2: γ = min(L_s, 2)
-    assert [truncation_length(paths, i) for i in range(3)] == [1, 2, 2]
-    assert truncation_length([[1], [1, 2, 3], [1, 4, 6]], 1) == 2  # L̄ = 7/3 → ⌊L̄⌋ = 2
-    assert truncation_length([[1, 2, 3, 4], [5, 6, 7, 8]], 0) == 4
-    counts = {(2,): 0, (1, 3): 0, (1, 4): 0}
-    for seed in range(600):
-        counts[tuple(unverified_path(tree, 0, torch.Generator().manual_seed(seed)))] += 1
-    assert all(150 < c < 250 for c in counts.values()), counts  # uniform over the three leaves
+    paths = leaf_paths(tree)
+    assert paths.is_leaf[0].nonzero().flatten().tolist() == [2, 4, 5]  # the padding node is no leaf
+    assert int(paths.count[0]) == 3 and int(paths.mean_floor[0]) == 2  # L̄ = (1 + 2 + 3) / 3
+    # u in [0, 1/3) picks leaf 2, [1/3, 2/3) leaf 4, [2/3, 1) leaf 5; γ = min(L_s, 2).
+    rows = repeat_rows(tree, 3)
+    nodes, gamma = unverified_paths(
+        rows, leaf_paths(rows), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    )
+    assert gamma.tolist() == [1, 2, 2]
+    assert [n[:g].tolist() for n, g in zip(nodes, gamma, strict=True)] == [[2], [1, 4], [1, 3]]
+    # ⌊L̄⌋ floors: L̄ = 7/3 → 2.
+    assert int(leaf_paths(tree_of_paths([[1], [1, 2, 3], [1, 4, 6]])).mean_floor[0]) == 2
+    # Drawn with RowRandom, one row per seed: uniform over the three leaves.
+    many = repeat_rows(tree, 600)
+    rng, schedule = RowRandom(torch.arange(600)), UniformSchedule(every=1)
+    schedule.reset(600)
+    one, zero = torch.ones(600, dtype=torch.long), torch.zeros(600, dtype=torch.long)
+    plan = schedule.plan(many, one.bool(), one, zero)
+    assert bool(plan.skipped.all()) and plan.any_skip and not plan.any_verify
+    nodes, gamma = schedule.unverified_paths(many, plan, rng)
+    picks = [tuple(n[:g].tolist()) for n, g in zip(nodes, gamma, strict=True)]
+    counts = {p: picks.count(p) for p in [(2,), (1, 3), (1, 4)]}
+    assert sum(counts.values()) == 600 and all(150 < c < 250 for c in counts.values()), counts
     empty = DraftTree(
         tree.tokens, tree.parents, tree.depths, torch.tensor([[True] + [False] * 6]), None, False
     )
-    assert leaf_paths(empty, 0) == [] and unverified_path(empty, 0, None) == []
+    e = leaf_paths(empty)
+    assert (
+        int(e.count[0]) == 0
+        and int(unverified_paths(empty, e, torch.zeros(1, dtype=torch.float64))[1][0]) == 0
+    )
 
 
 def test_similarity_score_on_a_hand_made_codebook():
     # e0 = x, e1 = y, e2 = (x + y) scaled (cosine ignores the norm), e3 = −x.
     codebook = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [-1.0, 0.0]])
+    unit = torch.nn.functional.normalize(codebook, dim=-1)
     r = 1 / math.sqrt(2)
-    paths = [[0, 1], [0, 3], [2, 1], [3]]
+    tree = tree_of_paths([[0, 1], [0, 3], [2, 1], [3]])
+    paths = leaf_paths(tree)
     level0 = (1 + r - 1 + r - 1 - r) / 6  # pairs of tokens [0, 0, 2, 3]
     level1 = (0 + 1 + 0) / 3  # pairs of tokens [1, 3, 1] (the last path is too short)
     alpha = 0.5
     expected = (level0 + alpha * level1) / (1 + alpha)
-    assert math.isclose(path_similarity(paths, codebook, alpha, stride=1), expected, rel_tol=1e-6)
+    assert math.isclose(float(path_similarity(tree, paths, unit, alpha, stride=1)[0]), expected, rel_tol=1e-6)
     # stride 2 keeps paths 0 and 2: level 0 compares tokens 0 and 2, level 1 tokens 1 and 1.
-    assert math.isclose(
-        path_similarity(paths, codebook, alpha, stride=2), (r + alpha) / (1 + alpha), rel_tol=1e-6
-    )
+    got = float(path_similarity(tree, paths, unit, alpha, stride=2)[0])
+    assert math.isclose(got, (r + alpha) / (1 + alpha), rel_tol=1e-6)
     # stride 4 would keep path 0 alone: all paths are compared instead.
-    assert math.isclose(path_similarity(paths, codebook, alpha, stride=4), expected, rel_tol=1e-6)
-    assert path_similarity([[0, 1]], codebook, alpha) == 1.0  # a chain: no alternative to verify
-    # The schedule reads the tree's tokens along its paths.
-    tree = DraftTree(
+    assert math.isclose(float(path_similarity(tree, paths, unit, alpha, stride=4)[0]), expected, rel_tol=1e-6)
+    chain = tree_of_paths([[0, 1]])
+    assert float(path_similarity(chain, leaf_paths(chain), unit, alpha)[0]) == 1.0  # no alternative path
+    # The schedule reads the tree's tokens along its paths (shared prefixes compare equal tokens).
+    shared = DraftTree(
         torch.tensor([[0, 0, 2, 1, 3]]),
         torch.tensor([[-1, 0, 0, 1, 1]]),
         torch.tensor([[0, 1, 1, 2, 2]]),
@@ -324,9 +453,47 @@ def test_similarity_score_on_a_hand_made_codebook():
         False,
     )  # paths by leaf index: [2], [0, 1], [0, 3] (tokens)
     schedule = SimilaritySchedule(codebook, t_sim=0.5, alpha=alpha, stride=1)
-    want = path_similarity([[2], [0, 1], [0, 3]], codebook, alpha, stride=1)
-    assert math.isclose(schedule.score(tree, 0), want, rel_tol=1e-6)
-    assert schedule.wants_skip(tree, 0, 1) == (want >= 0.5)
+    want = reference_similarity([[2], [0, 1], [0, 3]], codebook, alpha, stride=1)
+    assert math.isclose(float(schedule.score(shared)[0]), want, rel_tol=1e-6)
+
+
+def test_batched_paths_and_scores_match_the_per_prompt_reference():
+    """Real dynamic trees (random drafter, several prompts at different progress): leaf paths, ⌊L̄⌋,
+    the picked path and S̄ equal a per-prompt host computation."""
+    target = make_target()
+    drafter = make_drafter(target)
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+    builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
+    schedule = SimilaritySchedule(target.tokenizer.codebook(), t_sim=2.0, alpha=0.8, stride=2)
+    engine = SpeculativeEngine(target, drafter, builder, sampling, schedule=schedule)
+    seen = []
+    plan = schedule.plan
+
+    def checked_plan(tree, active, committed, pending):
+        out = plan(tree, active, committed, pending)
+        paths = leaf_paths(tree)
+        u = torch.rand(tree.tokens.shape[0], dtype=torch.float64)
+        nodes, gamma = unverified_paths(tree, paths, u)
+        scores = schedule.score(tree, paths)
+        for b in range(tree.tokens.shape[0]):
+            ref = reference_paths(tree, b)
+            assert int(paths.count[b]) == len(ref)
+            if not ref:
+                assert int(gamma[b]) == 0
+                continue
+            chosen = min(int(float(u[b]) * len(ref)), len(ref) - 1)
+            want = ref[chosen][: min(len(ref[chosen]), sum(map(len, ref)) // len(ref))]
+            assert nodes[b, : int(gamma[b])].tolist() == want
+            tokens = tree.tokens[b].tolist()
+            token_paths = [[tokens[i] for i in p] for p in ref]
+            want_s = reference_similarity(token_paths, target.tokenizer.codebook(), 0.8, 2)
+            assert math.isclose(float(scores[b]), want_s, rel_tol=1e-5, abs_tol=1e-6)
+            seen.append(len(ref))
+        return out
+
+    schedule.plan = checked_plan
+    engine.generate(tiny_condition(batch=3), generators(3))
+    assert len(seen) > 20 and max(seen) > 2  # many trees, with real alternatives
 
 
 # --- configuration ------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ A *schedule* (``vdtrain.decode.vvs``) may skip a step's verification (VVS): the 
 path without the target; ``run.pending[b]`` of those tokens sit before the next root, unseen by the
 target, with drafter rows computed from stale cached features. The next verified step feeds them before
 its tree in the same target forward ("post-verification"), which fills their KV in place and lets the
-catch-up recompute their drafter rows from true features. Skipping decisions are per-prompt host work.
+catch-up recompute their drafter rows from true features. The schedule plans every prompt at once
+(``VerificationSchedule.plan``, one read of the device) and picks the skipped paths as tensors.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from vdtrain.decode.sampling import (
     split_cfg,
 )
 from vdtrain.decode.trees import DraftTree, ancestor_matrix
-from vdtrain.decode.vvs import VerificationSchedule, unverified_path
+from vdtrain.decode.vvs import StepPlan, VerificationSchedule
 from vdtrain.drafter import Drafter, teacher_mask
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Condition, Target
@@ -240,8 +241,7 @@ class SpeculativeEngine:
             fcache=None,
         )
         self.builder.reset(batch)
-        schedule.reset(batch)
-        last_skipped, step_no = [False] * batch, [0] * batch
+        schedule.reset(batch, device)
 
         # Prefill the target, sample x_0 like AR, and catch the drafter up on the prefix.
         pre = target.prefill(stream, run.tcache)
@@ -283,48 +283,36 @@ class SpeculativeEngine:
             tree = self.builder.build(self, state)
             tree.valid = tree.valid & (active[:, None] | (torch.arange(tree.size, device=device) == 0)[None])
             tree_calls = run.draft_calls - calls_before
-            skipped = torch.zeros(batch, dtype=torch.bool, device=device)
-            if skipping:
-                skip = self._wants_skip(tree, active, last_skipped, step_no)
-                skipped = torch.tensor(skip, device=device)
-            verify = active & ~skipped
+            plan = schedule.plan(tree, active, committed, run.pending)
+            verify = plan.verify
             roots_at = committed - 1
             depth = tree.max_depth()
             verdict = None
             commit_calls = 0
-            if not skipping or bool(verify.any()):
-                lead = torch.where(verify, run.pending, 0) if skipping else None
-                hidden, p_nodes, p_relax = self._verify(tree, lead)
+            if plan.any_verify:  # every prompt skipping: no target forward
+                hidden, p_nodes, p_relax = self._verify(tree, plan.lead if plan.any_lead else None)
                 verdict = self._accept(tree, p_nodes, p_relax)
                 self.builder.observe(tree, verdict, verify, p_nodes, roots_at)
                 calls_before = run.draft_calls
                 root_feats, root_logits = self._commit(
-                    tree, verdict, verify, hidden, lead, root_feats, root_logits
+                    tree, verdict, verify, hidden, plan.lead, root_feats, root_logits
                 )
                 commit_calls = run.draft_calls - calls_before
             skip_calls = tree_calls
             skip_committed = torch.zeros_like(committed)
-            if skipping and any(skip):
-                picks = {b: unverified_path(tree, b, generators[b]) for b in range(batch) if skip[b]}
+            if plan.any_skip:
                 calls_before = run.draft_calls
-                root_feats, root_logits = self._commit_unverified(tree, picks, root_feats, root_logits)
+                root_feats, root_logits, skip_committed = self._commit_unverified(
+                    tree, plan, root_feats, root_logits
+                )
                 skip_calls += run.draft_calls - calls_before
-                for b, nodes in picks.items():
-                    skip_committed[b] = len(nodes)
-                run.pending = torch.where(skipped, skip_committed, torch.where(verify, 0, run.pending))
-                last_skipped = [
-                    s if a else ls for s, a, ls in zip(skip, active.tolist(), last_skipped, strict=True)
-                ]
-            elif skipping:
-                run.pending = torch.where(verify, 0, run.pending)
-                last_skipped = [
-                    False if a else ls for a, ls in zip(active.tolist(), last_skipped, strict=True)
-                ]
+            if plan.skipped is not None:
+                run.pending = torch.where(plan.skipped, skip_committed, torch.where(verify, 0, run.pending))
             accepted = verdict.accepted if verdict is not None else torch.zeros_like(committed)
             run.logs.append(
                 _StepLog(
                     verified=verify,
-                    skipped=skipped,
+                    skipped=plan.skipped if plan.skipped is not None else torch.zeros_like(verify),
                     committed=torch.where(verify, accepted + 1, skip_committed),
                     depth=depth,
                     root=roots_at,
@@ -339,21 +327,6 @@ class SpeculativeEngine:
                 on_step(run.tcache, committed, run.out[:, :n_img])
         tokens = run.out[:, :n_img].clone()
         return DecodeResult(tokens, self._stats(prefill_calls), time.perf_counter() - start_time)
-
-    def _wants_skip(
-        self, tree: DraftTree, active: torch.Tensor, last_skipped: list[bool], step_no: list[int]
-    ):
-        """VVS: which prompts skip this step's verification (per-prompt host work)."""
-        has_draft = tree.valid[:, 1:].any(dim=1).tolist()
-        skip = [False] * len(has_draft)
-        for b, is_active in enumerate(active.tolist()):
-            if not is_active:
-                continue
-            step_no[b] += 1
-            # Never two skips in a row; a tree without drafts (the last token) needs the target.
-            if not last_skipped[b] and has_draft[b]:
-                skip[b] = self.schedule.wants_skip(tree, b, step_no[b])
-        return skip
 
     def _stats(self, prefill_calls: int) -> list[DecodeStats]:
         """Per-prompt ``DecodeStats`` from the step logs: one read of the device for the whole decode."""
@@ -408,7 +381,7 @@ class SpeculativeEngine:
         first: row ``b`` is [those tokens ⊕ its tree ⊕ padding]; ``hidden`` covers all ``S`` rows, ``p``
         the tree nodes. Without a lead this is the plain forward over the trees alone."""
         run, target = self.run, self.target
-        if lead is None or not bool(lead.any()):
+        if lead is None:
             return self._verify_tree(tree)
         streams, size = run.streams, tree.size
         committed, device = run.committed, run.committed.device
@@ -519,39 +492,44 @@ class SpeculativeEngine:
             torch.where(keep, logits.gather(1, last.expand(-1, 1, logits.shape[-1])).squeeze(1), root_logits),
         )
 
-    def _commit_unverified(self, tree, picks, root_feats, root_logits):
-        """VVS skipped step: commit ``picks[b]`` (tree nodes, depth 1 first) without the target.
+    def _commit_unverified(self, tree: DraftTree, plan: StepPlan, root_feats, root_logits):
+        """VVS skipped step: the prompts in ``plan.skipped`` commit the schedule's path (γ nodes, depth 1
+        first) without the target, in fixed shapes (D rows per prompt, D = the path bound).
 
         The drafter rows of the new tokens' predecessors (the old root and the picked drafts but the
         last) get *stale* features: the most recent cached target features, as many as tokens committed
         (VVS §4.3). With γ tokens committed after ``m``, row ``L+m−1+j`` (j < γ) pairs the cached feature
         of slot ``L+m−1−γ+j`` with the embedding of the token at slot ``L+m+j``; slots before 0 (a skip
         right after the prefill, γ > L) read slot 0. The target KV is left alone: the next verified step
-        post-verifies the tokens. Returns the root feature/logits with the skipped prompts' rows replaced.
-        """
-        run = self.run
-        committed, out, fcache = run.committed, run.out, run.fcache
-        batch, device, prefix = run.batch, committed.device, self.target.prefix_length
-        longest = max(len(nodes) for nodes in picks.values())
+        post-verifies the tokens. Rows of the other prompts, and rows past γ, land in drafter scratch
+        slots past the committed ones (never read). Returns the root feature/logits with the skipped
+        prompts' rows replaced, and the tokens committed per prompt [B] (0 where not skipped)."""
+        run, target = self.run, self.target
+        committed, fcache, streams = run.committed, run.fcache, run.streams
+        device, prefix = committed.device, target.prefix_length
+        nodes, gamma = self.schedule.unverified_paths(tree, plan, run.rng)
+        gamma = torch.where(plan.skipped, gamma, 0)
+        width = nodes.shape[1]
+        j = torch.arange(width, device=device)[None]  # [1, D]
+        at = committed[:, None] + j
+        write = j < gamma[:, None]
+        run.out.scatter_(1, at, torch.where(write, tree.tokens.gather(1, nodes), run.out.gather(1, at)))
+        rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
+        stale = (prefix + committed[:, None] - 1 - gamma[:, None] + j).clamp(0, fcache.shape[1] - 1)
+        feats = fcache.gather(1, rep(stale)[..., None].expand(-1, -1, fcache.shape[-1]))
         base = committed - 1  # image slot of the root, the first row's token
-        feats = fcache.new_zeros(batch * run.streams, longest, fcache.shape[-1])
-        new_tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
-        for b, nodes in picks.items():
-            g, m = len(nodes), int(committed[b])
-            seq = tree.tokens[b, nodes]
-            out[b, m : m + g] = seq
-            new_tokens[b, :g] = seq
-            stale = (prefix + m - 1 - g + torch.arange(g, device=device)).clamp_min(0)
-            feats[b::batch, :g] = fcache[b::batch][:, stale]
-        slots = prefix + base[:, None] + torch.arange(longest, device=device)[None, :]
-        positions = slots.clamp_max(self.target.max_seq_len - 1)
-        causal = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
-        vis = self._visibility(base, base, causal.expand(batch, -1, -1), int(base.max()) + longest)
-        f_hat, logits = self.drafter_rows(feats, new_tokens, positions, slots, vis)
-        root_feats, root_logits = root_feats.clone(), root_logits.clone()
-        for b, nodes in picks.items():
-            g = len(nodes)
-            root_feats[b::batch] = f_hat[b::batch, g - 1]
-            root_logits[b::batch] = logits[b::batch, g - 1]
-            committed[b] += g
-        return root_feats, root_logits
+        slots = prefix + base[:, None] + j
+        positions = slots.clamp_max(target.max_seq_len - 1)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        vis = self._visibility(
+            base, base, causal.expand(run.batch, -1, -1), target.num_image_tokens - 1 + width
+        )
+        f_hat, logits = self.drafter_rows(feats, run.out.gather(1, at), positions, slots, vis)
+        last = rep((gamma - 1).clamp_min(0))[:, None, None]
+        keep = rep(plan.skipped)[:, None]
+        committed += gamma
+        return (
+            torch.where(keep, f_hat.gather(1, last.expand(-1, 1, f_hat.shape[-1])).squeeze(1), root_feats),
+            torch.where(keep, logits.gather(1, last.expand(-1, 1, logits.shape[-1])).squeeze(1), root_logits),
+            gamma,
+        )

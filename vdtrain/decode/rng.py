@@ -40,6 +40,7 @@ class Purpose(IntEnum):
     SHAPE = 4  # PEANUT's random initialisation of a tree's (depth, width)
     CONTINUE = 5  # SJD-PAC's continuation: per later position a keep test and a redraw
     REFINE = 6  # SJD's refinement: per window position a redraw from the distribution just computed
+    PATH = 7  # VVS: the root-to-leaf path a skipped step commits
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,23 @@
 """VVS: partial verification skipping (ALGORITHMS.md §8), the engine's third part — the *schedule*.
 
-After a tree ``C_t`` is drafted the schedule says whether the step is verified. ``always`` (the default)
-verifies every step, which is the plain engine, bit for bit. The skipping schedules are lossy:
+After a tree ``C_t`` is drafted the schedule says, for every prompt at once, whether the step is
+verified (``VerificationSchedule.plan``). ``always`` (the default) verifies every step, which is the
+plain engine, bit for bit and op for op. The skipping schedules are lossy:
 
 - ``UniformSchedule(every)``: the ``every``-th step of a prompt is skipped (after ``every − 1`` verified
   steps, VVS §4.4); ``every = 1`` asks to skip every step;
 - ``SimilaritySchedule``: skip when S̄ ≥ ``t_sim`` (VVS Eq. 2, Algorithm 1, ``path_similarity``).
 
-The engine, not the schedule, enforces the hard rules: never two skips in a row (VVS §4.1) and never a
-skip of a tree with no drafted token (the last image token needs the target). A skipped step commits
-``unverified_path`` (one root-to-leaf path drawn uniformly, truncated to γ = min(L_s, ⌊L̄⌋), VVS Eq. 1)
-without a target forward; the next verified step post-verifies those tokens in the same target forward
-as its tree (``SpeculativeEngine._verify``).
+The hard rules hold for every skipping schedule (``SkippingSchedule.plan``): never two skips in a row
+(VVS §4.1) and never a skip of a tree with no drafted token (the last image token needs the target). A
+skipped step commits ``unverified_paths`` (one root-to-leaf path drawn uniformly, truncated to
+γ = min(L_s, ⌊L̄⌋), VVS Eq. 1) without a target forward; the next verified step post-verifies those
+tokens in the same target forward as its tree (``SpeculativeEngine._verify``).
+
+Everything here is batched tensor work with shapes fixed by the tree (no read of the device); the plan
+reads the device once, for the three decisions the loop must take on the host: does any prompt verify
+(else no target forward runs), does any verified prompt have unverified tokens to feed first, does any
+prompt skip.
 
 Our reading of the similarity score S̄ (the paper gives the formula, not every detail):
 
@@ -30,124 +36,182 @@ Our reading of the similarity score S̄ (the paper gives the formula, not every 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from vdtrain.decode.trees import DraftTree
+from vdtrain.decode.rng import Purpose, RowRandom
+from vdtrain.decode.trees import DraftTree, ancestor_matrix
 
 
-def leaf_paths(tree: DraftTree, row: int) -> list[list[int]]:
-    """Root-to-leaf paths of row ``row``'s valid tree as node lists (depth 1 first, root excluded),
-    ordered by leaf node index. A tree with no valid draft has no path."""
-    parents, valid = tree.parents[row].tolist(), tree.valid[row].tolist()
-    has_child = [False] * len(parents)
-    for i in range(1, len(parents)):
-        if valid[i]:
-            has_child[parents[i]] = True
-    paths = []
-    for leaf in range(1, len(parents)):
-        if valid[leaf] and not has_child[leaf]:
-            path, node = [], leaf
-            while node > 0:
-                path.append(node)
-                node = parents[node]
-            paths.append(path[::-1])
-    return paths
+@dataclass
+class StepPlan:
+    """One step's verification plan for the batch. ``skipped`` and ``lead`` are None for a schedule
+    that never skips (no tensor work at all); the three flags are host booleans read in one go."""
+
+    verify: torch.Tensor  # [B] bool: prompts verified this step
+    skipped: torch.Tensor | None  # [B] bool: prompts committing a drafted path without the target
+    lead: torch.Tensor | None  # [B]: unverified tokens fed before each verified tree (0 elsewhere)
+    any_verify: bool = True  # a target forward is needed
+    any_lead: bool = False  # some verified prompt post-verifies tokens (the forward feeds a chain)
+    any_skip: bool = False  # some prompt commits an unverified path
+    paths: LeafPaths | None = None  # the trees' leaf paths (skipping schedules), for the path pick
 
 
-def truncation_length(paths: Sequence[Sequence[int]], chosen: int) -> int:
-    """γ = min(L_s, ⌊L̄⌋) (VVS Eq. 1): L_s = drafted tokens on the chosen path, L̄ = mean over all paths."""
-    mean_floor = sum(len(p) for p in paths) // len(paths)  # integer floor: no 2.9999 surprises
-    return min(len(paths[chosen]), mean_floor)
+@dataclass
+class LeafPaths:
+    """Every row's root-to-leaf paths as tensors: ``nodes[b, i, ℓ]`` is the depth-``ℓ + 1`` node on the
+    path ending at node ``i`` (meaningful where ``is_leaf[b, i]`` and ``ℓ < depth[b, i]``)."""
+
+    is_leaf: torch.Tensor  # [B, T] bool: valid drafted nodes with no valid child
+    nodes: torch.Tensor  # [B, T, D] long
+    on_path: torch.Tensor  # [B, T, D] bool: the path ending at i reaches depth ℓ + 1
+    count: torch.Tensor  # [B] leaves (paths)
+    mean_floor: torch.Tensor  # [B] ⌊L̄⌋: mean path length (drafted tokens), floored; 0 without paths
 
 
-def unverified_path(tree: DraftTree, row: int, generator: torch.Generator | None) -> list[int]:
-    """The nodes a skipped step commits: a path drawn uniformly among the root-to-leaf paths with the
-    prompt's generator, truncated to γ. Empty when the tree has no draft (the engine then verifies)."""
-    paths = leaf_paths(tree, row)
-    if not paths:
-        return []
-    device = generator.device if generator is not None else "cpu"
-    chosen = int(torch.randint(len(paths), (), generator=generator, device=device))
-    return paths[chosen][: truncation_length(paths, chosen)]
+def leaf_paths(tree: DraftTree) -> LeafPaths:
+    """Root-to-leaf paths of every row's valid tree, ordered by leaf node index, the root excluded."""
+    size, device = tree.size, tree.parents.device
+    levels = max(1, min(tree.depth_bound or size - 1, size - 1))
+    index = torch.arange(size, device=device)
+    drafted = tree.valid & (index > 0)[None]
+    parent_of_valid = torch.where(drafted, tree.parents, size)  # the root's -1 and padding → spare column
+    has_child = torch.zeros(tree.parents.shape[0], size + 1, dtype=torch.bool, device=device)
+    has_child.scatter_(1, parent_of_valid, True)
+    is_leaf = drafted & ~has_child[:, :size]
+    anc = ancestor_matrix(tree.parents) & drafted[:, None, :]  # [B, T, T]: drafted ancestors, self included
+    depth = torch.arange(1, levels + 1, device=device)
+    at_level = anc[:, :, None, :] & (tree.depths[:, None, None, :] == depth[None, None, :, None])  # [B,T,D,T]
+    nodes = (at_level.long() * index).sum(-1)
+    on_path = at_level.any(-1)
+    count = is_leaf.long().sum(1)
+    lengths = torch.where(is_leaf, tree.depths, 0).sum(1)
+    mean_floor = torch.div(lengths, count.clamp_min(1), rounding_mode="floor")
+    return LeafPaths(is_leaf, nodes, on_path, count, mean_floor)
+
+
+def unverified_paths(tree: DraftTree, paths: LeafPaths, uniform: torch.Tensor):
+    """The nodes a skipped step commits: per row, a root-to-leaf path drawn uniformly with ``uniform``
+    [B] in [0, 1), truncated to γ = min(L_s, ⌊L̄⌋) (VVS Eq. 1). Returns (nodes [B, D], γ [B]); γ is 0
+    for a row without drafts."""
+    rank = paths.is_leaf.long().cumsum(1) - 1
+    pick = (uniform * paths.count).floor().long().clamp_max(paths.count - 1)
+    leaf = (paths.is_leaf & (rank == pick[:, None])).long().argmax(1)  # [B]
+    depth = paths.nodes.shape[2]
+    nodes = paths.nodes.gather(1, leaf[:, None, None].expand(-1, 1, depth)).squeeze(1)
+    length = tree.depths.gather(1, leaf[:, None]).squeeze(1)
+    gamma = torch.where(paths.count > 0, torch.minimum(length, paths.mean_floor), 0)
+    return nodes, gamma
 
 
 def path_similarity(
-    paths: Sequence[Sequence[int]], codebook: torch.Tensor, alpha: float, stride: int = 2
-) -> float:
-    """S̄ of candidate token paths (token ids, depth 1 first) against ``codebook`` [V, d] (module doc)."""
-    kept = list(paths)[::stride]
-    if len(kept) < 2:
-        kept = list(paths)
-    if len(kept) < 2:
-        return 1.0
-    unit = F.normalize(codebook.float(), dim=-1)
-    total = weights = 0.0
-    for level in range(max(len(p) for p in kept)):
-        tokens = [p[level] for p in kept if len(p) > level]
-        n = len(tokens)
-        if n < 2:
-            break  # deeper levels are reached by fewer paths still
-        e = unit[torch.tensor(tokens, device=unit.device)]
-        gram = e @ e.T
-        mean = float((gram.sum() - gram.diagonal().sum()) / (n * (n - 1)))
-        total += alpha**level * mean
-        weights += alpha**level
-    return total / weights
+    tree: DraftTree, paths: LeafPaths, unit: torch.Tensor, alpha: float, stride: int = 2
+) -> torch.Tensor:
+    """S̄ [B] of every row's candidate paths against the L2-normalised codebook ``unit`` [V, d] (module
+    doc). Pairwise means come from sums: Σ_{i≠j} e_i·e_j = |Σ_i e_i|² − Σ_i |e_i|²."""
+    rank = paths.is_leaf.long().cumsum(1) - 1
+    kept = paths.is_leaf & (rank % stride == 0)
+    kept = torch.where((kept.long().sum(1) < 2)[:, None], paths.is_leaf, kept)
+    member = kept[:, :, None] & paths.on_path  # [B, T, D]
+    tokens = tree.tokens.gather(1, paths.nodes.flatten(1)).view_as(paths.nodes)
+    vectors = unit[tokens] * member[..., None]  # [B, T, D, d]
+    n = member.long().sum(1).double()  # [B, D]
+    total = vectors.sum(1)
+    pair_sum = (total * total).sum(-1).double() - (vectors * vectors).sum((1, -1)).double()
+    reached = n >= 2
+    mean = pair_sum / (n * (n - 1)).clamp_min(1)
+    weights = alpha ** torch.arange(n.shape[1], device=n.device, dtype=torch.float64) * reached
+    score = (weights * mean).sum(1) / weights.sum(1).clamp_min(1e-300)
+    return torch.where(reached[:, 0], score, 1.0)  # fewer than two paths: a chain, S̄ = 1
 
 
 class VerificationSchedule:
-    """``always``: every step is verified (the plain engine)."""
+    """``always``: every step is verified (the plain engine; its plan costs no tensor op)."""
 
     can_skip: ClassVar[bool] = False
 
-    def reset(self, batch: int) -> None:
+    def reset(self, batch: int, device: torch.device | str | None = None) -> None:
         """A new ``generate`` call with ``batch`` prompts begins."""
 
-    def wants_skip(self, tree: DraftTree, row: int, step: int) -> bool:
-        """Whether prompt ``row`` would skip its ``step``-th step (1-based, skipped steps counted). The
-        engine asks only when a skip is allowed (the previous step was verified, the tree has drafts)."""
-        return False
+    def plan(
+        self, tree: DraftTree, active: torch.Tensor, committed: torch.Tensor, pending: torch.Tensor
+    ) -> StepPlan:
+        """Which of the ``active`` prompts verify this step; ``committed`` [B] tokens so far, of which
+        the last ``pending`` [B] are unverified (a skip's path)."""
+        return StepPlan(verify=active, skipped=None, lead=None)
+
+    def unverified_paths(
+        self, tree: DraftTree, plan: StepPlan, rng: RowRandom
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(nodes [B, D], γ [B]) of the path each prompt would commit without verification."""
+        raise NotImplementedError(f"{type(self).__name__} never skips a step")
 
 
-class UniformSchedule(VerificationSchedule):
-    """Skip every ``every``-th step of each prompt (VVS-U, i ∈ {2, 3, 4} in the paper)."""
+class SkippingSchedule(VerificationSchedule):
+    """A schedule that skips; subclasses say which prompts *want* to, the hard rules decide."""
 
     can_skip = True
 
+    def wants_skip(self, tree: DraftTree, paths: LeafPaths, active: torch.Tensor, allowed: torch.Tensor):
+        """[B] bool: the prompts that would skip; only read where ``allowed``."""
+        raise NotImplementedError
+
+    def plan(self, tree, active, committed, pending) -> StepPlan:
+        # Never two skips in a row (pending > 0: the last step was a skip); a tree without drafts (the
+        # last image token) needs the target.
+        paths = leaf_paths(tree)
+        allowed = active & (pending == 0) & (paths.count > 0)
+        skipped = allowed & self.wants_skip(tree, paths, active, allowed)
+        verify = active & ~skipped
+        lead = torch.where(verify, pending, 0)
+        flags = torch.stack([verify.any(), (lead > 0).any(), skipped.any()]).tolist()  # the one read
+        return StepPlan(verify, skipped, lead, *flags, paths=paths)
+
+    def unverified_paths(self, tree: DraftTree, plan: StepPlan, rng: RowRandom):
+        return unverified_paths(tree, plan.paths, rng.uniform(Purpose.PATH, 1)[:, 0])
+
+
+class UniformSchedule(SkippingSchedule):
+    """Skip every ``every``-th step of each prompt (VVS-U, i ∈ {2, 3, 4} in the paper)."""
+
     def __init__(self, every: int) -> None:
+        super().__init__()
         if every < 1:
             raise ValueError(f"the uniform schedule needs every >= 1, got every={every}")
         self.every = every
+        self.steps: torch.Tensor | None = None
 
-    def wants_skip(self, tree: DraftTree, row: int, step: int) -> bool:
-        return step % self.every == 0
+    def reset(self, batch: int, device: torch.device | str | None = None) -> None:
+        self.steps = torch.zeros(batch, dtype=torch.long, device=device)  # steps taken, skips counted
+
+    def wants_skip(self, tree, paths, active, allowed) -> torch.Tensor:
+        self.steps = self.steps + active.long()
+        return self.steps % self.every == 0
 
 
-class SimilaritySchedule(VerificationSchedule):
+class SimilaritySchedule(SkippingSchedule):
     """Skip when the candidate paths' similarity S̄ reaches ``t_sim`` (VVS-D, Algorithm 1)."""
 
-    can_skip = True
-
     def __init__(self, codebook: torch.Tensor, t_sim: float, alpha: float, stride: int = 2) -> None:
+        super().__init__()
         if alpha <= 0 or stride < 1:
             raise ValueError(f"the similarity schedule needs alpha > 0, stride >= 1: got {alpha}, {stride}")
-        self.codebook, self.t_sim, self.alpha, self.stride = codebook, t_sim, alpha, stride
-        self.scores: list[list[float]] = []
+        self.unit = F.normalize(codebook.float(), dim=-1)
+        self.t_sim, self.alpha, self.stride = t_sim, alpha, stride
+        self.scores: list[torch.Tensor] = []
 
-    def reset(self, batch: int) -> None:
-        self.scores = [[] for _ in range(batch)]  # S̄ of every scored tree, per prompt (diagnostics)
+    def reset(self, batch: int, device: torch.device | str | None = None) -> None:
+        self.scores = []  # per step: S̄ [B] where a skip was allowed, NaN elsewhere (diagnostics)
 
-    def score(self, tree: DraftTree, row: int) -> float:
-        tokens = tree.tokens[row].tolist()
-        paths = [[tokens[i] for i in p] for p in leaf_paths(tree, row)]
-        return path_similarity(paths, self.codebook, self.alpha, self.stride)
+    def score(self, tree: DraftTree, paths: LeafPaths | None = None) -> torch.Tensor:
+        """S̄ [B] of every row's tree."""
+        paths = leaf_paths(tree) if paths is None else paths
+        return path_similarity(tree, paths, self.unit, self.alpha, self.stride)
 
-    def wants_skip(self, tree: DraftTree, row: int, step: int) -> bool:
-        s = self.score(tree, row)
-        if row < len(self.scores):
-            self.scores[row].append(s)
+    def wants_skip(self, tree, paths, active, allowed) -> torch.Tensor:
+        s = self.score(tree, paths)
+        self.scores.append(torch.where(allowed, s, torch.nan))
         return s >= self.t_sim
