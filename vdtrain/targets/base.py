@@ -208,8 +208,11 @@ class Target(nn.Module, ABC):
         ``image_visibility`` [B, S, K] says which of the first K image slots each token attends to.
         """
 
-    def causal_visibility(self, start: int, length: int, device: torch.device | str) -> torch.Tensor:
-        """Visibility [1, length, start + length] for tokens at image slots ``start ..`` (AR decoding)."""
+    def causal_visibility(
+        self, start: int, length: int, device: torch.device | str, width: int | None = None
+    ) -> torch.Tensor:
+        """Visibility [1, length, width] for tokens at image slots ``start ..`` (AR decoding); ``width``
+        (default ``start + length``) fixes the shape, e.g. to the whole image so every step has one."""
         q = torch.arange(start, start + length, device=device)[:, None]
-        k = torch.arange(start + length, device=device)[None, :]
+        k = torch.arange(start + length if width is None else width, device=device)[None, :]
         return (k <= q)[None]
