@@ -74,6 +74,7 @@ class Trace:
         self.before = [1] * batch
         self.kinds: list[list[str]] = [[] for _ in range(batch)]
         self.forced: list[list[bool]] = [[] for _ in range(batch)]
+        self.starts: list[list[int]] = [[] for _ in range(batch)]  # tokens committed before each step
 
     def __call__(self, cache, committed, tokens) -> None:
         for b, m in enumerate(committed.tolist()):
@@ -81,6 +82,7 @@ class Trace:
                 continue
             self.kinds[b].append("S" if int(self.engine.run.pending[b]) > 0 else "V")
             self.forced[b].append(self.before[b] == self.n_img - 1)  # no draft possible: must verify
+            self.starts[b].append(self.before[b])
             self.before[b] = m
 
 
@@ -127,6 +129,30 @@ def test_uniform_schedule_skips_every_ith_step():
     for kinds in trace.kinds:
         text = "".join(kinds)
         assert len(text) >= 6 and text[:6] == "VVSVVS"
+
+
+def test_the_releases_uniform_phase_and_warmup():
+    """The release skips step s (0-based) when s % every == 1, and never while <= 6 tokens are
+    committed; ours skips when s % every == every − 1, from the first step on."""
+    target = make_target()
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+
+    def trace(schedule):
+        builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
+        engine = SpeculativeEngine(target, make_drafter(target), builder, sampling, schedule=schedule)
+        return run_traced(engine, tiny_condition(), generators(2))[1]
+
+    for kinds in trace(UniformSchedule(3, phase=1)).kinds:
+        assert "".join(kinds)[:6] == "VSVVSV"
+    warm = trace(UniformSchedule(2, phase=1, warmup=6))
+    for kinds, starts in zip(warm.kinds, warm.starts, strict=True):
+        skipped_at = [m for k, m in zip(kinds, starts, strict=True) if k == "S"]
+        assert skipped_at and min(skipped_at) > 6
+        first = next(i for i, m in enumerate(starts) if m > 6)  # the first step allowed to skip
+        assert kinds[:first] == ["V"] * first
+    ours = trace(UniformSchedule(2))  # phase every − 1 = 1 as well, but no warm-up
+    for kinds, starts in zip(ours.kinds, ours.starts, strict=True):
+        assert kinds[:2] == ["V", "S"] and starts[1] <= 5  # a depth-3 tree commits at most 4 tokens
 
 
 # --- a never-skipping schedule is the base method ------------------------------------------------------
@@ -443,6 +469,14 @@ def test_similarity_score_on_a_hand_made_codebook():
     assert math.isclose(float(path_similarity(tree, paths, unit, alpha, stride=4)[0]), expected, rel_tol=1e-6)
     chain = tree_of_paths([[0, 1]])
     assert float(path_similarity(chain, leaf_paths(chain), unit, alpha)[0]) == 1.0  # no alternative path
+    # The release's formula: w_ℓ = α^ℓ / (1 + α) over the longest path (2 levels), each pair's weighted
+    # sum with a missing position counted 0, averaged over the 6 pairs.
+    release = ((r - 1) + alpha * 1) / (1 + alpha) / 6  # level 0 pair sum r − 1, level 1 pair sum 1
+    got = float(path_similarity(tree, paths, unit, alpha, 1, formula="release", few_paths="verify")[0])
+    assert math.isclose(got, release, rel_tol=1e-6)
+    # Fewer than two kept paths: the release verifies (S̄ = 0) without falling back to all paths.
+    assert float(path_similarity(tree, paths, unit, alpha, 4, few_paths="verify")[0]) == 0.0
+    assert float(path_similarity(chain, leaf_paths(chain), unit, alpha, few_paths="verify")[0]) == 0.0
     # The schedule reads the tree's tokens along its paths (shared prefixes compare equal tokens).
     shared = DraftTree(
         torch.tensor([[0, 0, 2, 1, 3]]),
@@ -457,14 +491,36 @@ def test_similarity_score_on_a_hand_made_codebook():
     assert math.isclose(float(schedule.score(shared)[0]), want, rel_tol=1e-6)
 
 
-def test_batched_paths_and_scores_match_the_per_prompt_reference():
+def release_similarity(paths: list[list[int]], codebook: torch.Tensor, alpha: float, stride: int) -> float:
+    """Per-prompt host reference of the release's S̄ (HyattDD/VVS ``compute_similarity_pytorch_jit``,
+    rewritten): every ``stride``-th path; per pair Σ_ℓ w_ℓ cos_ℓ over positions both paths have,
+    w_ℓ = α^ℓ normalised over the longest path; the mean over pairs; 0 with fewer than two paths."""
+    kept = paths[::stride]
+    if len(kept) < 2:
+        return 0.0
+    unit = torch.nn.functional.normalize(codebook.double(), dim=-1)
+    longest = max(len(p) for p in kept)
+    w = [alpha**level / sum(alpha**k for k in range(longest)) for level in range(longest)]
+    sims = [
+        sum(w[ell] * float(unit[a[ell]] @ unit[b[ell]]) for ell in range(min(len(a), len(b))))
+        for i, a in enumerate(kept)
+        for b in kept[i + 1 :]
+    ]
+    return sum(sims) / len(sims)
+
+
+@pytest.mark.parametrize("formula", ["level_mean", "release"])
+def test_batched_paths_and_scores_match_the_per_prompt_reference(formula):
     """Real dynamic trees (random drafter, several prompts at different progress): leaf paths, ⌊L̄⌋,
-    the picked path and S̄ equal a per-prompt host computation."""
+    the picked path and S̄ (ours and the release's) equal a per-prompt host computation."""
     target = make_target()
     drafter = make_drafter(target)
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
     builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
-    schedule = SimilaritySchedule(target.tokenizer.codebook(), t_sim=2.0, alpha=0.8, stride=2)
+    few = "skip" if formula == "level_mean" else "verify"
+    codebook = target.tokenizer.codebook()
+    schedule = SimilaritySchedule(codebook, t_sim=2.0, alpha=0.8, stride=2, formula=formula, few_paths=few)
+    reference = reference_similarity if formula == "level_mean" else release_similarity
     engine = SpeculativeEngine(target, drafter, builder, sampling, schedule=schedule)
     seen = []
     plan = schedule.plan
@@ -486,7 +542,7 @@ def test_batched_paths_and_scores_match_the_per_prompt_reference():
             assert nodes[b, : int(gamma[b])].tolist() == want
             tokens = tree.tokens[b].tolist()
             token_paths = [[tokens[i] for i in p] for p in ref]
-            want_s = reference_similarity(token_paths, target.tokenizer.codebook(), 0.8, 2)
+            want_s = reference(token_paths, codebook, 0.8, 2)
             assert math.isclose(float(scores[b]), want_s, rel_tol=1e-5, abs_tol=1e-6)
             seen.append(len(ref))
         return out
@@ -502,7 +558,9 @@ def test_batched_paths_and_scores_match_the_per_prompt_reference():
 def test_every_preset_has_a_valid_schedule():
     for path in sorted((CONF / "decode").glob("*.yaml")):
         config = decode_config(OmegaConf.load(path))
-        want = {"vvs": "similarity", "vvs_uniform": "uniform"}.get(path.stem, "always")
+        want = {"vvs": "similarity", "vvs_release": "similarity", "vvs_uniform": "uniform"}.get(
+            path.stem, "always"
+        )
         assert config.schedule.kind == want, path.stem
     vvs = decode_config(OmegaConf.load(CONF / "decode" / "vvs.yaml"))
     assert (vvs.tree.kind, vvs.acceptance.kind, vvs.acceptance.delta, vvs.acceptance.k) == (
@@ -512,6 +570,13 @@ def test_every_preset_has_a_valid_schedule():
         1000,
     )
     assert (vvs.schedule.t_sim, vvs.schedule.stride) == (0.7, 2)
+    # Ours vs the release (docs/decoding.md, VVS): the same method but for the knobs of issue #16.
+    release = decode_config(OmegaConf.load(CONF / "decode" / "vvs_release.yaml"))
+    assert (vvs.tree.depth, release.tree.depth) == (5, 4)  # 6 vs 5 draft levels
+    assert release.acceptance == vvs.acceptance and release.schedule.t_sim == vvs.schedule.t_sim
+    knobs = lambda s: (s.formula, s.alpha, s.few_paths, s.warmup)  # noqa: E731
+    assert knobs(vvs.schedule) == ("level_mean", 0.8, "skip", 0)
+    assert knobs(release.schedule) == ("release", 0.9, "verify", 6)
 
 
 def test_bad_schedules_are_refused():
@@ -520,3 +585,11 @@ def test_bad_schedules_are_refused():
         verification_schedule(ScheduleConfig(kind="sometimes"), target)
     with pytest.raises(ValueError, match="every >= 1"):
         verification_schedule(ScheduleConfig(kind="uniform", every=0), target)
+    with pytest.raises(ValueError, match=r"phase must be in \[0, every=2\), got 2"):
+        verification_schedule(ScheduleConfig(kind="uniform", every=2, phase=2), target)
+    with pytest.raises(ValueError, match="warmup counts committed tokens"):
+        verification_schedule(ScheduleConfig(kind="uniform", warmup=-1), target)
+    with pytest.raises(ValueError, match="unknown similarity formula 'paper'"):
+        verification_schedule(ScheduleConfig(kind="similarity", formula="paper"), target)
+    with pytest.raises(ValueError, match="unknown few_paths rule 'never'"):
+        verification_schedule(ScheduleConfig(kind="similarity", few_paths="never"), target)

@@ -89,6 +89,11 @@ class ScheduleConfig:
     t_sim: float = 0.7  # similarity: skip when the paths' similarity S̄ >= t_sim (paper: 0.65 - 0.8)
     alpha: float = 0.8  # similarity: depth decay of the weights w_l ∝ alpha^l (not given by the paper)
     stride: int = 2  # similarity: keep every `stride`-th candidate path
+    # Where the authors' release (HyattDD/VVS) differs (docs/decoding.md, VVS; preset vvs_release):
+    phase: int | None = None  # uniform: skip step s (from 0) if s % every == phase; null: every-1 (release 1)
+    formula: str = "level_mean"  # similarity: level_mean (ours) | release (0.9^l over longest path, gaps 0)
+    few_paths: str = "skip"  # similarity: < 2 candidate paths: skip (ours, S̄ = 1) | verify (release, S̄ = 0)
+    warmup: int = 0  # uniform, similarity: no skip while <= warmup image tokens are committed (release: 6)
 
 
 @dataclass
@@ -163,10 +168,18 @@ def verification_schedule(config: ScheduleConfig, target: Target) -> Verificatio
     if config.kind == "always":
         return VerificationSchedule()
     if config.kind == "uniform":
-        return UniformSchedule(config.every)
+        return UniformSchedule(config.every, config.phase, config.warmup)
     if config.kind == "similarity":
         codebook = target.tokenizer.codebook().to(target.token_embedding.weight.device)
-        return SimilaritySchedule(codebook, config.t_sim, config.alpha, config.stride)
+        return SimilaritySchedule(
+            codebook,
+            config.t_sim,
+            config.alpha,
+            config.stride,
+            formula=config.formula,
+            few_paths=config.few_paths,
+            warmup=config.warmup,
+        )
     raise ValueError(f"unknown schedule kind {config.kind!r}; use always, uniform or similarity")
 
 

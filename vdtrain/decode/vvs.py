@@ -32,6 +32,10 @@ Our reading of the similarity score S̄ (the paper gives the formula, not every 
   tokens there (similarity 1);
 - S̄ = Σ_ℓ w_ℓ S^(ℓ), w_ℓ = α^ℓ / Σ_k α^k over the levels ℓ = 0 … L − 1 that at least two kept paths reach;
 - fewer than two paths (a chain): S̄ = 1 — there is no alternative path the target could pick.
+
+Where the authors' release (HyattDD/VVS) differs, knobs give its behaviour with our defaults kept:
+``formula="release"``, ``few_paths="verify"``, ``warmup``, the uniform ``phase`` (and α, the tree depth);
+docs/decoding.md (VVS) has the table, ``conf/decode/vvs_release.yaml`` the settings.
 """
 
 from __future__ import annotations
@@ -107,25 +111,47 @@ def unverified_paths(tree: DraftTree, paths: LeafPaths, uniform: torch.Tensor):
     return nodes, gamma
 
 
+FORMULAS = ("level_mean", "release")
+FEW_PATHS = ("skip", "verify")
+
+
 def path_similarity(
-    tree: DraftTree, paths: LeafPaths, unit: torch.Tensor, alpha: float, stride: int = 2
+    tree: DraftTree,
+    paths: LeafPaths,
+    unit: torch.Tensor,
+    alpha: float,
+    stride: int = 2,
+    formula: str = "level_mean",
+    few_paths: str = "skip",
 ) -> torch.Tensor:
-    """S̄ [B] of every row's candidate paths against the L2-normalised codebook ``unit`` [V, d] (module
-    doc). Pairwise means come from sums: Σ_{i≠j} e_i·e_j = |Σ_i e_i|² − Σ_i |e_i|²."""
+    """S̄ [B] of every row's candidate paths against the L2-normalised codebook ``unit`` [V, d]. Pairwise
+    sums come from Σ_{i≠j} e_i·e_j = |Σ_i e_i|² − Σ_i |e_i|².
+
+    ``level_mean`` (ours, module doc): per level the mean over the pairs that reach it, weights over
+    those levels. ``release`` (HyattDD/VVS): per pair Σ_ℓ w_ℓ cos_ℓ with w_ℓ ∝ α^ℓ normalised over the
+    longest kept path and a missing position counting 0, averaged over all pairs. ``few_paths``: with
+    fewer than two kept paths, ``skip`` (ours) falls back to all paths and scores a chain 1; ``verify``
+    (the release) scores 0."""
     rank = paths.is_leaf.long().cumsum(1) - 1
     kept = paths.is_leaf & (rank % stride == 0)
-    kept = torch.where((kept.long().sum(1) < 2)[:, None], paths.is_leaf, kept)
+    if few_paths == "skip":
+        kept = torch.where((kept.long().sum(1) < 2)[:, None], paths.is_leaf, kept)
     member = kept[:, :, None] & paths.on_path  # [B, T, D]
     tokens = tree.tokens.gather(1, paths.nodes.flatten(1)).view_as(paths.nodes)
     vectors = unit[tokens] * member[..., None]  # [B, T, D, d]
     n = member.long().sum(1).double()  # [B, D]
     total = vectors.sum(1)
     pair_sum = (total * total).sum(-1).double() - (vectors * vectors).sum((1, -1)).double()
-    reached = n >= 2
-    mean = pair_sum / (n * (n - 1)).clamp_min(1)
-    weights = alpha ** torch.arange(n.shape[1], device=n.device, dtype=torch.float64) * reached
-    score = (weights * mean).sum(1) / weights.sum(1).clamp_min(1e-300)
-    return torch.where(reached[:, 0], score, 1.0)  # fewer than two paths: a chain, S̄ = 1
+    decay = alpha ** torch.arange(n.shape[1], device=n.device, dtype=torch.float64)
+    if formula == "release":
+        weights = decay * (n >= 1)  # the levels of the longest kept path
+        pairs = (n[:, 0] * (n[:, 0] - 1)).clamp_min(1)  # every kept path reaches level 0
+        score = (weights * pair_sum).sum(1) / weights.sum(1).clamp_min(1e-300) / pairs
+    else:
+        weights = decay * (n >= 2)
+        mean = pair_sum / (n * (n - 1)).clamp_min(1)
+        score = (weights * mean).sum(1) / weights.sum(1).clamp_min(1e-300)
+    return torch.where(n[:, 0] >= 2, score, 1.0 if few_paths == "skip" else 0.0)
 
 
 class VerificationSchedule:
@@ -151,9 +177,16 @@ class VerificationSchedule:
 
 
 class SkippingSchedule(VerificationSchedule):
-    """A schedule that skips; subclasses say which prompts *want* to, the hard rules decide."""
+    """A schedule that skips; subclasses say which prompts *want* to, the hard rules decide.
+    ``warmup``: no skip while at most that many image tokens are committed (the release: 6, its
+    ``new_token <= 5``, which leaves out the first token; ours 0)."""
 
     can_skip = True
+
+    def __init__(self, warmup: int = 0) -> None:
+        if warmup < 0:
+            raise ValueError(f"the schedule's warmup counts committed tokens: >= 0, got {warmup}")
+        self.warmup = warmup
 
     def wants_skip(self, tree: DraftTree, paths: LeafPaths, active: torch.Tensor, allowed: torch.Tensor):
         """[B] bool: the prompts that would skip; only read where ``allowed``."""
@@ -164,6 +197,8 @@ class SkippingSchedule(VerificationSchedule):
         # last image token) needs the target.
         paths = leaf_paths(tree)
         allowed = active & (pending == 0) & (paths.count > 0)
+        if self.warmup:
+            allowed = allowed & (committed > self.warmup)
         skipped = allowed & self.wants_skip(tree, paths, active, allowed)
         verify = active & ~skipped
         lead = torch.where(verify, pending, 0)
@@ -175,13 +210,18 @@ class SkippingSchedule(VerificationSchedule):
 
 
 class UniformSchedule(SkippingSchedule):
-    """Skip every ``every``-th step of each prompt (VVS-U, i ∈ {2, 3, 4} in the paper)."""
+    """Skip one step in every ``every`` of each prompt (VVS-U, i ∈ {2, 3, 4} in the paper): step ``s``
+    (0-based, skipped steps counted) when ``s % every == phase``; ``phase`` None is ``every − 1`` (ours:
+    after ``every − 1`` verified steps), the release's is 1."""
 
-    def __init__(self, every: int) -> None:
-        super().__init__()
+    def __init__(self, every: int, phase: int | None = None, warmup: int = 0) -> None:
+        super().__init__(warmup)
         if every < 1:
             raise ValueError(f"the uniform schedule needs every >= 1, got every={every}")
-        self.every = every
+        phase = every - 1 if phase is None else phase
+        if not 0 <= phase < every:
+            raise ValueError(f"the uniform schedule's phase must be in [0, every={every}), got {phase}")
+        self.every, self.phase = every, phase
         self.steps: torch.Tensor | None = None
 
     def reset(self, batch: int, device: torch.device | str | None = None) -> None:
@@ -189,18 +229,32 @@ class UniformSchedule(SkippingSchedule):
 
     def wants_skip(self, tree, paths, active, allowed) -> torch.Tensor:
         self.steps = self.steps + active.long()
-        return self.steps % self.every == 0
+        return (self.steps - 1) % self.every == self.phase
 
 
 class SimilaritySchedule(SkippingSchedule):
     """Skip when the candidate paths' similarity S̄ reaches ``t_sim`` (VVS-D, Algorithm 1)."""
 
-    def __init__(self, codebook: torch.Tensor, t_sim: float, alpha: float, stride: int = 2) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        codebook: torch.Tensor,
+        t_sim: float,
+        alpha: float,
+        stride: int = 2,
+        formula: str = "level_mean",
+        few_paths: str = "skip",
+        warmup: int = 0,
+    ) -> None:
+        super().__init__(warmup)
         if alpha <= 0 or stride < 1:
             raise ValueError(f"the similarity schedule needs alpha > 0, stride >= 1: got {alpha}, {stride}")
+        if formula not in FORMULAS:
+            raise ValueError(f"unknown similarity formula {formula!r}; use one of {FORMULAS}")
+        if few_paths not in FEW_PATHS:
+            raise ValueError(f"unknown few_paths rule {few_paths!r}; use one of {FEW_PATHS}")
         self.unit = F.normalize(codebook.float(), dim=-1)
         self.t_sim, self.alpha, self.stride = t_sim, alpha, stride
+        self.formula, self.few_paths = formula, few_paths
         self.scores: list[torch.Tensor] = []
 
     def reset(self, batch: int, device: torch.device | str | None = None) -> None:
@@ -209,7 +263,7 @@ class SimilaritySchedule(SkippingSchedule):
     def score(self, tree: DraftTree, paths: LeafPaths | None = None) -> torch.Tensor:
         """S̄ [B] of every row's tree."""
         paths = leaf_paths(tree) if paths is None else paths
-        return path_similarity(tree, paths, self.unit, self.alpha, self.stride)
+        return path_similarity(tree, paths, self.unit, self.alpha, self.stride, self.formula, self.few_paths)
 
     def wants_skip(self, tree, paths, active, allowed) -> torch.Tensor:
         s = self.score(tree, paths)
