@@ -53,7 +53,7 @@ from vdtrain.decode.trees import DraftTree, ancestor_matrix
 from vdtrain.decode.vvs import StepPlan, VerificationSchedule
 from vdtrain.drafter import Drafter, teacher_mask
 from vdtrain.models.kv_cache import KVCache
-from vdtrain.targets.base import Condition, Target
+from vdtrain.targets.base import Condition, Target, prefix_and_image_mask
 
 
 @dataclass
@@ -202,9 +202,7 @@ class SpeculativeEngine:
         if next_embeds is None:
             next_embeds = self.drafter.embed(tokens.repeat(streams, 1))
         rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        rows, steps = image_vis.shape[0] * streams, image_vis.shape[1]
-        prefix = run.stream.mask[:, None, :].expand(rows, steps, -1)
-        mask = torch.cat([prefix, rep(image_vis)], dim=-1)[:, None]
+        mask = prefix_and_image_mask(run.stream.mask, rep(image_vis))
         out = self.drafter(feats, next_embeds, rep(positions), mask, run.dcache, rep(slots))
         run.draft_calls += 1
         return out, self.drafter.logits(out)
@@ -397,8 +395,7 @@ class SpeculativeEngine:
         in_chain, in_tree = j[None] < u, (j[None] >= u) & (j[None] < u + size)
         node = (j[None] - u).clamp(0, size - 1)  # [B, S]: tree node of row j
         tree_block = anc.gather(1, node[:, :, None].expand(-1, -1, size))  # [B, S, T]: row j's ancestors
-        col_node = (j[None] - u).clamp(0, size - 1)  # [B, S]: tree node of column j
-        tree_vis = tree_block.gather(2, col_node[:, None, :].expand(-1, width_rows, -1))
+        tree_vis = tree_block.gather(2, node[:, None, :].expand(-1, width_rows, -1))  # columns alike
         col_in_tree, col_in_chain = in_tree[:, None, :], in_chain[:, None, :]
         vis = in_chain[:, :, None] & col_in_chain & (j[None, None, :] <= j[None, :, None])
         vis |= in_tree[:, :, None] & (col_in_chain | (col_in_tree & tree_vis))
@@ -447,7 +444,7 @@ class SpeculativeEngine:
         lead = torch.zeros_like(committed) if lead is None else lead
         path, accepted = verdict.path, verdict.accepted
         depth = path.shape[1]
-        width = (run.chain if run.chain else 0) + 1 + depth
+        width = run.chain + 1 + depth
         j = torch.arange(width, device=device)[None]  # [1, W]
         u, acc = lead[:, None], accepted[:, None]
         # Rows of ``hidden`` to commit: the lead, the root, then the accepted nodes; padded by repeating

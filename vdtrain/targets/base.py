@@ -76,6 +76,15 @@ class Condition:
         return Condition(self.features.to(device), self.mask.to(device), self.captions)
 
 
+def prefix_and_image_mask(cond_mask: torch.Tensor, image_visibility: torch.Tensor) -> torch.Tensor:
+    """Attention mask [B, 1, S, L + K]: the caption columns of ``cond_mask`` [B, L] for every row, then
+    ``image_visibility`` [B or 1, S, K] over the first K image slots (the layout every adapter and the
+    drafter share)."""
+    batch, steps = cond_mask.shape[0], image_visibility.shape[1]
+    prefix = cond_mask[:, None, :].expand(batch, steps, -1)
+    return torch.cat([prefix, image_visibility.expand(batch, -1, -1)], dim=-1)[:, None]
+
+
 @dataclass
 class TargetOutput:
     hidden: torch.Tensor  # [B, S, H] after the final norm

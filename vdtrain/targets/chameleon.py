@@ -40,7 +40,15 @@ from vdtrain.models.chameleon_vqgan import ChameleonVQGAN
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.models.llamagen_gpt import prefix_causal_mask
 from vdtrain.sampling_config import SamplingConfig
-from vdtrain.targets.base import Condition, ImageTokenizer, Target, TargetIdentity, TargetOutput, fingerprint
+from vdtrain.targets.base import (
+    Condition,
+    ImageTokenizer,
+    Target,
+    TargetIdentity,
+    TargetOutput,
+    fingerprint,
+    prefix_and_image_mask,
+)
 
 FAMILIES = ("anole", "lumina_mgpt")
 FORCED_LOGIT = -1e9  # finite, so u + s·(c − u) of two forced rows is that row, never NaN
@@ -349,9 +357,7 @@ class ChameleonTarget(Target):
         slots: torch.Tensor,
         image_visibility: torch.Tensor,
     ) -> TargetOutput:
-        batch, steps = tokens.shape
-        prefix = cond.mask[:, None, :].expand(batch, steps, -1)
-        mask = torch.cat([prefix, image_visibility.expand(batch, -1, -1)], dim=-1)[:, None]
+        mask = prefix_and_image_mask(cond.mask, image_visibility)
         hidden = self.lm(self.image_embedding(tokens), self.rope_positions(image_index), mask, cache, slots)
         return TargetOutput(hidden, self._logits(hidden, image_index + 1))
 

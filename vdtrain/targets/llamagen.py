@@ -26,6 +26,7 @@ from vdtrain.targets.base import (
     TargetIdentity,
     TargetOutput,
     fingerprint,
+    prefix_and_image_mask,
 )
 
 CaptionEncoder = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
@@ -176,9 +177,7 @@ class LlamaGenTarget(Target):
         slots: torch.Tensor,
         image_visibility: torch.Tensor,
     ) -> TargetOutput:
-        batch, steps = tokens.shape
-        prefix = cond.mask[:, None, :].expand(batch, steps, -1)
-        mask = torch.cat([prefix, image_visibility.expand(batch, -1, -1)], dim=-1)[:, None]
+        mask = prefix_and_image_mask(cond.mask, image_visibility)
         hidden = self.gpt(
             self.gpt.tok_embeddings(tokens), self.rope_positions(image_index), mask, cache, slots
         )
