@@ -159,7 +159,7 @@ def test_cached_drafter_matches_the_teacher_forced_pass(tiny_target):
 
 def test_config_round_trips_through_json(tiny_target):
     config = DrafterConfig.for_target(tiny_target)
-    assert config.hidden_size == TINY_GPT.dim and config.n_head == TINY_GPT.n_head
+    assert config.hidden_size == TINY_GPT.dim and config.layer["n_head"] == TINY_GPT.n_head
     assert (
         config.grid == (4, 4) and config.target["head_fingerprint"] == tiny_target.identity.head_fingerprint
     )
@@ -255,3 +255,18 @@ def test_uniform_noise_is_bounded_and_seeded():
     assert torch.equal(a, b) and a.abs().max() <= 0.1 and a.abs().max() > 0.09
     assert abs(a.mean().item()) < 0.01
     assert uniform_feature_noise(x, 0.0) is x
+
+
+def test_configs_written_before_the_layer_field_still_load(tiny_target):
+    """Drafters exported before ``DrafterConfig.layer`` kept LlamaGen's layer fields at the top level."""
+    config = DrafterConfig.for_target(tiny_target)
+    legacy = {k: v for k, v in config.to_dict().items() if k != "layer"}
+    legacy.update(config.layer)
+    assert DrafterConfig.from_dict(legacy) == config
+
+
+def test_layer_overrides_outside_the_familys_settings_are_refused(tiny_target):
+    with pytest.raises(ValueError, match=r"cannot override \['num_attention_heads'\] of a llamagen"):
+        DrafterConfig.for_target(tiny_target, num_attention_heads=2)
+    with pytest.raises(ValueError, match="missing"):
+        DrafterConfig.from_dict({**DrafterConfig.for_target(tiny_target).to_dict(), "layer": {"n_head": 2}})

@@ -83,7 +83,7 @@ def test_a_drafter_loaded_for_a_bf16_target_runs_in_bf16(tiny_target, tmp_path):
     folder = random_drafter(tiny_target, tmp_path / "drafter")
     drafter = Drafter.from_pretrained(folder, bf16(tiny_target))
     assert {p.dtype for p in drafter.parameters()} == {torch.bfloat16}
-    assert drafter.rope.dtype == torch.float32
+    assert drafter.layer.rope.dtype == torch.float32
     assert drafter.new_cache(2).k.dtype == torch.bfloat16
 
 

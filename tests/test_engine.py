@@ -160,8 +160,9 @@ def test_a_target_with_identity_caption_rope_decodes_exactly_and_its_drafter_fol
         replace(TINY_GPT, caption_rope="identity", learned_pos_embedding=learned_pos_embedding)
     )
     drafter = make_drafter(target)
-    assert drafter.config.caption_rope == "identity"
-    assert torch.equal(drafter.rope[: target.prefix_length, :, 0], torch.ones_like(drafter.rope[:5, :, 0]))
+    rope = drafter.layer.rope
+    assert drafter.config.layer["caption_rope"] == "identity"
+    assert torch.equal(rope[: target.prefix_length, :, 0], torch.ones_like(rope[:5, :, 0]))
     cond = tiny_condition()
     sampling = SamplingConfig(cfg_scale=2.5, temperature=0.0)
     ar = generate_ar(target, cond, sampling, [None, None])

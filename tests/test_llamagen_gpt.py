@@ -10,7 +10,8 @@ from conftest import TINY_GPT, random_gpt, tiny_condition
 
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.models.llamagen_gpt import LlamaGenGPT, apply_rope, prefix_causal_mask, rope_2d_table
+from vdtrain.models.llamagen_gpt import LlamaGenGPT, apply_rope, rope_2d_table
+from vdtrain.targets.base import prefix_causal_mask
 from vdtrain.targets.llamagen import LlamaGenTarget, left_pad
 
 

@@ -1,8 +1,10 @@
 """The EAGLE-style feature drafter (ALGORITHMS.md §1): fc over ``[embed(x_{t+1}); f_t]`` + one target layer.
 
-The drafter owns two things: ``fc = Linear(2H → H)`` and ONE decoder layer of the target's family (for
-LlamaGen a ``TransformerBlock``). The token embedding and the output head are *borrowed* from the frozen
-target (``Drafter.attach``): they are neither parameters of the drafter nor in its saved weights.
+The drafter owns two things: ``fc = Linear(2H → H)`` and ONE decoder layer of the target's family: the
+family's ``DraftLayer`` (``vdtrain.targets.DRAFT_LAYERS``; a LlamaGen block with its 2D RoPE table, a
+Chameleon layer with 1D RoPE), which also brings the family's positional encoding. The token embedding and
+the output head are *borrowed* from the frozen target (``Drafter.attach``): they are neither parameters of
+the drafter nor in its saved weights.
 
 Sequence alignment (the one convention; ``drafter_inputs`` is the only place that builds it)
 ------------------------------------------------------------------------------------------------
@@ -22,10 +24,11 @@ therefore still sees every condition feature ``f_0 .. f_{L-2}`` (through ``fc``'
 bias); row ``L - 1`` is the first that carries a real token (image token 0). Zeros need no extra
 parameter, are identical for the cond and null streams, and cannot collide with a real token's embedding.
 
-Positions and mask follow the target: row ``s`` takes RoPE row ``s`` (the slot of its *feature*; for
+Positions and mask follow the target: row ``s`` takes RoPE position ``s`` (the slot of its *feature*; for
 LlamaGen the first ``L`` rows of the table are zero), so the row that embeds image token ``j`` sits at
-``target.rope_positions(j - 1)`` (row ``L - 1``, a zero RoPE row, for ``j = 0``). The attention mask is
-LlamaGen's ``prefix_causal_mask(cond.mask, S)`` over drafter slots.
+``target.rope_positions(j - 1)`` (position ``L - 1`` for ``j = 0``). Teacher forcing uses the targets'
+``prefix_causal_mask(cond.mask, S)`` over drafter slots; decoding rows use ``prefix_and_image_mask``, the
+layout the target's own ``forward_tokens`` uses.
 
 Which rows are trained is decided in ``vdtrain.train.losses.image_target_mask``.
 """
@@ -46,14 +49,19 @@ from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
 from vdtrain.models.kv_cache import KVCache
-from vdtrain.models.llamagen_gpt import GPTConfig, TransformerBlock, prefix_causal_mask, rope_2d_table
-from vdtrain.targets.base import Target, TargetIdentity
+from vdtrain.targets import draft_layer_class
+from vdtrain.targets.base import (
+    DraftLayer,
+    Target,
+    TargetIdentity,
+    prefix_and_image_mask,
+    prefix_causal_mask,
+)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-FAMILIES = ("llamagen",)
-# Layer hyper-parameters ``DrafterConfig.for_target`` lets a caller change (the width must match the target).
-LAYER_FIELDS = (
+# Top-level keys of LlamaGen drafter configs written before ``DrafterConfig.layer`` (still read).
+LLAMAGEN_LAYER_FIELDS = (
     "n_head",
     "n_kv_head",
     "multiple_of",
@@ -72,40 +80,34 @@ REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """The drafter's layer shape plus what it must match in its target (``target`` = the identity dict)."""
+    """The drafter's shape plus what it must match in its target (``target`` = the identity dict).
+
+    ``layer`` holds the hyper-parameters of the target family's ``DraftLayer`` (``settings_fields``):
+    heads and FFN width for LlamaGen, heads, FFN and norms for Chameleon.
+    """
 
     hidden_size: int
-    n_head: int
     prefix_length: int
     grid: tuple[int, int]
     vocab_size: int
-    n_kv_head: int | None = None
-    multiple_of: int = 256
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_base: float = 10000.0
-    caption_rope: str = "zero"  # the target's prefix RoPE rows (GPTConfig.caption_rope)
     family: str = "llamagen"
+    layer: dict[str, Any] = field(default_factory=dict)
     target: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # JSON turns tuples into lists: normalise so a round trip compares equal.
         object.__setattr__(self, "grid", tuple(int(g) for g in self.grid))
+        object.__setattr__(self, "layer", dict(self.layer))
         if self.target:
             target = dict(self.target)
             if "grid" in target:
                 target["grid"] = tuple(int(g) for g in target["grid"])
             object.__setattr__(self, "target", target)
-        if self.family not in FAMILIES:
-            raise ValueError(f"unknown drafter family {self.family!r}; known: {FAMILIES}")
         if len(self.grid) != 2:
             raise ValueError(f"grid must be (height, width), got {self.grid}")
-        if self.family == "llamagen" and self.grid[0] != self.grid[1]:
-            raise ValueError(f"LlamaGen's 2D RoPE needs a square grid, got {self.grid}")
-        if self.hidden_size % self.n_head:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by n_head {self.n_head}")
         if self.prefix_length < 1:
             raise ValueError(f"prefix_length must be >= 1, got {self.prefix_length}")
+        self.layer_class.check(self.hidden_size, self.grid, self.layer)
         if self.target:
             # The recorded identity must agree with the shape the drafter was built for.
             record = {
@@ -126,38 +128,16 @@ class DrafterConfig:
                 )
 
     @property
+    def layer_class(self) -> type[DraftLayer]:
+        return draft_layer_class(self.family)
+
+    @property
     def num_image_tokens(self) -> int:
         return self.grid[0] * self.grid[1]
 
     @property
     def max_seq_len(self) -> int:
         return self.prefix_length + self.num_image_tokens
-
-    def gpt_config(self) -> GPTConfig:
-        """The one-layer LlamaGen config of the drafter's decoder layer (no dropout)."""
-        return GPTConfig(
-            dim=self.hidden_size,
-            n_layer=1,
-            n_head=self.n_head,
-            n_kv_head=self.n_kv_head,
-            multiple_of=self.multiple_of,
-            ffn_dim_multiplier=self.ffn_dim_multiplier,
-            rope_base=self.rope_base,
-            norm_eps=self.norm_eps,
-            token_dropout_p=0.0,
-            attn_dropout_p=0.0,
-            resid_dropout_p=0.0,
-            ffn_dropout_p=0.0,
-            class_dropout_prob=0.0,
-            vocab_size=self.vocab_size,
-            cls_token_num=self.prefix_length,
-            block_size=self.num_image_tokens,
-            caption_rope=self.caption_rope,
-        )
-
-    @property
-    def ffn_hidden(self) -> int:
-        return self.gpt_config().ffn_hidden
 
     def identity(self) -> TargetIdentity | None:
         return TargetIdentity(**self.target) if self.target else None
@@ -166,33 +146,25 @@ class DrafterConfig:
     def for_target(cls, target: Target, **layer_overrides: Any) -> DrafterConfig:
         """The drafter of ``target``'s family, with the target's own layer hyper-parameters.
 
-        ``layer_overrides`` may change ``LAYER_FIELDS`` (heads, FFN size, ...), never the width.
+        ``layer_overrides`` may change the family layer's ``settings_fields`` (heads, FFN size, ...),
+        never the width.
         """
-        unknown = sorted(set(layer_overrides) - set(LAYER_FIELDS))
-        if unknown:
-            raise ValueError(f"cannot override {unknown}; allowed: {LAYER_FIELDS}")
         ident = target.identity
-        if ident.family != "llamagen":
-            raise NotImplementedError(f"no drafter layer for target family {ident.family!r} yet")
-        gpt_cfg = target.gpt.config  # type: ignore[attr-defined]
-        layer = {
-            "n_head": gpt_cfg.n_head,
-            "n_kv_head": gpt_cfg.n_kv_head,
-            "multiple_of": gpt_cfg.multiple_of,
-            "ffn_dim_multiplier": gpt_cfg.ffn_dim_multiplier,
-            "norm_eps": gpt_cfg.norm_eps,
-            "rope_base": gpt_cfg.rope_base,
-            "caption_rope": gpt_cfg.caption_rope,
-            **layer_overrides,
-        }
+        layer_class = draft_layer_class(ident.family)
+        unknown = sorted(set(layer_overrides) - set(layer_class.settings_fields))
+        if unknown:
+            raise ValueError(
+                f"cannot override {unknown} of a {ident.family} drafter layer; "
+                f"allowed: {list(layer_class.settings_fields)}"
+            )
         return cls(
             hidden_size=ident.hidden_size,
             prefix_length=ident.prefix_length,
             grid=ident.grid,
             vocab_size=ident.vocab_size,
             family=ident.family,
+            layer={**layer_class.settings_of(target), **layer_overrides},
             target=dataclasses.asdict(ident),
-            **layer,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -207,6 +179,7 @@ class DrafterConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> DrafterConfig:
         if not isinstance(data, Mapping):
             raise ValueError(f"a drafter config is a JSON object, got {type(data).__name__}")
+        data = _nest_legacy_layer(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -215,6 +188,16 @@ class DrafterConfig:
             return cls(**data)
         except TypeError as err:  # a required key missing, or a value of the wrong type (a number for grid)
             raise ValueError(f"incomplete or mistyped drafter config: {err}") from err
+
+
+def _nest_legacy_layer(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Configs written before ``layer`` existed kept LlamaGen's layer fields at the top level."""
+    data = dict(data)
+    if "layer" not in data and data.get("family", "llamagen") == "llamagen":
+        legacy = [name for name in LLAMAGEN_LAYER_FIELDS if name in data]
+        if legacy:
+            data["layer"] = {name: data.pop(name) for name in legacy}
+    return data
 
 
 def drafter_inputs(
@@ -231,17 +214,21 @@ def drafter_inputs(
     ``embed(tokens)`` (row ``L-1+i`` carries image token ``i``). The regression targets of those rows
     are ``target_hidden[:, 1:]`` (``feature_targets``).
     """
-    batch, seq, hidden = target_hidden.shape
+    seq = target_hidden.shape[1]
     n_tokens = tokens.shape[1]
     if seq != prefix_length + n_tokens:
         raise ValueError(
             f"target_hidden has {seq} slots but prefix {prefix_length} + {n_tokens} tokens = "
             f"{prefix_length + n_tokens}"
         )
-    token_embeds = embed(tokens)
-    dummy = token_embeds.new_zeros(batch, prefix_length - 1, hidden)
-    next_embeds = torch.cat([dummy, token_embeds], dim=1)
-    return target_hidden[:, :-1], next_embeds
+    return target_hidden[:, :-1], after_prefix_rows(embed(tokens), prefix_length)
+
+
+def after_prefix_rows(token_embeds: torch.Tensor, prefix_length: int) -> torch.Tensor:
+    """The ``next_embeds`` of drafter rows ``0 ..``: zeros for the ``prefix_length - 1`` rows inside the
+    prefix, then ``token_embeds`` [B, N, H] (row ``L - 1`` carries image token 0)."""
+    batch, _, hidden = token_embeds.shape
+    return torch.cat([token_embeds.new_zeros(batch, prefix_length - 1, hidden), token_embeds], dim=1)
 
 
 def feature_targets(target_hidden: torch.Tensor) -> torch.Tensor:
@@ -273,12 +260,7 @@ class Drafter(nn.Module):
         self.config = config
         hidden = config.hidden_size
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
-        gpt_cfg = config.gpt_config()
-        self.layer = TransformerBlock(gpt_cfg)
-        rope = rope_2d_table(
-            gpt_cfg.grid_size, gpt_cfg.head_dim, gpt_cfg.rope_base, config.prefix_length, config.caption_rope
-        )
-        self.register_buffer("rope", rope, persistent=False)
+        self.layer = config.layer_class(hidden, config.prefix_length, config.grid, config.layer)
         self._borrowed: _Borrowed | None = None
         self.metadata: dict[str, Any] = {}  # what ``from_pretrained`` found saved next to the weights
         if target is not None:
@@ -355,7 +337,7 @@ class Drafter(nn.Module):
         x = self.fc(torch.cat([next_embeds.to(dtype), features.to(dtype)], dim=-1))
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
-        return self.layer(x, self.rope[positions], mask, cache, 0, slots)
+        return self.layer(x, positions, mask, cache, slots)
 
     def forward_teacher(
         self, target_hidden: torch.Tensor, tokens: torch.Tensor, cond_mask: torch.Tensor
@@ -366,12 +348,33 @@ class Drafter(nn.Module):
         positions = torch.arange(seq, device=features.device)
         return self(features, next_embeds, positions, teacher_mask(cond_mask, seq))
 
+    def forward_prefix(
+        self, prefix_hidden: torch.Tensor, first_tokens: torch.Tensor, cond_mask: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """Decoding's catch-up on the prefix: rows ``0 .. L-1`` (the last embeds image token 0
+        ``first_tokens`` [B, 1]) into cache slots ``0 .. L-1``, as in training → f̂ [B, L, H]."""
+        length = prefix_hidden.shape[1]
+        slots = torch.arange(length, device=prefix_hidden.device)
+        next_embeds = after_prefix_rows(self.embed(first_tokens), length)
+        return self(prefix_hidden, next_embeds, slots, teacher_mask(cond_mask, length), cache, slots)
+
+    def forward_rows(
+        self,
+        features: torch.Tensor,
+        next_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cond_mask: torch.Tensor,
+        image_visibility: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """Decoding rows written to cache ``slots``: each sees the prefix columns ``cond_mask`` allows
+        and the image slots ``image_visibility`` [B, S, K] marks (the target's own layout)."""
+        mask = prefix_and_image_mask(cond_mask, image_visibility)
+        return self(features, next_embeds, positions, mask, cache, slots)
+
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
-        c = self.layer.attention.config
-        ref = self.fc.weight
-        return KVCache(
-            1, batch, c.kv_heads, max_len or self.config.max_seq_len, c.head_dim, ref.dtype, ref.device
-        )
+        return self.layer.new_cache(batch, max_len or self.config.max_seq_len)
 
     # --- saving and loading -----------------------------------------------------------------------
     def save_pretrained(
@@ -432,9 +435,7 @@ class Drafter(nn.Module):
             except ValueError as err:
                 raise ValueError(f"cannot use drafter {str(source)!r}: {err}") from err
             weight = target.token_embedding.weight
-            rope = drafter.rope  # fp32 like the target's: rotations are computed in fp32
             drafter.to(weight.device, weight.dtype)
-            drafter.rope = rope.to(weight.device)
         return drafter.eval()
 
     @staticmethod

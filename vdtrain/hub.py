@@ -254,8 +254,8 @@ def _intro(drafter: Drafter, ident: TargetIdentity) -> str:
         "acceptance the images are the target's own samples). The target's token embedding and output "
         f"head are borrowed when the drafter is loaded, so `{WEIGHTS_FILE}` holds only the drafter's "
         f"{params:,} parameters.\n\n"
-        f"Layer: hidden size {c.hidden_size}, {c.n_head} heads ({c.n_kv_head or c.n_head} KV heads), "
-        f"FFN {c.ffn_hidden}; condition prefix {c.prefix_length} rows, image grid {c.grid[0]}×{c.grid[1]}."
+        f"Layer: hidden size {c.hidden_size}, {drafter.layer.describe()}; condition prefix "
+        f"{c.prefix_length} rows, image grid {c.grid[0]}×{c.grid[1]}."
     )
 
 

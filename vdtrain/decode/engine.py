@@ -51,9 +51,9 @@ from vdtrain.decode.sampling import (
 )
 from vdtrain.decode.trees import DraftTree, ancestor_matrix
 from vdtrain.decode.vvs import StepPlan, VerificationSchedule
-from vdtrain.drafter import Drafter, teacher_mask
+from vdtrain.drafter import Drafter
 from vdtrain.models.kv_cache import KVCache
-from vdtrain.targets.base import Condition, Target, prefix_and_image_mask
+from vdtrain.targets.base import Condition, Target
 
 
 @dataclass
@@ -202,8 +202,9 @@ class SpeculativeEngine:
         if next_embeds is None:
             next_embeds = self.drafter.embed(tokens.repeat(streams, 1))
         rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        mask = prefix_and_image_mask(run.stream.mask, rep(image_vis))
-        out = self.drafter(feats, next_embeds, rep(positions), mask, run.dcache, rep(slots))
+        out = self.drafter.forward_rows(
+            feats, next_embeds, rep(positions), run.stream.mask, rep(image_vis), run.dcache, rep(slots)
+        )
         run.draft_calls += 1
         return out, self.drafter.logits(out)
 
@@ -252,15 +253,9 @@ class SpeculativeEngine:
         root_feats = root_logits = None
         if use_drafter:
             # Drafter rows 0 .. L-1: zero embeddings inside the prefix, then x_0 (as in training).
-            pos = torch.arange(prefix, device=device)
-            next_emb = torch.cat(
-                [
-                    pre.hidden.new_zeros(len(stream), prefix - 1, pre.hidden.shape[-1]),
-                    self.drafter.embed(run.out[:, :1].repeat(streams, 1)),
-                ],
-                dim=1,
+            feat = self.drafter.forward_prefix(
+                pre.hidden, run.out[:, :1].repeat(streams, 1), stream.mask, run.dcache
             )
-            feat = self.drafter(pre.hidden, next_emb, pos, teacher_mask(stream.mask, prefix), run.dcache, pos)
             run.draft_calls += 1
             root_feats, root_logits = feat[:, -1], self.drafter.logits(feat[:, -1])
         prefill_calls = run.draft_calls

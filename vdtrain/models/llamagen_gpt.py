@@ -137,19 +137,6 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(3).type_as(x)
 
 
-def prefix_causal_mask(cond_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The official training/prefill mask ``[B, 1, seq_len, seq_len]`` (True = may attend).
-
-    Causal; padded caption keys hidden from every query; the diagonal always visible.
-    """
-    batch, prefix = cond_mask.shape
-    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=cond_mask.device).tril()
-    mask = mask.expand(batch, seq_len, seq_len).clone()
-    mask[:, :, :prefix] &= cond_mask[:, None, :].bool()
-    mask |= torch.eye(seq_len, dtype=torch.bool, device=cond_mask.device)
-    return mask[:, None]
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()

@@ -7,13 +7,23 @@ from collections.abc import Mapping
 
 import torch
 
-from vdtrain.targets.base import Condition, ImageTokenizer, Target, TargetIdentity, TargetOutput
-from vdtrain.targets.chameleon import load_chameleon_target
-from vdtrain.targets.llamagen import LlamaGenSpec, LlamaGenTarget, build_llamagen_target
+from vdtrain.targets.base import (
+    Condition,
+    DraftLayer,
+    ImageTokenizer,
+    Target,
+    TargetIdentity,
+    TargetOutput,
+)
+from vdtrain.targets.chameleon import FAMILIES as CHAMELEON_FAMILIES
+from vdtrain.targets.chameleon import ChameleonDraftLayer, load_chameleon_target
+from vdtrain.targets.llamagen import LlamaGenDraftLayer, LlamaGenSpec, LlamaGenTarget, build_llamagen_target
 from vdtrain.targets.shapes import load_target_folder
 
 __all__ = [
+    "DRAFT_LAYERS",
     "Condition",
+    "DraftLayer",
     "ImageTokenizer",
     "LlamaGenSpec",
     "LlamaGenTarget",
@@ -22,12 +32,27 @@ __all__ = [
     "TargetOutput",
     "build_llamagen_target",
     "cast_for_inference",
+    "draft_layer_class",
     "inference_dtype",
     "load_target",
     "load_target_folder",
     "pick_device",
     "target_for_run",
 ]
+
+
+# The drafter's decoder layer per target family (``TargetIdentity.family``).
+DRAFT_LAYERS: dict[str, type[DraftLayer]] = {
+    "llamagen": LlamaGenDraftLayer,
+    **dict.fromkeys(CHAMELEON_FAMILIES, ChameleonDraftLayer),
+}
+
+
+def draft_layer_class(family: str) -> type[DraftLayer]:
+    """The drafter layer of target family ``family``; a clear error for a family without one."""
+    if family not in DRAFT_LAYERS:
+        raise ValueError(f"no drafter layer for target family {family!r}; known: {sorted(DRAFT_LAYERS)}")
+    return DRAFT_LAYERS[family]
 
 
 def pick_device(name: str) -> torch.device:

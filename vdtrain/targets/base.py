@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -76,6 +78,18 @@ class Condition:
         return Condition(self.features.to(device), self.mask.to(device), self.captions)
 
 
+def prefix_causal_mask(cond_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The teacher-forcing / prefill mask ``[B, 1, seq_len, seq_len]`` (True = may attend), as LlamaGen
+    and Chameleon train: causal; padded prefix keys hidden from every query; the diagonal always visible
+    (a padded row attends to itself, so no row is empty)."""
+    batch, prefix = cond_mask.shape
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool, device=cond_mask.device).tril()
+    mask = mask.expand(batch, seq_len, seq_len).clone()
+    mask[:, :, :prefix] &= cond_mask[:, None, :].bool()
+    mask |= torch.eye(seq_len, dtype=torch.bool, device=cond_mask.device)
+    return mask[:, None]
+
+
 def prefix_and_image_mask(cond_mask: torch.Tensor, image_visibility: torch.Tensor) -> torch.Tensor:
     """Attention mask [B, 1, S, L + K]: the caption columns of ``cond_mask`` [B, L] for every row, then
     ``image_visibility`` [B or 1, S, K] over the first K image slots (the layout every adapter and the
@@ -106,6 +120,54 @@ class ImageTokenizer(nn.Module, ABC):
     @abstractmethod
     def codebook(self) -> torch.Tensor:
         """Code vectors [V, d] as the quantiser uses them (for latent-neighbour tables)."""
+
+
+class DraftLayer(nn.Module, ABC):
+    """One decoder layer of a target family, with that family's positional encoding: the layer an
+    EAGLE drafter stacks on ``fc`` (``vdtrain.drafter``).
+
+    Built from the drafter config alone (``hidden_size``, ``prefix_length``, ``grid`` and the family's
+    ``settings``), so a saved drafter rebuilds without its target; ``settings_of`` reads the target's own
+    hyper-parameters, the default a new drafter starts from.
+    """
+
+    settings_fields: ClassVar[tuple[str, ...]]  # the hyper-parameters ``settings`` holds (all of them)
+
+    @classmethod
+    @abstractmethod
+    def settings_of(cls, target: Target) -> dict[str, Any]:
+        """The hyper-parameters of ``target``'s own decoder layers."""
+
+    @classmethod
+    def check(cls, hidden_size: int, grid: tuple[int, int], settings: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` naming what is wrong with ``settings`` for this shape."""
+        missing = sorted(set(cls.settings_fields) - set(settings))
+        unknown = sorted(set(settings) - set(cls.settings_fields))
+        if missing or unknown:
+            raise ValueError(
+                f"{cls.__name__} settings: missing {missing}, unknown {unknown}; "
+                f"expected {list(cls.settings_fields)}"
+            )
+
+    @abstractmethod
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rows ``x`` [B, S, H] at RoPE ``positions`` [B, S] under boolean ``mask`` [B, 1, S, K]; with a
+        ``cache`` the keys/values go to ``slots`` and the mask covers the first K cache slots."""
+
+    @abstractmethod
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """A one-layer cache in the layer's dtype and device."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line for the model card: heads, FFN width and positional encoding."""
 
 
 class Target(nn.Module, ABC):

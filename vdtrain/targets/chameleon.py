@@ -18,14 +18,15 @@ probability exactly 1 on a forced token, at any temperature.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError
-from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
+from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM, DecoderLayer, rope_cos_sin
 from vdtrain.models.chameleon_io import (
     load_chameleon_lm,
     load_vqgan_hf,
@@ -38,16 +39,17 @@ from vdtrain.models.chameleon_io import (
 from vdtrain.models.chameleon_vocab import image_token_ids, token_id
 from vdtrain.models.chameleon_vqgan import ChameleonVQGAN
 from vdtrain.models.kv_cache import KVCache
-from vdtrain.models.llamagen_gpt import prefix_causal_mask
 from vdtrain.sampling_config import SamplingConfig
 from vdtrain.targets.base import (
     Condition,
+    DraftLayer,
     ImageTokenizer,
     Target,
     TargetIdentity,
     TargetOutput,
     fingerprint,
     prefix_and_image_mask,
+    prefix_causal_mask,
 )
 
 FAMILIES = ("anole", "lumina_mgpt")
@@ -171,6 +173,63 @@ class ChameleonTokenizer(ImageTokenizer):
         # The end-of-row token has no code vector; put it far from every code so it is nobody's neighbour.
         far = codes.abs().max() * 1e3 + 1.0
         return torch.cat([codes, torch.full_like(codes[:1], float(far))])
+
+
+class ChameleonDraftLayer(DecoderLayer, DraftLayer):
+    """A Chameleon decoder layer (q/k head norms, SwiGLU, 1D RoPE over slots) for the drafter."""
+
+    settings_fields = (
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "swin_norm",
+        "attention_bias",
+        "mlp_bias",
+    )
+
+    def __init__(
+        self, hidden_size: int, prefix_length: int, grid: tuple[int, int], settings: Mapping[str, Any]
+    ) -> None:
+        self.check(hidden_size, grid, settings)
+        config = ChameleonConfig(hidden_size=hidden_size, num_hidden_layers=1, **settings)
+        super().__init__(config)
+        self.config = config
+
+    @classmethod
+    def settings_of(cls, target: Target) -> dict[str, Any]:
+        config = target.lm.config  # type: ignore[attr-defined]
+        return {name: getattr(config, name) for name in cls.settings_fields}
+
+    @classmethod
+    def check(cls, hidden_size: int, grid: tuple[int, int], settings: Mapping[str, Any]) -> None:
+        super().check(hidden_size, grid, settings)
+        ChameleonConfig(hidden_size=hidden_size, num_hidden_layers=1, **settings)  # its own checks
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        c = self.config
+        return super().forward(
+            x, rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype), mask, cache, 0, slots
+        )
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c, ref = self.config, self.input_layernorm.weight
+        return KVCache(1, batch, c.num_key_value_heads, max_len, c.head_dim, ref.dtype, ref.device)
+
+    def describe(self) -> str:
+        c = self.config
+        return (
+            f"Chameleon decoder layer: {c.num_attention_heads} heads ({c.num_key_value_heads} KV heads), "
+            f"FFN {c.intermediate_size}, q/k head norms, RoPE theta {c.rope_theta:g}"
+        )
 
 
 class ChameleonTarget(Target):

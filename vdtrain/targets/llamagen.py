@@ -7,26 +7,35 @@ The same adapter serves the released models (flan-t5-xl captions, VQ-16) and the
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
 
 from vdtrain.checkpoint_io import load_strict, read_state_dict
 from vdtrain.models.kv_cache import KVCache
-from vdtrain.models.llamagen_gpt import GPT_PRESETS, GPTConfig, LlamaGenGPT, prefix_causal_mask
+from vdtrain.models.llamagen_gpt import (
+    GPT_PRESETS,
+    GPTConfig,
+    LlamaGenGPT,
+    TransformerBlock,
+    rope_2d_table,
+)
 from vdtrain.models.text_encoders import HFTextEncoder
 from vdtrain.models.vq import VQ_PRESETS, VQConfig, VQModel
 from vdtrain.sampling_config import SamplingConfig
 from vdtrain.targets.base import (
     Condition,
+    DraftLayer,
     ImageTokenizer,
     Target,
     TargetIdentity,
     TargetOutput,
     fingerprint,
     prefix_and_image_mask,
+    prefix_causal_mask,
 )
 
 CaptionEncoder = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
@@ -63,6 +72,94 @@ def left_pad(features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     features = features.gather(1, src[..., None].expand_as(features))
     new_mask = torch.arange(length, device=mask.device)[None] >= (length - n_valid)
     return features * new_mask[..., None].to(features.dtype), new_mask
+
+
+class LlamaGenDraftLayer(TransformerBlock, DraftLayer):
+    """A LlamaGen ``TransformerBlock`` with the target's 2D RoPE table (caption rows as the target's).
+
+    Subclassing keeps the block's parameter names, so saved drafters load unchanged.
+    """
+
+    settings_fields = (
+        "n_head",
+        "n_kv_head",
+        "multiple_of",
+        "ffn_dim_multiplier",
+        "norm_eps",
+        "rope_base",
+        "caption_rope",
+    )
+
+    def __init__(
+        self, hidden_size: int, prefix_length: int, grid: tuple[int, int], settings: Mapping[str, Any]
+    ) -> None:
+        self.check(hidden_size, grid, settings)
+        config = self.block_config(hidden_size, prefix_length, grid, settings)
+        super().__init__(config)
+        self.config = config
+        table = rope_2d_table(
+            config.grid_size, config.head_dim, config.rope_base, prefix_length, config.caption_rope
+        )
+        self.register_buffer("rope", table, persistent=False)
+
+    @staticmethod
+    def block_config(
+        hidden_size: int, prefix_length: int, grid: tuple[int, int], settings: Mapping[str, Any]
+    ) -> GPTConfig:
+        """A one-layer, dropout-free ``GPTConfig`` of this shape."""
+        return GPTConfig(
+            dim=hidden_size,
+            n_layer=1,
+            token_dropout_p=0.0,
+            attn_dropout_p=0.0,
+            resid_dropout_p=0.0,
+            ffn_dropout_p=0.0,
+            class_dropout_prob=0.0,
+            cls_token_num=prefix_length,
+            block_size=grid[0] * grid[1],
+            **settings,
+        )
+
+    @classmethod
+    def settings_of(cls, target: Target) -> dict[str, Any]:
+        config = target.gpt.config  # type: ignore[attr-defined]
+        return {name: getattr(config, name) for name in cls.settings_fields}
+
+    @classmethod
+    def check(cls, hidden_size: int, grid: tuple[int, int], settings: Mapping[str, Any]) -> None:
+        super().check(hidden_size, grid, settings)
+        if grid[0] != grid[1]:
+            raise ValueError(f"LlamaGen's 2D RoPE needs a square grid, got {grid}")
+        if hidden_size % settings["n_head"]:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by n_head {settings['n_head']}")
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return super().forward(x, self.rope[positions], mask, cache, 0, slots)
+
+    def _apply(self, fn, recurse: bool = True):
+        # The RoPE table follows the device but stays fp32: rotations are computed in fp32 (apply_rope).
+        table = self.rope
+        super()._apply(fn, recurse)
+        self.rope = table.to(self.rope.device)
+        return self
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c, ref = self.config, self.attention_norm.weight
+        return KVCache(1, batch, c.kv_heads, max_len, c.head_dim, ref.dtype, ref.device)
+
+    def describe(self) -> str:
+        c = self.config
+        return (
+            f"LlamaGen block: {c.n_head} heads ({c.kv_heads} KV heads), FFN {c.ffn_hidden}, "
+            f"2D RoPE base {c.rope_base:g} with {c.caption_rope} caption rows"
+        )
 
 
 class LlamaGenTarget(Target):
