@@ -1,12 +1,15 @@
 """Decoding methods as named combinations of the engine's parts (``conf/decode/<name>.yaml``).
 
 A method = a draft-tree builder + an acceptance rule + a verification schedule (``always`` unless the
-method skips verification, VVS). AR is the method with no drafter. New combinations need a config file,
-not code.
+method skips verification, VVS). AR is the method with no draft tree. New combinations need a config
+file, not code.
 
-Acceptance rules (``ACCEPTANCE``, keyed by ``acceptance.kind``) are built from the target: LANTERN and
-LANTERN++ need its latent-neighbour table (``vdtrain.decode.neighbours``, cached on disk), GSD a token
-embedding table for its distance filter.
+The parts are a registry: ``TREES``, ``ACCEPTANCE`` and ``SCHEDULES`` map a config ``kind`` to a
+``Part``, its builder plus what it implies as data (a tree needs the drafter model; a rule or schedule
+is lossless; a rule reads soft target mass). ``DecodeConfig.needs_drafter`` and ``DecodeConfig.exact``
+read those fields, so a new part is one registry entry. Acceptance rules and schedules are built from
+the target: LANTERN and LANTERN++ need its latent-neighbour table (``vdtrain.decode.neighbours``, cached
+on disk), GSD a token embedding table for its distance filter, the similarity schedule its codebook.
 """
 
 from __future__ import annotations
@@ -105,12 +108,12 @@ class DecodeConfig:
 
     @property
     def needs_drafter(self) -> bool:
-        return self.tree.kind not in ("none", "jacobi", "sjd_pac")
+        return _tree_part(self.tree.kind).needs_drafter
 
     @property
     def exact(self) -> bool:
-        """Lossless: exact acceptance and every step verified, so at T = 0 it reproduces AR's tokens."""
-        return self.acceptance.kind == "exact" and self.schedule.kind == "always"
+        """Lossless: a lossless rule and schedule (every step verified), so at T = 0 it reproduces AR."""
+        return _acceptance_part(self.acceptance.kind).lossless and _schedule_part(self.schedule.kind).lossless
 
 
 PRESETS = Path(__file__).resolve().parents[2] / "conf" / "decode"
@@ -146,74 +149,130 @@ def _gsd_embeddings(config: AcceptanceConfig, target: Target) -> torch.Tensor:
     raise ValueError(f"unknown GSD embedding {config.embedding!r}; use token_embedding or codebook")
 
 
-ACCEPTANCE: dict[str, Callable[[AcceptanceConfig, Target], Rule]] = {
-    "exact": lambda c, t: EXACT,
-    "lantern": lambda c, t: Lantern(_neighbour_table(c, t), c.k, delta=c.delta),
-    "lantern_pp": lambda c, t: LanternPP(_neighbour_table(c, t), c.k, lam=c.lam),
-    "gsd": lambda c, t: Grouped(
-        _gsd_embeddings(c, t), group_size=c.group_size, delta_p=c.delta_p, max_distance=c.max_distance
+def _similarity(config: ScheduleConfig, target: Target) -> SimilaritySchedule:
+    codebook = target.tokenizer.codebook().to(target.token_embedding.weight.device)
+    return SimilaritySchedule(
+        codebook,
+        config.t_sim,
+        config.alpha,
+        config.stride,
+        formula=config.formula,
+        few_paths=config.few_paths,
+        warmup=config.warmup,
+    )
+
+
+def _static(config: TreeConfig) -> StaticTreeBuilder:
+    if (config.preset is None) == (config.paths is None):
+        raise ValueError("a static tree needs exactly one of tree.preset or tree.paths")
+    if config.preset is not None and config.preset not in STATIC_TREES:
+        raise ValueError(f"unknown static tree {config.preset!r}; known: {sorted(STATIC_TREES)}")
+    paths = STATIC_TREES[config.preset] if config.preset else [tuple(p) for p in config.paths]
+    return StaticTreeBuilder(static_tree(paths))
+
+
+def _peanut(config: TreeConfig) -> PeanutTreeBuilder:
+    return PeanutTreeBuilder(
+        init=config.init,
+        beta=config.beta,
+        l_d=config.l_d,
+        l_k=config.l_k,
+        d_min=config.d_min,
+        d_max=config.d_max,
+        k_min=config.k_min,
+        k_max=config.k_max,
+        d_init=config.d_init,
+        k_init=config.k_init,
+        total_tokens=config.total_tokens,
+        seed=config.init_seed,
+    )
+
+
+@dataclass(frozen=True)
+class Part:
+    """One registered part of a method: how to build it and what it implies, as data.
+
+    ``build`` takes the part's config section (trees) or the section and the target (acceptance rules,
+    schedules); None for the one part with nothing to build (tree ``none``: AR). Each capability is read
+    for one family only: ``needs_drafter`` for trees, ``lossless`` for rules and schedules,
+    ``needs_soft_p`` for rules. They must agree with the built objects' own flags
+    (``DraftTreeBuilder.needs_drafter``, ``Rule.needs_soft_p``, ``VerificationSchedule.can_skip``);
+    tests/test_method_registry.py checks that.
+    """
+
+    build: Callable[..., Any] | None
+    needs_drafter: bool = False  # tree: drafts with the drafter model (else none is attached)
+    lossless: bool = False  # rule: keeps the target distribution; schedule: verifies every step
+    needs_soft_p: bool = False  # rule: reads p beyond p(x) (a group's mass): at T = 0, the T = 1 softmax
+
+
+TREES: dict[str, Part] = {
+    "none": Part(None),  # AR: one target forward per token
+    "static": Part(_static, needs_drafter=True),  # a fixed tree of drafter ranks (EAGLE-1, LANTERN++)
+    "dynamic": Part(  # EAGLE-2: expanded by the drafter's cumulative confidence
+        lambda c: DynamicTreeBuilder(c.top_k, c.depth, c.total_tokens), needs_drafter=True
+    ),
+    "peanut": Part(_peanut, needs_drafter=True),  # EAGLE-2 trees with per-tree depth and width
+    "jacobi": Part(lambda c: JacobiWindowBuilder(c.window, c.init)),  # SJD: the target's own window
+    "sjd_pac": Part(lambda c: SjdPacBuilder(c.window, c.width, c.levels)),  # SJD-PAC: window + proactive tree
+}
+
+ACCEPTANCE: dict[str, Part] = {
+    # u·q(x) < p(x): only the drafted token's target probability.
+    "exact": Part(lambda c, t: EXACT, lossless=True),
+    # Credits x with the mass of its latent neighbours A(x) (Σ_A p ≤ δ): p beyond p(x).
+    "lantern": Part(lambda c, t: Lantern(_neighbour_table(c, t), c.k, delta=c.delta), needs_soft_p=True),
+    # The same with Σ_A p ≤ (λ − 1)·p(x).
+    "lantern_pp": Part(lambda c, t: LanternPP(_neighbour_table(c, t), c.k, lam=c.lam), needs_soft_p=True),
+    # Credits x with its group's mass (rank window by p, filtered by |p(c) − p(x)| and embedding distance).
+    "gsd": Part(
+        lambda c, t: Grouped(
+            _gsd_embeddings(c, t), group_size=c.group_size, delta_p=c.delta_p, max_distance=c.max_distance
+        ),
+        needs_soft_p=True,
     ),
 }
+
+SCHEDULES: dict[str, Part] = {
+    "always": Part(lambda c, t: VerificationSchedule(), lossless=True),  # every step verified
+    "uniform": Part(lambda c, t: UniformSchedule(c.every, c.phase, c.warmup)),  # skips every `every`-th
+    "similarity": Part(_similarity),  # skips when the candidate paths agree (VVS S̄ >= t_sim)
+}
+
+
+def _part(parts: Mapping[str, Part], kind: str, what: str) -> Part:
+    if kind not in parts:
+        raise ValueError(f"unknown {what} {kind!r}; known: {sorted(parts)}")
+    return parts[kind]
+
+
+def _tree_part(kind: str) -> Part:
+    return _part(TREES, kind, "tree kind")
+
+
+def _acceptance_part(kind: str) -> Part:
+    return _part(ACCEPTANCE, kind, "acceptance")
+
+
+def _schedule_part(kind: str) -> Part:
+    return _part(SCHEDULES, kind, "schedule kind")
 
 
 def acceptance_rule(config: AcceptanceConfig, target: Target) -> Rule:
     """The verification callable for ``config``, with the tables it needs built from ``target``."""
-    if config.kind not in ACCEPTANCE:
-        raise ValueError(f"unknown acceptance {config.kind!r}; known: {sorted(ACCEPTANCE)}")
-    return ACCEPTANCE[config.kind](config, target)
+    return _acceptance_part(config.kind).build(config, target)
 
 
 def verification_schedule(config: ScheduleConfig, target: Target) -> VerificationSchedule:
     """The schedule for ``config``; the similarity schedule compares ``target.tokenizer.codebook()`` rows."""
-    if config.kind == "always":
-        return VerificationSchedule()
-    if config.kind == "uniform":
-        return UniformSchedule(config.every, config.phase, config.warmup)
-    if config.kind == "similarity":
-        codebook = target.tokenizer.codebook().to(target.token_embedding.weight.device)
-        return SimilaritySchedule(
-            codebook,
-            config.t_sim,
-            config.alpha,
-            config.stride,
-            formula=config.formula,
-            few_paths=config.few_paths,
-            warmup=config.warmup,
-        )
-    raise ValueError(f"unknown schedule kind {config.kind!r}; use always, uniform or similarity")
+    return _schedule_part(config.kind).build(config, target)
 
 
 def tree_builder(config: TreeConfig) -> DraftTreeBuilder:
-    if config.kind == "static":
-        if (config.preset is None) == (config.paths is None):
-            raise ValueError("a static tree needs exactly one of tree.preset or tree.paths")
-        if config.preset is not None and config.preset not in STATIC_TREES:
-            raise ValueError(f"unknown static tree {config.preset!r}; known: {sorted(STATIC_TREES)}")
-        paths = STATIC_TREES[config.preset] if config.preset else [tuple(p) for p in config.paths]
-        return StaticTreeBuilder(static_tree(paths))
-    if config.kind == "dynamic":
-        return DynamicTreeBuilder(config.top_k, config.depth, config.total_tokens)
-    if config.kind == "jacobi":
-        return JacobiWindowBuilder(config.window, config.init)
-    if config.kind == "sjd_pac":
-        return SjdPacBuilder(config.window, config.width, config.levels)
-    if config.kind == "peanut":
-        return PeanutTreeBuilder(
-            init=config.init,
-            beta=config.beta,
-            l_d=config.l_d,
-            l_k=config.l_k,
-            d_min=config.d_min,
-            d_max=config.d_max,
-            k_min=config.k_min,
-            k_max=config.k_max,
-            d_init=config.d_init,
-            k_init=config.k_init,
-            total_tokens=config.total_tokens,
-            seed=config.init_seed,
-        )
-    kinds = "none, static, dynamic, jacobi, sjd_pac or peanut"
-    raise ValueError(f"unknown tree kind {config.kind!r}; use {kinds}")
+    build = _tree_part(config.kind).build
+    if build is None:
+        raise ValueError(f"tree kind {config.kind!r} drafts nothing: it has no draft-tree builder (AR)")
+    return build(config)
 
 
 class ARMethod:
@@ -242,15 +301,16 @@ class ARMethod:
 def build_method(
     config: DecodeConfig, target: Target, drafter: Drafter | None, sampling: SamplingConfig
 ) -> ARMethod | SpeculativeEngine:
-    if config.tree.kind == "none":
-        if config.acceptance.kind != "exact":
+    skips = not _schedule_part(config.schedule.kind).lossless
+    if _tree_part(config.tree.kind).build is None:
+        if not _acceptance_part(config.acceptance.kind).lossless:
             kind = config.acceptance.kind
             raise ValueError(f"method {config.name!r} has no draft tree to apply acceptance {kind!r} to")
-        if config.schedule.kind != "always":
+        if skips:
             kind = config.schedule.kind
             raise ValueError(f"method {config.name!r} has no draft tree to skip verifying ({kind!r})")
         return ARMethod(target, sampling)
-    if config.schedule.kind != "always" and not config.needs_drafter:
+    if skips and not config.needs_drafter:
         raise ValueError(f"schedule {config.schedule.kind!r} needs a drafter tree, not {config.tree.kind!r}")
     if drafter is None and config.needs_drafter:
         raise ValueError(f"method {config.name!r} needs a drafter (set drafter=<folder>)")

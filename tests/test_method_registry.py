@@ -1,0 +1,135 @@
+"""The registry of method parts (``vdtrain.decode.methods``: ``TREES``, ``ACCEPTANCE``, ``SCHEDULES``).
+
+A method's capabilities (needs a drafter, lossless) are read from the registry's data; here they are
+checked against the objects the parts build and against what each preset is known to be, and a part
+added to the registry alone is shown to give a working method.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_condition
+from test_engine import make_drafter, make_target
+
+from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.engine import SpeculativeEngine
+from vdtrain.decode.methods import (
+    ACCEPTANCE,
+    SCHEDULES,
+    TREES,
+    AcceptanceConfig,
+    DecodeConfig,
+    Part,
+    ScheduleConfig,
+    TreeConfig,
+    acceptance_rule,
+    build_method,
+    decode_config,
+    load_preset,
+    preset_names,
+    tree_builder,
+    verification_schedule,
+)
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.decode.trees import static_tree
+from vdtrain.decode.vvs import UniformSchedule
+
+GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = make_target()
+    return target, make_drafter(target)
+
+
+def _preset(name: str, tmp_path) -> DecodeConfig:
+    return load_preset(name, {"acceptance": {"cache_dir": str(tmp_path)}})
+
+
+def test_the_presets_use_every_registered_part():
+    """So the per-preset checks below cover every registry entry."""
+    configs = [load_preset(n) for n in preset_names()]
+    assert {c.tree.kind for c in configs} == set(TREES)
+    assert {c.acceptance.kind for c in configs} == set(ACCEPTANCE)
+    assert {c.schedule.kind for c in configs} == set(SCHEDULES)
+
+
+def test_the_capabilities_of_the_presets():
+    """What the registry's data must give for the shipped presets (the methods' published properties)."""
+    names = preset_names()
+    assert {n for n in names if load_preset(n).exact} == {
+        "ar",
+        "eagle1",
+        "eagle2",
+        "peanut",
+        "sjd",
+        "sjd_pac",
+    }
+    assert {n for n in names if not load_preset(n).needs_drafter} == {"ar", "sjd", "gsd", "sjd_pac"}
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_each_preset_agrees_with_the_parts_it_builds(tiny, name, tmp_path):
+    target, _ = tiny
+    config = _preset(name, tmp_path)
+    if TREES[config.tree.kind].build is None:  # AR: nothing drafted, so nothing to attach a drafter to
+        assert not config.needs_drafter
+        with pytest.raises(ValueError, match="no draft-tree builder"):
+            tree_builder(config.tree)
+    else:
+        assert tree_builder(config.tree).needs_drafter == config.needs_drafter
+    rule = acceptance_rule(config.acceptance, target)
+    schedule = verification_schedule(config.schedule, target)
+    accept, verify = ACCEPTANCE[config.acceptance.kind], SCHEDULES[config.schedule.kind]
+    assert rule.needs_soft_p == accept.needs_soft_p
+    assert rule.relaxes != accept.lossless  # a lossless rule credits no group
+    assert schedule.can_skip != verify.lossless  # a lossless schedule verifies every step
+    assert config.exact == (accept.lossless and verify.lossless)
+
+
+def test_unknown_kinds_are_refused_with_the_known_ones(tiny):
+    target, _ = tiny
+    with pytest.raises(ValueError, match=r"unknown tree kind 'magic'; known: \[.*'dynamic'.*'sjd_pac'"):
+        _ = DecodeConfig(tree=TreeConfig(kind="magic")).needs_drafter
+    with pytest.raises(ValueError, match=r"unknown tree kind 'magic'; known: \[.*'none'"):
+        tree_builder(TreeConfig(kind="magic"))
+    with pytest.raises(ValueError, match=r"unknown acceptance 'magic'; known: \[.*'lantern_pp'"):
+        _ = DecodeConfig(acceptance=AcceptanceConfig(kind="magic")).exact
+    with pytest.raises(ValueError, match=r"unknown schedule kind 'magic'; known: \['always', 'similarity'"):
+        verification_schedule(ScheduleConfig(kind="magic"), target)
+
+
+def _chain(config: TreeConfig) -> StaticTreeBuilder:
+    """A new tree kind for the test: the drafter's top-1 chain, ``depth`` drafts long."""
+    return StaticTreeBuilder(static_tree([(0,) * d for d in range(1, config.depth + 1)]))
+
+
+def test_a_registry_entry_is_enough_to_add_a_part(tiny, monkeypatch):
+    target, drafter = tiny
+    monkeypatch.setitem(TREES, "chain", Part(_chain, needs_drafter=True))
+    monkeypatch.setitem(SCHEDULES, "every_other", Part(lambda c, t: UniformSchedule(2)))
+    cond = tiny_condition()
+    ar = generate_ar(target, cond, GREEDY, [None, None])
+
+    # A new tree with exact acceptance: exact by the registry, and it does reproduce AR at T = 0.
+    chain = decode_config({"name": "chain", "tree": {"kind": "chain", "depth": 3}})
+    assert chain.needs_drafter and chain.exact
+    engine = build_method(chain, target, drafter, GREEDY)
+    assert isinstance(engine, SpeculativeEngine) and engine.drafter is drafter
+    result = engine.generate(cond, [None, None])
+    assert torch.equal(result.tokens, ar)
+    assert all(max(s.depth_per_step) == 3 for s in result.stats)
+
+    # A new schedule: lossy by the registry, it skips steps, and the rules for skipping schedules hold.
+    skipping = decode_config({"name": "skip", "tree": {"kind": "chain"}, "schedule": {"kind": "every_other"}})
+    assert skipping.needs_drafter and not skipping.exact
+    result = build_method(skipping, target, drafter, GREEDY).generate(cond, [None, None])
+    assert all(s.skipped_steps > 0 for s in result.stats)
+    sjd = decode_config({"name": "sjd_skip", "tree": {"kind": "jacobi"}, "schedule": {"kind": "every_other"}})
+    with pytest.raises(ValueError, match="needs a drafter tree"):
+        build_method(sjd, target, None, GREEDY)
+    with pytest.raises(ValueError, match="no draft tree to skip verifying"):
+        build_method(decode_config({"schedule": {"kind": "every_other"}}), target, None, GREEDY)
