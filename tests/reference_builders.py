@@ -106,10 +106,10 @@ class ReferenceDynamicTreeBuilder(DraftTreeBuilder):
                         a = nodes[b][a].parent
             base = state.committed - 1
             slots = prefix + base[:, None] + ((r - 1) * k_max + torch.arange(size, device=device))[None, :]
-            positions = prefix + (state.committed - 2 + r).clamp_max(engine.target.num_image_tokens - 1)
+            index = (state.committed - 1 + r).clamp_max(engine.target.num_image_tokens)
             vis_full = engine._visibility(base, base, vis.to(device), int(base.max()) + width)
             f_hat, logits = engine.drafter_rows(
-                parent_feats, toks, positions[:, None].expand(-1, size), slots, vis_full
+                parent_feats, toks, index[:, None].expand(-1, size), slots, vis_full
             )
             child_logq = engine.draft_probs(logits).clamp_min(1e-30).log().cpu()  # [B, S, V]
             for b in grow:

@@ -191,22 +191,27 @@ class SpeculativeEngine:
         self,
         feats: torch.Tensor,
         tokens: torch.Tensor | None,
-        positions: torch.Tensor,
+        token_index: torch.Tensor,
         slots: torch.Tensor,
         image_vis: torch.Tensor,
         next_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run drafter rows (features [R, S, H] + next tokens [B, S]) → (f̂ [R, S, H], logits [R, S, V])."""
-        run = self.run
-        streams = feats.shape[0] // positions.shape[0]
+        """Drafter rows (features [R, S, H] + the next tokens [B, S], at image indices ``token_index``
+        [B, S]) → (f̂ [R, S, H], logits [R, S, V] for indices ``token_index + 1``).
+
+        A row sits at the RoPE position of its feature's slot, ``rope_positions(token_index - 1)``, and
+        its logits carry the target's forced tokens."""
+        run, target = self.run, self.target
+        streams = feats.shape[0] // token_index.shape[0]
         if next_embeds is None:
             next_embeds = self.drafter.embed(tokens.repeat(streams, 1))
         rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
+        positions = target.rope_positions(token_index - 1)
         out = self.drafter.forward_rows(
             feats, next_embeds, rep(positions), run.stream.mask, rep(image_vis), run.dcache, rep(slots)
         )
         run.draft_calls += 1
-        return out, self.drafter.logits(out)
+        return out, target.constrain_logits(self.drafter.logits(out), rep(token_index + 1))
 
     # --- the loop ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -257,7 +262,10 @@ class SpeculativeEngine:
                 pre.hidden, run.out[:, :1].repeat(streams, 1), stream.mask, run.dcache
             )
             run.draft_calls += 1
-            root_feats, root_logits = feat[:, -1], self.drafter.logits(feat[:, -1])
+            root_feats = feat[:, -1]
+            root_logits = target.constrain_logits(
+                self.drafter.logits(root_feats), torch.ones_like(root_feats[:, 0], dtype=torch.long)
+            )
         prefill_calls = run.draft_calls
 
         committed = run.committed
@@ -472,10 +480,10 @@ class SpeculativeEngine:
             at_f = rep(slots)[..., None].expand(-1, -1, feats.shape[-1])
             run.fcache.scatter_(1, at_f, torch.where(write, feats, run.fcache.gather(1, at_f)))
         next_tokens_ = run.out.gather(1, base[:, None] + 1 + j)
-        positions = slots.clamp_max(target.max_seq_len - 1)  # padding rows only
+        index = (base[:, None] + 1 + j).clamp_max(n_img)  # padding rows only
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         vis = self._visibility(base, base, causal.expand(batch, -1, -1), n_img - 1 + width)
-        f_hat, logits = self.drafter_rows(feats, next_tokens_, positions, slots, vis)
+        f_hat, logits = self.drafter_rows(feats, next_tokens_, index, slots, vis)
         last = rep(rows - 1)[:, :, None]
         keep = rep(verify)[:, None]
         committed += counts
@@ -511,12 +519,12 @@ class SpeculativeEngine:
         feats = fcache.gather(1, rep(stale)[..., None].expand(-1, -1, fcache.shape[-1]))
         base = committed - 1  # image slot of the root, the first row's token
         slots = prefix + base[:, None] + j
-        positions = slots.clamp_max(target.max_seq_len - 1)
+        index = at.clamp_max(target.num_image_tokens)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         vis = self._visibility(
             base, base, causal.expand(run.batch, -1, -1), target.num_image_tokens - 1 + width
         )
-        f_hat, logits = self.drafter_rows(feats, run.out.gather(1, at), positions, slots, vis)
+        f_hat, logits = self.drafter_rows(feats, run.out.gather(1, at), index, slots, vis)
         last = rep((gamma - 1).clamp_min(0))[:, None, None]
         keep = rep(plan.skipped)[:, None]
         committed += gamma

@@ -244,6 +244,13 @@ class Target(nn.Module, ABC):
     def head(self) -> nn.Module:
         """Maps final-norm hidden states to image-token logits."""
 
+    def constrain_logits(self, logits: torch.Tensor, predicts: torch.Tensor) -> torch.Tensor:
+        """``logits`` [..., V] of rows predicting image index ``predicts`` [...] with the family's forced
+        tokens applied (Lumina-mGPT's end of row); the target's own logits come so already, the engine
+        applies it to the drafter's so a drafter never proposes what the target cannot emit. Default:
+        nothing is forced."""
+        return logits
+
     def rope_positions(self, image_index: torch.Tensor) -> torch.Tensor:
         """Positional index of image tokens for the RoPE table (shared with the drafter)."""
         return image_index + self.prefix_length

@@ -379,12 +379,15 @@ class ChameleonTarget(Target):
 
     # --- forward passes ---------------------------------------------------------------------------
     def _logits(self, hidden: torch.Tensor, predicts: torch.Tensor) -> torch.Tensor:
-        """Image-token logits with the family's constraints; ``predicts`` is the image index each row
-        predicts (any value outside ``0 .. N-1`` is free)."""
-        logits = self.image_head(hidden).float()
+        return self.constrain_logits(self.image_head(hidden).float(), predicts)
+
+    def constrain_logits(self, logits: torch.Tensor, predicts: torch.Tensor) -> torch.Tensor:
+        """Rows predicting a forced index hold 0 for its token and ``FORCED_LOGIT`` elsewhere; the others
+        hold ``FORCED_LOGIT`` for the end-of-row token (any ``predicts`` outside ``0 .. N-1`` is free)."""
         if self.layout.newline is None:
             return logits
         newline = len(self.vocab_ids) - 1
+        logits = logits.clone()
         logits[..., newline] = FORCED_LOGIT
         forced_row = torch.full((newline + 1,), FORCED_LOGIT, dtype=logits.dtype, device=logits.device)
         forced_row[newline] = 0.0

@@ -149,9 +149,9 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             # Frontier rows see their ancestors' scratch columns and their own.
             seen = seen | (scratch[None, None, :] == ((r - 1) * size + col)[None, :, None])
             slots = prefix + base[:, None] + (r - 1) * size + col[None, :]
-            positions = (prefix + (committed - 2 + r).clamp_max(n_img - 1))[:, None].expand(-1, size)
+            index = (committed - 1 + r).clamp_max(n_img)[:, None].expand(-1, size)
             vis = engine._visibility(base, base, seen, width)
-            f_hat, logits = engine.drafter_rows(feats, front_tok, positions, slots, vis)
+            f_hat, logits = engine.drafter_rows(feats, front_tok, index, slots, vis)
             kid_logq, kid_tok = topk_low_index_first(self._logq(engine, logits), size)  # [B, K, K]
             cand_score = (front_score[:, :, None] + kid_logq.double()).flatten(1)
             cand_tok = kid_tok.flatten(1)

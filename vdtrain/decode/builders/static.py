@@ -90,12 +90,11 @@ class StaticTreeBuilder(DraftTreeBuilder):
             # One drafter forward over this level to get its nodes' children distributions.
             level_t = torch.tensor(level, device=device)
             parent_feats = torch.stack([feats_of[t.parents[i]] for i in level], dim=1)  # [R, S, H]
-            row = (state.committed - 2 + depth).clamp_max(n_img - 1)
-            positions = (prefix + row)[:, None].expand(-1, len(level))
+            index = (state.committed - 1 + depth).clamp_max(n_img)[:, None].expand(-1, len(level))
             slots = prefix + base[:, None] + (level_t - 1)[None, :]
             seen = ancestors[level_t][:, 1:].expand(batch, -1, -1)  # [B, S, T-1] over non-root nodes
             vis = engine._visibility(base, base, seen, n_img - 1 + size - 1)
-            f_hat, logits = engine.drafter_rows(parent_feats, tokens[:, level_t], positions, slots, vis)
+            f_hat, logits = engine.drafter_rows(parent_feats, tokens[:, level_t], index, slots, vis)
             for j, node in enumerate(level):
                 feats_of[node], logits_of[node] = f_hat[:, j], logits[:, j]
         return DraftTree(
