@@ -185,7 +185,7 @@ def time_method(target, drafter, preset: str, conds, seed: int, sampling) -> dic
 def compiled(target: Target, drafter: Drafter, mode: str) -> Iterator[None]:
     """The target's and drafter's transformer forwards under ``torch.compile`` (dynamic shapes: trees,
     batches and cache lengths vary per step)."""
-    modules = [target.gpt, drafter.layer]  # type: ignore[attr-defined]
+    modules = [target.transformer, drafter.layer]
     for module in modules:
         module.forward = torch.compile(module.forward, mode=mode, dynamic=True)
     try:

@@ -72,12 +72,7 @@ def compile_decoding(target: Target, drafter: Drafter | None = None, *, backend:
     ``backend`` is torch.compile's (``inductor``; ``aot_eager`` traces without generating kernels). Call
     it once, after the target has its device and dtype and before decoding.
     """
-    gpt = getattr(target, "gpt", None)
-    if not isinstance(gpt, nn.Module):
-        raise TypeError(
-            f"compiled decoding needs a target with a `gpt` transformer; got {type(target).__name__}"
-        )
-    modules: list[nn.Module] = [gpt] if drafter is None else [gpt, drafter]
+    modules: list[nn.Module] = [target.transformer] if drafter is None else [target.transformer, drafter]
     if any(getattr(m, "_vdtrain_compiled", False) for m in modules):
         raise RuntimeError("compile_decoding was already applied to this target or drafter")
     mode = compile_mode(target.token_embedding.weight.device)

@@ -211,6 +211,12 @@ class Target(nn.Module, ABC):
         """The dtype the transformer runs in (``target.dtype``; fp32 unless cast for inference)."""
         return self.token_embedding.weight.dtype
 
+    @property
+    @abstractmethod
+    def transformer(self) -> nn.Module:
+        """The decoder every prefill and verification pass runs through its ``forward`` and whose
+        ``new_cache`` allocates the KV cache (what ``compile=true`` wraps)."""
+
     @abstractmethod
     def use_dtype(self, dtype: torch.dtype) -> Target:
         """Cast the transformer (not the tokenizer or caption encoder) to ``dtype`` for inference; logits

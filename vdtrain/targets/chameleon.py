@@ -291,6 +291,10 @@ class ChameleonTarget(Target):
         return self._identity
 
     @property
+    def transformer(self) -> nn.Module:
+        return self.lm
+
+    @property
     def token_embedding(self) -> nn.Embedding:
         return self.image_embedding
 

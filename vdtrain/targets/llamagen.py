@@ -204,6 +204,10 @@ class LlamaGenTarget(Target):
         return self._identity
 
     @property
+    def transformer(self) -> nn.Module:
+        return self.gpt
+
+    @property
     def token_embedding(self) -> nn.Embedding:
         return self.gpt.tok_embeddings
 

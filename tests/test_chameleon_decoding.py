@@ -1,0 +1,237 @@
+"""Speculative decoding on Chameleon-family targets (issue #15): EAGLE drafters on Anole and Lumina-mGPT.
+
+- Every exact preset gives AR's tokens at T = 0 on the tiny released-layout targets of test_chameleon,
+  with a random drafter of the target's own family (a Chameleon decoder layer).
+- Every exact preset samples AR's distribution at T = 1 on targets small enough to enumerate every image,
+  Lumina-mGPT's forced end-of-row column included.
+- Drafts respect the forced tokens: the drafter proposes Lumina-mGPT's end of row exactly where the
+  target forces it, and nowhere else.
+- ``compile=true`` wraps a Chameleon target's decoder like LlamaGen's GPT.
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_chameleon
+import torch
+from test_chameleon import CODEBOOK, anole_target, lumina_target
+from test_engine import SIGNIFICANCE, chi_square_pvalue, exact_ar_distribution, sample_images
+from test_exactness import EXACT_PRESETS, method
+
+from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.compiled import compile_decoding
+from vdtrain.decode.engine import SpeculativeEngine
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
+from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
+from vdtrain.targets import ChameleonDraftLayer
+from vdtrain.targets.chameleon import ChameleonLayout, ChameleonTarget, ChameleonTokenizer, Guidance
+
+CAPTIONS = ["a red circle", "big blue square"]
+anole_files = test_chameleon.anole_files  # the tiny released-layout checkpoints, as fixtures here
+lumina_files = test_chameleon.lumina_files
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_drafter(target: ChameleonTarget, seed: int = 0, std: float = 0.2) -> Drafter:
+    torch.manual_seed(seed)
+    drafter = Drafter(DrafterConfig.for_target(target))
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return drafter.attach(target).eval()
+
+
+def test_a_chameleon_target_gets_a_chameleon_drafter_layer(lumina_files):
+    target = lumina_target(lumina_files[0])
+    drafter = random_drafter(target)
+    assert isinstance(drafter.layer, ChameleonDraftLayer)
+    lm = target.lm.config
+    assert drafter.config.layer["num_key_value_heads"] == lm.num_key_value_heads == 2
+    assert drafter.config.layer["intermediate_size"] == lm.intermediate_size
+    # Its parameters are a Chameleon layer's, under the released names.
+    names = {k for k in drafter.state_dict() if k.startswith("layer.")}
+    assert {
+        "layer.self_attn.q_norm.weight",
+        "layer.mlp.gate_proj.weight",
+        "layer.input_layernorm.weight",
+    } <= names
+    # Teacher forcing runs over the target's features.
+    cond = target.encode_captions(CAPTIONS)
+    tokens = generate_ar(target, cond, SamplingConfig(cfg_scale=3.0, temperature=0.0), [None, None])
+    hidden = target.forward_sequence(cond, tokens).hidden
+    assert drafter.forward_teacher(hidden, tokens, cond.mask).shape == hidden[:, 1:].shape
+
+
+@pytest.mark.parametrize("name", EXACT_PRESETS)
+@pytest.mark.parametrize("family", ["anole", "lumina"])
+def test_exact_methods_give_the_ar_tokens_at_t0(name, family, anole_files, lumina_files, tmp_path):
+    target = anole_target(anole_files[0]) if family == "anole" else lumina_target(lumina_files[0])
+    sampling = SamplingConfig(cfg_scale=3.0, temperature=0.0)
+    cond = target.encode_captions(CAPTIONS)
+    expected = generate_ar(target, cond, sampling, [None, None])
+    engine = method(name, target, random_drafter(target), sampling, tmp_path)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    assert torch.equal(engine.generate(cond, gens).tokens, expected)
+
+
+# --- T = 1 on targets whose images can all be enumerated ------------------------------------------------
+
+BOS, BOI, SIZE, NEWLINE, WORDS = 0, 8, 9, 10, (11, 12)
+IMAGE_IDS = (5, 4, 6)  # codes 0, 1, 2 at BPE ids out of order, as the released vocabulary has them
+
+
+def enumerable_target(family: str, seed: int = 2) -> ChameleonTarget:
+    """A Chameleon target with a 3-code VQGAN and a 2x2 latent grid: 3^4 Anole images, or Lumina-mGPT's
+    2x3 grid with a forced end-of-row column (4^6 sequences, 3^4 of them possible)."""
+    config = ChameleonConfig(
+        vocab_size=16,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(seed)
+    lm = ChameleonLM(config)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            p.normal_(std=0.4)
+            if name.endswith("norm.weight"):
+                p.add_(1.0)
+    vq = ChameleonVQGAN(
+        ChameleonVQConfig(
+            embed_dim=4,
+            num_embeddings=3,
+            latent_channels=32,
+            base_channels=32,
+            num_res_blocks=1,
+            resolution=32,
+        )
+    )
+    lumina = family == "lumina_mgpt"
+    prefix = (BOI, SIZE, SIZE) if lumina else (BOI,)
+    layout = ChameleonLayout(
+        family,
+        (2, 2),
+        BOS,
+        prefix,
+        prefix if lumina else (BOS, BOI),
+        NEWLINE if lumina else None,
+        "{text}",
+        Guidance((3.0,) if lumina else (3.0, 1.2)),
+    )
+    return ChameleonTarget(
+        lm,
+        ChameleonTokenizer(vq, 32, newline_column=lumina),
+        layout,
+        torch.tensor(IMAGE_IDS),
+        None,
+        f"enumerable-{family}",
+        prefix_length=6,
+        sampling_defaults=SamplingConfig(cfg_scale=3.0),
+    )
+
+
+@pytest.fixture(scope="module", params=["anole", "lumina_mgpt"])
+def enumerable(request):
+    target = enumerable_target(request.param)
+    cond = target.condition_from_ids([[BOS, *WORDS, *target.layout.image_prefix]])
+    sampling = SamplingConfig(cfg_scale=3.0, temperature=1.0)
+    exact = exact_ar_distribution(target, cond, sampling)
+    return target, cond, sampling, {x: p for x, p in exact.items() if p > 0}
+
+
+def test_the_enumerable_lumina_target_forces_its_end_of_row_column():
+    target = enumerable_target("lumina_mgpt")
+    cond = target.condition_from_ids([[BOS, *WORDS, BOI, SIZE, SIZE]])
+    exact = exact_ar_distribution(target, cond, SamplingConfig(cfg_scale=3.0, temperature=1.0))
+    possible = [x for x, p in exact.items() if p > 0]
+    assert len(possible) == 3**4 and abs(sum(exact.values()) - 1.0) < 1e-5
+    assert all(x[2] == x[5] == 3 and max(x[:2] + x[3:5]) < 3 for x in possible)
+
+
+@pytest.mark.parametrize("name", EXACT_PRESETS)
+def test_exact_methods_keep_the_ar_distribution_at_t1(enumerable, name, tmp_path):
+    target, cond, sampling, exact = enumerable
+    engine = method(name, target, random_drafter(target, std=0.4), sampling, tmp_path)
+    if name == "ar":
+        c = type(cond)(cond.features.expand(2000, -1, -1), cond.mask.expand(2000, -1))
+        gens = [torch.Generator().manual_seed(7_000_000 + i) for i in range(2000)]
+        samples = [tuple(x) for x in engine.generate(c, gens).tokens.tolist()]
+    else:
+        samples = sample_images(engine, cond, 2000, seed=31)
+    assert set(samples) <= set(exact)  # no impossible image, forced column included
+    assert chi_square_pvalue(samples, exact) > SIGNIFICANCE
+
+
+def test_the_distribution_test_rejects_a_lossy_method(enumerable, tmp_path):
+    """Power: LANTERN++ with a loose λ accepts drafts the target would not sample as often."""
+    target, cond, sampling, exact = enumerable
+    engine = method(
+        "lantern_pp",
+        target,
+        random_drafter(target, std=0.4),
+        sampling,
+        tmp_path,
+        acceptance={"lam": 10.0, "k": 2, "cache_dir": str(tmp_path)},
+    )
+    samples = sample_images(engine, cond, 2000, seed=31)
+    assert chi_square_pvalue(samples, exact) < SIGNIFICANCE
+
+
+# --- forced tokens in drafts ----------------------------------------------------------------------------
+
+
+def test_drafts_hold_the_end_of_row_token_exactly_where_the_target_forces_it(lumina_files):
+    target = lumina_target(lumina_files[0])
+    sampling = SamplingConfig(cfg_scale=3.0, temperature=1.0)
+    engine = SpeculativeEngine(
+        target, random_drafter(target), DynamicTreeBuilder(top_k=4, depth=4, total_tokens=20), sampling
+    )
+    trees = []
+    build = engine.builder.build
+
+    def recording(eng, state):
+        tree = build(eng, state)
+        trees.append((tree, state.committed.clone()))
+        return tree
+
+    engine.builder.build = recording
+    cond = target.encode_captions(CAPTIONS)
+    engine.generate(cond, [torch.Generator().manual_seed(i) for i in range(2)])
+    newline, width = CODEBOOK, target.grid[1]
+    checked = 0
+    for tree, committed in trees:
+        index = committed[:, None] - 1 + tree.depths  # image index of each node
+        drafted = tree.valid & (tree.depths > 0) & (index < target.num_image_tokens)
+        forced = index % width == width - 1
+        assert (tree.tokens[drafted & forced] == newline).all()
+        assert (tree.tokens[drafted & ~forced] != newline).all()
+        checked += int((drafted & forced).sum())
+    assert checked > 0
+
+
+# --- compile ----------------------------------------------------------------------------------------------
+
+
+def test_compile_wraps_the_chameleon_decoder_and_keeps_the_tokens(lumina_files):
+    target = lumina_target(lumina_files[0])
+    drafter = random_drafter(target)
+    sampling = SamplingConfig(cfg_scale=3.0, temperature=0.0)
+    cond = target.encode_captions(CAPTIONS)
+    builder = DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16)
+    eager = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None]).tokens
+    torch._dynamo.reset()
+    compile_decoding(target, drafter, backend="eager")  # traced by dynamo; no kernels to build
+    assert target.lm._vdtrain_compiled and drafter._vdtrain_compiled
+    compiled = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None]).tokens
+    assert torch.equal(compiled, eager)
