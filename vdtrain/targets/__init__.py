@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping
 
 import torch
 
+from vdtrain.config import TargetConfig
 from vdtrain.targets.base import (
     Condition,
     DraftLayer,
@@ -16,7 +18,7 @@ from vdtrain.targets.base import (
     TargetOutput,
 )
 from vdtrain.targets.chameleon import FAMILIES as CHAMELEON_FAMILIES
-from vdtrain.targets.chameleon import ChameleonDraftLayer, load_chameleon_target
+from vdtrain.targets.chameleon import ChameleonDraftLayer, ChameleonSpec, load_chameleon_target
 from vdtrain.targets.llamagen import LlamaGenDraftLayer, LlamaGenSpec, LlamaGenTarget, build_llamagen_target
 from vdtrain.targets.shapes import load_target_folder
 
@@ -111,6 +113,15 @@ def target_for_run(cfg, *, apply_dtype: bool = False) -> Target:
     return cast_for_inference(target, cfg.target.get("dtype", "fp32")) if apply_dtype else target
 
 
+def own_fields(spec: type, fields: dict[str, object]) -> dict[str, object]:
+    """``fields`` less the other kinds' keys that fit's typed config (``vdtrain.config.TargetConfig``, one
+    schema for every kind) filled in with their defaults; any other key ``spec`` lacks stays, so that the
+    spec refuses it."""
+    defaults = dataclasses.asdict(TargetConfig())
+    names = {f.name for f in dataclasses.fields(spec)}
+    return {k: v for k, v in fields.items() if k in names or k not in defaults or v != defaults[k]}
+
+
 def load_target(config: Mapping[str, object], device: str | torch.device = "cpu") -> Target:
     """Build the fp32 target a ``conf/target/*.yaml`` describes (``kind: folder`` or ``kind: llamagen``).
 
@@ -122,7 +133,7 @@ def load_target(config: Mapping[str, object], device: str | torch.device = "cpu"
     if kind == "folder":
         return load_target_folder(fields.get("folder"), device)
     if kind == "llamagen":
-        return build_llamagen_target(LlamaGenSpec(**fields), device)
+        return build_llamagen_target(LlamaGenSpec(**own_fields(LlamaGenSpec, fields)), device)
     if kind == "chameleon":  # Anole, Lumina-mGPT (vdtrain.targets.chameleon)
-        return load_chameleon_target(fields, device)
+        return load_chameleon_target(own_fields(ChameleonSpec, fields), device)
     raise ValueError(f"unknown target kind {kind!r}; use 'folder' or 'llamagen'")
