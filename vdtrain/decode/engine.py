@@ -407,7 +407,7 @@ class SpeculativeEngine:
         tokens = torch.where(in_chain, chain_tokens, torch.where(in_tree, tree.tokens.gather(1, node), 0))
         index = torch.where(in_tree, base[:, None] + u + tree.depths.gather(1, node), base[:, None] + j[None])
         index = index.clamp_max(target.num_image_tokens - 1)
-        slots = target.prefix_length + base[:, None] + j[None]
+        slots = target.image_slot(base[:, None] + j[None])
         vis = self._visibility(base, base, vis, target.num_image_tokens - 1 + width_rows)
         rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
         result = target.forward_tokens(run.stream, rep(tokens), rep(index), run.tcache, rep(slots), rep(vis))
@@ -424,7 +424,7 @@ class SpeculativeEngine:
         vis = self._visibility(base, base, anc, target.num_image_tokens - 1 + tree.size)
         # Padding nodes may lie past the image; clamp their (ignored) positions into the RoPE table.
         index = (base[:, None] + tree.depths).clamp_max(target.num_image_tokens - 1)
-        slots = target.prefix_length + base[:, None] + torch.arange(tree.size, device=base.device)
+        slots = target.image_slot(base[:, None] + torch.arange(tree.size, device=base.device))
         rep = lambda t: t.repeat(run.streams, *([1] * (t.dim() - 1)))  # noqa: E731
         result = target.forward_tokens(
             run.stream, rep(tree.tokens), rep(index), run.tcache, rep(slots), rep(vis)
@@ -443,7 +443,7 @@ class SpeculativeEngine:
         root (its last catch-up row), unchanged for the rows not verified."""
         run, target = self.run, self.target
         batch, streams, committed = run.batch, run.streams, run.committed
-        device, prefix, n_img = committed.device, target.prefix_length, target.num_image_tokens
+        device, n_img = committed.device, target.num_image_tokens
         lead = torch.zeros_like(committed) if lead is None else lead
         path, accepted = verdict.path, verdict.accepted
         depth = path.shape[1]
@@ -459,8 +459,8 @@ class SpeculativeEngine:
         base = committed - 1 - lead  # image slot of the first row
         rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
         # Target KV: row i sits at slot L+base+i; its committed place is L+base+i' (i' <= i).
-        src = prefix + base[:, None] + node
-        dst = torch.where(verify[:, None], torch.minimum(prefix + base[:, None] + j, src), src)
+        src = target.image_slot(base[:, None] + node)
+        dst = torch.where(verify[:, None], torch.minimum(target.image_slot(base[:, None] + j), src), src)
         run.tcache.move(torch.arange(batch * streams, device=device), rep(src), rep(dst))
         # Tokens: the accepted drafts then the bonus, at image indices committed ..
         k = torch.arange(depth + 1, device=device)[None]
@@ -474,7 +474,7 @@ class SpeculativeEngine:
             return None, None
         # Drafter rows L+base .. : feature of the row's token, embedding of the token after it.
         feats = hidden.gather(1, rep(node)[..., None].expand(-1, -1, hidden.shape[-1]))
-        slots = prefix + base[:, None] + j
+        slots = target.image_slot(base[:, None] + j)
         if run.fcache is not None:
             write = rep(verify[:, None] & (j < rows))[..., None]
             at_f = rep(slots)[..., None].expand(-1, -1, feats.shape[-1])
@@ -506,7 +506,7 @@ class SpeculativeEngine:
         prompts' rows replaced, and the tokens committed per prompt [B] (0 where not skipped)."""
         run, target = self.run, self.target
         committed, fcache, streams = run.committed, run.fcache, run.streams
-        device, prefix = committed.device, target.prefix_length
+        device = committed.device
         nodes, gamma = self.schedule.unverified_paths(tree, plan, run.rng)
         gamma = torch.where(plan.skipped, gamma, 0)
         width = nodes.shape[1]
@@ -515,10 +515,10 @@ class SpeculativeEngine:
         write = j < gamma[:, None]
         run.out.scatter_(1, at, torch.where(write, tree.tokens.gather(1, nodes), run.out.gather(1, at)))
         rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        stale = (prefix + committed[:, None] - 1 - gamma[:, None] + j).clamp(0, fcache.shape[1] - 1)
+        stale = target.image_slot(committed[:, None] - 1 - gamma[:, None] + j).clamp(0, fcache.shape[1] - 1)
         feats = fcache.gather(1, rep(stale)[..., None].expand(-1, -1, fcache.shape[-1]))
         base = committed - 1  # image slot of the root, the first row's token
-        slots = prefix + base[:, None] + j
+        slots = target.image_slot(base[:, None] + j)
         index = at.clamp_max(target.num_image_tokens)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         vis = self._visibility(

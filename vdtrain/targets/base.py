@@ -257,6 +257,12 @@ class Target(nn.Module, ABC):
         nothing is forced."""
         return logits
 
+    def image_slot(self, image_index: torch.Tensor) -> torch.Tensor:
+        """The KV-cache slot of image position ``image_index`` (the prefix holds slots ``0 .. L-1``): the one
+        slot layout the engine, its builders and the drafter's cache share. Draft nodes take the slots
+        after the committed tokens', so their ``image_index`` here is a scratch offset, not a grid cell."""
+        return image_index + self.prefix_length
+
     def rope_positions(self, image_index: torch.Tensor) -> torch.Tensor:
         """Positional index of image tokens for the RoPE table (shared with the drafter)."""
         return image_index + self.prefix_length

@@ -106,7 +106,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
         roots, limit, committed = state.roots, state.depth_limit, state.committed
         batch, device = len(roots), roots.device
-        prefix, n_img = engine.target.prefix_length, engine.target.num_image_tokens
+        n_img = engine.target.num_image_tokens
         vocab = state.root_logits.shape[-1]
         rounds, widths = self.shape(state)
         rounds, widths = rounds.to(device), widths.to(device).clamp_max(vocab)
@@ -148,7 +148,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         for r in range(1, depth_cap + 1):
             # Frontier rows see their ancestors' scratch columns and their own.
             seen = seen | (scratch[None, None, :] == ((r - 1) * size + col)[None, :, None])
-            slots = prefix + base[:, None] + (r - 1) * size + col[None, :]
+            slots = engine.target.image_slot(base[:, None] + (r - 1) * size + col[None, :])
             index = (committed - 1 + r).clamp_max(n_img)[:, None].expand(-1, size)
             vis = engine._visibility(base, base, seen, width)
             f_hat, logits = engine.drafter_rows(feats, front_tok, index, slots, vis)

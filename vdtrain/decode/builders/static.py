@@ -57,7 +57,7 @@ class StaticTreeBuilder(DraftTreeBuilder):
         t, sampling = self.tree, engine.sampling
         batch, device = len(state.roots), state.roots.device
         size, vocab = t.size, state.root_logits.shape[-1]
-        prefix, n_img = engine.target.prefix_length, engine.target.num_image_tokens
+        n_img = engine.target.num_image_tokens
         parents, depths, ancestors = self.layout(device)
         tokens = torch.zeros(batch, size, dtype=torch.long, device=device)
         tokens[:, 0] = state.roots
@@ -91,7 +91,7 @@ class StaticTreeBuilder(DraftTreeBuilder):
             level_t = torch.tensor(level, device=device)
             parent_feats = torch.stack([feats_of[t.parents[i]] for i in level], dim=1)  # [R, S, H]
             index = (state.committed - 1 + depth).clamp_max(n_img)[:, None].expand(-1, len(level))
-            slots = prefix + base[:, None] + (level_t - 1)[None, :]
+            slots = engine.target.image_slot(base[:, None] + (level_t - 1)[None, :])
             seen = ancestors[level_t][:, 1:].expand(batch, -1, -1)  # [B, S, T-1] over non-root nodes
             vis = engine._visibility(base, base, seen, n_img - 1 + size - 1)
             f_hat, logits = engine.drafter_rows(parent_feats, tokens[:, level_t], index, slots, vis)
