@@ -186,8 +186,10 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     except NonFiniteLossError as err:
         raise NonFiniteLossError(f"{err}; {last.last_finite_hint()}") from err
     minutes = (time.monotonic() - start) / 60
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # train/* and eval/*
     if data.val_dataloader():  # the summary reports the final drafter, not the last epoch's
-        trainer.validate(module, datamodule=data, verbose=False)
+        trainer.validate(module, datamodule=data, verbose=False)  # replaces callback_metrics
+        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     summary = {
         "run_dir": str(run_dir),
         "steps": trainer.global_step,
@@ -197,7 +199,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         * cfg.data.batch_size
         * trainer.world_size
         / max(1e-9, minutes * 60),
-        **{k: float(v) for k, v in trainer.callback_metrics.items()},
+        **metrics,
     }
     if trainer.is_global_zero:
         export = Path(cfg.export_dir) if cfg.export_dir else run_dir / "drafter"
