@@ -39,6 +39,7 @@ class ChameleonConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     model_parallel_size: int = 1
+    qk_norm: bool = True  # False: plain Llama attention (Janus-Pro's language model)
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -164,8 +165,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, kv_width, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, kv_width, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.hidden_size, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = HeadNorm(c.num_attention_heads, c.head_dim)
-        self.k_norm = HeadNorm(c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            self.q_norm = HeadNorm(c.num_attention_heads, c.head_dim)
+            self.k_norm = HeadNorm(c.num_key_value_heads, c.head_dim)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
 
     def forward(
         self,

@@ -19,6 +19,8 @@ from vdtrain.targets.base import (
 )
 from vdtrain.targets.chameleon import FAMILIES as CHAMELEON_FAMILIES
 from vdtrain.targets.chameleon import ChameleonDraftLayer, ChameleonSpec, load_chameleon_target
+from vdtrain.targets.janus import FAMILY as JANUS_FAMILY
+from vdtrain.targets.janus import JanusDraftLayer, JanusSpec, load_janus_target
 from vdtrain.targets.llamagen import LlamaGenDraftLayer, LlamaGenSpec, LlamaGenTarget, build_llamagen_target
 from vdtrain.targets.shapes import load_target_folder
 
@@ -47,6 +49,7 @@ __all__ = [
 DRAFT_LAYERS: dict[str, type[DraftLayer]] = {
     "llamagen": LlamaGenDraftLayer,
     **dict.fromkeys(CHAMELEON_FAMILIES, ChameleonDraftLayer),
+    JANUS_FAMILY: JanusDraftLayer,
 }
 
 
@@ -136,4 +139,6 @@ def load_target(config: Mapping[str, object], device: str | torch.device = "cpu"
         return build_llamagen_target(LlamaGenSpec(**own_fields(LlamaGenSpec, fields)), device)
     if kind == "chameleon":  # Anole, Lumina-mGPT (vdtrain.targets.chameleon)
         return load_chameleon_target(own_fields(ChameleonSpec, fields), device)
-    raise ValueError(f"unknown target kind {kind!r}; use 'folder' or 'llamagen'")
+    if kind == "janus":  # Janus-Pro (vdtrain.targets.janus)
+        return load_janus_target(own_fields(JanusSpec, fields), device)
+    raise ValueError(f"unknown target kind {kind!r}; use 'folder', 'llamagen', 'chameleon' or 'janus'")

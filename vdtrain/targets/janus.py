@@ -1,0 +1,304 @@
+"""Janus-Pro text-to-image as a target: its Llama decoder with the image-generation embeddings and head.
+
+The condition prefix is the prompt's ids, embedded by the LM and left-padded to ``prefix_length`` rows:
+``[bos] + "<|User|>: {caption}\\n\\n<|Assistant|>:" + [<begin_of_image>]`` (the released chat format, then
+the image start token). Image token ``i`` is fed as ``generation_aligner(generation_embeddings(i))``,
+which this adapter tabulates once (``token_embedding``); logits come from ``generation_head``.
+
+CFG's null stream is the prompt with every token but ``bos`` and ``<begin_of_image>`` replaced by the pad
+token, all of them attended (DeepSeek's ``generation_inference.py`` and transformers' ``generate`` with
+``generation_mode="image"``), so it has its prompt's length and mask.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from vdtrain.checkpoint_io import CheckpointError, load_strict
+from vdtrain.models.chameleon_io import read_hf_config, read_hf_weights, text_tokenizer
+from vdtrain.models.janus import JanusConfig, JanusGenerator, generator_state, vq_state
+from vdtrain.models.kv_cache import KVCache
+from vdtrain.models.vq import VQModel
+from vdtrain.sampling_config import SamplingConfig
+from vdtrain.targets.base import (
+    Condition,
+    Target,
+    TargetIdentity,
+    TargetOutput,
+    fingerprint,
+    prefix_and_image_mask,
+    prefix_causal_mask,
+)
+from vdtrain.targets.chameleon import CAPTION_OVERFLOW, ChameleonDraftLayer
+from vdtrain.targets.llamagen import VQTokenizer
+
+FAMILY = "janus_pro"
+BOS, PAD, BOI = "<｜begin▁of▁sentence｜>", "<｜▁pad▁｜>", "<begin_of_image>"
+PROMPT = "<|User|>: {text}\n\n<|Assistant|>:"
+# DeepSeek's generation_inference.py and the converted generation_config.json: CFG 5, plain sampling.
+SAMPLING = {"cfg_scale": 5.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+@dataclass(frozen=True)
+class JanusTokens:
+    """The special ids the prompt and its null stream use."""
+
+    bos: int
+    pad: int
+    boi: int
+
+    @classmethod
+    def from_vocabulary(cls, vocab: Mapping[str, int]) -> JanusTokens:
+        missing = [name for name in (BOS, PAD, BOI) if name not in vocab]
+        if missing:
+            raise CheckpointError(f"the Janus text tokenizer has no {missing}")
+        return cls(int(vocab[BOS]), int(vocab[PAD]), int(vocab[BOI]))
+
+
+class JanusDraftLayer(ChameleonDraftLayer):
+    """Janus-Pro's Llama decoder layer (a Chameleon layer without q/k norms or swin norm, 1D RoPE)."""
+
+    settings_fields = (
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "rms_norm_eps",
+        "rope_theta",
+        "attention_bias",
+        "mlp_bias",
+    )
+    LLAMA: ClassVar[dict[str, bool]] = {"swin_norm": False, "qk_norm": False}
+
+    def __init__(
+        self, hidden_size: int, prefix_length: int, grid: tuple[int, int], settings: Mapping[str, Any]
+    ) -> None:
+        super().__init__(hidden_size, prefix_length, grid, {**settings, **self.LLAMA})
+
+    @classmethod
+    def settings_of(cls, target: Target) -> dict[str, Any]:
+        config = target.generator.config.lm  # type: ignore[attr-defined]
+        return {name: getattr(config, name) for name in cls.settings_fields}
+
+    @classmethod
+    def check(cls, hidden_size: int, grid: tuple[int, int], settings: Mapping[str, Any]) -> None:
+        super().check(hidden_size, grid, {k: v for k, v in settings.items() if k not in cls.LLAMA})
+
+    def describe(self) -> str:
+        c = self.config
+        return (
+            f"Llama decoder layer (Janus-Pro): {c.num_attention_heads} heads ({c.num_key_value_heads} KV "
+            f"heads), FFN {c.intermediate_size}, RoPE theta {c.rope_theta:g}"
+        )
+
+
+class JanusTarget(Target):
+    def __init__(
+        self,
+        generator: JanusGenerator,
+        tokenizer: VQTokenizer,
+        tokens: JanusTokens,
+        encode_text: Callable[[str], list[int]] | None,
+        name: str,
+        prefix_length: int,
+        sampling_defaults: SamplingConfig,
+        caption_overflow: str = "error",
+    ) -> None:
+        super().__init__()
+        side = generator.config.grid
+        if tokenizer.grid != (side, side):
+            raise ValueError(f"VQ grid {tokenizer.grid} != the model's {side}x{side} image tokens")
+        if caption_overflow not in CAPTION_OVERFLOW:
+            raise ValueError(f"caption_overflow must be one of {CAPTION_OVERFLOW}, got {caption_overflow!r}")
+        if prefix_length < 3:
+            raise ValueError(f"prefix_length {prefix_length} < 3, the shortest prompt (bos, a token, boi)")
+        self.generator = generator.eval().requires_grad_(False)
+        self.tokenizer = tokenizer.eval().requires_grad_(False)
+        self.tokens = tokens
+        self.encode_text = encode_text
+        self.name = name
+        self.sampling_defaults = sampling_defaults
+        self.caption_overflow = caption_overflow
+        self._prefix_length = prefix_length
+        codes = generator.config.codebook_size
+        # The aligner is a fixed function of the token id: tabulated, it is an embedding like any other.
+        self.image_embedding = nn.Embedding(codes, generator.config.lm.hidden_size).requires_grad_(False)
+        device = generator.generation_embeddings.weight.device
+        with torch.no_grad():
+            table = generator.embed_image_tokens(torch.arange(codes, device=device))
+            self.image_embedding.weight.copy_(table)
+        self.to(device)
+        self._identity: TargetIdentity | None = None
+
+    # --- shape ------------------------------------------------------------------------------------
+    @property
+    def identity(self) -> TargetIdentity:
+        if self._identity is None:
+            side = self.generator.config.grid
+            self._identity = TargetIdentity(
+                family=FAMILY,
+                name=self.name,
+                hidden_size=self.generator.config.lm.hidden_size,
+                vocab_size=self.generator.config.codebook_size,
+                grid=(side, side),
+                prefix_length=self._prefix_length,
+                head_fingerprint=fingerprint(self.generator.generation_head.vision_head.weight),
+            )
+        return self._identity
+
+    @property
+    def transformer(self) -> nn.Module:
+        return self.generator
+
+    @property
+    def token_embedding(self) -> nn.Embedding:
+        return self.image_embedding
+
+    @property
+    def head(self) -> nn.Module:
+        return self.generator.generation_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.image_embedding.weight.device
+
+    def use_dtype(self, dtype: torch.dtype) -> JanusTarget:
+        """Run the decoder, image-token table and generation head in ``dtype``; logits stay fp32, RoPE
+        angles are computed in fp32, the VQ is left alone, and the identity is the fp32 weights'."""
+        _ = self.identity
+        for module in (self.generator, self.image_embedding):
+            module.to(dtype=dtype)
+        return self
+
+    # --- conditioning -----------------------------------------------------------------------------
+    def prompt_ids(self, caption: str) -> list[int]:
+        """``[bos] + chat-formatted caption + [<begin_of_image>]``, as the released pipelines build it."""
+        if self.encode_text is None:
+            raise RuntimeError(f"target {self.name!r} was built without a text tokenizer")
+        text = self.encode_text(PROMPT.format(text=caption.strip()))
+        room = self._prefix_length - 2
+        if len(text) > room:
+            if self.caption_overflow == "error":
+                raise ValueError(
+                    f"caption of {len(text)} prompt tokens exceeds the {room} that prefix_length "
+                    f"{self._prefix_length} leaves ({caption[:60]!r}); raise prefix_length or use "
+                    "caption_overflow=truncate"
+                )
+            text = text[:room]
+        return [self.tokens.bos, *text, self.tokens.boi]
+
+    def _embed(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        embed = self.generator.language_model.embed_tokens
+        return embed(ids) * mask[..., None].to(embed.weight.dtype)
+
+    def condition_from_ids(
+        self, prompts: Sequence[Sequence[int]], captions: list[str] | None = None
+    ) -> Condition:
+        """Left-padded, embedded prompts (zero rows and a False mask where padded)."""
+        length = self._prefix_length
+        ids = torch.zeros(len(prompts), length, dtype=torch.long, device=self.device)
+        mask = torch.zeros(len(prompts), length, dtype=torch.bool, device=self.device)
+        for row, prompt in enumerate(prompts):
+            if not 2 <= len(prompt) <= length:
+                raise ValueError(f"a prompt of {len(prompt)} tokens does not fit prefix_length {length}")
+            ids[row, length - len(prompt) :] = torch.tensor(list(prompt), device=self.device)
+            mask[row, length - len(prompt) :] = True
+        return Condition(self._embed(ids, mask), mask, captions)
+
+    def encode_captions(self, captions: list[str]) -> Condition:
+        return self.condition_from_ids([self.prompt_ids(c) for c in captions], list(captions))
+
+    def null_condition(self, cond: Condition) -> Condition:
+        """Each prompt as ``[bos, pad, …, pad, boi]`` of its own length, under its own mask."""
+        mask = cond.mask.to(self.device).bool()
+        ids = torch.full(mask.shape, self.tokens.pad, dtype=torch.long, device=self.device)
+        first = mask.shape[1] - mask.sum(1)
+        ids[torch.arange(len(ids), device=self.device), first] = self.tokens.bos
+        ids[:, -1] = self.tokens.boi
+        return Condition(self._embed(ids, mask).to(cond.features.dtype), mask)
+
+    # --- forward passes ---------------------------------------------------------------------------
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.generator.generation_head(hidden).float()
+
+    def forward_sequence(self, cond: Condition, tokens: torch.Tensor) -> TargetOutput:
+        x = torch.cat([cond.features.to(self.dtype), self.image_embedding(tokens)], dim=1)
+        seq = x.shape[1]
+        hidden = self.generator(x, torch.arange(seq, device=x.device), prefix_causal_mask(cond.mask, seq))
+        return TargetOutput(hidden, self._logits(hidden))
+
+    def new_cache(self, batch: int, extra_slots: int = 0) -> KVCache:
+        return self.generator.new_cache(batch, self.max_seq_len + extra_slots)
+
+    def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:
+        length = cond.features.shape[1]
+        slots = torch.arange(length, device=cond.features.device)
+        x = cond.features.to(self.dtype)
+        hidden = self.generator(x, slots, prefix_causal_mask(cond.mask, length), cache, slots)
+        return TargetOutput(hidden, self._logits(hidden))
+
+    def forward_tokens(
+        self,
+        cond: Condition,
+        tokens: torch.Tensor,
+        image_index: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        image_visibility: torch.Tensor,
+    ) -> TargetOutput:
+        mask = prefix_and_image_mask(cond.mask, image_visibility)
+        x = self.image_embedding(tokens)
+        hidden = self.generator(x, self.rope_positions(image_index), mask, cache, slots)
+        return TargetOutput(hidden, self._logits(hidden))
+
+
+# --- building from files ----------------------------------------------------------------------------
+
+
+@dataclass
+class JanusSpec:
+    """A Janus-Pro target from local files (mirrors ``conf/target/janus_pro.yaml``)."""
+
+    name: str
+    model_dir: str  # transformers' layout: config.json + model.safetensors (or shards with an index)
+    tokenizer_file: str | None = None  # tokenizer.json; default: the one in model_dir
+    prefix_length: int = 128
+    caption_overflow: str = "error"
+    sampling: dict[str, float] = field(default_factory=dict)
+
+
+def build_janus_target(spec: JanusSpec, device: str | torch.device = "cpu") -> JanusTarget:
+    config = JanusConfig.from_hf(read_hf_config(spec.model_dir))
+    state = read_hf_weights(spec.model_dir)
+    generator = JanusGenerator(config)
+    load_strict(generator, generator_state(state), f"Janus decoder and generation modules ({spec.model_dir})")
+    vq = VQModel(config.vq)
+    load_strict(vq, vq_state(state), f"Janus VQ ({spec.model_dir})")
+    del state
+    tok_path = spec.tokenizer_file or os.path.join(spec.model_dir, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise CheckpointError(f"text tokenizer not found: {tok_path!r} (set tokenizer_file)")
+    from tokenizers import Tokenizer
+
+    tokens = JanusTokens.from_vocabulary(Tokenizer.from_file(tok_path).get_vocab())
+    target = JanusTarget(
+        generator,
+        VQTokenizer(vq.eval(), config.image_size),
+        tokens,
+        text_tokenizer(tok_path),
+        spec.name,
+        spec.prefix_length,
+        SamplingConfig(**{**SAMPLING, **spec.sampling}),
+        spec.caption_overflow,
+    )
+    return target.to(device)
+
+
+def load_janus_target(fields: dict[str, object], device: str | torch.device = "cpu") -> JanusTarget:
+    """The registry's entry point: a ``kind: janus`` target config without ``kind``/``quality``."""
+    return build_janus_target(JanusSpec(**fields), device)
