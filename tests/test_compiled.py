@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_gpt, random_vq, tiny_condition
+from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
 from hydra import compose, initialize_config_dir
 
 import vdtrain.generate
@@ -52,16 +53,58 @@ def test_compiled_decoding_gives_the_eager_tokens_on_cpu_inductor(tiny_target):
     torch._dynamo.utils.counters.clear()
     compile_decoding(tiny_target, drafter)
     assert tiny_target.gpt._vdtrain_compiled and drafter._vdtrain_compiled
-    # Until every step has one shape, each new width is a fresh static graph: four per forward keep the
-    # test short, later widths fall back to eager (what torch.compile does past its recompile limit).
-    with torch._dynamo.config.patch(recompile_limit=4):
-        start = time.perf_counter()
-        compiled = decode(tiny_target, drafter)
+    start = time.perf_counter()
+    compiled = decode(tiny_target, drafter)
     print(f"compiled decode (with compilation): {time.perf_counter() - start:.1f} s")
     torch._dynamo.reset()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the target's and the drafter's
     assert torch.equal(compiled[0], eager[0])
     assert torch.equal(compiled[1], eager[1])
+
+
+def forward_shapes(target: LlamaGenTarget, drafter: Drafter, preset: str, tmp_path: Path) -> dict[str, int]:
+    """How many distinct input shapes the target's transformer and the drafter see in one decode."""
+    from vdtrain.decode.methods import build_method, load_preset
+
+    seen: dict[str, set] = {"target": set(), "drafter": set()}
+    for label, module in (("target", target.transformer), ("drafter", drafter)):
+        forward = module.forward
+
+        def record(*args, _forward=forward, _label=label, **kwargs):
+            seen[_label].add(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+            return _forward(*args, **kwargs)
+
+        module.forward = record
+    config = load_preset(preset, {"acceptance": {"cache_dir": str(tmp_path)}})
+    method = build_method(
+        config, target, drafter if config.needs_drafter else None, SamplingConfig(cfg_scale=2.0)
+    )
+    try:
+        method.generate(tiny_condition(), [torch.Generator().manual_seed(i) for i in range(2)])
+    finally:
+        del target.transformer.forward, drafter.forward
+    return {label: len(shapes) for label, shapes in seen.items()}
+
+
+@pytest.mark.parametrize("preset", ["ar", "eagle1", "eagle2", "lantern_pp", "sjd", "sjd_pac", "vvs"])
+def test_each_forward_compiles_to_a_few_graphs_whatever_the_image_length(preset, tmp_path):
+    """CUDA graphs replay fixed shapes: the target runs one prefill and one step shape, and the drafter a
+    fixed set (prefill, one per tree level, the catch-up), the same for 16 and 64 image tokens. PEANUT is
+    left out: its trees change shape by design as they adapt."""
+    small = LlamaGenTarget(
+        random_gpt(), VQTokenizer(random_vq(), 8), None, "tiny", SamplingConfig(cfg_scale=2.0)
+    )
+    large = LlamaGenTarget(
+        random_gpt(replace(TINY_GPT, block_size=64)),
+        VQTokenizer(random_vq(), 16),
+        None,
+        "tiny",
+        SamplingConfig(cfg_scale=2.0),
+    )
+    counts = [forward_shapes(t, random_drafter(t), preset, tmp_path) for t in (small, large)]
+    assert counts[0] == counts[1]
+    assert counts[0]["target"] == 2  # prefill, step
+    assert counts[0]["drafter"] <= 6
 
 
 def hashed_captions(captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
