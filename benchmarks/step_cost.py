@@ -41,16 +41,38 @@ from vdtrain.decode.profiling import PHASES, PhaseTimer
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.evaluate import device_description, load_drafter
+from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
+from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
 from vdtrain.models.llamagen_gpt import GPT_PRESETS, GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.targets import load_target_folder
 from vdtrain.targets.base import Condition, Target
+from vdtrain.targets.chameleon import (
+    FAMILY_SAMPLING,
+    ChameleonLayout,
+    ChameleonTarget,
+    ChameleonTokenizer,
+    Guidance,
+)
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 # Random-weight targets of the released LlamaGen t2i shapes (GPT_PRESETS: layers, width, heads).
 RANDOM_TARGETS = {"llamagen-b": "GPT-B", "llamagen-l": "GPT-L", "llamagen-xl": "GPT-XL"}
-NOT_YET = {"chameleon-7b": "no Chameleon target in vdtrain.targets yet"}
+# Random-weight Chameleon-family targets: Lumina-mGPT-7B-512's decoder (Chameleon-7B: 32 layers, width
+# 4096, vocabulary 65536; 32×32 codes + an end-of-row column) and a small one of the same layout for CPUs.
+RANDOM_CHAMELEON = {
+    "chameleon-7b": ChameleonConfig(),
+    "chameleon-small": ChameleonConfig(
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+    ),
+}
+CHAMELEON_LATENT = 32  # 512 px / 16
+CHAMELEON_PREFIX = 64  # prompt rows (bos + template + a caption + boi, size, size)
 # LlamaGen's t2i sampling defaults (conf/target/llamagen_t2i_xl_stage1.yaml): CFG doubles the batch.
 LLAMAGEN_SAMPLING = SamplingConfig(cfg_scale=7.5, temperature=1.0, top_k=1000, top_p=1.0)
 
@@ -90,10 +112,46 @@ def random_llamagen(size: str, device: torch.device, seed: int) -> tuple[Target,
     return target, drafter.attach(target)
 
 
+def random_chameleon(size: str, device: torch.device, seed: int) -> tuple[Target, Drafter]:
+    """A Lumina-mGPT-shaped target and drafter with random weights, built on ``device`` (7B: 28 GB fp32)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        lm = ChameleonLM(RANDOM_CHAMELEON[size]).eval()
+    # Released special ids (boi 8197, end of row 8803, size tokens 8804 + n); codes at ids 4 .. 8195.
+    layout = ChameleonLayout(
+        "lumina_mgpt",
+        (CHAMELEON_LATENT, CHAMELEON_LATENT),
+        0,
+        (8197, 8804 + CHAMELEON_LATENT // 2, 8804 + CHAMELEON_LATENT // 2),
+        (8197, 8804 + CHAMELEON_LATENT // 2, 8804 + CHAMELEON_LATENT // 2),
+        8803,
+        "{text}",
+        Guidance((3.0,)),
+    )
+    # A small VQGAN with the released codebook size: only its codebook is read (LANTERN, VVS).
+    vqgan = ChameleonVQGAN(
+        ChameleonVQConfig(embed_dim=8, latent_channels=32, base_channels=32, num_res_blocks=1)
+    )
+    target = ChameleonTarget(
+        lm,
+        ChameleonTokenizer(vqgan, 512, newline_column=True),
+        layout,
+        torch.arange(4, 4 + vqgan.config.num_embeddings),
+        None,
+        size,
+        CHAMELEON_PREFIX,
+        SamplingConfig(**FAMILY_SAMPLING["lumina_mgpt"], cfg_scale=3.0),
+    ).to(device)
+    drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
+    return target, drafter.attach(target)
+
+
 def load(name: str, device: torch.device, drafter_folder: str, seed: int) -> tuple[Target, Drafter]:
     if name == "shapes":
         target = load_target_folder(None, device)
         return target, load_drafter(drafter_folder, target).to(device).eval()
+    if name in RANDOM_CHAMELEON:
+        return random_chameleon(name, device, seed)
     return random_llamagen(name, device, seed)
 
 
@@ -103,6 +161,11 @@ def conditions(target: Target, name: str, prompts: int, batch: int, seed: int) -
         captions = shapes_heldout_captions(prompts)
         return [target.encode_captions(captions[i : i + batch]) for i in range(0, prompts, batch)]
     g = torch.Generator().manual_seed(seed)
+    if isinstance(target, ChameleonTarget):  # random caption ids (the word range of the vocabulary)
+        prompt = len(target.layout.image_prefix) + 1
+        ids = torch.randint(9000, 60000, (prompts, target.prefix_length - prompt), generator=g).tolist()
+        full = [[target.layout.bos, *row, *target.layout.image_prefix] for row in ids]
+        return [target.condition_from_ids(full[i : i + batch]) for i in range(0, prompts, batch)]
     rows, dim = target.prefix_length, target.gpt.config.caption_dim  # type: ignore[attr-defined]
     out = []
     for i in range(0, prompts, batch):
@@ -270,7 +333,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    known = ["shapes", *RANDOM_TARGETS, *NOT_YET]
+    known = ["shapes", *RANDOM_TARGETS, *RANDOM_CHAMELEON]
     parser.add_argument("--targets", nargs="+", default=["shapes"], choices=known)
     parser.add_argument(
         "--presets", nargs="+", default=["eagle1", "eagle2", "sjd"], help="conf/decode presets (not ar)"
@@ -290,9 +353,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
-    for name in args.targets:
-        if name in NOT_YET:
-            parser.error(f"target {name!r} is not yet supported: {NOT_YET[name]}")
     if "ar" in args.presets:
         parser.error("ar is the reference every row is divided by; leave it out of --presets")
     if min(args.batch) < 1 or args.prompts < 1:
