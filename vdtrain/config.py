@@ -38,11 +38,13 @@ class TargetConfig:
     quality: str | None = None  # per-image quality metric (shapes_consistency) or null
     dtype: str = "fp32"  # fp32 | bf16 | fp16: weights and KV cache when decoding (generate, evaluate)
     family: str | None = None  # kind=chameleon: anole | lumina_mgpt
-    model_dir: str | None = None  # kind=chameleon|janus: the HF folder (config.json, weights, tokenizer.json)
-    tokenizer_file: str | None = None  # kind=chameleon|janus: tokenizer.json (null: model_dir's)
+    model_dir: str | None = None  # kind=chameleon|janus|emu3: the HF folder (config, weights, tokenizer)
+    tokenizer_file: str | None = None  # kind=chameleon|janus|emu3: tokenizer.json (null: model_dir's)
     vqgan_ckpt: str | None = None  # kind=chameleon: Meta's vqgan.ckpt (null: model_dir's model.vqmodel.*)
     vqgan_config: str | None = None  # kind=chameleon: Meta's vqgan.yaml, with vqgan_ckpt
-    prefix_length: int | None = None  # kind=chameleon|janus: prompt rows, left-padded
+    prefix_length: int | None = None  # kind=chameleon|janus|emu3: prompt rows, left-padded
+    prompt_suffix: str | None = None  # kind=emu3: text after the caption (null: the release's)
+    negative_prompt: str | None = None  # kind=emu3: the unconditional context's text (null: the release's)
 
 
 @dataclass

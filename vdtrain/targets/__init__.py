@@ -19,6 +19,8 @@ from vdtrain.targets.base import (
 )
 from vdtrain.targets.chameleon import FAMILIES as CHAMELEON_FAMILIES
 from vdtrain.targets.chameleon import ChameleonDraftLayer, ChameleonSpec, load_chameleon_target
+from vdtrain.targets.emu3 import FAMILY as EMU3_FAMILY
+from vdtrain.targets.emu3 import Emu3DraftLayer, Emu3Spec, load_emu3_target
 from vdtrain.targets.janus import FAMILY as JANUS_FAMILY
 from vdtrain.targets.janus import JanusDraftLayer, JanusSpec, load_janus_target
 from vdtrain.targets.llamagen import LlamaGenDraftLayer, LlamaGenSpec, LlamaGenTarget, build_llamagen_target
@@ -50,6 +52,7 @@ DRAFT_LAYERS: dict[str, type[DraftLayer]] = {
     "llamagen": LlamaGenDraftLayer,
     **dict.fromkeys(CHAMELEON_FAMILIES, ChameleonDraftLayer),
     JANUS_FAMILY: JanusDraftLayer,
+    EMU3_FAMILY: Emu3DraftLayer,
 }
 
 
@@ -141,4 +144,8 @@ def load_target(config: Mapping[str, object], device: str | torch.device = "cpu"
         return load_chameleon_target(own_fields(ChameleonSpec, fields), device)
     if kind == "janus":  # Janus-Pro (vdtrain.targets.janus)
         return load_janus_target(own_fields(JanusSpec, fields), device)
-    raise ValueError(f"unknown target kind {kind!r}; use 'folder', 'llamagen', 'chameleon' or 'janus'")
+    if kind == "emu3":  # Emu3-Gen (vdtrain.targets.emu3)
+        return load_emu3_target(own_fields(Emu3Spec, fields), device)
+    raise ValueError(
+        f"unknown target kind {kind!r}; use 'folder', 'llamagen', 'chameleon', 'janus' or 'emu3'"
+    )
