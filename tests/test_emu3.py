@@ -184,6 +184,20 @@ def test_both_cfg_streams_match_transformers_logits(emu3_files):
         assert (shift - shift[:, :1]).abs().max() <= 1e-4
 
 
+def test_transformers_module_names_load_too(emu3_files, tmp_path):
+    """A state dict under transformers 5's module names (``model.text_model.*``, ``lm_head``,
+    ``model.vqmodel.*``) instead of the released file's."""
+    from safetensors.torch import save_file
+
+    folder, hf = emu3_files
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert any(k.startswith("model.text_model.") for k in state) and "lm_head.weight" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    for name in ("config.json", "tokenizer.json"):
+        (tmp_path / name).write_bytes((folder / name).read_bytes())
+    assert emu3_target(tmp_path).identity == emu3_target(folder).identity
+
+
 def test_cached_passes_match_the_sequence_pass(emu3_files):
     target = emu3_target(emu3_files[0])
     cond = target.encode_captions(CAPTIONS)

@@ -118,7 +118,7 @@ class Emu3VQ(nn.Module):
         super().__init__()
         from transformers import Emu3VQVAE, Emu3VQVAEConfig
 
-        self.model = Emu3VQVAE(Emu3VQVAEConfig(**dict(vq_config))).eval()
+        self.model = Emu3VQVAE(Emu3VQVAEConfig.from_dict(dict(vq_config))).eval()
         self.config = VQShape(self.model.spatial_scale_factor, self.model.config.codebook_size)
 
     @property
@@ -138,6 +138,6 @@ class Emu3VQ(nn.Module):
 def load_vq(config: Mapping[str, object], state: dict[str, torch.Tensor], what: str) -> Emu3VQ:
     if "vq_config" not in config:
         raise CheckpointError(f"{what}: config.json has no vq_config")
-    vq = Emu3VQ({k: v for k, v in dict(config["vq_config"]).items() if k != "model_type"})
+    vq = Emu3VQ(config["vq_config"])
     load_strict(vq.model, state, what)
     return vq.eval()
