@@ -51,10 +51,10 @@ from vdtrain.targets.base import (
     prefix_and_image_mask,
     prefix_causal_mask,
 )
+from vdtrain.targets.token_prompts import check_caption_overflow, fit_text, left_padded
 
 FAMILIES = ("anole", "lumina_mgpt")
 FORCED_LOGIT = -1e9  # finite, so u + s·(c − u) of two forced rows is that row, never NaN
-CAPTION_OVERFLOW = ("error", "truncate")
 BOS, BOI = "<s>", "<racm3:break>"
 LUMINA_NEWLINE = "<reserved08799>"
 LUMINA_END_OF_TURN = "<reserved08706>"  # Lumina-mGPT's conversation separator after the human turn
@@ -248,8 +248,7 @@ class ChameleonTarget(Target):
         super().__init__()
         if tokenizer.grid != layout.grid:
             raise ValueError(f"tokenizer grid {tokenizer.grid} != the {layout.family} layout's {layout.grid}")
-        if caption_overflow not in CAPTION_OVERFLOW:
-            raise ValueError(f"caption_overflow must be one of {CAPTION_OVERFLOW}, got {caption_overflow!r}")
+        check_caption_overflow(caption_overflow)
         # the null prompt, or bos + one text token + the image prefix
         frame = max(len(layout.null_prompt), 2 + len(layout.image_prefix))
         if prefix_length < frame:
@@ -340,28 +339,14 @@ class ChameleonTarget(Target):
         side = self.tokenizer.image_size
         text = self.encode_text(self.layout.prompt_template.format(text=caption, width=side, height=side))
         room = self._prefix_length - 1 - len(self.layout.image_prefix)
-        if len(text) > room:
-            if self.caption_overflow == "error":
-                raise ValueError(
-                    f"caption of {len(text)} prompt tokens exceeds the {room} that prefix_length "
-                    f"{self._prefix_length} leaves ({caption[:60]!r}); raise prefix_length or use "
-                    "caption_overflow=truncate"
-                )
-            text = text[:room]
+        text = fit_text(text, room, self.caption_overflow, self._prefix_length, caption)
         return [self.layout.bos, *text, *self.layout.image_prefix]
 
     def condition_from_ids(
         self, prompts: Sequence[Sequence[int]], captions: list[str] | None = None
     ) -> Condition:
         """Left-padded, embedded prompts (zero rows and a False mask where padded)."""
-        length = self._prefix_length
-        ids = torch.zeros(len(prompts), length, dtype=torch.long, device=self.device)
-        mask = torch.zeros(len(prompts), length, dtype=torch.bool, device=self.device)
-        for row, prompt in enumerate(prompts):
-            if not 0 < len(prompt) <= length:
-                raise ValueError(f"a prompt of {len(prompt)} tokens does not fit prefix_length {length}")
-            ids[row, length - len(prompt) :] = torch.tensor(list(prompt), device=self.device)
-            mask[row, length - len(prompt) :] = True
+        ids, mask = left_padded(prompts, self._prefix_length, self.device)
         features = self.lm.model.embed_tokens(ids) * mask[..., None].to(self.lm.lm_head.weight.dtype)
         return Condition(features, mask, captions)
 

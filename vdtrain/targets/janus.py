@@ -35,8 +35,9 @@ from vdtrain.targets.base import (
     prefix_and_image_mask,
     prefix_causal_mask,
 )
-from vdtrain.targets.chameleon import CAPTION_OVERFLOW, ChameleonDraftLayer
+from vdtrain.targets.chameleon import ChameleonDraftLayer
 from vdtrain.targets.llamagen import VQTokenizer
+from vdtrain.targets.token_prompts import check_caption_overflow, fit_text, left_padded
 
 FAMILY = "janus_pro"
 BOS, PAD, BOI = "<｜begin▁of▁sentence｜>", "<｜▁pad▁｜>", "<begin_of_image>"
@@ -113,8 +114,7 @@ class JanusTarget(Target):
         side = generator.config.grid
         if tokenizer.grid != (side, side):
             raise ValueError(f"VQ grid {tokenizer.grid} != the model's {side}x{side} image tokens")
-        if caption_overflow not in CAPTION_OVERFLOW:
-            raise ValueError(f"caption_overflow must be one of {CAPTION_OVERFLOW}, got {caption_overflow!r}")
+        check_caption_overflow(caption_overflow)
         if prefix_length < 3:
             raise ValueError(f"prefix_length {prefix_length} < 3, the shortest prompt (bos, a token, boi)")
         self.generator = generator.eval().requires_grad_(False)
@@ -181,15 +181,7 @@ class JanusTarget(Target):
         if self.encode_text is None:
             raise RuntimeError(f"target {self.name!r} was built without a text tokenizer")
         text = self.encode_text(PROMPT.format(text=caption.strip()))
-        room = self._prefix_length - 2
-        if len(text) > room:
-            if self.caption_overflow == "error":
-                raise ValueError(
-                    f"caption of {len(text)} prompt tokens exceeds the {room} that prefix_length "
-                    f"{self._prefix_length} leaves ({caption[:60]!r}); raise prefix_length or use "
-                    "caption_overflow=truncate"
-                )
-            text = text[:room]
+        text = fit_text(text, self._prefix_length - 2, self.caption_overflow, self._prefix_length, caption)
         return [self.tokens.bos, *text, self.tokens.boi]
 
     def _embed(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -200,14 +192,7 @@ class JanusTarget(Target):
         self, prompts: Sequence[Sequence[int]], captions: list[str] | None = None
     ) -> Condition:
         """Left-padded, embedded prompts (zero rows and a False mask where padded)."""
-        length = self._prefix_length
-        ids = torch.zeros(len(prompts), length, dtype=torch.long, device=self.device)
-        mask = torch.zeros(len(prompts), length, dtype=torch.bool, device=self.device)
-        for row, prompt in enumerate(prompts):
-            if not 2 <= len(prompt) <= length:
-                raise ValueError(f"a prompt of {len(prompt)} tokens does not fit prefix_length {length}")
-            ids[row, length - len(prompt) :] = torch.tensor(list(prompt), device=self.device)
-            mask[row, length - len(prompt) :] = True
+        ids, mask = left_padded(prompts, self._prefix_length, self.device, shortest=2)
         return Condition(self._embed(ids, mask), mask, captions)
 
     def encode_captions(self, captions: list[str]) -> Condition:
