@@ -268,22 +268,41 @@ class Target(nn.Module, ABC):
         return image_index + self.prefix_length
 
     # --- forward passes -------------------------------------------------------------------------
-    @abstractmethod
+    # One implementation over ``transformer`` (inputs [B, S, H], positions, boolean mask, cache, slots)
+    # for every adapter; a family supplies ``prefix_inputs`` and, where tokens are forced,
+    # ``constrain_logits``.
+    def prefix_inputs(self, cond: Condition) -> torch.Tensor:
+        """The transformer's input rows for the condition prefix [B, L, H]: by default the condition's
+        features (already embedded prompts); LlamaGen projects its caption features."""
+        return cond.features.to(self.dtype)
+
+    def logits(self, hidden: torch.Tensor, predicts: torch.Tensor) -> torch.Tensor:
+        """fp32 image-token logits of final-norm ``hidden`` rows predicting image index ``predicts``."""
+        return self.constrain_logits(self.head(hidden).float(), predicts)
+
     def forward_sequence(self, cond: Condition, tokens: torch.Tensor) -> TargetOutput:
         """Teacher-forced pass over prefix + ``tokens`` [B, N] without a cache (training, features).
 
         Returns outputs for all ``L + N`` positions.
         """
+        x = torch.cat([self.prefix_inputs(cond), self.token_embedding(tokens)], dim=1)
+        seq = x.shape[1]
+        positions = torch.arange(seq, device=x.device)
+        hidden = self.transformer(x, positions, prefix_causal_mask(cond.mask, seq))
+        return TargetOutput(hidden, self.logits(hidden, positions - (self.prefix_length - 1)))
 
-    @abstractmethod
     def new_cache(self, batch: int, extra_slots: int = 0) -> KVCache:
         """A static cache for ``max_seq_len`` slots plus ``extra_slots`` of scratch (draft trees)."""
+        return self.transformer.new_cache(batch, self.max_seq_len + extra_slots)
 
-    @abstractmethod
     def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:
         """Write the condition prefix into slots ``0 .. L-1``; the last row predicts image token 0."""
+        x = self.prefix_inputs(cond)
+        length = x.shape[1]
+        slots = torch.arange(length, device=x.device)
+        hidden = self.transformer(x, slots, prefix_causal_mask(cond.mask, length), cache, slots)
+        return TargetOutput(hidden, self.logits(hidden, slots - (length - 1)))
 
-    @abstractmethod
     def forward_tokens(
         self,
         cond: Condition,
@@ -297,6 +316,10 @@ class Target(nn.Module, ABC):
 
         ``image_visibility`` [B, S, K] says which of the first K image slots each token attends to.
         """
+        mask = prefix_and_image_mask(cond.mask, image_visibility)
+        x = self.token_embedding(tokens)
+        hidden = self.transformer(x, self.rope_positions(image_index), mask, cache, slots)
+        return TargetOutput(hidden, self.logits(hidden, image_index + 1))
 
     def causal_visibility(
         self, start: int, length: int, device: torch.device | str, width: int | None = None

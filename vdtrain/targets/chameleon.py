@@ -46,10 +46,7 @@ from vdtrain.targets.base import (
     ImageTokenizer,
     Target,
     TargetIdentity,
-    TargetOutput,
     fingerprint,
-    prefix_and_image_mask,
-    prefix_causal_mask,
 )
 from vdtrain.targets.token_prompts import check_caption_overflow, fit_text, left_padded
 
@@ -367,9 +364,6 @@ class ChameleonTarget(Target):
         return [cond, null, null] if self.layout.family == "anole" else [cond, null]
 
     # --- forward passes ---------------------------------------------------------------------------
-    def _logits(self, hidden: torch.Tensor, predicts: torch.Tensor) -> torch.Tensor:
-        return self.constrain_logits(self.image_head(hidden).float(), predicts)
-
     def constrain_logits(self, logits: torch.Tensor, predicts: torch.Tensor) -> torch.Tensor:
         """Rows predicting a forced index hold 0 for its token and ``FORCED_LOGIT`` elsewhere; the others
         hold ``FORCED_LOGIT`` for the end-of-row token (any ``predicts`` outside ``0 .. N-1`` is free)."""
@@ -382,35 +376,6 @@ class ChameleonTarget(Target):
         forced_row[newline] = 0.0
         forced = (self.forced_tokens(predicts) == newline).expand(logits.shape[:-1])
         return torch.where(forced[..., None], forced_row, logits)
-
-    def forward_sequence(self, cond: Condition, tokens: torch.Tensor) -> TargetOutput:
-        x = torch.cat([cond.features, self.image_embedding(tokens)], dim=1)
-        seq = x.shape[1]
-        positions = torch.arange(seq, device=x.device)
-        hidden = self.lm(x, positions, prefix_causal_mask(cond.mask, seq))
-        return TargetOutput(hidden, self._logits(hidden, positions - (self._prefix_length - 1)))
-
-    def new_cache(self, batch: int, extra_slots: int = 0) -> KVCache:
-        return self.lm.new_cache(batch, self.max_seq_len + extra_slots)
-
-    def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:
-        length = cond.features.shape[1]
-        slots = torch.arange(length, device=cond.features.device)
-        hidden = self.lm(cond.features, slots, prefix_causal_mask(cond.mask, length), cache, slots)
-        return TargetOutput(hidden, self._logits(hidden, slots - (length - 1)))
-
-    def forward_tokens(
-        self,
-        cond: Condition,
-        tokens: torch.Tensor,
-        image_index: torch.Tensor,
-        cache: KVCache,
-        slots: torch.Tensor,
-        image_visibility: torch.Tensor,
-    ) -> TargetOutput:
-        mask = prefix_and_image_mask(cond.mask, image_visibility)
-        hidden = self.lm(self.image_embedding(tokens), self.rope_positions(image_index), mask, cache, slots)
-        return TargetOutput(hidden, self._logits(hidden, image_index + 1))
 
 
 # --- building from files ----------------------------------------------------------------------------

@@ -23,17 +23,13 @@ from torch import nn
 from vdtrain.checkpoint_io import CheckpointError, load_strict
 from vdtrain.models.chameleon_io import read_hf_config, read_hf_weights, text_tokenizer
 from vdtrain.models.janus import JanusConfig, JanusGenerator, generator_state, vq_state
-from vdtrain.models.kv_cache import KVCache
 from vdtrain.models.vq import VQModel
 from vdtrain.sampling_config import SamplingConfig
 from vdtrain.targets.base import (
     Condition,
     Target,
     TargetIdentity,
-    TargetOutput,
     fingerprint,
-    prefix_and_image_mask,
-    prefix_causal_mask,
 )
 from vdtrain.targets.chameleon import ChameleonDraftLayer
 from vdtrain.targets.llamagen import VQTokenizer
@@ -206,40 +202,6 @@ class JanusTarget(Target):
         ids[torch.arange(len(ids), device=self.device), first] = self.tokens.bos
         ids[:, -1] = self.tokens.boi
         return Condition(self._embed(ids, mask).to(cond.features.dtype), mask)
-
-    # --- forward passes ---------------------------------------------------------------------------
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.generator.generation_head(hidden).float()
-
-    def forward_sequence(self, cond: Condition, tokens: torch.Tensor) -> TargetOutput:
-        x = torch.cat([cond.features.to(self.dtype), self.image_embedding(tokens)], dim=1)
-        seq = x.shape[1]
-        hidden = self.generator(x, torch.arange(seq, device=x.device), prefix_causal_mask(cond.mask, seq))
-        return TargetOutput(hidden, self._logits(hidden))
-
-    def new_cache(self, batch: int, extra_slots: int = 0) -> KVCache:
-        return self.generator.new_cache(batch, self.max_seq_len + extra_slots)
-
-    def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:
-        length = cond.features.shape[1]
-        slots = torch.arange(length, device=cond.features.device)
-        x = cond.features.to(self.dtype)
-        hidden = self.generator(x, slots, prefix_causal_mask(cond.mask, length), cache, slots)
-        return TargetOutput(hidden, self._logits(hidden))
-
-    def forward_tokens(
-        self,
-        cond: Condition,
-        tokens: torch.Tensor,
-        image_index: torch.Tensor,
-        cache: KVCache,
-        slots: torch.Tensor,
-        image_visibility: torch.Tensor,
-    ) -> TargetOutput:
-        mask = prefix_and_image_mask(cond.mask, image_visibility)
-        x = self.image_embedding(tokens)
-        hidden = self.generator(x, self.rope_positions(image_index), mask, cache, slots)
-        return TargetOutput(hidden, self._logits(hidden))
 
 
 # --- building from files ----------------------------------------------------------------------------

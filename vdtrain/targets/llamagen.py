@@ -32,10 +32,7 @@ from vdtrain.targets.base import (
     ImageTokenizer,
     Target,
     TargetIdentity,
-    TargetOutput,
     fingerprint,
-    prefix_and_image_mask,
-    prefix_causal_mask,
 )
 
 CaptionEncoder = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
@@ -248,41 +245,8 @@ class LlamaGenTarget(Target):
         null = self.gpt.cls_embedding.uncond_embedding.to(cond.features.dtype)
         return Condition(null.expand_as(cond.features).clone(), cond.mask.clone())
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.gpt.output(hidden).float()
-
-    def forward_sequence(self, cond: Condition, tokens: torch.Tensor) -> TargetOutput:
-        features = self.gpt.embed_caption(cond.features.to(self.dtype))
-        x = torch.cat([features, self.gpt.tok_embeddings(tokens)], dim=1)
-        seq = x.shape[1]
-        mask = prefix_causal_mask(cond.mask, seq)
-        hidden = self.gpt(x, torch.arange(seq, device=x.device), mask)
-        return TargetOutput(hidden, self._logits(hidden))
-
-    def new_cache(self, batch: int, extra_slots: int = 0) -> KVCache:
-        return self.gpt.new_cache(batch, self.max_seq_len + extra_slots)
-
-    def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:
-        x = self.gpt.embed_caption(cond.features.to(self.dtype))
-        length = x.shape[1]
-        slots = torch.arange(length, device=x.device)
-        hidden = self.gpt(x, slots, prefix_causal_mask(cond.mask, length), cache, slots)
-        return TargetOutput(hidden, self._logits(hidden))
-
-    def forward_tokens(
-        self,
-        cond: Condition,
-        tokens: torch.Tensor,
-        image_index: torch.Tensor,
-        cache: KVCache,
-        slots: torch.Tensor,
-        image_visibility: torch.Tensor,
-    ) -> TargetOutput:
-        mask = prefix_and_image_mask(cond.mask, image_visibility)
-        hidden = self.gpt(
-            self.gpt.tok_embeddings(tokens), self.rope_positions(image_index), mask, cache, slots
-        )
-        return TargetOutput(hidden, self._logits(hidden))
+    def prefix_inputs(self, cond: Condition) -> torch.Tensor:
+        return self.gpt.embed_caption(cond.features.to(self.dtype))
 
 
 # --- building from files ----------------------------------------------------------------------------
