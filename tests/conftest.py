@@ -13,10 +13,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.shapes.build import write_target_folder
-from vdtrain.targets.base import Condition
+from vdtrain.targets.base import Condition, Target
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 TINY_GPT = GPTConfig(
@@ -90,3 +91,13 @@ def tiny_folder(tmp_path_factory) -> Path:
     )
     write_target_folder(folder, gpt, vq, {"cfg_scale": 3.0, "temperature": 1.0}, {})
     return folder
+
+
+def random_drafter(target: Target, seed: int = 0, std: float = 0.2) -> Drafter:
+    """A drafter of ``target``'s family with random weights, attached: its drafts are neither all right
+    nor all wrong, so trees are partly accepted."""
+    torch.manual_seed(seed)
+    drafter = Drafter(DrafterConfig.for_target(target))
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return drafter.attach(target).eval()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import test_chameleon
 import torch
+from conftest import random_drafter
 from test_chameleon import CODEBOOK, anole_target, lumina_target
 from test_engine import SIGNIFICANCE, chi_square_pvalue, exact_ar_distribution, sample_images
 from test_exactness import EXACT_PRESETS, method
@@ -23,7 +24,6 @@ from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
 from vdtrain.decode.compiled import compile_decoding
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
 from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
 from vdtrain.targets import ChameleonDraftLayer
@@ -40,14 +40,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def random_drafter(target: ChameleonTarget, seed: int = 0, std: float = 0.2) -> Drafter:
-    torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.for_target(target))
-    for p in drafter.parameters():
-        torch.nn.init.normal_(p, std=std)
-    return drafter.attach(target).eval()
 
 
 def test_a_chameleon_target_gets_a_chameleon_drafter_layer(lumina_files):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
+from conftest import TINY_GPT, random_drafter, random_gpt, random_vq, tiny_condition
 from hydra import compose, initialize_config_dir
 
 import vdtrain.generate
@@ -19,21 +19,13 @@ from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
 from vdtrain.decode.compiled import compile_decoding, compile_mode, pooled_caches
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.drafter import Drafter
 from vdtrain.eval import runner
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-
-
-def random_drafter(target: LlamaGenTarget) -> Drafter:
-    torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(target))
-    for p in drafter.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    return drafter.attach(target).eval()
 
 
 def decode(target: LlamaGenTarget, drafter: Drafter) -> tuple[torch.Tensor, torch.Tensor]:

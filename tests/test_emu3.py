@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import random_drafter
 
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.config import TargetConfig
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.sampling import SamplingConfig, combine_cfg
-from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.targets import load_target
 from vdtrain.targets.chameleon import FORCED_LOGIT, ChameleonTarget
 from vdtrain.targets.emu3 import BOI, BOS, END_OF_ROW, IMAGE_WRAPPER, Emu3DraftLayer
@@ -274,14 +274,6 @@ def test_vq_encode_matches_transformers_and_adds_the_end_of_row_column(emu3_file
     book = target.tokenizer.codebook()
     assert book.shape == (CODEBOOK + 1, 4)
     assert torch.equal(book[:CODEBOOK], hf.model.vqmodel.quantize.embedding.weight)
-
-
-def random_drafter(target: ChameleonTarget, seed: int = 0, std: float = 0.2) -> Drafter:
-    torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.for_target(target))
-    for p in drafter.parameters():
-        torch.nn.init.normal_(p, std=std)
-    return drafter.attach(target).eval()
 
 
 def test_an_emu3_target_gets_a_llama_drafter_layer(emu3_files):

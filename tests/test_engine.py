@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import TINY_GPT, TINY_VQ, random_gpt, random_vq, tiny_condition
+from conftest import random_drafter as make_drafter
 from scipy.stats import chisquare
 
 from vdtrain.decode.acceptance import BatchVerdict, Verdict
@@ -42,14 +43,6 @@ def make_target(gpt_config=TINY_GPT, vq_config=TINY_VQ, image_size=8, seed=0) ->
         "tiny",
         SamplingConfig(),
     )
-
-
-def make_drafter(target, seed=0, std=0.2) -> Drafter:
-    torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.for_target(target))
-    for p in drafter.parameters():
-        torch.nn.init.normal_(p, std=std)
-    return drafter.attach(target).eval()
 
 
 # --- trees as data ------------------------------------------------------------------------------------

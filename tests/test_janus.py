@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from conftest import random_drafter
 
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.config import TargetConfig
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.sampling import SamplingConfig, combine_cfg
-from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.targets import load_target
 from vdtrain.targets.janus import BOI, BOS, PAD, JanusDraftLayer, JanusTarget
 
@@ -246,14 +246,6 @@ def test_vq_encoder_matches_transformers_and_quantises_like_the_release(janus_fi
     book = normalize(hf.model.vqmodel.quantize.embedding.weight, dim=-1)
     nearest = torch.cdist(normalize(official, dim=-1).flatten(1, 2), book[None]).argmin(-1)
     assert torch.equal(target.tokenizer.encode(images), nearest)
-
-
-def random_drafter(target: JanusTarget, seed: int = 0, std: float = 0.2) -> Drafter:
-    torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.for_target(target))
-    for p in drafter.parameters():
-        torch.nn.init.normal_(p, std=std)
-    return drafter.attach(target).eval()
 
 
 def test_a_janus_target_gets_a_llama_drafter_layer(janus_files):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_GPT, TINY_VQ, random_gpt, random_vq, tiny_condition
+from conftest import random_drafter as make_drafter
 from omegaconf import OmegaConf
 from test_engine import assert_cache_is_fresh_prefill
 
@@ -38,7 +39,7 @@ from vdtrain.decode.vvs import (
     path_similarity,
     unverified_paths,
 )
-from vdtrain.drafter import Drafter, DrafterConfig, teacher_mask
+from vdtrain.drafter import teacher_mask
 from vdtrain.generate import decode_config
 from vdtrain.targets.base import Condition
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
@@ -51,14 +52,6 @@ def make_target(seed: int = 0) -> LlamaGenTarget:
     return LlamaGenTarget(
         random_gpt(GRID8_GPT, seed=seed), VQTokenizer(random_vq(TINY_VQ), 16), None, "tiny", SamplingConfig()
     )
-
-
-def make_drafter(target, seed: int = 0, std: float = 0.2) -> Drafter:
-    torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.for_target(target))
-    for p in drafter.parameters():
-        torch.nn.init.normal_(p, std=std)
-    return drafter.attach(target).eval()
 
 
 def generators(n: int, seed: int = 0) -> list[torch.Generator]:
