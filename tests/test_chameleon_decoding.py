@@ -23,6 +23,7 @@ from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
 from vdtrain.decode.compiled import compile_decoding
 from vdtrain.decode.engine import SpeculativeEngine
+from vdtrain.decode.profiling import count_steps
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
 from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
@@ -227,3 +228,24 @@ def test_compile_wraps_the_chameleon_decoder_and_keeps_the_tokens(lumina_files):
     assert target.lm._vdtrain_compiled and drafter._vdtrain_compiled
     compiled = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None]).tokens
     assert torch.equal(compiled, eager)
+
+
+# --- step budget --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["eagle1", "eagle2", "peanut", "sjd", "sjd_pac", "vvs"])
+def test_the_step_budget_holds_on_a_chameleon_target(name, lumina_files, tmp_path):
+    """Issue #14's budget (tests/test_step_budget.py) with Lumina-mGPT's forced tokens in the loop: at
+    most 2 host syncs per step and about as many ATen ops for 4 prompts as for 1."""
+    target = lumina_target(lumina_files[0])
+    sampling = SamplingConfig(cfg_scale=3.0, temperature=1.0)
+    engine = method(name, target, random_drafter(target), sampling, tmp_path)
+    ops = {}
+    for batch in (1, 4):
+        cond = target.encode_captions((CAPTIONS * 2)[:batch])
+        gens = [torch.Generator().manual_seed(i) for i in range(batch)]
+        counts, _ = count_steps(engine, cond, gens, as_if_gpu=True)
+        assert counts.max_syncs <= 2, f"{name} B={batch}: {counts.max_syncs} host syncs in a step"
+        ops[batch] = counts.mean_ops
+    assert ops[4] <= 1.2 * ops[1], f"{name}: {ops[4]:.0f} ATen ops per step at B=4 vs {ops[1]:.0f} at B=1"
