@@ -50,7 +50,7 @@ from vdtrain.decode.sampling import (
     split_cfg,
 )
 from vdtrain.decode.trees import DraftTree, ancestor_matrix
-from vdtrain.decode.vvs import StepPlan, VerificationSchedule
+from vdtrain.decode.vvs import VerificationSchedule
 from vdtrain.drafter import Drafter
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Condition, Target
@@ -291,7 +291,7 @@ class SpeculativeEngine:
             verdict = None
             commit_calls = 0
             if plan.any_verify:  # every prompt skipping: no target forward
-                hidden, p_nodes, p_relax = self._verify(tree, plan.lead if plan.any_lead else None)
+                hidden, p_nodes, p_relax = schedule.verify(self, tree, plan)
                 verdict = self._accept(tree, p_nodes, p_relax)
                 self.builder.observe(tree, verdict, verify, p_nodes, roots_at)
                 calls_before = run.draft_calls
@@ -303,8 +303,8 @@ class SpeculativeEngine:
             skip_committed = torch.zeros_like(committed)
             if plan.any_skip:
                 calls_before = run.draft_calls
-                root_feats, root_logits, skip_committed = self._commit_unverified(
-                    tree, plan, root_feats, root_logits
+                root_feats, root_logits, skip_committed = schedule.commit_skipped(
+                    self, tree, plan, root_feats, root_logits
                 )
                 skip_calls += run.draft_calls - calls_before
             if plan.skipped is not None:
@@ -374,46 +374,6 @@ class SpeculativeEngine:
         if self.sampling.greedy and self.accept.needs_soft_p:
             p_relax = processed_logits(*split_cfg(logits, self.sampling), self.sampling).softmax(-1)
         return p, p_relax
-
-    def _verify(self, tree: DraftTree, lead: torch.Tensor | None = None):
-        """One target forward over every tree; returns hidden [R, S, H], p [B, T, V] and p_relax.
-
-        ``lead[b]`` (VVS post-verification) unverified committed tokens before prompt ``b``'s root are fed
-        first: row ``b`` is [those tokens ⊕ its tree ⊕ padding]; ``hidden`` covers all ``S`` rows, ``p``
-        the tree nodes. Without a lead this is the plain forward over the trees alone."""
-        run, target = self.run, self.target
-        if lead is None:
-            return self._verify_tree(tree)
-        streams, size = run.streams, tree.size
-        committed, device = run.committed, run.committed.device
-        chain = run.chain
-        width_rows = chain + size
-        base = committed - 1 - lead  # image index of the first token the target has not seen
-        anc = ancestor_matrix(tree.parents) & tree.valid[:, None, :]
-        anc |= torch.eye(size, dtype=torch.bool, device=device)
-        # Row b: chain (causal) at 0 .. u-1, tree (sees the whole chain, its ancestors, itself) at
-        # u .. u+T-1, padding (sees itself; its slots lie past the tree, never read) after.
-        j = torch.arange(width_rows, device=device)
-        u = lead[:, None]
-        in_chain, in_tree = j[None] < u, (j[None] >= u) & (j[None] < u + size)
-        node = (j[None] - u).clamp(0, size - 1)  # [B, S]: tree node of row j
-        tree_block = anc.gather(1, node[:, :, None].expand(-1, -1, size))  # [B, S, T]: row j's ancestors
-        tree_vis = tree_block.gather(2, node[:, None, :].expand(-1, width_rows, -1))  # columns alike
-        col_in_tree, col_in_chain = in_tree[:, None, :], in_chain[:, None, :]
-        vis = in_chain[:, :, None] & col_in_chain & (j[None, None, :] <= j[None, :, None])
-        vis |= in_tree[:, :, None] & (col_in_chain | (col_in_tree & tree_vis))
-        vis |= ~(in_chain | in_tree)[:, :, None] & (j[None, None, :] == j[None, :, None])
-        chain_tokens = run.out.gather(1, (base[:, None] + j[None]).clamp_max(run.out.shape[1] - 1))
-        tokens = torch.where(in_chain, chain_tokens, torch.where(in_tree, tree.tokens.gather(1, node), 0))
-        index = torch.where(in_tree, base[:, None] + u + tree.depths.gather(1, node), base[:, None] + j[None])
-        index = index.clamp_max(target.num_image_tokens - 1)
-        slots = target.image_slot(base[:, None] + j[None])
-        vis = self._visibility(base, base, vis, target.num_image_tokens - 1 + width_rows)
-        rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        result = target.forward_tokens(run.stream, rep(tokens), rep(index), run.tcache, rep(slots), rep(vis))
-        rows = rep(lead[:, None] + torch.arange(size, device=device)[None, :])
-        logits = result.logits.gather(1, rows[..., None].expand(-1, -1, result.logits.shape[-1]))
-        return (result.hidden, *self._distributions(logits))
 
     def _verify_tree(self, tree: DraftTree):
         """The plain verification forward: the trees alone (their roots are the only unseen tokens)."""
@@ -490,46 +450,4 @@ class SpeculativeEngine:
         return (
             torch.where(keep, f_hat.gather(1, last.expand(-1, 1, f_hat.shape[-1])).squeeze(1), root_feats),
             torch.where(keep, logits.gather(1, last.expand(-1, 1, logits.shape[-1])).squeeze(1), root_logits),
-        )
-
-    def _commit_unverified(self, tree: DraftTree, plan: StepPlan, root_feats, root_logits):
-        """VVS skipped step: the prompts in ``plan.skipped`` commit the schedule's path (γ nodes, depth 1
-        first) without the target, in fixed shapes (D rows per prompt, D = the path bound).
-
-        The drafter rows of the new tokens' predecessors (the old root and the picked drafts but the
-        last) get *stale* features: the most recent cached target features, as many as tokens committed
-        (VVS §4.3). With γ tokens committed after ``m``, row ``L+m−1+j`` (j < γ) pairs the cached feature
-        of slot ``L+m−1−γ+j`` with the embedding of the token at slot ``L+m+j``; slots before 0 (a skip
-        right after the prefill, γ > L) read slot 0. The target KV is left alone: the next verified step
-        post-verifies the tokens. Rows of the other prompts, and rows past γ, land in drafter scratch
-        slots past the committed ones (never read). Returns the root feature/logits with the skipped
-        prompts' rows replaced, and the tokens committed per prompt [B] (0 where not skipped)."""
-        run, target = self.run, self.target
-        committed, fcache, streams = run.committed, run.fcache, run.streams
-        device = committed.device
-        nodes, gamma = self.schedule.unverified_paths(tree, plan, run.rng)
-        gamma = torch.where(plan.skipped, gamma, 0)
-        width = nodes.shape[1]
-        j = torch.arange(width, device=device)[None]  # [1, D]
-        at = committed[:, None] + j
-        write = j < gamma[:, None]
-        run.out.scatter_(1, at, torch.where(write, tree.tokens.gather(1, nodes), run.out.gather(1, at)))
-        rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        stale = target.image_slot(committed[:, None] - 1 - gamma[:, None] + j).clamp(0, fcache.shape[1] - 1)
-        feats = fcache.gather(1, rep(stale)[..., None].expand(-1, -1, fcache.shape[-1]))
-        base = committed - 1  # image slot of the root, the first row's token
-        slots = target.image_slot(base[:, None] + j)
-        index = at.clamp_max(target.num_image_tokens)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        vis = self._visibility(
-            base, base, causal.expand(run.batch, -1, -1), target.num_image_tokens - 1 + width
-        )
-        f_hat, logits = self.drafter_rows(feats, run.out.gather(1, at), index, slots, vis)
-        last = rep((gamma - 1).clamp_min(0))[:, None, None]
-        keep = rep(plan.skipped)[:, None]
-        committed += gamma
-        return (
-            torch.where(keep, f_hat.gather(1, last.expand(-1, 1, f_hat.shape[-1])).squeeze(1), root_feats),
-            torch.where(keep, logits.gather(1, last.expand(-1, 1, logits.shape[-1])).squeeze(1), root_logits),
-            gamma,
         )

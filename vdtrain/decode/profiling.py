@@ -351,9 +351,9 @@ def phase_methods(engine: Any) -> dict[str, list[tuple[Any, str]]]:
     drafter = [] if engine.drafter is None else [(engine.drafter, "forward"), (engine.drafter, "logits")]
     return {
         "draft": [(engine.builder, "build"), (engine.builder, "observe")],
-        "verify": [(engine, "_verify")],
+        "verify": [(engine.schedule, "verify")],
         "accept": [(engine, "_accept")],
-        "commit": [(engine, "_commit"), (engine, "_commit_unverified")],
+        "commit": [(engine, "_commit"), (engine.schedule, "commit_skipped")],
         "forward": [(engine.target, "forward_tokens"), *drafter],
     }
 
