@@ -5,6 +5,7 @@ could be called."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -23,6 +24,7 @@ from test_fit import CONF, REPO, fit_config, run_cli, sub_env
 
 from vdtrain import hub
 from vdtrain.checkpoint_io import CheckpointError
+from vdtrain.config import TargetConfig
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter, DrafterConfig
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
@@ -481,3 +483,21 @@ def test_a_real_push_creates_the_repo_and_uploads_the_export(export_dir, no_netw
         ),
     ]
     assert plan.token_source == "argument" and not plan.dry_run and plan.url.endswith("/commit/1")
+
+
+def test_the_cards_snippet_repeats_every_key_the_targets_kind_reads():
+    """A key equal to fit's typed default is still repeated when the target's kind reads it: Chameleon's
+    own default caption_overflow is 'error', so a run with 'truncate' (the typed default) must say so."""
+    from vdtrain.hub import _usage_section
+
+    recorded = {
+        **dataclasses.asdict(TargetConfig()),
+        "kind": "chameleon",
+        "name": "lumina",
+        "family": "lumina_mgpt",
+        "model_dir": "/models/lumina",
+        "caption_overflow": "truncate",
+    }
+    snippet = _usage_section({"config": {"target": recorded}})
+    assert '"caption_overflow": "truncate"' in snippet and '"family": "lumina_mgpt"' in snippet
+    assert '"gpt_ckpt"' not in snippet and '"folder"' not in snippet  # other kinds' keys stay out

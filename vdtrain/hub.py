@@ -24,9 +24,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict
-from vdtrain.config import TargetConfig
 from vdtrain.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterConfig
 from vdtrain.eval.table import EvalRow, read_results, to_markdown
+from vdtrain.targets import kind_fields
 from vdtrain.targets.base import Target, TargetIdentity
 from vdtrain.targets.shapes import REPO_ROOT
 
@@ -270,8 +270,7 @@ def _target_section(ident: TargetIdentity) -> str:
 
 def _usage_section(metadata: Mapping[str, Any]) -> str:
     recorded = metadata.get("config", {}).get("target", {})
-    defaults = dataclasses.asdict(TargetConfig())
-    target_config = {k: v for k, v in recorded.items() if k == "kind" or v != defaults.get(k)}
+    target_config = {"kind": recorded["kind"], **kind_fields(recorded)} if recorded.get("kind") else {}
     load = (
         f"target = load_target({json.dumps(target_config)})"
         if target_config

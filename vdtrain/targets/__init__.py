@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -128,24 +128,38 @@ def own_fields(spec: type, fields: dict[str, object]) -> dict[str, object]:
     return {k: v for k, v in fields.items() if k in names or k not in defaults or v != defaults[k]}
 
 
+@dataclasses.dataclass(frozen=True)
+class FolderSpec:
+    """``kind: folder``: a target saved as a folder (the shapes world's format)."""
+
+    folder: str | None = None
+
+
+# ``kind`` of a conf/target/*.yaml → the spec of the keys it may set, and what builds it from them.
+TARGET_KINDS: dict[str, tuple[type, Callable[[dict[str, object], torch.device | str], Target]]] = {
+    "folder": (FolderSpec, lambda fields, device: load_target_folder(FolderSpec(**fields).folder, device)),
+    "llamagen": (LlamaGenSpec, lambda fields, device: build_llamagen_target(LlamaGenSpec(**fields), device)),
+    "chameleon": (ChameleonSpec, load_chameleon_target),  # Anole, Lumina-mGPT
+    "janus": (JanusSpec, load_janus_target),  # Janus-Pro
+    "emu3": (Emu3Spec, load_emu3_target),  # Emu3-Gen
+}
+
+
+def kind_fields(config: Mapping[str, object]) -> dict[str, object]:
+    """The keys of target ``config`` its kind reads (its spec's, plus any other set away from the typed
+    default, which the spec then refuses): what a model card's snippet must repeat."""
+    kind = config.get("kind")
+    if kind not in TARGET_KINDS:
+        raise ValueError(f"unknown target kind {kind!r}; use one of {sorted(TARGET_KINDS)}")
+    fields = {k: v for k, v in config.items() if k not in ("kind", "quality", "dtype")}
+    return own_fields(TARGET_KINDS[kind][0], fields)
+
+
 def load_target(config: Mapping[str, object], device: str | torch.device = "cpu") -> Target:
-    """Build the fp32 target a ``conf/target/*.yaml`` describes (``kind: folder`` or ``kind: llamagen``).
+    """Build the fp32 target a ``conf/target/*.yaml`` describes (``kind`` one of ``TARGET_KINDS``).
 
     Its ``dtype`` is checked here but applied by ``cast_for_inference``: training keeps fp32 weights.
     """
     inference_dtype(str(config.get("dtype", "fp32")))
-    fields = {k: v for k, v in config.items() if k not in ("kind", "quality", "dtype")}
-    kind = config.get("kind")
-    if kind == "folder":
-        return load_target_folder(fields.get("folder"), device)
-    if kind == "llamagen":
-        return build_llamagen_target(LlamaGenSpec(**own_fields(LlamaGenSpec, fields)), device)
-    if kind == "chameleon":  # Anole, Lumina-mGPT (vdtrain.targets.chameleon)
-        return load_chameleon_target(own_fields(ChameleonSpec, fields), device)
-    if kind == "janus":  # Janus-Pro (vdtrain.targets.janus)
-        return load_janus_target(own_fields(JanusSpec, fields), device)
-    if kind == "emu3":  # Emu3-Gen (vdtrain.targets.emu3)
-        return load_emu3_target(own_fields(Emu3Spec, fields), device)
-    raise ValueError(
-        f"unknown target kind {kind!r}; use 'folder', 'llamagen', 'chameleon', 'janus' or 'emu3'"
-    )
+    fields = kind_fields(config)
+    return TARGET_KINDS[str(config["kind"])][1](fields, device)
