@@ -27,7 +27,9 @@ path without the target; ``run.pending[b]`` of those tokens sit before the next 
 target, with drafter rows computed from stale cached features. The next verified step feeds them before
 its tree in the same target forward ("post-verification"), which fills their KV in place and lets the
 catch-up recompute their drafter rows from true features. The schedule plans every prompt at once
-(``VerificationSchedule.plan``, one read of the device) and picks the skipped paths as tensors.
+(``VerificationSchedule.plan``, one read of the device), picks the skipped paths as tensors, and owns
+both hooks the loop calls: ``verify`` (the step's target forward, post-verified tokens first) and
+``commit_skipped``.
 """
 
 from __future__ import annotations
