@@ -292,7 +292,7 @@ class Grouped(Rule):
     ``norm(max(0, p − q_x))`` over the full vocabulary.
     """
 
-    embeddings: torch.Tensor  # [V, E]: the target's input token embeddings (or the codebook)
+    embeddings: torch.Tensor  # [V, E]: the target's input token embeddings (or the codebook), kept in fp64
     group_size: int = 14
     delta_p: float = 0.15
     max_distance: float = 0.5
@@ -304,6 +304,9 @@ class Grouped(Rule):
     def __post_init__(self) -> None:
         if self.group_size < 1:
             raise ValueError(f"GSD needs group_size >= 1, got {self.group_size}")
+        # Distances are taken in fp64: converting the table once (exact) spares a conversion of every
+        # gathered window, the bulk of this rule's work at large batches.
+        object.__setattr__(self, "embeddings", self.embeddings.double())
 
     def group(self, p: torch.Tensor, token: int) -> torch.Tensor:
         if self.group_size == 1:
@@ -315,7 +318,7 @@ class Grouped(Rule):
         window = window[window != token]
         close_p = (p[window] - p[token]).abs() < self.delta_p
         emb = self.embeddings.to(p.device)
-        dist = (emb[window].double() - emb[token].double()).pow(2).sum(-1)
+        dist = (emb[window] - emb[token]).pow(2).sum(-1)
         return window[close_p & (dist < self.max_distance)]
 
     def group_batch(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,7 +335,7 @@ class Grouped(Rule):
         window = order.gather(-1, slots.clamp_max(vocab - 1))  # [..., G]
         close_p = (p.gather(-1, window) - p.gather(-1, x.unsqueeze(-1))).abs() < self.delta_p
         emb = self.embeddings.to(p.device)
-        dist = (emb[window].double() - emb[x].double().unsqueeze(-2)).pow(2).sum(-1)
+        dist = (emb[window] - emb[x].unsqueeze(-2)).pow(2).sum(-1)
         return window, in_window & (window != x.unsqueeze(-1)) & close_p & (dist < self.max_distance)
 
 
