@@ -446,10 +446,14 @@ class SpeculativeEngine:
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         vis = self._visibility(base, base, causal.expand(batch, -1, -1), n_img - 1 + width)
         f_hat, logits = self.drafter_rows(feats, next_tokens_, index, slots, vis)
-        last = rep(rows - 1)[:, :, None]
-        keep = rep(verify)[:, None]
         committed += counts
-        return (
-            torch.where(keep, f_hat.gather(1, last.expand(-1, 1, f_hat.shape[-1])).squeeze(1), root_feats),
-            torch.where(keep, logits.gather(1, last.expand(-1, 1, logits.shape[-1])).squeeze(1), root_logits),
-        )
+        return self.next_roots(f_hat, logits, rows[:, 0] - 1, verify, root_feats, root_logits)
+
+    def next_roots(self, f_hat, logits, last, keep, root_feats, root_logits):
+        """The next root's drafter feature and logits: caught-up row ``last[b]`` of ``f_hat`` / ``logits``
+        [R, W, ·] where ``keep[b]``, the current ones elsewhere."""
+        rep = lambda t: t.repeat(self.run.streams, *([1] * (t.dim() - 1)))  # noqa: E731
+        at = rep(last.clamp_min(0))[:, None, None]
+        keep = rep(keep)[:, None]
+        pick = lambda t: t.gather(1, at.expand(-1, 1, t.shape[-1])).squeeze(1)  # noqa: E731
+        return torch.where(keep, pick(f_hat), root_feats), torch.where(keep, pick(logits), root_logits)

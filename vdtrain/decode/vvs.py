@@ -177,7 +177,7 @@ class VerificationSchedule:
         self, tree: DraftTree, plan: StepPlan, rng: RowRandom
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(nodes [B, D], γ [B]) of the path each prompt would commit without verification."""
-        raise RuntimeError(f"{type(self).__name__} never skips a step")
+        raise NotImplementedError(f"{type(self).__name__} never skips a step")
 
     def verify(self, engine: SpeculativeEngine, tree: DraftTree, plan: StepPlan):
         """The step's target forward: hidden [R, S, H], p [B, T, V] and p_relax (the trees alone)."""
@@ -187,7 +187,6 @@ class VerificationSchedule:
         self, engine: SpeculativeEngine, tree: DraftTree, plan: StepPlan, root_feats, root_logits
     ):
         """Commit the skipping prompts' unverified paths (only schedules that skip have any)."""
-        raise RuntimeError(f"{type(self).__name__} never skips a step")
         raise NotImplementedError(f"{type(self).__name__} never skips a step")
 
 
@@ -296,14 +295,9 @@ class SkippingSchedule(VerificationSchedule):
             base, base, causal.expand(run.batch, -1, -1), target.num_image_tokens - 1 + width
         )
         f_hat, logits = engine.drafter_rows(feats, run.out.gather(1, at), index, slots, vis)
-        last = rep((gamma - 1).clamp_min(0))[:, None, None]
-        keep = rep(plan.skipped)[:, None]
         committed += gamma
-        return (
-            torch.where(keep, f_hat.gather(1, last.expand(-1, 1, f_hat.shape[-1])).squeeze(1), root_feats),
-            torch.where(keep, logits.gather(1, last.expand(-1, 1, logits.shape[-1])).squeeze(1), root_logits),
-            gamma,
-        )
+        roots = engine.next_roots(f_hat, logits, gamma - 1, plan.skipped, root_feats, root_logits)
+        return (*roots, gamma)
 
 
 class UniformSchedule(SkippingSchedule):

@@ -239,9 +239,34 @@ class DecoderLayer(nn.Module):
 class ChameleonBackbone(nn.Module):
     def __init__(self, config: ChameleonConfig) -> None:
         super().__init__()
+        self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: KVCache | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Input embeddings ``x`` [B, S, D] at RoPE ``positions`` ([S] or [B, S]) with boolean ``mask``
+        [B, 1, S, K] (True = may attend) → final-norm hidden states [B, S, D]."""
+        if positions.dim() == 1:
+            positions = positions.expand(x.shape[0], -1)
+        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, mask, cache, i, slots)
+        return self.norm(h)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c, ref = self.config, self.norm.weight
+        return KVCache(
+            c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, ref.dtype, ref.device
+        )
 
 
 class ChameleonLM(nn.Module):
@@ -261,19 +286,8 @@ class ChameleonLM(nn.Module):
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Input embeddings ``x`` [B, S, D] at RoPE ``positions`` ([S] or [B, S]) with boolean ``mask``
-        [B, 1, S, K] (True = may attend) → final-norm hidden states [B, S, D]."""
-        if positions.dim() == 1:
-            positions = positions.expand(x.shape[0], -1)
-        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        h = x
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, rope, mask, cache, i, slots)
-        return self.model.norm(h)
+        """``ChameleonBackbone.forward``: final-norm hidden states, no head."""
+        return self.model(x, positions, mask, cache, slots)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        c = self.config
-        ref = self.lm_head.weight
-        return KVCache(
-            c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, ref.dtype, ref.device
-        )
+        return self.model.new_cache(batch, max_len)

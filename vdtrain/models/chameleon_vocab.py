@@ -11,6 +11,8 @@ from collections.abc import Mapping
 
 import torch
 
+from vdtrain.checkpoint_io import CheckpointError
+
 IMAGE_TOKEN_PREFIX = "IMGIMG"
 IMAGE_TOKEN_SUFFIX = "Z"
 _DIGIT_OF_LETTER = {chr(ord("A") + d): str(d) for d in range(10)}
@@ -58,7 +60,8 @@ def image_token_ids(vocabulary_map: Mapping[str, int], codebook_size: int) -> to
 
 
 def token_id(vocabulary_map: Mapping[str, int], name: str) -> int:
-    """The id of special token ``name``, with an error naming it when the vocabulary lacks it."""
+    """The id of special token ``name``, with an error naming it when the checkpoint's vocabulary lacks it
+    (Chameleon family, Emu3)."""
     if name not in vocabulary_map:
-        raise ValueError(f"the Chameleon vocabulary has no token {name!r}")
+        raise CheckpointError(f"the checkpoint's vocabulary has no token {name!r}")
     return int(vocabulary_map[name])

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError
-from vdtrain.models.chameleon import ChameleonBackbone, ChameleonConfig, rope_cos_sin
-from vdtrain.models.kv_cache import KVCache
+from vdtrain.models.chameleon import ChameleonBackbone, ChameleonConfig
 from vdtrain.models.vq import VQConfig
 
 # transformers' defaults, for keys a saved config.json leaves out
@@ -171,31 +170,6 @@ class JanusGenerator(nn.Module):
     def embed_image_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """What transformers' ``prepare_embeddings_for_image_generation`` feeds the LM."""
         return self.generation_aligner(self.generation_embeddings(tokens))
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: KVCache | None = None,
-        slots: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Input embeddings ``x`` [B, S, D] at RoPE ``positions`` ([S] or [B, S]) under boolean ``mask``
-        [B, 1, S, K] → final-norm hidden states [B, S, D]."""
-        if positions.dim() == 1:
-            positions = positions.expand(x.shape[0], -1)
-        lm = self.config.lm
-        rope = rope_cos_sin(positions, lm.head_dim, lm.rope_theta, x.dtype)
-        h = x
-        for i, layer in enumerate(self.language_model.layers):
-            h = layer(h, rope, mask, cache, i, slots)
-        return self.language_model.norm(h)
-
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        c, ref = self.config.lm, self.language_model.norm.weight
-        return KVCache(
-            c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim, ref.dtype, ref.device
-        )
 
 
 def generator_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

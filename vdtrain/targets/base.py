@@ -128,15 +128,17 @@ class DraftLayer(nn.Module, ABC):
 
     Built from the drafter config alone (``hidden_size``, ``prefix_length``, ``grid`` and the family's
     ``settings``), so a saved drafter rebuilds without its target; ``settings_of`` reads the target's own
-    hyper-parameters, the default a new drafter starts from.
+    hyper-parameters (from ``target.transformer.config``), the default a new drafter starts from.
     """
 
     settings_fields: ClassVar[tuple[str, ...]]  # the hyper-parameters ``settings`` holds (all of them)
 
     @classmethod
-    @abstractmethod
     def settings_of(cls, target: Target) -> dict[str, Any]:
-        """The hyper-parameters of ``target``'s own decoder layers."""
+        """The hyper-parameters of ``target``'s own decoder layers: the ``settings_fields`` of its
+        ``transformer.config``."""
+        config = target.transformer.config
+        return {name: getattr(config, name) for name in cls.settings_fields}
 
     @classmethod
     def check(cls, hidden_size: int, grid: tuple[int, int], settings: Mapping[str, Any]) -> None:

@@ -195,11 +195,6 @@ class ChameleonDraftLayer(DecoderLayer, DraftLayer):
         self.config = config
 
     @classmethod
-    def settings_of(cls, target: Target) -> dict[str, Any]:
-        config = target.lm.config  # type: ignore[attr-defined]
-        return {name: getattr(config, name) for name in cls.settings_fields}
-
-    @classmethod
     def check(cls, hidden_size: int, grid: tuple[int, int], settings: Mapping[str, Any]) -> None:
         super().check(hidden_size, grid, settings)
         ChameleonConfig(hidden_size=hidden_size, num_hidden_layers=1, **settings)  # its own checks

@@ -19,15 +19,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.models.chameleon_io import read_hf_config, read_hf_weights, text_tokenizer
+from vdtrain.models.chameleon_vocab import token_id
 from vdtrain.models.emu3 import load_decoder, load_vq, split_state, text_config, visual_token_ids, vocabulary
 from vdtrain.sampling_config import SamplingConfig
-from vdtrain.targets.base import Target
 from vdtrain.targets.chameleon import ChameleonLayout, ChameleonTarget, ChameleonTokenizer, Guidance
 from vdtrain.targets.janus import JanusDraftLayer
 
@@ -47,23 +45,12 @@ SAMPLING = {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 2048, "top_p": 1.0}
 class Emu3DraftLayer(JanusDraftLayer):
     """Emu3's Llama decoder layer: a Chameleon layer without q/k norms or swin norm, 1D RoPE."""
 
-    @classmethod
-    def settings_of(cls, target: Target) -> dict[str, Any]:
-        config = target.lm.config  # type: ignore[attr-defined]
-        return {name: getattr(config, name) for name in cls.settings_fields}
-
     def describe(self) -> str:
         c = self.config
         return (
             f"Llama decoder layer (Emu3): {c.num_attention_heads} heads ({c.num_key_value_heads} KV "
             f"heads), FFN {c.intermediate_size}, RoPE theta {c.rope_theta:g}"
         )
-
-
-def token_id(vocab: Mapping[str, int], name: str) -> int:
-    if name not in vocab:
-        raise CheckpointError(f"the Emu3 vocabulary_map has no {name!r}")
-    return int(vocab[name])
 
 
 def emu3_layout(

@@ -78,11 +78,6 @@ class JanusDraftLayer(ChameleonDraftLayer):
         super().__init__(hidden_size, prefix_length, grid, {**settings, **self.LLAMA})
 
     @classmethod
-    def settings_of(cls, target: Target) -> dict[str, Any]:
-        config = target.generator.config.lm  # type: ignore[attr-defined]
-        return {name: getattr(config, name) for name in cls.settings_fields}
-
-    @classmethod
     def check(cls, hidden_size: int, grid: tuple[int, int], settings: Mapping[str, Any]) -> None:
         super().check(hidden_size, grid, {k: v for k, v in settings.items() if k not in cls.LLAMA})
 
@@ -149,7 +144,7 @@ class JanusTarget(Target):
 
     @property
     def transformer(self) -> nn.Module:
-        return self.generator
+        return self.generator.language_model
 
     @property
     def token_embedding(self) -> nn.Embedding:

@@ -118,11 +118,6 @@ class LlamaGenDraftLayer(TransformerBlock, DraftLayer):
         )
 
     @classmethod
-    def settings_of(cls, target: Target) -> dict[str, Any]:
-        config = target.gpt.config  # type: ignore[attr-defined]
-        return {name: getattr(config, name) for name in cls.settings_fields}
-
-    @classmethod
     def check(cls, hidden_size: int, grid: tuple[int, int], settings: Mapping[str, Any]) -> None:
         super().check(hidden_size, grid, settings)
         if grid[0] != grid[1]:
