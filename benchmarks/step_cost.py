@@ -5,7 +5,8 @@
     python -m benchmarks.step_cost --device cuda --targets shapes llamagen-b llamagen-l llamagen-xl \\
         --batch 1 16 --compile --out step_cost_gpu.json
 
-For each target × preset × batch × mode (eager; compiled with ``--compile``) it decodes the same prompts
+For each target × preset × batch × mode (eager; with ``--compile`` also ``steps``, the step kernels
+compiled, and ``compiled``, the forwards too) it decodes the same prompts
 with the same seeds with AR and with the method (one untimed warm-up each) and reports:
 
 - the AR step time (between consecutive target forwards: forward + sampling);
@@ -29,7 +30,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 from pathlib import Path
@@ -82,7 +83,7 @@ class Row:
     target: str
     preset: str
     batch: int
-    mode: str  # eager | compiled
+    mode: str  # eager | steps (step kernels compiled) | compiled (and the forwards)
     ar_step_ms: float
     step_ms: float
     r: float
@@ -245,15 +246,18 @@ def time_method(target, drafter, preset: str, conds, seed: int, sampling) -> dic
 
 
 @contextmanager
-def compiled(target: Target, drafter: Drafter, mode: str) -> Iterator[None]:
-    """The target's and drafter's transformer forwards under ``torch.compile`` (dynamic shapes: trees,
-    batches and cache lengths vary per step)."""
-    modules = [target.transformer, drafter.layer]
+def run_mode(target: Target, drafter: Drafter, mode: str, compile_mode: str) -> Iterator[None]:
+    """``eager``; ``steps``: the step kernels compiled (``vdtrain.decode.kernels``), forwards eager;
+    ``compiled``: that and the target's and drafter's transformer forwards under ``torch.compile``
+    (dynamic shapes: trees, batches and cache lengths vary per step)."""
+    modules = [target.transformer, drafter.layer] if mode == "compiled" else []
     for module in modules:
-        module.forward = torch.compile(module.forward, mode=mode, dynamic=True)
+        module.forward = torch.compile(module.forward, mode=compile_mode, dynamic=True)
+    target.compile_steps = None if mode == "eager" else "inductor"
     try:
         yield
     finally:
+        target.compile_steps = None
         for module in modules:
             del module.forward
 
@@ -286,7 +290,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
     device = torch.device(args.device)
     rows: list[Row] = []
     shapes_s: dict[tuple[str, int, str], float] = {}  # S of the shapes target, for the projections
-    modes = ["eager", "compiled"] if args.compile else ["eager"]
+    modes = ["eager", "steps", "compiled"] if args.compile else ["eager"]
     for name in args.targets:
         target, drafter = load(name, device, args.drafter, args.seed)
         sampling = target.sampling_defaults
@@ -294,8 +298,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
             sampling = replace(sampling, temperature=args.temperature)
         for batch, mode in [(b, m) for b in args.batch for m in modes]:
             conds = conditions(target, name, max(args.prompts, batch), batch, args.seed)
-            speedup = compiled(target, drafter, args.compile_mode) if mode == "compiled" else nullcontext()
-            with speedup, torch.no_grad():
+            with run_mode(target, drafter, mode, args.compile_mode), torch.no_grad():
                 ar = time_ar(target, conds, args.seed, sampling)
                 for preset in args.presets:
                     m = time_method(target, drafter, preset, conds, args.seed, sampling)
@@ -345,7 +348,9 @@ def main() -> None:
         "--drafter", default="checkpoints/shapes/drafter", help="the shapes target's drafter folder"
     )
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--compile", action="store_true", help="also time under torch.compile")
+    parser.add_argument(
+        "--compile", action="store_true", help="also time with compiled step kernels, then also forwards"
+    )
     parser.add_argument("--compile-mode", default="reduce-overhead")
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default on a CPU: 1; on a GPU: torch's)"

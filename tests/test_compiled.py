@@ -45,11 +45,14 @@ def test_compiled_decoding_gives_the_eager_tokens_on_cpu_inductor(tiny_target):
     torch._dynamo.utils.counters.clear()
     compile_decoding(tiny_target, drafter)
     assert tiny_target.gpt._vdtrain_compiled and drafter._vdtrain_compiled
+    assert tiny_target.compile_steps == "inductor"
     start = time.perf_counter()
     compiled = decode(tiny_target, drafter)
     print(f"compiled decode (with compilation): {time.perf_counter() - start:.1f} s")
     torch._dynamo.reset()
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # the target's and the drafter's
+    # The target's and the drafter's forwards, and the step kernels: the root's children, two expansion
+    # rounds, the last round, the verification rows, the verdict, the commit.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2 + 7
     assert torch.equal(compiled[0], eager[0])
     assert torch.equal(compiled[1], eager[1])
 
@@ -171,3 +174,33 @@ def test_compiling_twice_is_refused(tiny_target):
     compile_decoding(tiny_target, drafter, backend="eager")
     with pytest.raises(RuntimeError, match="already applied"):
         compile_decoding(tiny_target)
+
+
+STEP_KERNEL_PRESETS = ["eagle1", "eagle2", "lantern", "lantern_pp", "gsd_tree", "peanut", "sjd", "gsd"]
+STEP_KERNEL_PRESETS += ["sjd_pac", "vvs"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_step_kernels_trace_whole_and_keep_every_token(temperature, tmp_path):
+    """Every preset's step kernels trace into whole graphs (``fullgraph``: a break raises) and decode the
+    eager tokens, at T = 0 and with the same seeds at T = 1. The ``eager`` backend runs the traced
+    graphs without generating code; the inductor test above runs generated kernels."""
+    from vdtrain.decode.methods import build_method, load_preset
+
+    target = LlamaGenTarget(
+        random_gpt(), VQTokenizer(random_vq(), 8), None, "tiny", SamplingConfig(cfg_scale=2.0)
+    )
+    drafter = random_drafter(target)
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=temperature)
+    torch._dynamo.reset()
+    for preset in STEP_KERNEL_PRESETS:
+        config = load_preset(preset, {"acceptance": {"cache_dir": str(tmp_path)}})
+        method = build_method(config, target, drafter if config.needs_drafter else None, sampling)
+        tokens = []
+        for backend in (None, "eager"):
+            target.compile_steps = backend
+            gens = [torch.Generator().manual_seed(i) for i in range(2)]
+            tokens.append(method.generate(tiny_condition(), gens).tokens)
+        assert torch.equal(tokens[0], tokens[1]), preset
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+    torch._dynamo.reset()

@@ -178,7 +178,7 @@ def test_topk_ties_go_to_the_lower_index():
 def stub_engine(logits: torch.Tensor, n_img: int = 16, prefix: int = 3) -> SimpleNamespace:
     """Just what ``build`` uses of an engine: the drafter returns ``logits`` [V] for every row."""
 
-    def drafter_rows(feats, tokens, token_index, slots, vis):
+    def drafter_forward(feats, rows):
         return feats, logits.expand(feats.shape[0], feats.shape[1], -1)
 
     return SimpleNamespace(
@@ -186,8 +186,10 @@ def stub_engine(logits: torch.Tensor, n_img: int = 16, prefix: int = 3) -> Simpl
             prefix_length=prefix, num_image_tokens=n_img, image_slot=lambda index: index + prefix
         ),
         draft_probs=lambda x: x.softmax(-1),
-        drafter_rows=drafter_rows,
+        drafter_inputs=lambda tokens, token_index, slots, vis: None,
+        drafter_forward=drafter_forward,
         _visibility=SpeculativeEngine._visibility,
+        image_columns=SpeculativeEngine.image_columns,
     )
 
 

@@ -159,3 +159,12 @@ def test_gumbel_topk_samples_without_replacement():
     assert stats.chisquare(counts[keep].numpy(), (want.flatten()[keep] * rows).numpy()).pvalue > 1e-3
     # Zero-mass tokens come last when k exceeds the support.
     assert (gumbel_topk(q.log().expand(rows, -1)[:100], u[:100], 5)[:, 4] == 4).all()
+
+
+def test_blocks_drawn_together_equal_blocks_drawn_apart():
+    rows = RowRandom(torch.tensor([3, -5, 1 << 40]))
+    rows.advance(torch.tensor([True, False, True]))
+    accept, bonus, draft = rows.uniforms((Purpose.ACCEPT, (7,)), (Purpose.BONUS, ()), (Purpose.DRAFT, (3, 4)))
+    assert torch.equal(accept, rows.uniform(Purpose.ACCEPT, 7))
+    assert torch.equal(bonus, rows.uniform(Purpose.BONUS, 1)[:, 0])
+    assert torch.equal(draft, rows.uniform(Purpose.DRAFT, 3, 4))

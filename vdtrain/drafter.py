@@ -54,7 +54,6 @@ from vdtrain.targets.base import (
     DraftLayer,
     Target,
     TargetIdentity,
-    prefix_and_image_mask,
     prefix_causal_mask,
 )
 
@@ -357,21 +356,6 @@ class Drafter(nn.Module):
         slots = torch.arange(length, device=prefix_hidden.device)
         next_embeds = after_prefix_rows(self.embed(first_tokens), length)
         return self(prefix_hidden, next_embeds, slots, teacher_mask(cond_mask, length), cache, slots)
-
-    def forward_rows(
-        self,
-        features: torch.Tensor,
-        next_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        cond_mask: torch.Tensor,
-        image_visibility: torch.Tensor,
-        cache: KVCache,
-        slots: torch.Tensor,
-    ) -> torch.Tensor:
-        """Decoding rows written to cache ``slots``: each sees the prefix columns ``cond_mask`` allows
-        and the image slots ``image_visibility`` [B, S, K] marks (the target's own layout)."""
-        mask = prefix_and_image_mask(cond_mask, image_visibility)
-        return self(features, next_embeds, positions, mask, cache, slots)
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         return self.layer.new_cache(batch, max_len or self.config.max_seq_len)

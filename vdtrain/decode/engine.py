@@ -37,11 +37,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.kernels import compiled_step_kernels, step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.sampling import (
     SamplingConfig,
@@ -55,7 +57,7 @@ from vdtrain.decode.trees import DraftTree, ancestor_matrix
 from vdtrain.decode.vvs import VerificationSchedule
 from vdtrain.drafter import Drafter
 from vdtrain.models.kv_cache import KVCache
-from vdtrain.targets.base import Condition, Target
+from vdtrain.targets.base import Condition, Target, prefix_and_image_mask
 
 
 @dataclass
@@ -80,6 +82,29 @@ class DecodeStats:
     @property
     def mean_depth(self) -> float:
         return sum(self.depth_per_step) / max(1, len(self.depth_per_step))
+
+
+class ImageColumns(NamedTuple):
+    """Where rows' visibility lands among the image columns (``SpeculativeEngine.image_columns``)."""
+
+    prior: torch.Tensor  # [B, W] committed columns every row sees
+    place: torch.Tensor  # [B, S'] the columns of the block
+
+    def rows(self, block_vis: torch.Tensor) -> torch.Tensor:
+        """Rows' visibility [B, S, W] from their visibility within the block [B, S, S']."""
+        batch, steps, _ = block_vis.shape
+        vis = self.prior[:, None, :].expand(batch, steps, -1).clone()
+        return vis.scatter_(2, self.place[:, None, :].expand(batch, steps, -1), block_vis)
+
+
+class DrafterRows(NamedTuple):
+    """A drafter forward's inputs for every CFG stream (``SpeculativeEngine.drafter_inputs``)."""
+
+    embeds: torch.Tensor  # [R, S, H] embeddings of the next tokens
+    positions: torch.Tensor  # [R, S, ·] RoPE positions
+    mask: torch.Tensor  # [R, 1, S, L + K] attention mask
+    slots: torch.Tensor  # [R, S] drafter cache slots
+    predicts: torch.Tensor  # [R, S] image index each row's logits predict
 
 
 @dataclass
@@ -175,20 +200,53 @@ class SpeculativeEngine:
 
     # --- masks -------------------------------------------------------------------------------------
     @staticmethod
+    def image_columns(committed_cols: torch.Tensor, block_cols: torch.Tensor, block: int, width: int):
+        """Per row: image columns ``< committed_cols[b]`` visible, and a block of ``block`` columns at
+        ``block_cols[b] ..`` whose visibility each row brings; ``width`` columns in all."""
+        device = committed_cols.device
+        cols = torch.arange(width, device=device)
+        place = block_cols[:, None] + torch.arange(block, device=device)[None, :]
+        return ImageColumns(cols[None, :] < committed_cols[:, None], place)
+
+    @staticmethod
     def _visibility(
         committed_cols: torch.Tensor, tree_cols: torch.Tensor, tree_vis: torch.Tensor, width: int
     ):
         """Per row: image columns ``< committed_cols[b]`` visible, plus ``tree_vis`` [B, S, S'] placed at
         columns ``tree_cols[b] ..``; ``width`` columns in all."""
-        batch, steps, tree = tree_vis.shape
-        device = tree_vis.device
-        cols = torch.arange(width, device=device)
-        vis = (cols[None, :] < committed_cols[:, None])[:, None, :].expand(batch, steps, width).clone()
-        place = tree_cols[:, None] + torch.arange(tree, device=device)[None, :]  # [B, S']
-        vis.scatter_(2, place[:, None, :].expand(batch, steps, tree), tree_vis)
-        return vis
+        columns = SpeculativeEngine.image_columns(committed_cols, tree_cols, tree_vis.shape[2], width)
+        return columns.rows(tree_vis)
 
-    # --- drafter -----------------------------------------------------------------------------------
+    # --- drafter ---------------------------------------------------------------------------------
+    @step_kernel
+    def drafter_inputs(
+        self,
+        tokens: torch.Tensor | None,
+        token_index: torch.Tensor,
+        slots: torch.Tensor,
+        image_vis: torch.Tensor,
+        next_embeds: torch.Tensor | None = None,
+    ) -> DrafterRows:
+        """The drafter's inputs for rows pairing features with the next ``tokens`` [B, S] at image indices
+        ``token_index`` [B, S], for every CFG stream. A row sits at the RoPE position of its feature's
+        slot, ``rope_positions(token_index - 1)``."""
+        run, target = self.run, self.target
+        streams = run.streams
+        if next_embeds is None:
+            next_embeds = self.drafter.embed(tokens.repeat(streams, 1))
+        rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
+        mask = prefix_and_image_mask(run.stream.mask, rep(image_vis))
+        positions = rep(target.rope_positions(token_index - 1))
+        return DrafterRows(next_embeds, positions, mask, rep(slots), rep(token_index + 1))
+
+    def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features [R, S, H] through the drafter at ``rows`` → (f̂ [R, S, H], logits [R, S, V] carrying
+        the target's forced tokens)."""
+        run = self.run
+        out = self.drafter(feats, rows.embeds, rows.positions, rows.mask, run.dcache, rows.slots)
+        run.draft_calls += 1
+        return out, self.target.constrain_logits(self.drafter.logits(out), rows.predicts)
+
     def drafter_rows(
         self,
         feats: torch.Tensor,
@@ -199,28 +257,25 @@ class SpeculativeEngine:
         next_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafter rows (features [R, S, H] + the next tokens [B, S], at image indices ``token_index``
-        [B, S]) → (f̂ [R, S, H], logits [R, S, V] for indices ``token_index + 1``).
-
-        A row sits at the RoPE position of its feature's slot, ``rope_positions(token_index - 1)``, and
-        its logits carry the target's forced tokens."""
-        run, target = self.run, self.target
-        streams = feats.shape[0] // token_index.shape[0]
-        if next_embeds is None:
-            next_embeds = self.drafter.embed(tokens.repeat(streams, 1))
-        rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        positions = target.rope_positions(token_index - 1)
-        out = self.drafter.forward_rows(
-            feats, next_embeds, rep(positions), run.stream.mask, rep(image_vis), run.dcache, rep(slots)
+        [B, S]) → (f̂ [R, S, H], logits [R, S, V] for indices ``token_index + 1``)."""
+        return self.drafter_forward(
+            feats, self.drafter_inputs(tokens, token_index, slots, image_vis, next_embeds)
         )
-        run.draft_calls += 1
-        return out, target.constrain_logits(self.drafter.logits(out), rep(token_index + 1))
 
     # --- the loop ---------------------------------------------------------------------------------
-    @torch.no_grad()
     def generate(
         self, cond: Condition, generators: Sequence[torch.Generator | None], on_step: StepHook | None = None
     ) -> DecodeResult:
-        """Image tokens for ``cond``; ``on_step(target_cache, committed, tokens)`` runs after each step."""
+        """Image tokens for ``cond``; ``on_step(target_cache, committed, tokens)`` runs after each step.
+        The step kernels run compiled when the target asks for it (``Target.compile_steps``)."""
+        backend = self.target.compile_steps
+        with compiled_step_kernels(backend is not None, backend or "inductor"):
+            return self._generate(cond, generators, on_step)
+
+    @torch.no_grad()
+    def _generate(
+        self, cond: Condition, generators: Sequence[torch.Generator | None], on_step: StepHook | None
+    ) -> DecodeResult:
         target, sampling, schedule = self.target, self.sampling, self.schedule
         start_time = time.perf_counter()
         batch, n_img, prefix = len(cond), target.num_image_tokens, target.prefix_length
@@ -293,8 +348,8 @@ class SpeculativeEngine:
             verdict = None
             commit_calls = 0
             if plan.any_verify:  # every prompt skipping: no target forward
-                hidden, p_nodes, p_relax = schedule.verify(self, tree, plan)
-                verdict = self._accept(tree, p_nodes, p_relax)
+                hidden, logits = schedule.verify(self, tree, plan)
+                p_nodes, verdict = self._judge(tree, logits)
                 self.builder.observe(tree, verdict, verify, p_nodes, roots_at)
                 calls_before = run.draft_calls
                 root_feats, root_logits = self._commit(
@@ -358,6 +413,16 @@ class SpeculativeEngine:
         return stats
 
     # --- verification ------------------------------------------------------------------------------
+    @step_kernel
+    def _judge(self, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, BatchVerdict]:
+        """The target's logits at the tree nodes [R, T, V] → (p [B, T, V], every row's verdict). At T = 0
+        rules that ask for it also see the softmax of the same filtered logits."""
+        p_nodes = probabilities(*split_cfg(logits, self.sampling), self.sampling)
+        p_relax = None
+        if self.sampling.greedy and self.accept.needs_soft_p:
+            p_relax = processed_logits(*split_cfg(logits, self.sampling), self.sampling).softmax(-1)
+        return p_nodes, self._accept(tree, p_nodes, p_relax)
+
     def _accept(self, tree: DraftTree, p_nodes: torch.Tensor, p_relax: torch.Tensor | None) -> BatchVerdict:
         """Every row's verdict at once, with this step's per-prompt uniforms."""
         batch, size = tree.tokens.shape
@@ -365,33 +430,29 @@ class SpeculativeEngine:
             u_accept = p_nodes.new_zeros(batch, size, dtype=torch.float64)
             u_bonus = p_nodes.new_zeros(batch, dtype=torch.float64)
         else:
-            u_accept = self.run.rng.uniform(Purpose.ACCEPT, size)
-            u_bonus = self.run.rng.uniform(Purpose.BONUS, 1)[:, 0]
+            u_accept, u_bonus = self.run.rng.uniforms((Purpose.ACCEPT, (size,)), (Purpose.BONUS, ()))
         return accept_batch(self.accept, tree, p_nodes, self.sampling.greedy, u_accept, u_bonus, p_relax)
 
-    def _distributions(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """p [B, T, V] and, at T = 0 for rules that ask for it, the softmax of the same filtered logits."""
-        p = probabilities(*split_cfg(logits, self.sampling), self.sampling)
-        p_relax = None
-        if self.sampling.greedy and self.accept.needs_soft_p:
-            p_relax = processed_logits(*split_cfg(logits, self.sampling), self.sampling).softmax(-1)
-        return p, p_relax
-
-    def _verify_tree(self, tree: DraftTree):
-        """The plain verification forward: the trees alone (their roots are the only unseen tokens)."""
+    @step_kernel
+    def _tree_inputs(self, tree: DraftTree):
+        """The plain verification forward's rows (tokens, image indices, slots, visibility), every stream:
+        the trees alone (their roots are the only unseen tokens)."""
         run, target = self.run, self.target
         base = run.committed - 1  # image slot of the root
-        anc = ancestor_matrix(tree.parents) & tree.valid[:, None, :]
+        anc = ancestor_matrix(tree.parents, tree.depth_bound) & tree.valid[:, None, :]
         anc |= torch.eye(tree.size, dtype=torch.bool, device=anc.device)
         vis = self._visibility(base, base, anc, target.num_image_tokens - 1 + tree.size)
         # Padding nodes may lie past the image; clamp their (ignored) positions into the RoPE table.
         index = (base[:, None] + tree.depths).clamp_max(target.num_image_tokens - 1)
         slots = target.image_slot(base[:, None] + torch.arange(tree.size, device=base.device))
         rep = lambda t: t.repeat(run.streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        result = target.forward_tokens(
-            run.stream, rep(tree.tokens), rep(index), run.tcache, rep(slots), rep(vis)
-        )
-        return (result.hidden, *self._distributions(result.logits))
+        return rep(tree.tokens), rep(index), rep(slots), rep(vis)
+
+    def _verify_tree(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plain verification forward → (hidden [R, T, H], logits [R, T, V])."""
+        tokens, index, slots, vis = self._tree_inputs(tree)
+        result = self.target.forward_tokens(self.run.stream, tokens, index, self.run.tcache, slots, vis)
+        return result.hidden, result.logits
 
     # --- commit ------------------------------------------------------------------------------------
     def _commit(self, tree, verdict: BatchVerdict, verify, hidden, lead, root_feats, root_logits):
@@ -403,6 +464,22 @@ class SpeculativeEngine:
         from stale features when they were committed) are recomputed from the target's true features,
         and the feature cache gets their features. Returns the drafter's feature and logits for the next
         root (its last catch-up row), unchanged for the rows not verified."""
+        run = self.run
+        cache_rows, src, dst, counts, last, catch_up = self._commit_rows(tree, verdict, verify, hidden, lead)
+        run.tcache.move(cache_rows, src, dst)
+        if catch_up is None:
+            run.committed += counts
+            return None, None
+        f_hat, logits = self.drafter_forward(*catch_up)
+        run.committed += counts
+        return self.next_roots(f_hat, logits, last, verify, root_feats, root_logits)
+
+    @step_kernel
+    def _commit_rows(self, tree, verdict: BatchVerdict, verify, hidden, lead):
+        """``_commit``'s tensor work: writes the tokens (``run.out``) and the VVS feature cache; returns
+        the target KV moves (cache rows, source and destination slots), the tokens committed per prompt,
+        the last caught-up row and the catch-up's drafter inputs (features, rows), None without a
+        drafter."""
         run, target = self.run, self.target
         batch, streams, committed = run.batch, run.streams, run.committed
         device, n_img = committed.device, target.num_image_tokens
@@ -423,7 +500,7 @@ class SpeculativeEngine:
         # Target KV: row i sits at slot L+base+i; its committed place is L+base+i' (i' <= i).
         src = target.image_slot(base[:, None] + node)
         dst = torch.where(verify[:, None], torch.minimum(target.image_slot(base[:, None] + j), src), src)
-        run.tcache.move(torch.arange(batch * streams, device=device), rep(src), rep(dst))
+        cache_rows = torch.arange(batch * streams, device=device)
         # Tokens: the accepted drafts then the bonus, at image indices committed ..
         k = torch.arange(depth + 1, device=device)[None]
         drafted = torch.cat([tree.tokens.gather(1, path.clamp_min(0)), torch.zeros_like(acc)], 1)
@@ -431,9 +508,9 @@ class SpeculativeEngine:
         at = committed[:, None] + k
         run.out.scatter_(1, at, torch.where(verify[:, None] & (k <= acc), new, run.out.gather(1, at)))
         counts = torch.where(verify, accepted + 1, 0)
+        last = rows[:, 0] - 1
         if not self.builder.needs_drafter:
-            committed += counts
-            return None, None
+            return cache_rows, rep(src), rep(dst), counts, last, None
         # Drafter rows L+base .. : feature of the row's token, embedding of the token after it.
         feats = hidden.gather(1, rep(node)[..., None].expand(-1, -1, hidden.shape[-1]))
         slots = target.image_slot(base[:, None] + j)
@@ -445,9 +522,8 @@ class SpeculativeEngine:
         index = (base[:, None] + 1 + j).clamp_max(n_img)  # padding rows only
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         vis = self._visibility(base, base, causal.expand(batch, -1, -1), n_img - 1 + width)
-        f_hat, logits = self.drafter_rows(feats, next_tokens_, index, slots, vis)
-        committed += counts
-        return self.next_roots(f_hat, logits, rows[:, 0] - 1, verify, root_feats, root_logits)
+        rows_in = self.drafter_inputs(next_tokens_, index, slots, vis)
+        return cache_rows, rep(src), rep(dst), counts, last, (feats, rows_in)
 
     def next_roots(self, f_hat, logits, last, keep, root_feats, root_logits):
         """The next root's drafter feature and logits: caught-up row ``last[b]`` of ``f_hat`` / ``logits``

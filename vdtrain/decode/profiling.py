@@ -352,7 +352,7 @@ def phase_methods(engine: Any) -> dict[str, list[tuple[Any, str]]]:
     return {
         "draft": [(engine.builder, "build"), (engine.builder, "observe")],
         "verify": [(engine.schedule, "verify")],
-        "accept": [(engine, "_accept")],
+        "accept": [(engine, "_judge")],
         "commit": [(engine, "_commit"), (engine.schedule, "commit_skipped")],
         "forward": [(engine.target, "forward_tokens"), *drafter],
     }

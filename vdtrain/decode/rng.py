@@ -94,19 +94,31 @@ class RowRandom:
     def uniform(self, purpose: int, *shape: int) -> torch.Tensor:
         """float64 [B, *shape] in [0, 1): a function of each row's (seed, step), ``purpose`` and the
         element's row-major index only."""
-        if not 0 <= purpose <= _MASK:
-            raise ValueError(f"purpose must be in [0, 2^32), got {purpose}")
-        count = 1
-        for n in shape:
-            count *= n
-        if any(n < 0 for n in shape) or 2 * count > _MASK:
-            raise ValueError(f"cannot draw a block of shape {shape}: at most 2^31 non-negative elements")
-        salt = (purpose * _PURPOSE_SALT) & _MASK
-        key = _mix(_mix(self.seed_key ^ (self.steps & _MASK)) ^ salt)  # [B]
-        counters = torch.arange(2 * count, dtype=torch.long, device=key.device)
-        words = _mix(_mix(key[:, None] ^ counters))  # [B, 2 * count]
+        return self.uniforms((purpose, shape))[0]
+
+    def uniforms(self, *blocks: tuple[int, tuple[int, ...]]) -> list[torch.Tensor]:
+        """``uniform(purpose, *shape)`` for each ``(purpose, shape)`` block, hashed in one pass (the same
+        values as separate calls, in about half the ops for two blocks)."""
+        counts = []
+        for purpose, shape in blocks:
+            if not 0 <= purpose <= _MASK:
+                raise ValueError(f"purpose must be in [0, 2^32), got {purpose}")
+            count = 1
+            for n in shape:
+                count *= n
+            if any(n < 0 for n in shape) or 2 * count > _MASK:
+                raise ValueError(f"cannot draw a block of shape {shape}: at most 2^31 non-negative elements")
+            counts.append(count)
+        step_key = _mix(self.seed_key ^ (self.steps & _MASK))  # [B]
+        device = step_key.device
+        keys = [_mix(step_key ^ ((purpose * _PURPOSE_SALT) & _MASK)) for purpose, _ in blocks]
+        key = torch.cat([k[:, None].expand(-1, 2 * c) for k, c in zip(keys, counts, strict=True)], 1)
+        counters = torch.cat([torch.arange(2 * c, dtype=torch.long, device=device) for c in counts])
+        words = _mix(_mix(key ^ counters))  # [B, 2 * total]
         high, low = words[:, 0::2] >> 5, words[:, 1::2] >> 6  # 27 and 26 bits
-        return ((high * (1 << 26) + low).double() / float(1 << 53)).view(self.batch, *shape)
+        flat = (high * (1 << 26) + low).double() / float(1 << 53)
+        parts = flat.split(counts, dim=1)
+        return [part.reshape(self.batch, *shape) for part, (_, shape) in zip(parts, blocks, strict=True)]
 
 
 def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

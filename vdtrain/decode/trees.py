@@ -99,15 +99,17 @@ def static_tree(paths: tuple[tuple[int, ...], ...] | list[list[int]]) -> StaticT
     return StaticTree(tuple(unique), tuple(parents), tuple(depths), tuple(ranks))
 
 
-def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
+def ancestor_matrix(parents: torch.Tensor, depth_bound: int | None = None) -> torch.Tensor:
     """``parents`` [B, T] (−1 at the root) → [B, T, T] bool: node ``i`` sees ``j`` iff ``j`` is ``i``
     or one of its ancestors. Each pass composes the relation with itself, doubling the path length it
-    covers, so ⌈log2 T⌉ passes reach every ancestor: a fixed count, with no read of the device."""
+    covers, so ⌈log2 D⌉ passes reach every ancestor of a tree no deeper than ``depth_bound`` D
+    (default T − 1): a fixed count, with no read of the device."""
     size = parents.shape[1]
+    depth = size - 1 if depth_bound is None else min(depth_bound, size - 1)
     eye = torch.eye(size, dtype=torch.bool, device=parents.device)
     cols = torch.arange(size, device=parents.device)
     anc = eye | (parents[..., None] == cols)  # itself and its parent
-    for _ in range(max(1, size - 1).bit_length()):
+    for _ in range(max(0, depth - 1).bit_length()):  # 2^passes >= depth
         anc = anc | (anc.float() @ anc.float() > 0)
     return anc
 

@@ -180,7 +180,8 @@ class VerificationSchedule:
         raise NotImplementedError(f"{type(self).__name__} never skips a step")
 
     def verify(self, engine: SpeculativeEngine, tree: DraftTree, plan: StepPlan):
-        """The step's target forward: hidden [R, S, H], p [B, T, V] and p_relax (the trees alone)."""
+        """The step's target forward: hidden [R, S, H] and the logits at the tree nodes [R, T, V] (the
+        trees alone)."""
         return engine._verify_tree(tree)
 
     def commit_skipped(
@@ -258,7 +259,7 @@ class SkippingSchedule(VerificationSchedule):
         result = target.forward_tokens(run.stream, rep(tokens), rep(index), run.tcache, rep(slots), rep(vis))
         rows = rep(lead[:, None] + torch.arange(size, device=device)[None, :])
         logits = result.logits.gather(1, rows[..., None].expand(-1, -1, result.logits.shape[-1]))
-        return (result.hidden, *engine._distributions(logits))
+        return result.hidden, logits
 
     def commit_skipped(
         self, engine: SpeculativeEngine, tree: DraftTree, plan: StepPlan, root_feats, root_logits

@@ -177,6 +177,9 @@ class Target(nn.Module, ABC):
 
     tokenizer: ImageTokenizer
     sampling_defaults: SamplingConfig
+    # The torch.compile backend decoding runs its step kernels with (vdtrain.decode.kernels), set by
+    # compile_decoding; None: eagerly.
+    compile_steps: str | None = None
 
     # --- shape of the problem -------------------------------------------------------------------
     @property

@@ -28,15 +28,17 @@ the flat node index here. Scores are cumulative log q in float64, as the old bui
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
-    from vdtrain.decode.engine import SpeculativeEngine
+    from vdtrain.decode.engine import ImageColumns, SpeculativeEngine
 
 
 def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +59,38 @@ def ranked(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` best entries along the last dim: valid ones first, by (−score, index)."""
     key = torch.where(valid, scores, float("-inf"))
     return key.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class Layer(NamedTuple):
+    """Nodes made in one round, in creation order."""
+
+    tokens: torch.Tensor  # [B, n]
+    scores: torch.Tensor  # [B, n] cumulative log q, float64
+    parents: torch.Tensor  # [B, n] flat node index of the parent
+    depths: torch.Tensor  # [B, n]
+    valid: torch.Tensor  # [B, n]
+
+
+class Scratch(NamedTuple):
+    """A build's drafter scratch layout, fixed for all its rounds."""
+
+    own: torch.Tensor  # [rounds, K, rounds·K] bool: the scratch column of round r's frontier node j
+    slots: torch.Tensor  # [B, rounds·K] drafter cache slot of each scratch column
+    columns: ImageColumns  # committed columns, and where the scratch columns go
+
+
+@dataclass
+class Frontier:
+    """The nodes a round expands, with what their drafter rows need."""
+
+    tokens: torch.Tensor  # [B, K]
+    score: torch.Tensor  # [B, K]
+    node: torch.Tensor  # [B, K] flat node index
+    feats: torch.Tensor  # [R, K, H] the parents' drafter features
+    seen: torch.Tensor  # [B, K, rounds·K] scratch columns each row sees
+    kid_ok: torch.Tensor  # [B, K·K] candidates inside the row's width and rounds
+    rounds: torch.Tensor  # [B] expansion rounds of each row's tree
+    scratch: Scratch
 
 
 class DynamicTreeBuilder(DraftTreeBuilder):
@@ -104,10 +138,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         return engine.draft_probs(logits).clamp_min(1e-30).log()
 
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
-        roots, limit, committed = state.roots, state.depth_limit, state.committed
-        batch, device = len(roots), roots.device
-        n_img = engine.target.num_image_tokens
-        vocab = state.root_logits.shape[-1]
+        vocab, device = state.root_logits.shape[-1], state.roots.device
         rounds, widths = self.shape(state)
         rounds, widths = rounds.to(device), widths.to(device).clamp_max(vocab)
         depth_cap, k_cap = self.envelope(state)
@@ -121,64 +152,118 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             ((rounds <= depth_cap) & (widths <= size)).all(),
             f"{type(self).__name__}.shape gave a (rounds, top_k) outside envelope ({depth_cap}, {size})",
         )
+        grown, front, rows = self._root_children(engine, state, rounds, widths, depth_cap, size)
+        for r in range(1, depth_cap + 1):
+            f_hat, logits = engine.drafter_forward(front.feats, rows)
+            if r < depth_cap:
+                layer, front, rows = self._expand(engine, state, front, f_hat, logits, r, depth_cap, size)
+                grown = [*grown, layer]
+            else:
+                return self._last_round(engine, state, front, f_hat, logits, grown, depth_cap, size)
+        return self._select(*(torch.cat(column, 1) for column in zip(*grown, strict=True)), depth_cap, size)
+
+    @step_kernel
+    def _root_children(self, engine, state: StepState, rounds, widths, depth_cap: int, size: int):
+        """Depth 1 (the root's children, round 1's frontier in rank order) and round 1's drafter rows.
+        Returns ([the root's layer, depth 1's], the ``Frontier``, the drafter rows: None without rounds)."""
+        roots, limit = state.roots, state.depth_limit
+        batch, device = len(roots), roots.device
         col = torch.arange(size, device=device)
         kid_ok = (col[None, :, None] < widths[:, None, None]) & (col[None, None, :] < widths[:, None, None])
-        kid_ok = kid_ok.flatten(1)  # [B, K·K]: frontier position and child rank inside the row's width
-
-        # Depth 1: the root's children; they are round 1's frontier (in rank order).
         front_logq, front_tok = topk_low_index_first(self._logq(engine, state.root_logits), size)
         front_score = front_logq.double()
-        front_node = (1 + col).expand(batch, -1)
-        tokens = [roots[:, None], front_tok]
-        scores = [front_score.new_zeros(batch, 1), front_score]
-        parents = [torch.full_like(roots[:, None], -1), torch.zeros_like(front_tok)]
-        depths = [torch.zeros_like(roots[:, None]), torch.ones_like(front_tok)]
-        valid = [
+        root = Layer(
+            roots[:, None],
+            front_score.new_zeros(batch, 1),
+            torch.full_like(roots[:, None], -1),
+            torch.zeros_like(roots[:, None]),
             torch.ones_like(roots[:, None], dtype=torch.bool),
-            (limit >= 1)[:, None] & (col < widths[:, None]),
-        ]
-
-        streams = state.root_feats.shape[0] // batch
-        feats = state.root_feats[:, None].expand(-1, size, -1)  # parent features of the frontier rows
-        scratch = torch.arange(depth_cap * size, device=device)
-        seen = torch.zeros(batch, size, depth_cap * size, dtype=torch.bool, device=device)
-        base = committed - 1
-        width = n_img - 1 + depth_cap * size  # any base (< n_img) plus every round's scratch
-        offset = 1 + size  # flat index of the current round's first candidate
-        for r in range(1, depth_cap + 1):
-            # Frontier rows see their ancestors' scratch columns and their own.
-            seen = seen | (scratch[None, None, :] == ((r - 1) * size + col)[None, :, None])
-            slots = engine.target.image_slot(base[:, None] + (r - 1) * size + col[None, :])
-            index = (committed - 1 + r).clamp_max(n_img)[:, None].expand(-1, size)
-            vis = engine._visibility(base, base, seen, width)
-            f_hat, logits = engine.drafter_rows(feats, front_tok, index, slots, vis)
-            kid_logq, kid_tok = topk_low_index_first(self._logq(engine, logits), size)  # [B, K, K]
-            cand_score = (front_score[:, :, None] + kid_logq.double()).flatten(1)
-            cand_tok = kid_tok.flatten(1)
-            grow = (rounds >= r) & (limit >= r + 1)
-            cand_valid = grow[:, None] & kid_ok
-            tokens.append(cand_tok)
-            scores.append(cand_score)
-            parents.append(front_node[:, :, None].expand(-1, -1, size).flatten(1))
-            depths.append(torch.full_like(cand_tok, r + 1))
-            valid.append(cand_valid)
-            if r < depth_cap:
-                pick = ranked(cand_score, cand_valid, size)  # next frontier [B, K]
-                src = pick // size  # its parents' frontier positions
-                front_tok, front_score = cand_tok.gather(1, pick), cand_score.gather(1, pick)
-                front_node = offset + pick
-                feats = f_hat.gather(1, src.repeat(streams, 1)[..., None].expand(-1, -1, f_hat.shape[-1]))
-                seen = seen.gather(1, src[..., None].expand(-1, -1, seen.shape[-1]))
-            offset += size * size
-        return self._select(
-            torch.cat(tokens, 1),
-            torch.cat(scores, 1),
-            torch.cat(parents, 1),
-            torch.cat(depths, 1),
-            torch.cat(valid, 1),
-            depth_cap,
-            size,
         )
+        first = Layer(
+            front_tok,
+            front_score,
+            torch.zeros_like(front_tok),
+            torch.ones_like(front_tok),
+            (limit >= 1)[:, None] & (col < widths[:, None]),
+        )
+        # Drafter scratch column of frontier node j in round r: (r−1)·K + j, after any committed column.
+        n_img, base = engine.target.num_image_tokens, state.committed - 1
+        cols = torch.arange(depth_cap * size, device=device)
+        scratch = Scratch(
+            torch.eye(depth_cap * size, dtype=torch.bool, device=device).view(
+                depth_cap, size, depth_cap * size
+            ),
+            engine.target.image_slot(base[:, None] + cols),
+            engine.image_columns(base, base, depth_cap * size, n_img - 1 + depth_cap * size),
+        )
+        front = Frontier(
+            front_tok,
+            front_score,
+            (1 + col).expand(batch, -1),
+            state.root_feats[:, None].expand(-1, size, -1),  # parent features of the frontier rows
+            torch.zeros(batch, size, depth_cap * size, dtype=torch.bool, device=device),
+            kid_ok.flatten(1),
+            rounds,
+            scratch,
+        )
+        if depth_cap == 0:  # no expansion round
+            return [root, first], front, None
+        front, rows = self._frontier_rows(engine, state, front, 1, depth_cap, size)
+        return [root, first], front, rows
+
+    def _frontier_rows(self, engine, state: StepState, front: Frontier, r: int, depth_cap: int, size: int):
+        """Round ``r``'s drafter rows: frontier node ``j`` at its scratch column, seeing its ancestors'
+        scratch columns and its own."""
+        scratch = front.scratch
+        seen = front.seen | scratch.own[r - 1]
+        slots = scratch.slots[:, (r - 1) * size : r * size]
+        index = (state.committed - 1 + r).clamp_max(engine.target.num_image_tokens)[:, None].expand(-1, size)
+        vis = scratch.columns.rows(seen)
+        return replace(front, seen=seen), engine.drafter_inputs(front.tokens, index, slots, vis)
+
+    def _candidates(self, engine, state: StepState, front: Frontier, logits, r: int, size: int) -> Layer:
+        """Round ``r``'s ``K·K`` candidates: frontier node ``j``'s child of rank ``c`` at ``j·K + c``."""
+        kid_logq, kid_tok = topk_low_index_first(self._logq(engine, logits), size)  # [B, K, K]
+        grow = (front.rounds >= r) & (state.depth_limit >= r + 1)
+        tokens = kid_tok.flatten(1)
+        return Layer(
+            tokens,
+            (front.score[:, :, None] + kid_logq.double()).flatten(1),
+            front.node[:, :, None].expand(-1, -1, size).flatten(1),
+            torch.full_like(tokens, r + 1),
+            grow[:, None] & front.kid_ok,
+        )
+
+    @step_kernel
+    def _expand(
+        self, engine, state: StepState, front: Frontier, f_hat, logits, r: int, depth_cap: int, size: int
+    ):
+        """Round ``r``'s candidates, the best ``K`` of them as round ``r + 1``'s frontier, and its drafter
+        rows."""
+        layer = self._candidates(engine, state, front, logits, r, size)
+        pick = ranked(layer.scores, layer.valid, size)  # next frontier [B, K]
+        src = pick // size  # its parents' frontier positions
+        streams = f_hat.shape[0] // len(pick)
+        nxt = Frontier(
+            layer.tokens.gather(1, pick),
+            layer.scores.gather(1, pick),
+            1 + size + (r - 1) * size * size + pick,  # flat index of the candidate
+            f_hat.gather(1, src.repeat(streams, 1)[..., None].expand(-1, -1, f_hat.shape[-1])),
+            front.seen.gather(1, src[..., None].expand(-1, -1, front.seen.shape[-1])),
+            front.kid_ok,
+            front.rounds,
+            front.scratch,
+        )
+        nxt, rows = self._frontier_rows(engine, state, nxt, r + 1, depth_cap, size)
+        return layer, nxt, rows
+
+    @step_kernel
+    def _last_round(
+        self, engine, state: StepState, front: Frontier, f_hat, logits, grown, depth_cap: int, size: int
+    ):
+        """The last round's candidates, then the tree."""
+        grown = [*grown, self._candidates(engine, state, front, logits, depth_cap, size)]
+        return self._select(*(torch.cat(column, 1) for column in zip(*grown, strict=True)), depth_cap, size)
 
     def _select(
         self,

@@ -1,0 +1,63 @@
+"""Step kernels: the tensor work between a step's forwards, compiled into a few graphs when asked.
+
+A speculative step is a handful of target and drafter forwards with tree building, acceptance and
+commit bookkeeping between them: several hundred small ATen ops, each a kernel launch (GPU) or a
+dispatch (CPU) of a few microseconds, so the bookkeeping alone can cost more than an AR step. The engine
+and its parts therefore keep that work in pure tensor functions marked ``@step_kernel``, each running
+from one forward to the next. Eagerly they are plain calls (the reference every test compares
+against); inside ``compiled_step_kernels()`` each one runs as a ``torch.compile``\\ d graph with static
+shapes (``fullgraph=True``: a graph break is a bug, not a silent slowdown), so a step costs about one
+compiled call per gap between forwards instead of hundreds of ops. ``compile_decoding``
+(``vdtrain.decode.compiled``) turns this on for a target with ``Target.compile_steps``.
+
+A kernel called from inside another kernel's trace is inlined into it. Each kernel compiles once per
+shape and per set of Python constants it reads (tree sizes, sampling settings), so a decode with fixed
+shapes compiles a fixed number of graphs (``recompile_limit`` below bounds the methods of one
+evaluation run sharing a kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, TypeVar
+
+import torch
+
+_COMPILED: ContextVar[str | None] = ContextVar("vdtrain_step_kernels", default=None)  # backend or None
+RECOMPILE_LIMIT = 64  # graphs per kernel: shapes x methods x batch sizes of one process
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def step_kernel(fn: F) -> F:
+    """Mark ``fn`` (a function or method of tensors and Python constants, no host reads, no forwards)
+    as one graph of a decoding step."""
+    graphs: dict[str, Callable[..., Any]] = {}
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        backend = None if torch.compiler.is_compiling() else _COMPILED.get()
+        if backend is None:
+            return fn(*args, **kwargs)
+        graph = graphs.get(backend)
+        if graph is None:
+            graph = graphs[backend] = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+        return graph(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
+
+
+@contextmanager
+def compiled_step_kernels(enabled: bool = True, backend: str = "inductor") -> Iterator[None]:
+    """Run step kernels compiled with ``backend`` (``inductor``; ``eager``/``aot_eager`` trace without
+    generating code, for tests) inside the block; eagerly when not ``enabled``."""
+    if enabled and torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
+        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    token = _COMPILED.set(backend if enabled else None)
+    try:
+        yield
+    finally:
+        _COMPILED.reset(token)
