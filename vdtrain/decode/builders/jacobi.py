@@ -58,6 +58,7 @@ import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree
 
@@ -129,6 +130,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         return win
 
     # --- drafting ------------------------------------------------------------------------------------
+    @step_kernel
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
         if state.rng is None:
             raise ValueError("JacobiWindowBuilder draws from the run's RowRandom: StepState.rng is None")
@@ -209,6 +211,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         return torch.where(has, inverse_cdf(dists, u), uniform)
 
     # --- after verification --------------------------------------------------------------------------
+    @step_kernel
     def observe(
         self,
         tree: DraftTree,

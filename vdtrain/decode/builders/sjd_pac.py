@@ -58,6 +58,7 @@ import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree, static_tree
 
@@ -178,6 +179,7 @@ class SjdPacBuilder(DraftTreeBuilder):
         return win
 
     # --- drafting ------------------------------------------------------------------------------------
+    @step_kernel
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
         if state.rng is None:
             raise ValueError("SjdPacBuilder draws from the run's RowRandom: StepState.rng is None")
@@ -223,6 +225,7 @@ class SjdPacBuilder(DraftTreeBuilder):
         )
 
     # --- after verification --------------------------------------------------------------------------
+    @step_kernel
     def observe(
         self,
         tree: DraftTree,

@@ -13,16 +13,33 @@ node deeper than the image has tokens left.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, inverse_cdf
 from vdtrain.decode.trees import DraftTree, StaticTree, ancestor_matrix
 
 if TYPE_CHECKING:
     from vdtrain.decode.engine import SpeculativeEngine
+
+
+class _Layout(NamedTuple):
+    parents: torch.Tensor  # [T]
+    depths: torch.Tensor  # [T]
+    ancestors: torch.Tensor  # [T, T] bool
+    levels: list[torch.Tensor]  # per depth: its nodes
+
+
+class Drafted(NamedTuple):
+    """The tree's buffers while its levels are drawn."""
+
+    tokens: torch.Tensor  # [B, T]
+    valid: torch.Tensor  # [B, T]
+    q: torch.Tensor | None  # [B, T, V] the distribution each node's children came from (T > 0)
+    u: torch.Tensor | None  # [B, T] each node's draw (T > 0)
 
 
 class StaticTreeBuilder(DraftTreeBuilder):
@@ -40,70 +57,88 @@ class StaticTreeBuilder(DraftTreeBuilder):
             for level in self.levels
         ]
         self.width = max(len(kids) for families in self.families for _, kids in families)
-        self._layout: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._layout: dict[torch.device, _Layout] = {}
 
     def max_nodes(self) -> int:
         return self.tree.size
 
-    def layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(parents [T], depths [T], ancestor mask [T, T]) on ``device``, built once."""
+    def layout(self, device: torch.device) -> _Layout:
+        """The tree's index tensors on ``device``, built once."""
         if device not in self._layout:
             parents = torch.tensor(self.tree.parents, device=device)
             depths = torch.tensor(self.tree.depths, device=device)
-            self._layout[device] = (parents, depths, ancestor_matrix(parents[None])[0])
+            levels = [torch.tensor(level, device=device) for level in self.levels]
+            self._layout[device] = _Layout(parents, depths, ancestor_matrix(parents[None])[0], levels)
         return self._layout[device]
 
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
+        layout = self.layout(state.roots.device)
+        feats_of, logits_of = {0: state.root_feats}, {0: state.root_logits}
+        drafted = None
+        for depth in range(1, self.tree.depth + 1):
+            drafted, rows = self._draw(engine, state, layout, depth, drafted, feats_of, logits_of)
+            if rows is None:
+                break
+            parent_feats, inputs = rows
+            f_hat, logits = engine.drafter_forward(parent_feats, inputs)
+            for j, node in enumerate(self.levels[depth - 1]):
+                feats_of[node], logits_of[node] = f_hat[:, j], logits[:, j]
+        batch = len(state.roots)
+        return DraftTree(
+            drafted.tokens,
+            layout.parents.expand(batch, -1),
+            layout.depths.expand(batch, -1),
+            drafted.valid,
+            drafted.q,
+            sampled=not engine.sampling.greedy,
+            depth_bound=self.tree.depth,
+            width_bound=self.width,
+        )
+
+    @step_kernel
+    def _draw(self, engine, state: StepState, layout: _Layout, depth: int, drafted, feats_of, logits_of):
+        """Level ``depth``'s children from their parents' drafter logits (``drafted`` None: the first
+        level, with the tree's buffers made here); then, unless it is the deepest level, the drafter rows
+        of this level's nodes (their parents' features, the inputs). Returns (``Drafted``, rows or None)."""
         t, sampling = self.tree, engine.sampling
         batch, device = len(state.roots), state.roots.device
         size, vocab = t.size, state.root_logits.shape[-1]
         n_img = engine.target.num_image_tokens
-        parents, depths, ancestors = self.layout(device)
-        tokens = torch.zeros(batch, size, dtype=torch.long, device=device)
-        tokens[:, 0] = state.roots
-        valid = torch.zeros(batch, size, dtype=torch.bool, device=device)
-        valid[:, 0] = True
-        q_nodes = None if sampling.greedy else torch.zeros(batch, size, vocab, device=device)
-        u = None if sampling.greedy else state.rng.uniform(Purpose.DRAFT, size)
-        feats_of, logits_of = {0: state.root_feats}, {0: state.root_logits}
+        if drafted is None:
+            tokens = torch.zeros(batch, size, dtype=torch.long, device=device)
+            tokens[:, 0] = state.roots
+            valid = torch.zeros(batch, size, dtype=torch.bool, device=device)
+            valid[:, 0] = True
+            q_nodes = None if sampling.greedy else torch.zeros(batch, size, vocab, device=device)
+            u = None if sampling.greedy else state.rng.uniform(Purpose.DRAFT, size)
+            drafted = Drafted(tokens, valid, q_nodes, u)
+        tokens, valid, q_nodes, u = drafted
+        reach = state.depth_limit >= depth  # [B]
+        for parent, kids in self.families[depth - 1]:
+            kids = kids[:vocab]  # never more children than tokens
+            if sampling.greedy:
+                picks = engine.draft_logits(logits_of[parent]).topk(len(kids), dim=-1).indices
+                drawn = [(picks[:, r], reach) for r in range(len(kids))]
+            else:
+                q = engine.draft_probs(logits_of[parent])  # [B, V]
+                q_nodes[:, parent] = q
+                left, drawn = q.double(), []
+                for kid in kids:
+                    token = inverse_cdf(left, u[:, kid])
+                    drawn.append((token, reach & (left > 0).any(-1)))  # past the support: undrafted
+                    left = left.scatter(1, token[:, None], 0.0)
+            for kid, (token, ok) in zip(kids, drawn, strict=True):
+                tokens[:, kid] = token
+                valid[:, kid] = valid[:, parent] & ok
+        if depth == t.depth:
+            return drafted, None
+        # One drafter forward over this level to get its nodes' children distributions.
+        level = self.levels[depth - 1]
+        level_t = layout.levels[depth - 1]
+        parent_feats = torch.stack([feats_of[t.parents[i]] for i in level], dim=1)  # [R, S, H]
         base = state.committed - 1
-        for depth, (level, families) in enumerate(zip(self.levels, self.families, strict=True), start=1):
-            reach = state.depth_limit >= depth  # [B]
-            for parent, kids in families:
-                kids = kids[:vocab]  # never more children than tokens
-                if sampling.greedy:
-                    picks = engine.draft_logits(logits_of[parent]).topk(len(kids), dim=-1).indices
-                    drawn = [(picks[:, r], reach) for r in range(len(kids))]
-                else:
-                    q = engine.draft_probs(logits_of[parent])  # [B, V]
-                    q_nodes[:, parent] = q
-                    left, drawn = q.double(), []
-                    for kid in kids:
-                        token = inverse_cdf(left, u[:, kid])
-                        drawn.append((token, reach & (left > 0).any(-1)))  # past the support: undrafted
-                        left = left.scatter(1, token[:, None], 0.0)
-                for kid, (token, ok) in zip(kids, drawn, strict=True):
-                    tokens[:, kid] = token
-                    valid[:, kid] = valid[:, parent] & ok
-            if depth == t.depth:
-                break
-            # One drafter forward over this level to get its nodes' children distributions.
-            level_t = torch.tensor(level, device=device)
-            parent_feats = torch.stack([feats_of[t.parents[i]] for i in level], dim=1)  # [R, S, H]
-            index = (state.committed - 1 + depth).clamp_max(n_img)[:, None].expand(-1, len(level))
-            slots = engine.target.image_slot(base[:, None] + (level_t - 1)[None, :])
-            seen = ancestors[level_t][:, 1:].expand(batch, -1, -1)  # [B, S, T-1] over non-root nodes
-            vis = engine._visibility(base, base, seen, n_img - 1 + size - 1)
-            f_hat, logits = engine.drafter_rows(parent_feats, tokens[:, level_t], index, slots, vis)
-            for j, node in enumerate(level):
-                feats_of[node], logits_of[node] = f_hat[:, j], logits[:, j]
-        return DraftTree(
-            tokens,
-            parents.expand(batch, -1),
-            depths.expand(batch, -1),
-            valid,
-            q_nodes,
-            sampled=not sampling.greedy,
-            depth_bound=t.depth,
-            width_bound=self.width,
-        )
+        index = (state.committed - 1 + depth).clamp_max(n_img)[:, None].expand(-1, len(level))
+        slots = engine.target.image_slot(base[:, None] + (level_t - 1)[None, :])
+        seen = layout.ancestors[level_t][:, 1:].expand(batch, -1, -1)  # [B, S, T-1] over non-root nodes
+        vis = engine._visibility(base, base, seen, n_img - 1 + size - 1)
+        return drafted, (parent_feats, engine.drafter_inputs(tokens[:, level_t], index, slots, vis))
