@@ -10,7 +10,10 @@ shapes (``fullgraph=True``: a graph break is a bug, not a silent slowdown), so a
 compiled call per gap between forwards instead of hundreds of ops. ``compile_decoding``
 (``vdtrain.decode.compiled``) turns this on for a target with ``Target.compile_steps``.
 
-A kernel called from inside another kernel's trace is inlined into it. Each kernel compiles once per
+A kernel must be a pure function of its arguments: it may change tensors in place, but must not read
+or fill Python caches or reassign attributes (builders do that in an eager wrapper and pass the results
+in), or every decode would trace it anew. A kernel called from inside another kernel's trace is inlined
+into it. Each kernel compiles once per
 shape and per set of Python constants it reads (tree sizes, sampling settings), so a decode with fixed
 shapes compiles a fixed number of graphs (``recompile_limit`` below bounds the methods of one
 evaluation run sharing a kernel).

@@ -51,7 +51,7 @@ distribution by inverse CDF), ``Purpose.REFINE`` [W] in ``observe`` (the refined
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -130,17 +130,24 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         return win
 
     # --- drafting ------------------------------------------------------------------------------------
-    @step_kernel
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
         if state.rng is None:
             raise ValueError("JacobiWindowBuilder draws from the run's RowRandom: StepState.rng is None")
         target = engine.target
         batch, device = len(state.roots), state.roots.device
+        win = self._windows_for(batch, target.num_image_tokens, target.vocab_size, target.grid[1], device)
+        self._rng, self._greedy = state.rng, engine.sampling.greedy
+        return self._draft(engine, state, win, self._arange(self.window + 1, device))
+
+    @step_kernel
+    def _draft(
+        self, engine: SpeculativeEngine, state: StepState, win: _Windows, chain: torch.Tensor
+    ) -> DraftTree:
+        """The window as a chain tree: the kept refined drafts, then fresh ones (``chain``: arange(W + 1))."""
+        target = engine.target
+        batch = len(state.roots)
         n_img, vocab, size = target.num_image_tokens, target.vocab_size, self.window
         width = target.grid[1]
-        win = self._windows_for(batch, n_img, vocab, width, device)
-        self._rng, self._greedy = state.rng, engine.sampling.greedy
-        chain = self._arange(size + 1, device)
         entries = chain[None, :size]
         m = state.committed
         n = state.depth_limit.clamp(0, size)  # never draft past the last image token
@@ -150,7 +157,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         uniform = (u[..., 0] * vocab).long().clamp_max(vocab - 1)
         fresh = uniform
         if self.init != "random":
-            fresh = self._initial(win, state, width, keep, uniform, u[..., 1])
+            fresh = self._initial(win, state, width, keep, uniform, u[..., 1], entries)
         drafts = torch.where(kept, win.tokens, fresh)
         point = torch.zeros_like(win.q).scatter_(2, drafts[..., None], 1.0)
         q = torch.where(kept[..., None], win.q, point)
@@ -175,6 +182,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         keep: torch.Tensor,
         uniform: torch.Tensor,
         u: torch.Tensor,
+        entries: torch.Tensor,
     ) -> torch.Tensor:
         """[B, W]: the freshly initialised token of every window entry (meaningful where it is fresh).
 
@@ -185,7 +193,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         horizontal = self.init.startswith("horizontal")
         step = 1 if horizontal else width
         m = state.committed[:, None]
-        k = m + self._arange(size, m.device)[None]  # [B, W] image positions
+        k = m + entries  # [B, W] image positions
         first = m + keep[:, None]
         reach = k % width if horizontal else k // width
         hops = ((k - first).div(step, rounding_mode="floor") + 1).clamp_min(1)
@@ -211,7 +219,6 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         return torch.where(has, inverse_cdf(dists, u), uniform)
 
     # --- after verification --------------------------------------------------------------------------
-    @step_kernel
     def observe(
         self,
         tree: DraftTree,
@@ -223,9 +230,20 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         win = self._windows
         if win is None:
             raise RuntimeError("JacobiWindowBuilder.observe before build: no window to refine")
+        device = p_nodes.device
+        ring = None if win.stored is None else self._arange(win.stored.shape[1], device)
+        self._windows = self._refine(
+            tree, verdict, verified, p_nodes, roots_at, win, self._arange(self.window + 1, device), ring
+        )
+
+    @step_kernel
+    def _refine(self, tree, verdict, verified, p_nodes, roots_at, win: _Windows, chain, ring) -> _Windows:
+        """The next window: every entry refined from the target's p (``chain``: arange(W + 1), ``ring``:
+        arange(S) of the stored distributions)."""
+        win = replace(win)  # a new state: the kernel changes none of its inputs' attributes
         size, vocab, last = self.window, p_nodes.shape[-1], tree.size - 1
         m, accepted = roots_at + 1, verdict.accepted
-        entries = self._arange(size + 1, p_nodes.device)[None]
+        entries = chain[None]
         # Refinement: entry k of the next window is position m + a + 1 + k, predicted by node a + 1 + k.
         nodes = (accepted[:, None] + 1 + entries[:, :size]).clamp_max(last)
         p = p_nodes.gather(1, nodes[..., None].expand(-1, -1, vocab))  # [B, W, V]
@@ -240,7 +258,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         if win.stored is not None:  # slot s: the last committed position ≡ s, p at its node if new
             slots = win.stored.shape[1]
             top = (m + accepted)[:, None]
-            held = top - (top - self._arange(slots, top.device)[None]) % slots
+            held = top - (top - ring[None]) % slots
             node = held - m[:, None]
             new = verified[:, None] & (node >= 0)
             dist = p_nodes.gather(1, node.clamp(0, last)[..., None].expand(-1, -1, vocab))
@@ -250,3 +268,4 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         win.count = torch.where(verified, count, win.count)
         win.tokens = torch.where(verified[:, None], refined, win.tokens)
         win.q = torch.where(verified[:, None, None], p.to(win.q.dtype), win.q)
+        return win

@@ -51,7 +51,7 @@ from the all-siblings residual (B4).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -179,15 +179,20 @@ class SjdPacBuilder(DraftTreeBuilder):
         return win
 
     # --- drafting ------------------------------------------------------------------------------------
-    @step_kernel
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
         if state.rng is None:
             raise ValueError("SjdPacBuilder draws from the run's RowRandom: StepState.rng is None")
         batch, device = len(state.roots), state.roots.device
-        vocab, width, deep = engine.target.vocab_size, self.width, self.main_depth
-        lay = self.layout(device)
-        win = self._windows_for(batch, vocab, device)
+        win = self._windows_for(batch, engine.target.vocab_size, device)
         self._rng, self._greedy = state.rng, engine.sampling.greedy
+        return self._draft(engine, state, self.layout(device), win)
+
+    @step_kernel
+    def _draft(self, engine: SpeculativeEngine, state: StepState, lay: _Layout, win: _Windows) -> DraftTree:
+        """The tree: the continued main path, fresh columns after it, proactive siblings at the branching
+        depths."""
+        batch, device = len(state.roots), state.roots.device
+        vocab, width, deep = engine.target.vocab_size, self.width, self.main_depth
         n = state.depth_limit.clamp(0, deep)  # never draft past the last image token
         keep = torch.where(win.start == state.committed, torch.minimum(win.count, n), 0)
         continued = torch.arange(deep, device=device)[None] < keep[:, None]  # [B, M]
@@ -225,7 +230,6 @@ class SjdPacBuilder(DraftTreeBuilder):
         )
 
     # --- after verification --------------------------------------------------------------------------
-    @step_kernel
     def observe(
         self,
         tree: DraftTree,
@@ -234,9 +238,16 @@ class SjdPacBuilder(DraftTreeBuilder):
         p_nodes: torch.Tensor,
         roots_at: torch.Tensor,
     ) -> None:
-        win, lay, deep = self._windows, self.layout(p_nodes.device), self.main_depth
-        if win is None:
+        if self._windows is None:
             raise RuntimeError("SjdPacBuilder.observe before build: no window to continue")
+        lay = self.layout(p_nodes.device)
+        self._windows = self._continue_window(tree, verdict, verified, p_nodes, roots_at, lay, self._windows)
+
+    @step_kernel
+    def _continue_window(self, tree, verdict, verified, p_nodes, roots_at, lay: _Layout, win: _Windows):
+        """The next window: the continuation of the accepted path, kept or redrawn (SJD-PAC's adaptive
+        continuation)."""
+        win, deep = replace(win), self.main_depth  # a new state: no input's attributes change
         vocab = p_nodes.shape[-1]
         accepted = verdict.accepted
         last = torch.zeros_like(accepted)  # the last accepted node (the root if none)
@@ -261,6 +272,7 @@ class SjdPacBuilder(DraftTreeBuilder):
         win.count = torch.where(verified, count, win.count)
         win.tokens = torch.where(verified[:, None], out, win.tokens)
         win.q = torch.where(verified[:, None, None], p.to(win.q.dtype), win.q)
+        return win
 
     def _continue(self, drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, undrafted: torch.Tensor):
         """Each draft kept with min(1, p(x)/q(x)), else redrawn from norm(max(0, p − q)): a draw from p.
