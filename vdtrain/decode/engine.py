@@ -20,7 +20,9 @@ never by the batch's progress: attention masks span the whole image plus scratch
 the whole batch at once (``accept_batch``) and commit is a handful of gathers and scatters. The loop
 itself reads the device once per step (are prompts left?); statistics stay on the device until the
 end. Randomness comes from ``RowRandom`` (counter-based, per prompt), so prompt ``i`` draws the same
-numbers whatever it is batched with, without one op per row.
+numbers whatever it is batched with, without one op per row. The tensor work between two forwards is one
+step kernel each (``vdtrain.decode.kernels``: ``drafter_inputs``, ``_tree_inputs``, ``_judge``,
+``_commit_rows`` and the builders' own), which ``compile=true`` runs as compiled graphs.
 
 A *schedule* (``vdtrain.decode.vvs``) may skip a step's verification (VVS): the step commits a drafted
 path without the target; ``run.pending[b]`` of those tokens sit before the next root, unseen by the
