@@ -5,18 +5,17 @@ commit bookkeeping between them: several hundred small ATen ops, each a kernel l
 dispatch (CPU) of a few microseconds, so the bookkeeping alone can cost more than an AR step. The engine
 and its parts therefore keep that work in pure tensor functions marked ``@step_kernel``, each running
 from one forward to the next. Eagerly they are plain calls (the reference every test compares
-against); inside ``compiled_step_kernels()`` each one runs as a ``torch.compile``\\ d graph with static
-shapes (``fullgraph=True``: a graph break is a bug, not a silent slowdown), so a step costs about one
-compiled call per gap between forwards instead of hundreds of ops. ``compile_decoding``
+against); inside ``compiled_step_kernels()`` each one runs as a compiled graph (``torch.compile``) with
+static shapes (``fullgraph=True``: a graph break is a bug, not a silent slowdown), so a step costs about
+one compiled call per gap between forwards instead of hundreds of ops. ``compile_decoding``
 (``vdtrain.decode.compiled``) turns this on for a target with ``Target.compile_steps``.
 
 A kernel must be a pure function of its arguments: it may change tensors in place, but must not read
 or fill Python caches or reassign attributes (builders do that in an eager wrapper and pass the results
 in), or every decode would trace it anew. A kernel called from inside another kernel's trace is inlined
-into it. Each kernel compiles once per
-shape and per set of Python constants it reads (tree sizes, sampling settings), so a decode with fixed
-shapes compiles a fixed number of graphs (``recompile_limit`` below bounds the methods of one
-evaluation run sharing a kernel).
+into it. Each kernel compiles once per shape and per set of Python constants it reads (tree sizes,
+sampling settings, the round number), so a decode with fixed shapes compiles a fixed number of graphs
+(``RECOMPILE_LIMIT`` bounds the methods and batch sizes of one process sharing a kernel).
 """
 
 from __future__ import annotations
