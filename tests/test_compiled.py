@@ -214,3 +214,14 @@ def test_step_kernels_trace_whole_and_keep_every_token(temperature, tmp_path):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
     target.compile_steps = None
     torch._dynamo.reset()
+
+
+def test_step_kernels_raise_the_recompile_limit_for_their_block_only():
+    from vdtrain.decode.kernels import RECOMPILE_LIMIT, compiled_step_kernels
+
+    before = torch._dynamo.config.recompile_limit
+    with compiled_step_kernels(backend="eager"):
+        assert torch._dynamo.config.recompile_limit == max(before, RECOMPILE_LIMIT)
+    assert torch._dynamo.config.recompile_limit == before  # AR decoding outside keeps torch's limit
+    with compiled_step_kernels(enabled=False):
+        assert torch._dynamo.config.recompile_limit == before

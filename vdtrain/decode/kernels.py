@@ -15,7 +15,8 @@ or fill Python caches or reassign attributes (builders do that in an eager wrapp
 in), or every decode would trace it anew. A kernel called from inside another kernel's trace is inlined
 into it. Each kernel compiles once per shape and per set of Python constants it reads (tree sizes,
 sampling settings, the round number), so a decode with fixed shapes compiles a fixed number of graphs
-(``RECOMPILE_LIMIT`` bounds the methods and batch sizes of one process sharing a kernel).
+(``RECOMPILE_LIMIT``, torch's ``recompile_limit`` while the kernels run, bounds the methods and batch
+sizes of one process sharing a kernel).
 """
 
 from __future__ import annotations
@@ -56,10 +57,13 @@ def step_kernel(fn: F) -> F:
 def compiled_step_kernels(enabled: bool = True, backend: str = "inductor") -> Iterator[None]:
     """Run step kernels compiled with ``backend`` (``inductor``; ``eager``/``aot_eager`` trace without
     generating code, for tests) inside the block; eagerly when not ``enabled``."""
-    if enabled and torch._dynamo.config.recompile_limit < RECOMPILE_LIMIT:
-        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    config = torch._dynamo.config
+    limit = config.recompile_limit
+    if enabled:  # for the block only: AR decoding outside it keeps torch's limit
+        config.recompile_limit = max(limit, RECOMPILE_LIMIT)
     token = _COMPILED.set(backend if enabled else None)
     try:
         yield
     finally:
         _COMPILED.reset(token)
+        config.recompile_limit = limit
