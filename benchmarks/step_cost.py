@@ -6,7 +6,7 @@
         --batch 1 16 --compile --out step_cost_gpu.json
 
 For each target × preset × batch × mode (eager; with ``--compile`` also ``steps``, the step kernels
-compiled, and ``compiled``, the forwards too) it decodes the same prompts
+compiled, and ``compiled``, what ``compile=true`` gives: the forwards too) it decodes the same prompts
 with the same seeds with AR and with the method (one untimed warm-up each) and reports:
 
 - the AR step time (between consecutive target forwards: forward + sampling);
@@ -30,13 +30,14 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 
 import torch
 
+from vdtrain.decode.compiled import compile_decoding
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.profiling import PHASES, PhaseTimer
 from vdtrain.decode.sampling import SamplingConfig
@@ -83,7 +84,7 @@ class Row:
     target: str
     preset: str
     batch: int
-    mode: str  # eager | steps (step kernels compiled) | compiled (and the forwards)
+    mode: str  # eager | steps (step kernels compiled) | compiled (compile=true: forwards and kernels)
     ar_step_ms: float
     step_ms: float
     r: float
@@ -246,20 +247,13 @@ def time_method(target, drafter, preset: str, conds, seed: int, sampling) -> dic
 
 
 @contextmanager
-def run_mode(target: Target, drafter: Drafter, mode: str, compile_mode: str) -> Iterator[None]:
-    """``eager``; ``steps``: the step kernels compiled (``vdtrain.decode.kernels``), forwards eager;
-    ``compiled``: that and the target's and drafter's transformer forwards under ``torch.compile``
-    (dynamic shapes: trees, batches and cache lengths vary per step)."""
-    modules = [target.transformer, drafter.layer] if mode == "compiled" else []
-    for module in modules:
-        module.forward = torch.compile(module.forward, mode=compile_mode, dynamic=True)
-    target.compile_steps = None if mode == "eager" else "inductor"
+def compiled_steps(target: Target) -> Iterator[None]:
+    """Mode ``steps``: the step kernels compiled (``vdtrain.decode.kernels``), the forwards eager."""
+    target.compile_steps = "inductor"
     try:
         yield
     finally:
         target.compile_steps = None
-        for module in modules:
-            del module.forward
 
 
 def make_row(name: str, preset: str, batch: int, mode: str, ar: tuple[float, float], m, s_shapes) -> Row:
@@ -286,7 +280,9 @@ def make_row(name: str, preset: str, batch: int, mode: str, ar: tuple[float, flo
 
 
 def measure(args: argparse.Namespace) -> list[Row]:
-    """Every row, printed as it is measured."""
+    """Every row, printed as it is measured. Mode ``compiled`` is what ``compile=true`` gives
+    (``compile_decoding``: forwards and kernels); it wraps modules in place, so it runs last, on a fresh
+    copy of the target (the same weights: the same file or seed), after the eager copy is freed."""
     device = torch.device(args.device)
     rows: list[Row] = []
     shapes_s: dict[tuple[str, int, str], float] = {}  # S of the shapes target, for the projections
@@ -296,18 +292,23 @@ def measure(args: argparse.Namespace) -> list[Row]:
         sampling = target.sampling_defaults
         if args.temperature is not None:
             sampling = replace(sampling, temperature=args.temperature)
-        for batch, mode in [(b, m) for b in args.batch for m in modes]:
-            conds = conditions(target, name, max(args.prompts, batch), batch, args.seed)
-            with run_mode(target, drafter, mode, args.compile_mode), torch.no_grad():
-                ar = time_ar(target, conds, args.seed, sampling)
-                for preset in args.presets:
-                    m = time_method(target, drafter, preset, conds, args.seed, sampling)
-                    if name == "shapes":
-                        shapes_s[(preset, batch, mode)] = m["s"]
-                    rows.append(
-                        make_row(name, preset, batch, mode, ar, m, shapes_s.get((preset, batch, mode)))
-                    )
-                    print(table(rows[-1:], header=len(rows) == 1), flush=True)
+        for mode in modes:
+            if mode == "compiled":
+                del target, drafter
+                target, drafter = load(name, device, args.drafter, args.seed)
+                compile_decoding(target, drafter)
+            for batch in args.batch:
+                conds = conditions(target, name, max(args.prompts, batch), batch, args.seed)
+                speed = compiled_steps(target) if mode == "steps" else nullcontext()
+                with speed, torch.no_grad():
+                    ar = time_ar(target, conds, args.seed, sampling)
+                    for preset in args.presets:
+                        m = time_method(target, drafter, preset, conds, args.seed, sampling)
+                        if name == "shapes":
+                            shapes_s[(preset, batch, mode)] = m["s"]
+                        s_shapes = shapes_s.get((preset, batch, mode))
+                        rows.append(make_row(name, preset, batch, mode, ar, m, s_shapes))
+                        print(table(rows[-1:], header=len(rows) == 1), flush=True)
         del target, drafter
     return rows
 
@@ -349,9 +350,8 @@ def main() -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
-        "--compile", action="store_true", help="also time with compiled step kernels, then also forwards"
+        "--compile", action="store_true", help="also time with compiled step kernels, then compile=true"
     )
-    parser.add_argument("--compile-mode", default="reduce-overhead")
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default on a CPU: 1; on a GPU: torch's)"
     )
