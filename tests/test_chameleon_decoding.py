@@ -225,7 +225,7 @@ def test_compile_wraps_the_chameleon_decoder_and_keeps_the_tokens(lumina_files):
     eager = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None]).tokens
     torch._dynamo.reset()
     compile_decoding(target, drafter, backend="eager")  # traced by dynamo; no kernels to build
-    assert target.lm._vdtrain_compiled and drafter._vdtrain_compiled
+    assert target.lm.model._vdtrain_compiled and drafter._vdtrain_compiled
     compiled = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None]).tokens
     assert torch.equal(compiled, eager)
 

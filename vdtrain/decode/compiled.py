@@ -67,17 +67,10 @@ def _compile_forward(module: nn.Module, mode: str, backend: str) -> None:
     module.forward = graph_replay(compiled) if mode == "reduce-overhead" else compiled
 
 
-def compile_decoding(
-    target: Target,
-    drafter: Drafter | None = None,
-    *,
-    backend: str = "inductor",
-    forwards: bool = True,
-    steps: bool = True,
-) -> None:
-    """Wrap, in place, the target transformer's forward (prefill and verification) and the drafter's
-    (``forwards``), and make speculative decoding on ``target`` run its step kernels compiled
-    (``steps``: the tensor work between forwards, ``vdtrain.decode.kernels``).
+def compile_decoding(target: Target, drafter: Drafter | None = None, *, backend: str = "inductor") -> None:
+    """Wrap, in place, the target transformer's forward (prefill and verification) and the drafter's,
+    and make speculative decoding on ``target`` run its step kernels compiled (the tensor work between
+    forwards, ``vdtrain.decode.kernels``).
 
     ``backend`` is torch.compile's (``inductor``; ``aot_eager`` traces without generating kernels). Call
     it once, after the target has its device and dtype and before decoding.
@@ -85,10 +78,7 @@ def compile_decoding(
     modules: list[nn.Module] = [target.transformer] if drafter is None else [target.transformer, drafter]
     if any(getattr(m, "_vdtrain_compiled", False) for m in modules):
         raise RuntimeError("compile_decoding was already applied to this target or drafter")
-    if steps:
-        target.compile_steps = backend
-    if not forwards:
-        return
+    target.compile_steps = backend
     mode = compile_mode(target.token_embedding.weight.device)
     for module in modules:
         if mode == "reduce-overhead":

@@ -469,11 +469,10 @@ class SpeculativeEngine:
         run = self.run
         cache_rows, src, dst, counts, last, catch_up = self._commit_rows(tree, verdict, verify, hidden, lead)
         run.tcache.move(cache_rows, src, dst)
+        run.committed += counts
         if catch_up is None:
-            run.committed += counts
             return None, None
         f_hat, logits = self.drafter_forward(*catch_up)
-        run.committed += counts
         return self.next_roots(f_hat, logits, last, verify, root_feats, root_logits)
 
     @step_kernel

@@ -277,17 +277,3 @@ class ChameleonLM(nn.Module):
         self.config = config
         self.model = ChameleonBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: KVCache | None = None,
-        slots: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``ChameleonBackbone.forward``: final-norm hidden states, no head."""
-        return self.model(x, positions, mask, cache, slots)
-
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return self.model.new_cache(batch, max_len)

@@ -7,7 +7,7 @@ vocabularies order them by name, so the mapping must be read from the names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -36,11 +36,17 @@ def image_token_name(code: int) -> str:
     return f"{IMAGE_TOKEN_PREFIX}{letters}{IMAGE_TOKEN_SUFFIX}"
 
 
-def image_token_ids(vocabulary_map: Mapping[str, int], codebook_size: int) -> torch.Tensor:
-    """``ids[c]`` = the BPE id of codebook index ``c``, for every code of a ``codebook_size`` codebook."""
+def image_token_ids(
+    vocabulary_map: Mapping[str, int],
+    codebook_size: int,
+    code_of_name: Callable[[str], int | None] = image_code_of_name,
+    name_of_code: Callable[[int], str] = image_token_name,
+) -> torch.Tensor:
+    """``ids[c]`` = the BPE id of codebook index ``c``, for every code of a ``codebook_size`` codebook.
+    The token names are Chameleon's unless ``code_of_name`` / ``name_of_code`` spell another family's."""
     ids = torch.full((codebook_size,), -1, dtype=torch.long)
     for name, token_id in vocabulary_map.items():
-        code = image_code_of_name(name)
+        code = code_of_name(name)
         if code is None:
             continue
         if code >= codebook_size:
@@ -54,7 +60,7 @@ def image_token_ids(vocabulary_map: Mapping[str, int], codebook_size: int) -> to
     if len(missing):
         raise ValueError(
             f"the vocabulary names {codebook_size - len(missing)} of {codebook_size} image codes; "
-            f"missing e.g. {image_token_name(int(missing[0]))!r} (code {int(missing[0])})"
+            f"missing e.g. {name_of_code(int(missing[0]))!r} (code {int(missing[0])})"
         )
     return ids
 

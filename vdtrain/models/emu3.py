@@ -26,6 +26,7 @@ from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
+from vdtrain.models.chameleon_vocab import image_token_ids
 
 # transformers' Emu3TextConfig defaults, for keys a saved config.json leaves out
 TEXT_DEFAULTS: dict[str, object] = {
@@ -65,24 +66,17 @@ def vocabulary(config: Mapping[str, object]) -> dict[str, int]:
     return {str(k): int(v) for k, v in config["vocabulary_map"].items()}
 
 
+def visual_code_of_name(name: str) -> int | None:
+    match = VISUAL_TOKEN.match(name)
+    return None if match is None else int(match.group(1))
+
+
 def visual_token_ids(vocab: Mapping[str, int], codebook_size: int) -> torch.Tensor:
     """``ids[c]`` = the BPE id of ``<|visual token c|>`` for every code of the VQ codebook."""
-    ids = torch.full((codebook_size,), -1, dtype=torch.long)
-    for name, token in vocab.items():
-        match = VISUAL_TOKEN.match(name)
-        if match is None:
-            continue
-        code = int(match.group(1))
-        if code >= codebook_size:
-            raise CheckpointError(f"{name!r} names code {code}, outside the {codebook_size}-code codebook")
-        ids[code] = token
-    missing = (ids < 0).nonzero().flatten()
-    if len(missing):
-        raise CheckpointError(
-            f"the vocabulary names {codebook_size - len(missing)} of {codebook_size} visual tokens; "
-            f"missing e.g. code {int(missing[0])}"
-        )
-    return ids
+    try:
+        return image_token_ids(vocab, codebook_size, visual_code_of_name, "<|visual token {:06d}|>".format)
+    except ValueError as error:  # a released checkpoint's vocabulary, not a caller's argument
+        raise CheckpointError(str(error)) from error
 
 
 def split_state(state: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:

@@ -283,7 +283,7 @@ class ChameleonTarget(Target):
 
     @property
     def transformer(self) -> nn.Module:
-        return self.lm
+        return self.lm.model  # the decoder; image logits come from ``image_head`` (rows of ``lm_head``)
 
     @property
     def token_embedding(self) -> nn.Embedding:

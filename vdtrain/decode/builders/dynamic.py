@@ -71,9 +71,11 @@ class Layer(NamedTuple):
     valid: torch.Tensor  # [B, n]
 
 
-class Scratch(NamedTuple):
-    """A build's drafter scratch layout, fixed for all its rounds."""
+class BuildPlan(NamedTuple):
+    """What a build fixes for all its rounds: each row's shape and the drafter scratch layout."""
 
+    rounds: torch.Tensor  # [B] expansion rounds of each row's tree
+    kid_ok: torch.Tensor  # [B, K·K] candidates inside the row's width
     own: torch.Tensor  # [rounds, K, rounds·K] bool: the scratch column of round r's frontier node j
     slots: torch.Tensor  # [B, rounds·K] drafter cache slot of each scratch column
     columns: ImageColumns  # committed columns, and where the scratch columns go
@@ -88,9 +90,7 @@ class Frontier:
     node: torch.Tensor  # [B, K] flat node index
     feats: torch.Tensor  # [R, K, H] the parents' drafter features
     seen: torch.Tensor  # [B, K, rounds·K] scratch columns each row sees
-    kid_ok: torch.Tensor  # [B, K·K] candidates inside the row's width and rounds
-    rounds: torch.Tensor  # [B] expansion rounds of each row's tree
-    scratch: Scratch
+    plan: BuildPlan
 
 
 class DynamicTreeBuilder(DraftTreeBuilder):
@@ -189,7 +189,9 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         # Drafter scratch column of frontier node j in round r: (r−1)·K + j, after any committed column.
         n_img, base = engine.target.num_image_tokens, state.committed - 1
         cols = torch.arange(depth_cap * size, device=device)
-        scratch = Scratch(
+        plan = BuildPlan(
+            rounds,
+            kid_ok.flatten(1),
             torch.eye(depth_cap * size, dtype=torch.bool, device=device).view(
                 depth_cap, size, depth_cap * size
             ),
@@ -202,9 +204,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             (1 + col).expand(batch, -1),
             state.root_feats[:, None].expand(-1, size, -1),  # parent features of the frontier rows
             torch.zeros(batch, size, depth_cap * size, dtype=torch.bool, device=device),
-            kid_ok.flatten(1),
-            rounds,
-            scratch,
+            plan,
         )
         if depth_cap == 0:  # no expansion round
             return [root, first], front, None
@@ -214,24 +214,24 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     def _frontier_rows(self, engine, state: StepState, front: Frontier, r: int, depth_cap: int, size: int):
         """Round ``r``'s drafter rows: frontier node ``j`` at its scratch column, seeing its ancestors'
         scratch columns and its own."""
-        scratch = front.scratch
-        seen = front.seen | scratch.own[r - 1]
-        slots = scratch.slots[:, (r - 1) * size : r * size]
+        plan = front.plan
+        seen = front.seen | plan.own[r - 1]
+        slots = plan.slots[:, (r - 1) * size : r * size]
         index = (state.committed - 1 + r).clamp_max(engine.target.num_image_tokens)[:, None].expand(-1, size)
-        vis = scratch.columns.rows(seen)
+        vis = plan.columns.rows(seen)
         return replace(front, seen=seen), engine.drafter_inputs(front.tokens, index, slots, vis)
 
     def _candidates(self, engine, state: StepState, front: Frontier, logits, r: int, size: int) -> Layer:
         """Round ``r``'s ``K·K`` candidates: frontier node ``j``'s child of rank ``c`` at ``j·K + c``."""
         kid_logq, kid_tok = topk_low_index_first(self._logq(engine, logits), size)  # [B, K, K]
-        grow = (front.rounds >= r) & (state.depth_limit >= r + 1)
+        grow = (front.plan.rounds >= r) & (state.depth_limit >= r + 1)
         tokens = kid_tok.flatten(1)
         return Layer(
             tokens,
             (front.score[:, :, None] + kid_logq.double()).flatten(1),
             front.node[:, :, None].expand(-1, -1, size).flatten(1),
             torch.full_like(tokens, r + 1),
-            grow[:, None] & front.kid_ok,
+            grow[:, None] & front.plan.kid_ok,
         )
 
     @step_kernel
@@ -250,9 +250,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             1 + size + (r - 1) * size * size + pick,  # flat index of the candidate
             f_hat.gather(1, src.repeat(streams, 1)[..., None].expand(-1, -1, f_hat.shape[-1])),
             front.seen.gather(1, src[..., None].expand(-1, -1, front.seen.shape[-1])),
-            front.kid_ok,
-            front.rounds,
-            front.scratch,
+            front.plan,
         )
         nxt, rows = self._frontier_rows(engine, state, nxt, r + 1, depth_cap, size)
         return layer, nxt, rows
