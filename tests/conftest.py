@@ -101,3 +101,46 @@ def random_drafter(target: Target, seed: int = 0, std: float = 0.2) -> Drafter:
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=std)
     return drafter.attach(target).eval()
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models decode fastest on one thread, and a shared CPU is not oversubscribed; modules opt in
+    with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def assert_cached_passes_match_the_sequence_pass(
+    target: Target, cond: Condition, tokens: torch.Tensor
+) -> None:
+    """The prefill and one cached pass over image ``tokens`` [B, N] give the logits of one uncached pass."""
+    batch, n = tokens.shape
+    length = target.prefix_length
+    full = target.forward_sequence(cond, tokens).logits
+    cache = target.new_cache(batch)
+    first = target.prefill(cond, cache).logits[:, -1]
+    index = torch.arange(n)
+    visibility = target.causal_visibility(0, n, "cpu")
+    rest = target.forward_tokens(
+        cond, tokens, index[None].expand(batch, -1), cache, index + length, visibility
+    )
+    torch.testing.assert_close(first, full[:, length - 1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(rest.logits[:, :-1], full[:, length:-1], rtol=0, atol=1e-5)
+
+
+def eagle2_and_ar_tokens(
+    target: Target, cond: Condition, cfg_scale: float, cache_dir: Path
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy (T = 0) tokens of eagle2 with a random drafter and of AR, for the same prompts."""
+    from vdtrain.decode.ar import generate_ar
+    from vdtrain.decode.methods import build_method, load_preset
+
+    sampling = SamplingConfig(cfg_scale=cfg_scale, temperature=0.0)
+    expected = generate_ar(target, cond, sampling, [None] * len(cond))
+    config = load_preset("eagle2", {"acceptance": {"cache_dir": str(cache_dir)}})
+    engine = build_method(config, target, random_drafter(target), sampling)
+    gens = [torch.Generator().manual_seed(i) for i in range(len(cond))]
+    return engine.generate(cond, gens).tokens, expected

@@ -26,6 +26,8 @@ from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
 from vdtrain.targets import load_target
 from vdtrain.targets.chameleon import FORCED_LOGIT, ChameleonTarget
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CODEBOOK = 8192
 VOCAB = 8960  # the released special ids (boi 8197, newline 8803, sizes 8804+n) plus a few words
 IMAGE_SIZE = 64  # 4x4 codes with the released 16x downsampling
@@ -58,14 +60,6 @@ VQ = {
     "resolution": IMAGE_SIZE,
     "attn_resolutions": [8],
 }
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_vocabulary(seed: int = 0) -> dict[str, int]:

@@ -30,17 +30,11 @@ from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
 from vdtrain.targets import ChameleonDraftLayer
 from vdtrain.targets.chameleon import ChameleonLayout, ChameleonTarget, ChameleonTokenizer, Guidance
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CAPTIONS = ["a red circle", "big blue square"]
 anole_files = test_chameleon.anole_files  # the tiny released-layout checkpoints, as fixtures here
 lumina_files = test_chameleon.lumina_files
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_a_chameleon_target_gets_a_chameleon_drafter_layer(lumina_files):

@@ -14,16 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import random_drafter
+from conftest import assert_cached_passes_match_the_sequence_pass, eagle2_and_ar_tokens, random_drafter
 
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.config import TargetConfig
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.sampling import SamplingConfig, combine_cfg
 from vdtrain.targets import load_target
 from vdtrain.targets.chameleon import FORCED_LOGIT, ChameleonTarget
 from vdtrain.targets.emu3 import BOI, BOS, END_OF_ROW, IMAGE_WRAPPER, Emu3DraftLayer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CODEBOOK = 32
 IMAGE_SIZE = 8  # 4x4 codes with the tiny VQ's 2x downsampling: grid (4, 5) with the end-of-row column
@@ -37,14 +38,6 @@ VOCAB.update({f"<|visual token {c:06d}|>": len(VOCAB) + c for c in range(CODEBOO
 CAPTIONS = ["a red circle", "big blue square on the left"]
 NEGATIVE = "lowres, bad quality."
 CFG = 3.0
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_config() -> transformers.Emu3Config:
@@ -200,18 +193,9 @@ def test_transformers_module_names_load_too(emu3_files, tmp_path):
 
 def test_cached_passes_match_the_sequence_pass(emu3_files):
     target = emu3_target(emu3_files[0])
-    cond = target.encode_captions(CAPTIONS)
-    tokens = image_tokens(2, seed=2)
-    n, length = target.num_image_tokens, target.prefix_length
-    full = target.forward_sequence(cond, tokens).logits
-    cache = target.new_cache(2)
-    first = target.prefill(cond, cache).logits[:, -1]
-    index = torch.arange(n)
-    rest = target.forward_tokens(
-        cond, tokens, index[None].expand(2, -1), cache, index + length, target.causal_visibility(0, n, "cpu")
-    ).logits
-    torch.testing.assert_close(first, full[:, length - 1], rtol=0, atol=1e-5)
-    torch.testing.assert_close(rest[:, :-1], full[:, length:-1], rtol=0, atol=1e-5)
+    assert_cached_passes_match_the_sequence_pass(
+        target, target.encode_captions(CAPTIONS), image_tokens(2, seed=2)
+    )
 
 
 # --- generation -----------------------------------------------------------------------------------------
@@ -295,13 +279,7 @@ def test_an_emu3_target_gets_a_llama_drafter_layer(emu3_files):
 
 def test_eagle2_with_a_random_drafter_gives_the_ar_tokens_at_t0(emu3_files, tmp_path):
     target = emu3_target(emu3_files[0])
-    sampling = SamplingConfig(cfg_scale=CFG, temperature=0.0)
-    cond = target.encode_captions(CAPTIONS)
-    expected = generate_ar(target, cond, sampling, [None, None])
-    config = load_preset("eagle2", {"acceptance": {"cache_dir": str(tmp_path)}})
-    engine = build_method(config, target, random_drafter(target), sampling)
-    gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    assert torch.equal(engine.generate(cond, gens).tokens, expected)
+    assert torch.equal(*eagle2_and_ar_tokens(target, target.encode_captions(CAPTIONS), CFG, tmp_path))
 
 
 # --- configs and errors ---------------------------------------------------------------------------------

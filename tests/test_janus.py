@@ -15,15 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import random_drafter
+from conftest import assert_cached_passes_match_the_sequence_pass, random_drafter
 
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.config import TargetConfig
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.sampling import SamplingConfig, combine_cfg
 from vdtrain.targets import load_target
 from vdtrain.targets.janus import BOI, BOS, PAD, JanusDraftLayer, JanusTarget
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CODEBOOK = 64
 IMAGE_SIZE = 16  # 4x4 tokens: patch 4 for the (unused) SigLIP side, 4x downsampling in the VQ
@@ -33,14 +34,6 @@ WORDS = [":", "a", "red", "blue", "circle", "square", "big", "on", "the", "left"
 VOCAB = {name: i for i, name in enumerate(SPECIAL + CHAT + WORDS)}
 CAPTIONS = ["a red circle", "big blue square on the left"]
 CFG = 5.0
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_config() -> transformers.JanusConfig:
@@ -187,18 +180,8 @@ def test_null_stream_keeps_the_prompt_length_and_mask(janus_files):
 
 def test_cached_passes_match_the_sequence_pass(janus_files):
     target = janus_target(janus_files[0])
-    cond = target.encode_captions(CAPTIONS)
     tokens = torch.randint(0, CODEBOOK, (2, 16), generator=torch.Generator().manual_seed(2))
-    full = target.forward_sequence(cond, tokens).logits
-    cache = target.new_cache(2)
-    length = target.prefix_length
-    first = target.prefill(cond, cache).logits[:, -1]
-    index = torch.arange(16)
-    rest = target.forward_tokens(
-        cond, tokens, index[None].expand(2, -1), cache, index + length, target.causal_visibility(0, 16, "cpu")
-    ).logits
-    torch.testing.assert_close(first, full[:, length - 1], rtol=0, atol=1e-5)
-    torch.testing.assert_close(rest[:, :-1], full[:, length:-1], rtol=0, atol=1e-5)
+    assert_cached_passes_match_the_sequence_pass(target, target.encode_captions(CAPTIONS), tokens)
 
 
 # --- generation -----------------------------------------------------------------------------------------
@@ -268,13 +251,8 @@ def test_a_janus_target_gets_a_llama_drafter_layer(janus_files):
 
 def test_eagle2_with_a_random_drafter_gives_the_ar_tokens_at_t0(janus_files, tmp_path):
     target = janus_target(janus_files[0])
-    sampling = SamplingConfig(cfg_scale=CFG, temperature=0.0)
-    cond = target.encode_captions(CAPTIONS)
-    expected = generate_ar(target, cond, sampling, [None, None])
-    config = load_preset("eagle2", {"acceptance": {"cache_dir": str(tmp_path)}})
-    engine = build_method(config, target, random_drafter(target), sampling)
-    gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    assert torch.equal(engine.generate(cond, gens).tokens, expected)
+    tokens = torch.randint(0, CODEBOOK, (2, 16), generator=torch.Generator().manual_seed(2))
+    assert_cached_passes_match_the_sequence_pass(target, target.encode_captions(CAPTIONS), tokens)
 
 
 # --- configs and errors ---------------------------------------------------------------------------------

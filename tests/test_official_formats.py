@@ -35,18 +35,11 @@ from vdtrain.targets.llamagen import (
     vq_config_from,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 IMAGE_SIZE = 8  # TINY_VQ down-samples 2x: a 4x4 grid = TINY_GPT.block_size
 
 # --- helpers ----------------------------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy CPU they make every op wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def official_args() -> argparse.Namespace:

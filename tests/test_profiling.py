@@ -18,6 +18,8 @@ from vdtrain.decode.trees import EAGLE1_PATHS, static_tree
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # Each reads a (device) tensor's values into Python once.
 SYNCS = {
     "item": lambda t: t[0].item(),
@@ -48,15 +50,6 @@ FREE = {
     "dtype change": lambda t: t.to(torch.float64),
     "a device factory": lambda t: torch.arange(4, device=t.device),
 }
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models decode fastest on one thread (and a shared CPU does not oversubscribe)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("read", list(SYNCS.values()), ids=list(SYNCS))

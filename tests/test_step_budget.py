@@ -34,21 +34,14 @@ NOT_YET = "#14: this preset's builder or schedule still keeps per-prompt state o
 # purpose.
 SYNCS_FAIL: set[tuple[str, float, int]] = set()
 OPS_FAIL: set[tuple[str, float]] = set()
-pytestmark = pytest.mark.slow  # about 40 decodes under the counters: 1.5-4 min on a CPU
+# slow: about 40 decodes under the counters, 1.5-4 min on a CPU
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def expected_failures(cases: list[tuple], failing: set[tuple]) -> list:
     """``cases`` as pytest params, the ``failing`` ones strict xfails."""
     xfail = pytest.mark.xfail(strict=True, raises=AssertionError, reason=NOT_YET)  # a crash still fails
     return [pytest.param(*c, marks=xfail) if c in failing else c for c in cases]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
