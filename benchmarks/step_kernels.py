@@ -1,0 +1,135 @@
+"""What the step kernels cost: ATen ops per step outside the forwards, and each kernel's call time eager
+and compiled (``vdtrain.decode.kernels``).
+
+    python -m benchmarks.step_kernels                      # eagle2 on the shapes target, B = 1, CPU
+    python -m benchmarks.step_kernels --preset sjd --batch 4 --backend inductor
+
+One decode of the held-out captions runs under a dispatch-level counter (forwards excluded: the target's
+``forward_tokens`` and the drafter's ``forward`` / ``logits``, as in ``PhaseTimer``), and records the first
+arguments each kernel of the engine and its builder was called with. Each kernel is then called again with
+those arguments ``--calls`` times, eagerly and compiled (after a warm-up call that compiles it), and the
+mean time per call is printed. Kernels that change tensors in place (the commit) are timed on the same
+arguments again; their values do not matter for the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from collections.abc import Callable
+from itertools import pairwise
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.step_cost import _generators, _now, conditions, load
+from vdtrain.decode.kernels import compiled_step_kernels
+from vdtrain.decode.methods import build_method, load_preset
+from vdtrain.decode.profiling import phase_methods
+
+
+class _Ops(TorchDispatchMode):
+    """ATen ops outside the forwards, per engine step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_forward, self.ops, self.marks = 0, 0, [0]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += self.in_forward == 0
+        return func(*args, **(kwargs or {}))
+
+    def on_step(self, *_: object) -> None:
+        self.marks.append(self.ops)
+
+
+def _excluded(mode: _Ops, method: Callable) -> Callable:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        mode.in_forward += 1
+        try:
+            return method(*args, **kwargs)
+        finally:
+            mode.in_forward -= 1
+
+    return run
+
+
+def _recorder(label: str, method: Callable, seen: dict, calls: Counter) -> Callable:
+    """``method`` that keeps its first arguments in ``seen[label]`` and counts its calls."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        seen.setdefault(label, (args, kwargs))
+        calls[label] += 1
+        return method(*args, **kwargs)
+
+    return run
+
+
+def _kernels(engine: Any) -> dict[str, tuple[Any, str]]:
+    """``Class.name`` → (owner, attribute) of every step kernel the engine and its builder have."""
+    found = {}
+    for owner in (engine, engine.builder):
+        for name in dir(type(owner)):
+            if hasattr(getattr(type(owner), name, None), "step_kernel"):
+                found[f"{type(owner).__name__}.{name}"] = (owner, name)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--preset", default="eagle2")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled calls")
+    parser.add_argument("--calls", type=int, default=200, help="timed calls per kernel and mode")
+    parser.add_argument("--drafter", default="checkpoints/shapes/drafter")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    target, drafter = load("shapes", device, args.drafter, args.seed)
+    config = load_preset(args.preset)
+    engine = build_method(config, target, drafter if config.needs_drafter else None, target.sampling_defaults)
+    cond = conditions(target, "shapes", args.batch, args.batch, args.seed)[0]
+    gens = _generators(device, args.seed, 0, args.batch)
+
+    counter, seen, calls = _Ops(), {}, Counter()
+    for label, (owner, name) in _kernels(engine).items():
+        setattr(owner, name, _recorder(label, getattr(owner, name), seen, calls))
+    for owner, name in phase_methods(engine)["forward"]:
+        setattr(owner, name, _excluded(counter, getattr(owner, name)))
+    with torch.no_grad(), counter:
+        engine.generate(cond, gens, on_step=counter.on_step)
+    for owner, name in [*_kernels(engine).values(), *phase_methods(engine)["forward"]]:
+        delattr(owner, name)  # the instance wrappers go: the timed calls trace the kernels as decoding does
+    steps = [b - a for a, b in pairwise(counter.marks[1:])]  # every step but the first (the prefill)
+    ops = sum(steps) / len(steps)
+    print(
+        f"{args.preset}, B = {args.batch}, shapes target, {args.device}: {len(steps)} steps after the first,"
+    )
+    print(f"{ops:.0f} ATen ops per step outside the forwards\n")
+
+    print("| kernel | calls per step | eager µs | compiled µs |")
+    print("|---|---|---|---|")
+    for label, (owner, name) in sorted(_kernels(engine).items()):
+        if label not in seen:
+            continue
+        a, k = seen[label]
+        kernel = getattr(type(owner), name)
+        times = []
+        for enabled in (False, True):
+            with torch.no_grad(), compiled_step_kernels(enabled, args.backend):
+                kernel(owner, *a, **k)  # warm-up (compiles when enabled)
+                start = _now(device)
+                for _ in range(args.calls):
+                    kernel(owner, *a, **k)
+                times.append((_now(device) - start) / args.calls * 1e6)
+        print(f"| {label} | {calls[label] / (len(steps) + 1):.1f} | {times[0]:.0f} | {times[1]:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
