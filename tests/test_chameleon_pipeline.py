@@ -21,7 +21,6 @@ from test_chameleon import (
     CODEBOOK,
     IMAGE_SIZE,
     WORDS,
-    _one_thread,
     anole_files,
     anole_target,
     lumina_files,
@@ -37,7 +36,8 @@ from vdtrain.targets import load_target, own_fields
 from vdtrain.targets.chameleon import ChameleonSpec
 from vdtrain.targets.llamagen import LlamaGenSpec
 
-__all__ = ["_one_thread", "anole_files", "lumina_files"]  # fixtures used here by name
+__all__ = ["anole_files", "lumina_files"]  # fixtures used here by name
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # 16 captions spelled with the tiny tokenizer's words only
 CAPTIONS = [" ".join(p) for p in product(["a", "big", "a big", "the"], ["red", "blue"], ["circle", "square"])]
