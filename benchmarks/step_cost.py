@@ -6,8 +6,9 @@
         --batch 1 16 --compile --out step_cost_gpu.json
 
 For each target × preset × batch × mode (eager; with ``--compile`` also ``steps``, the step kernels
-compiled, and ``compiled``, what ``compile=true`` gives: the forwards too) it decodes the same prompts
-with the same seeds with AR and with the method (one untimed warm-up each) and reports:
+compiled, and ``compiled``, what ``compile=true`` gives: the forwards too, and on a GPU the whole step
+recorded as one CUDA graph for graph-safe methods, whose phases and host time then read "—") it decodes
+the same prompts with the same seeds with AR and with the method (one untimed warm-up each) and reports:
 
 - the AR step time (between consecutive target forwards: forward + sampling);
 - the speculative step time, split into draft / verify / accept / commit / other (loop bookkeeping),
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -39,7 +41,7 @@ import torch
 
 from vdtrain.decode.compiled import compile_decoding
 from vdtrain.decode.methods import build_method, load_preset
-from vdtrain.decode.profiling import PHASES, PhaseTimer
+from vdtrain.decode.profiling import PHASES, PhaseTimer, StepTimes
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.evaluate import device_description, load_drafter
@@ -221,14 +223,40 @@ def time_ar(target: Target, conds: Sequence[Condition], seed: int, sampling) -> 
     return sum(intervals) / len(intervals), total
 
 
+class StepClock:
+    """``PhaseTimer``'s interface with step times only, for steps the engine records as CUDA graphs: a
+    replay has no phases to time, and a capture must not be interrupted by synchronisation. Every step
+    of a graph-safe method is verified."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.marks = device, [0.0]
+
+    def __enter__(self) -> StepClock:
+        self.marks = [_now(self.device)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def on_step(self, *_: object) -> None:
+        self.marks.append(_now(self.device))
+
+    def steps(self) -> tuple[StepTimes | None, list[StepTimes]]:
+        unknown = {p: math.nan for p in PHASES}
+        out = [StepTimes(b - a, unknown, math.nan, True) for a, b in pairwise(self.marks)]
+        return (out[0] if out else None), out[1:]
+
+
 def time_method(target, drafter, preset: str, conds, seed: int, sampling) -> dict[str, float]:
-    """Per verified step: seconds, phases, forwards; S and whole-decode seconds."""
+    """Per verified step: seconds, phases, forwards (NaN for recorded steps); S and whole-decode
+    seconds."""
     method = build_method(load_preset(preset), target, drafter, sampling)
     method.generate(conds[0], _generators(target.device, seed, 0, len(conds[0])))  # warm-up
     steps, stats, total, start = [], [], 0.0, 0
     for cond in conds:
         gens = _generators(target.device, seed, start, len(cond))
-        with PhaseTimer(method) as timer:
+        recorded = getattr(method, "recorder", None) is not None
+        with StepClock(target.device) if recorded else PhaseTimer(method) as timer:
             t0 = _now(target.device)
             result = method.generate(cond, gens, on_step=timer.on_step)
             total += _now(target.device) - t0
@@ -320,17 +348,26 @@ def table(rows: Sequence[Row], header: bool = True) -> str:
     lines = [f"| {cols} |", "|" + "---|" * (cols.count("|") + 1)] if header else []
     for w in rows:
         p = w.phases
+        cell = lambda x: "—" if math.isnan(x) else f"{x:.2f}"  # noqa: E731  (recorded steps: no phases)
         if w.projected_speedup is None:
             projected = "—"
         else:
             projected = f"{w.projected_speedup:.2f}" + ("" if w.s_from == w.target else f"* ({w.s_from} S)")
         lines.append(
             f"| {w.target} | {w.preset} | {w.batch} | {w.mode} | {w.ar_step_ms:.2f} | {w.step_ms:.2f} "
-            f"| {w.r:.2f} | {p['draft']:.2f} | {p['verify']:.2f} | {p['accept']:.2f} | {p['commit']:.2f} "
-            f"| {p['other']:.2f} | {w.host:.2f} | {w.s:.2f} | {w.efficiency:.3f} | {projected} "
+            f"| {w.r:.2f} | {cell(p['draft'])} | {cell(p['verify'])} | {cell(p['accept'])} "
+            f"| {cell(p['commit'])} | {cell(p['other'])} | {cell(w.host)} | {w.s:.2f} | {w.efficiency:.3f} "
+            f"| {projected} "
             f"| {w.measured_speedup:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _no_nan(value):
+    """JSON has no NaN: the phases of recorded steps become null."""
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 def main() -> None:
@@ -377,7 +414,7 @@ def main() -> None:
             "device": device,
             "threads": torch.get_num_threads(),
         }
-        rows_json = [asdict(w) for w in rows]
+        rows_json = [_no_nan(asdict(w)) for w in rows]
         Path(args.out).write_text(json.dumps({"settings": settings, "rows": rows_json}, indent=1) + "\n")
 
 

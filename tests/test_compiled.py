@@ -225,3 +225,25 @@ def test_step_kernels_raise_the_recompile_limit_for_their_block_only():
     assert torch._dynamo.config.recompile_limit == before  # AR decoding outside keeps torch's limit
     with compiled_step_kernels(enabled=False):
         assert torch._dynamo.config.recompile_limit == before
+
+
+def test_on_a_gpu_forwards_inside_a_recorded_step_skip_their_own_cuda_graphs(tiny_target, monkeypatch):
+    """CUDA graph captures do not nest: while the engine records a whole step (``recording()``) each
+    forward runs its plain compiled version, elsewhere (AR, methods stepped eagerly) its
+    ``reduce-overhead`` one; and the target asks the engine to record graph-safe steps."""
+    from vdtrain.decode import graphs
+
+    modes = ["default", "reduce-overhead"]
+
+    def fake_compile(fn, mode="default", **_):  # a "compiled forward" that says which mode it is
+        return lambda *args, **kwargs: torch.tensor(modes.index(mode))
+
+    monkeypatch.setattr(compiled_module, "compile_mode", lambda device: "reduce-overhead")
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    drafter = random_drafter(tiny_target)
+    compile_decoding(tiny_target, drafter)
+    assert tiny_target.step_recorder is graphs.record_cuda_graph
+    for module in (tiny_target.transformer, drafter):
+        assert modes[int(module.forward())] == "reduce-overhead"
+        with graphs._recording():
+            assert modes[int(module.forward())] == "default"

@@ -23,7 +23,7 @@ from test_engine import assert_cache_is_fresh_prefill
 from vdtrain.decode.acceptance import Lantern
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
 from vdtrain.decode.builders.static import StaticTreeBuilder
-from vdtrain.decode.engine import SpeculativeEngine
+from vdtrain.decode.engine import LOG_FIELDS, SpeculativeEngine
 from vdtrain.decode.methods import ScheduleConfig, verification_schedule
 from vdtrain.decode.metrics import summarize
 from vdtrain.decode.neighbours import latent_neighbours
@@ -215,13 +215,15 @@ def test_a_step_every_prompt_skips_runs_no_target_forward():
     forward_tokens = target.forward_tokens
 
     def counted(*args, **kwargs):
-        forwards.append(len(engine.run.logs))  # the step it belongs to
+        forwards.append(len(engine.run.calls))  # the step it belongs to (steps done before it)
         return forward_tokens(*args, **kwargs)
 
     target.forward_tokens = counted
     engine.generate(tiny_condition(), generators(2))
-    verifying = [i for i, log in enumerate(engine.run.logs) if bool(log.verified.any())]
-    assert forwards == verifying and len(verifying) < len(engine.run.logs)  # some steps had no forward
+    steps = len(engine.run.calls)
+    verified = engine.run.log[:steps, LOG_FIELDS.index("verified")].any(1).tolist()
+    verifying = [i for i in range(steps) if verified[i]]
+    assert forwards == verifying and len(verifying) < steps  # some steps had no forward
 
 
 # --- metrics ------------------------------------------------------------------------------------------

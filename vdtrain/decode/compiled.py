@@ -9,18 +9,26 @@ CUDA graphs need fixed addresses, so there the KV caches come from a pool (one p
 reuse) and are marked static, and each output is copied out of the graph's memory before the next
 replay overwrites it. CPUs have no CUDA graphs: there the mode is ``default`` (inductor's C++ kernels).
 
+On a GPU the speculative engine goes one step further for the methods whose step allows it: it records
+the whole step (drafter rounds, verification forward, acceptance, commit) as one CUDA graph and replays
+it (``vdtrain.decode.graphs``, ``Target.step_recorder``). A forward called while a step is recorded
+runs a second compiled version of itself without CUDA graphs of its own (captures do not nest); AR
+decoding and the other methods keep the ``reduce-overhead`` forwards.
+
 The wrapping lives on the module instances, not in the engine, so every method gets it unchanged and
 eager decoding stays the reference the compiled one is tested against.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from vdtrain.decode.graphs import record_cuda_graph, recording
 from vdtrain.drafter import Drafter
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Target
@@ -63,14 +71,22 @@ def graph_replay(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.T
 
 
 def _compile_forward(module: nn.Module, mode: str, backend: str) -> None:
-    compiled = torch.compile(module.forward, mode=mode, backend=backend, fullgraph=False, dynamic=False)
-    module.forward = graph_replay(compiled) if mode == "reduce-overhead" else compiled
+    compile = functools.partial(torch.compile, backend=backend, fullgraph=False, dynamic=False)
+    if mode != "reduce-overhead":
+        module.forward = compile(module.forward, mode=mode)
+        return
+    graphed, plain = graph_replay(compile(module.forward, mode=mode)), compile(module.forward)
+
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return plain(*args, **kwargs) if recording() else graphed(*args, **kwargs)
+
+    module.forward = forward
 
 
 def compile_decoding(target: Target, drafter: Drafter | None = None, *, backend: str = "inductor") -> None:
     """Wrap, in place, the target transformer's forward (prefill and verification) and the drafter's,
     and make speculative decoding on ``target`` run its step kernels compiled (the tensor work between
-    forwards, ``vdtrain.decode.kernels``).
+    forwards, ``vdtrain.decode.kernels``) and, on a GPU, record graph-safe steps as CUDA graphs.
 
     ``backend`` is torch.compile's (``inductor``; ``aot_eager`` traces without generating kernels). Call
     it once, after the target has its device and dtype and before decoding.
@@ -80,6 +96,8 @@ def compile_decoding(target: Target, drafter: Drafter | None = None, *, backend:
         raise RuntimeError("compile_decoding was already applied to this target or drafter")
     target.compile_steps = backend
     mode = compile_mode(target.token_embedding.weight.device)
+    if mode == "reduce-overhead":
+        target.step_recorder = record_cuda_graph
     for module in modules:
         if mode == "reduce-overhead":
             module.new_cache = pooled_caches(module.new_cache)

@@ -45,6 +45,7 @@ import torch
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.graphs import Recorder, StepGraph
 from vdtrain.decode.kernels import compiled_step_kernels, step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.sampling import (
@@ -119,26 +120,23 @@ class DecodeResult:
 StepHook = Callable[[KVCache, torch.Tensor, torch.Tensor], None]
 
 
-@dataclass
-class _StepLog:
-    """One step's per-prompt counts, kept on the device until the end of ``generate``."""
+LOG_FIELDS = ("verified", "skipped", "committed", "depth", "root", "accepted", "relaxed")
 
-    verified: torch.Tensor  # [B] bool
-    skipped: torch.Tensor  # [B] bool
-    committed: torch.Tensor  # [B] tokens this step committed (accepted + bonus, or the skipped path)
-    depth: torch.Tensor  # [B] depth of the drafted tree
-    root: torch.Tensor  # [B] image index of the root
-    accepted: torch.Tensor  # [B]
-    relaxed: torch.Tensor  # [B]
-    verify_calls: int  # drafter forwards a verified step cost (tree + catch-up)
-    skip_calls: int  # drafter forwards a skipped step cost (tree + stale catch-up)
+
+class StepCalls(NamedTuple):
+    """A step's drafter forwards, host ints (a recorded step replays the same calls)."""
+
+    verify: int  # what a verified step cost (tree + catch-up)
+    skip: int  # what a skipped step cost (tree + stale catch-up)
 
 
 @dataclass
 class DecodeRun:
     """Everything one ``generate`` call changes: caches, counters, randomness, the output buffer.
 
-    ``out`` has ``width`` spare columns past the image so commit can scatter fixed-size blocks."""
+    ``out`` has ``width`` spare columns past the image so commit can scatter fixed-size blocks. A step
+    changes the tensors here in place and never rebinds them, so it can be recorded once as a CUDA
+    graph and replayed (``vdtrain.decode.graphs``)."""
 
     stream: Condition  # the CFG batch (cond rows, then null rows)
     batch: int
@@ -151,8 +149,12 @@ class DecodeRun:
     chain: int  # room for post-verified tokens before a tree (VVS), else 0
     pending: torch.Tensor  # [B] VVS: committed tokens before the root the target has not seen
     fcache: torch.Tensor | None  # VVS: [R, L + N + spare, H] target feature at every verified slot
+    root_feats: torch.Tensor | None  # [R, H] the drafter's feature for the next root (None: no drafter)
+    root_logits: torch.Tensor | None  # [R, V] the drafter's logits for the next root's children
+    log: torch.Tensor  # [N, len(LOG_FIELDS), B] per-step counts, row ``step_index`` written next
+    step_index: torch.Tensor  # [1] long: steps taken (on the device, so a replayed step advances it)
     draft_calls: int = 0
-    logs: list[_StepLog] = field(default_factory=list)
+    calls: list[StepCalls] = field(default_factory=list)  # per step
 
 
 class SpeculativeEngine:
@@ -302,6 +304,10 @@ class SpeculativeEngine:
             chain=chain,
             pending=torch.zeros(batch, dtype=torch.long, device=device),
             fcache=None,
+            root_feats=None,
+            root_logits=None,
+            log=torch.zeros(n_img, len(LOG_FIELDS), batch, dtype=torch.long, device=device),
+            step_index=torch.zeros(1, dtype=torch.long, device=device),
         )
         self.builder.reset(batch)
         schedule.reset(batch, device)
@@ -314,96 +320,123 @@ class SpeculativeEngine:
                 len(stream), target.max_seq_len + extra + chain, pre.hidden.shape[-1]
             )
             run.fcache[:, :prefix] = pre.hidden
-        root_feats = root_logits = None
         if use_drafter:
             # Drafter rows 0 .. L-1: zero embeddings inside the prefix, then x_0 (as in training).
             feat = self.drafter.forward_prefix(
                 pre.hidden, run.out[:, :1].repeat(streams, 1), stream.mask, run.dcache
             )
             run.draft_calls += 1
-            root_feats = feat[:, -1]
-            root_logits = target.constrain_logits(
-                self.drafter.logits(root_feats), torch.ones_like(root_feats[:, 0], dtype=torch.long)
-            )
+            run.root_feats = feat[:, -1].contiguous()
+            run.root_logits = target.constrain_logits(
+                self.drafter.logits(run.root_feats), torch.ones_like(run.root_feats[:, 0], dtype=torch.long)
+            ).contiguous()
         prefill_calls = run.draft_calls
 
-        committed = run.committed
-        while bool((committed < n_img).any()):  # the loop's one read of the device
-            active = committed < n_img
-            state = StepState(
-                roots=run.out.gather(1, (committed - 1)[:, None]).squeeze(1),
-                root_feats=root_feats,
-                root_logits=root_logits,
-                committed=committed,
-                depth_limit=torch.where(active, n_img - 1 - committed, 0),
-                generators=generators,
-                rng=run.rng,
-            )
-            calls_before = run.draft_calls
-            tree = self.builder.build(self, state)
-            tree.valid = tree.valid & (active[:, None] | (torch.arange(tree.size, device=device) == 0)[None])
-            tree_calls = run.draft_calls - calls_before
-            plan = schedule.plan(tree, active, committed, run.pending)
-            verify = plan.verify
-            roots_at = committed - 1
-            depth = tree.max_depth()
-            verdict = None
-            commit_calls = 0
-            if plan.any_verify:  # every prompt skipping: no target forward
-                hidden, logits = schedule.verify(self, tree, plan)
-                p_nodes, verdict = self._judge(tree, logits)
-                self.builder.observe(tree, verdict, verify, p_nodes, roots_at)
-                calls_before = run.draft_calls
-                root_feats, root_logits = self._commit(
-                    tree, verdict, verify, hidden, plan.lead, root_feats, root_logits
-                )
-                commit_calls = run.draft_calls - calls_before
-            skip_calls = tree_calls
-            skip_committed = torch.zeros_like(committed)
-            if plan.any_skip:
-                calls_before = run.draft_calls
-                root_feats, root_logits, skip_committed = schedule.commit_skipped(
-                    self, tree, plan, root_feats, root_logits
-                )
-                skip_calls += run.draft_calls - calls_before
-            if plan.skipped is not None:
-                run.pending = torch.where(plan.skipped, skip_committed, torch.where(verify, 0, run.pending))
-            accepted = verdict.accepted if verdict is not None else torch.zeros_like(committed)
-            run.logs.append(
-                _StepLog(
-                    verified=verify,
-                    skipped=plan.skipped if plan.skipped is not None else torch.zeros_like(verify),
-                    committed=torch.where(verify, accepted + 1, skip_committed),
-                    depth=depth,
-                    root=roots_at,
-                    accepted=accepted,
-                    relaxed=verdict.relaxed if verdict is not None else torch.zeros_like(committed),
-                    verify_calls=tree_calls + commit_calls,
-                    skip_calls=skip_calls,
-                )
-            )
-            run.rng.advance(active)
+        step = lambda: self._step(generators)  # noqa: E731
+        if self.recorder is not None:
+            step = StepGraph(step, self.recorder)
+        while bool((run.committed < n_img).any()):  # the loop's one read of the device
+            run.calls.append(step())
             if on_step is not None:
-                on_step(run.tcache, committed, run.out[:, :n_img])
+                on_step(run.tcache, run.committed, run.out[:, :n_img])
         tokens = run.out[:, :n_img].clone()
         return DecodeResult(tokens, self._stats(prefill_calls), time.perf_counter() - start_time)
 
+    @property
+    def recorder(self) -> Recorder | None:
+        """How to record the step once and replay it (``Target.step_recorder``: a CUDA graph, set by
+        ``compile_decoding`` on a GPU), when this method's step allows it: a builder with fixed shapes
+        and no host state across steps (``DraftTreeBuilder.graph_safe``) and a schedule that never
+        skips (its plan reads the device). None: every step runs eagerly."""
+        graph_safe = self.builder.graph_safe and not self.schedule.can_skip
+        return self.target.step_recorder if graph_safe else None
+
+    def _step(self, generators: Sequence[torch.Generator | None]) -> StepCalls:
+        """One step for the whole batch: draft, verify, accept, commit. It reads and writes the run's
+        tensors in place and appends its counts to ``run.log`` at ``run.step_index``, so a recorded step
+        replays correctly; what it returns (drafter calls) is the same every step for a graph-safe method."""
+        run, schedule, n_img = self.run, self.schedule, self.target.num_image_tokens
+        committed, device = run.committed, run.committed.device
+        active = committed < n_img
+        state = StepState(
+            roots=run.out.gather(1, (committed - 1)[:, None]).squeeze(1),
+            root_feats=run.root_feats,
+            root_logits=run.root_logits,
+            committed=committed,
+            depth_limit=torch.where(active, n_img - 1 - committed, 0),
+            generators=generators,
+            rng=run.rng,
+        )
+        calls_before = run.draft_calls
+        tree = self.builder.build(self, state)
+        tree.valid = tree.valid & (active[:, None] | (torch.arange(tree.size, device=device) == 0)[None])
+        tree_calls = run.draft_calls - calls_before
+        plan = schedule.plan(tree, active, committed, run.pending)
+        verify = plan.verify
+        roots_at = committed - 1
+        depth = tree.max_depth()
+        verdict = None
+        commit_calls = 0
+        root_feats, root_logits = run.root_feats, run.root_logits
+        if plan.any_verify:  # every prompt skipping: no target forward
+            hidden, logits = schedule.verify(self, tree, plan)
+            p_nodes, verdict = self._judge(tree, logits)
+            self.builder.observe(tree, verdict, verify, p_nodes, roots_at)
+            calls_before = run.draft_calls
+            root_feats, root_logits = self._commit(
+                tree, verdict, verify, hidden, plan.lead, root_feats, root_logits
+            )
+            commit_calls = run.draft_calls - calls_before
+        skip_calls = tree_calls
+        skip_committed = torch.zeros_like(committed)
+        if plan.any_skip:
+            calls_before = run.draft_calls
+            root_feats, root_logits, skip_committed = schedule.commit_skipped(
+                self, tree, plan, root_feats, root_logits
+            )
+            skip_calls += run.draft_calls - calls_before
+        if run.root_feats is not None:
+            run.root_feats.copy_(root_feats)
+            run.root_logits.copy_(root_logits)
+        if plan.skipped is not None:
+            run.pending.copy_(torch.where(plan.skipped, skip_committed, torch.where(verify, 0, run.pending)))
+        self._log_step(plan, verdict, skip_committed, depth, roots_at)
+        run.rng.advance(active)
+        return StepCalls(tree_calls + commit_calls, skip_calls)
+
+    def _log_step(self, plan, verdict: BatchVerdict | None, skip_committed, depth, roots_at) -> None:
+        """This step's per-prompt counts (``LOG_FIELDS``) into ``run.log`` at ``run.step_index``."""
+        run, verify = self.run, plan.verify
+        none = torch.zeros_like(run.committed)
+        accepted = verdict.accepted if verdict is not None else none
+        skipped = plan.skipped if plan.skipped is not None else torch.zeros_like(verify)
+        row = torch.stack(
+            [
+                verify.long(),
+                skipped.long(),
+                torch.where(verify, accepted + 1, skip_committed),
+                depth,
+                roots_at,
+                accepted,
+                verdict.relaxed if verdict is not None else none,
+            ]
+        )
+        run.log.index_copy_(0, run.step_index, row[None])
+        run.step_index += 1
+
     def _stats(self, prefill_calls: int) -> list[DecodeStats]:
-        """Per-prompt ``DecodeStats`` from the step logs: one read of the device for the whole decode."""
-        logs, batch = self.run.logs, self.run.batch
+        """Per-prompt ``DecodeStats`` from the step log: one read of the device for the whole decode."""
+        run, batch = self.run, self.run.batch
         stats = [DecodeStats(target_forwards=1, drafter_forwards=prefill_calls) for _ in range(batch)]
-        if not logs:
-            return stats
-        names = ("verified", "skipped", "committed", "depth", "root", "accepted", "relaxed")
-        table = torch.stack([torch.stack([getattr(log, n).long() for n in names]) for log in logs]).tolist()
-        for log, rows in zip(logs, table, strict=True):
+        table = run.log[: len(run.calls)].tolist()
+        for calls, rows in zip(run.calls, table, strict=True):
             for b in range(batch):
                 verified, skipped, count, depth, root, accepted, relaxed = (row[b] for row in rows)
                 st = stats[b]
                 if verified:
                     st.steps += 1
                     st.target_forwards += 1
-                    st.drafter_forwards += log.verify_calls
+                    st.drafter_forwards += calls.verify
                     st.committed_per_step.append(count)
                     st.depth_per_step.append(depth)
                     st.accept_map.append((root, accepted))
@@ -411,7 +444,7 @@ class SpeculativeEngine:
                 elif skipped:
                     st.skipped_steps += 1
                     st.committed_per_skip.append(count)
-                    st.drafter_forwards += log.skip_calls
+                    st.drafter_forwards += calls.skip
         return stats
 
     # --- verification ------------------------------------------------------------------------------

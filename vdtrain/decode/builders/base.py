@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -38,6 +38,9 @@ class DraftTreeBuilder:
     """
 
     needs_drafter: ClassVar[bool] = True  # False: drafts without a drafter model (SJD)
+    # True: every step has the same shapes and host work and the builder keeps no Python state across
+    # steps, so the engine may record a step once and replay it (vdtrain.decode.graphs).
+    graph_safe: ClassVar[bool] = False
 
     def max_nodes(self) -> int:
         raise NotImplementedError
@@ -58,6 +61,15 @@ class DraftTreeBuilder:
     ) -> None:
         """After verification: every row's ``verdict`` (meaningful where ``verified`` [B] is set), the
         target distribution at every node ``p_nodes`` [B, T, V], and each tree's root image index."""
+
+
+def write_in_place(state: object, new: object) -> None:
+    """Copy the tensor fields of dataclass ``new`` into those of ``state`` (same class): a builder that
+    keeps state across steps updates it this way, so a recorded step replays on the same tensors."""
+    for f in fields(state):
+        old, value = getattr(state, f.name), getattr(new, f.name)
+        if isinstance(old, torch.Tensor) and value is not old:
+            old.copy_(value)
 
 
 def row_verdicts(verdict: BatchVerdict, verified: torch.Tensor) -> list[Verdict | None]:

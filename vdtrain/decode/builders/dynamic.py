@@ -102,6 +102,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     """
 
     keep_deepest_path: ClassVar[bool] = False
+    graph_safe: ClassVar[bool] = True
 
     def __init__(
         self, top_k: int = 10, depth: int = 5, total_tokens: int = 59, vocab_size: int | None = None

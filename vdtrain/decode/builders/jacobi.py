@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, write_in_place
 from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree
@@ -86,6 +86,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
     """SJD's Jacobi window as a chain tree of ``window`` drafts, kept and refined across steps."""
 
     needs_drafter = False
+    graph_safe = True  # the window is made at the first step and then updated in place
 
     def __init__(self, window: int = 16, init: str = "random") -> None:
         if window < 1:
@@ -232,9 +233,8 @@ class JacobiWindowBuilder(DraftTreeBuilder):
             raise RuntimeError("JacobiWindowBuilder.observe before build: no window to refine")
         device = p_nodes.device
         ring = None if win.stored is None else self._arange(win.stored.shape[1], device)
-        self._windows = self._refine(
-            tree, verdict, verified, p_nodes, roots_at, win, self._arange(self.window + 1, device), ring
-        )
+        chain = self._arange(self.window + 1, device)
+        write_in_place(win, self._refine(tree, verdict, verified, p_nodes, roots_at, win, chain, ring))
 
     @step_kernel
     def _refine(self, tree, verdict, verified, p_nodes, roots_at, win: _Windows, chain, ring) -> _Windows:

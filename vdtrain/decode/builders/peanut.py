@@ -70,6 +70,7 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
     """
 
     keep_deepest_path = True
+    graph_safe = False  # the envelope (padded shapes) follows each step's planned trees, read on the host
 
     def __init__(
         self,

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, write_in_place
 from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree, static_tree
@@ -98,6 +98,7 @@ class SjdPacBuilder(DraftTreeBuilder):
     """SJD-PAC's window: a full W-ary tree of D levels plus a chain, L nodes, carried across steps."""
 
     needs_drafter = False
+    graph_safe = True  # the window is made at the first step and then updated in place
 
     def __init__(self, window: int = 64, width: int = 3, levels: int = 3) -> None:
         if width < 1 or levels < 1:
@@ -241,7 +242,8 @@ class SjdPacBuilder(DraftTreeBuilder):
         if self._windows is None:
             raise RuntimeError("SjdPacBuilder.observe before build: no window to continue")
         lay = self.layout(p_nodes.device)
-        self._windows = self._continue_window(tree, verdict, verified, p_nodes, roots_at, lay, self._windows)
+        new = self._continue_window(tree, verdict, verified, p_nodes, roots_at, lay, self._windows)
+        write_in_place(self._windows, new)
 
     @step_kernel
     def _continue_window(self, tree, verdict, verified, p_nodes, roots_at, lay: _Layout, win: _Windows):

@@ -45,6 +45,8 @@ class Drafted(NamedTuple):
 class StaticTreeBuilder(DraftTreeBuilder):
     """A fixed tree: top-k children at T = 0; at T > 0 children sampled without replacement from q."""
 
+    graph_safe = True
+
     def __init__(self, tree: StaticTree) -> None:
         self.tree = tree
         self.levels = [tree.nodes_at(d) for d in range(1, tree.depth + 1)]

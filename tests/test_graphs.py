@@ -1,0 +1,110 @@
+"""A speculative step recorded once and replayed (``vdtrain.decode.graphs``) decodes what eager steps do.
+
+A CUDA graph replays the kernels its capture saw, on the tensors it saw: a step that rebinds run state,
+reads the device or bakes a per-step host value into its ops would replay wrongly. On the CPU ``record_fx``
+records the same way (``make_fx``: the step's ATen ops, replayed on the same tensors), so these tests
+check every graph-safe preset without a GPU: the same tokens and counts as eager steps at T = 0 and
+T > 0, no host sync or host-to-device copy inside a step, and the presets that are not graph-safe
+keep running eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import random_drafter, random_gpt, random_vq, tiny_condition
+
+from vdtrain.decode.graphs import StepGraph, record_fx
+from vdtrain.decode.methods import build_method, load_preset, preset_names
+from vdtrain.decode.profiling import Counts, OpCounter
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+GRAPH_SAFE = ["eagle1", "eagle2", "gsd", "gsd_tree", "lantern", "lantern_pp", "sjd", "sjd_pac"]
+
+
+def _engine(name: str, temperature: float, cache_dir, recorder=None):
+    target = LlamaGenTarget(
+        random_gpt(), VQTokenizer(random_vq(), image_size=8), None, "tiny", SamplingConfig(cfg_scale=2.0)
+    )
+    target.step_recorder = recorder
+    sampling = replace(target.sampling_defaults, temperature=temperature)
+    overrides = {"acceptance": {"cache_dir": str(cache_dir)}}
+    if name == "sjd_pac":  # its 64-node window would draw the tiny image in a step or two
+        overrides["tree"] = {"window": 8, "width": 2}
+    config = load_preset(name, overrides)
+    drafter = random_drafter(target) if config.needs_drafter else None
+    return build_method(config, target, drafter, sampling)
+
+
+def _decode(engine, batch: int = 3):
+    generators = [torch.Generator().manual_seed(10 + i) for i in range(batch)]
+    return engine.generate(tiny_condition(batch), generators)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("neighbours")
+
+
+def test_the_graph_safe_presets_are_the_drafter_trees_that_never_skip(cache_dir):
+    for name in preset_names():
+        engine = _engine(name, 1.0, cache_dir, record_fx)
+        if name == "ar":
+            continue
+        assert (engine.recorder is not None) == (name in GRAPH_SAFE), name
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", GRAPH_SAFE)
+def test_a_recorded_step_replays_the_eager_decode(name, temperature, cache_dir):
+    eager = _decode(_engine(name, temperature, cache_dir))
+    engine = _engine(name, temperature, cache_dir, record_fx)
+    replays = []
+    record = engine.target.step_recorder
+
+    def counted(step):
+        result, replay, ran = record(step)
+        return result, lambda: replays.append(replay()), ran
+
+    engine.target.step_recorder = counted
+    graphed = _decode(engine)
+    assert len(replays) >= 2, f"{name}: the decode ended before a recorded step was replayed"
+    assert torch.equal(graphed.tokens, eager.tokens)
+    assert graphed.stats == eager.stats
+
+
+@pytest.mark.parametrize("name", GRAPH_SAFE)
+def test_a_step_neither_reads_the_device_nor_copies_host_data_to_it(name, cache_dir):
+    engine = _engine(name, 1.0, cache_dir)
+    inside = []
+    step = engine._step
+
+    def counted(*args):
+        with OpCounter(as_if_gpu=True) as counter:
+            calls = step(*args)
+        inside.append(counter.counts)
+        return calls
+
+    engine._step = counted
+    _decode(engine)
+    later = inside[1:]  # the first step may build a builder's index tensors once
+    assert later and all(c.syncs == 0 and c.h2d == 0 for c in later), [c for c in later if c != Counts()]
+
+
+def test_the_step_graph_warms_up_records_once_and_replays():
+    calls, state = [], torch.zeros(2)
+
+    def step():
+        calls.append(len(calls))
+        state.add_(1)
+        return "calls"
+
+    graph = StepGraph(step, record_fx, warmup=2)
+    results = [graph() for _ in range(5)]
+    assert results == ["calls"] * 5
+    assert calls == [0, 1, 2]  # two warm-up steps, then the recording (make_fx runs the step once)
+    assert state.tolist() == [5.0, 5.0]  # every call stepped once: the replays too
