@@ -108,3 +108,21 @@ def test_the_step_graph_warms_up_records_once_and_replays():
     assert results == ["calls"] * 5
     assert calls == [0, 1, 2]  # two warm-up steps, then the recording (make_fx runs the step once)
     assert state.tolist() == [5.0, 5.0]  # every call stepped once: the replays too
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["eagle2", "sjd"])
+def test_a_cuda_graph_of_the_step_replays_the_eager_decode(name, cache_dir):
+    """The real recorder: each step after the warm-up is one CUDA graph replay."""
+    from vdtrain.decode.graphs import record_cuda_graph
+
+    results = []
+    for recorder in (None, record_cuda_graph):
+        engine = _engine(name, 1.0, cache_dir, recorder)
+        engine.target.cuda()
+        if engine.drafter is not None:
+            engine.drafter.cuda()
+        generators = [torch.Generator("cuda").manual_seed(10 + i) for i in range(3)]
+        results.append(engine.generate(tiny_condition(3).to("cuda"), generators))
+    assert torch.equal(results[0].tokens, results[1].tokens)
+    assert results[0].stats == results[1].stats
