@@ -40,9 +40,9 @@ def _engine(name: str, temperature: float, cache_dir, recorder=None):
     return build_method(config, target, drafter, sampling)
 
 
-def _decode(engine, batch: int = 3):
-    generators = [torch.Generator().manual_seed(10 + i) for i in range(batch)]
-    return engine.generate(tiny_condition(batch), generators)
+def _decode(engine, batch: int = 3, seed: int = 10):
+    generators = [torch.Generator().manual_seed(seed + i) for i in range(batch)]
+    return engine.generate(tiny_condition(batch, seed=seed), generators)
 
 
 @pytest.fixture(scope="module")
@@ -61,20 +61,24 @@ def test_the_graph_safe_presets_are_the_drafter_trees_that_never_skip(cache_dir)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("name", GRAPH_SAFE)
 def test_a_recorded_step_replays_the_eager_decode(name, temperature, cache_dir):
-    eager = _decode(_engine(name, temperature, cache_dir))
+    """Two decodes of other prompts and seeds: the first records the step, the second replays it on the
+    same buffers without recording again; both decode what eager steps do."""
+    eager = _engine(name, temperature, cache_dir)
     engine = _engine(name, temperature, cache_dir, record_fx)
-    replays = []
+    recordings, replays = [], []
     record = engine.target.step_recorder
 
     def counted(step):
         result, replay, ran = record(step)
+        recordings.append(1)
         return result, lambda: replays.append(replay()), ran
 
     engine.target.step_recorder = counted
-    graphed = _decode(engine)
-    assert len(replays) >= 2, f"{name}: the decode ended before a recorded step was replayed"
-    assert torch.equal(graphed.tokens, eager.tokens)
-    assert graphed.stats == eager.stats
+    for seed in (10, 20):
+        want, got = _decode(eager, seed=seed), _decode(engine, seed=seed)
+        assert torch.equal(got.tokens, want.tokens), f"{name}: decode {seed}"
+        assert got.stats == want.stats
+    assert len(recordings) == 1 and len(replays) >= 4, f"{name}: {len(replays)} replays"
 
 
 @pytest.mark.parametrize("name", GRAPH_SAFE)

@@ -141,6 +141,7 @@ class DecodeRun:
     stream: Condition  # the CFG batch (cond rows, then null rows)
     batch: int
     streams: int
+    generators: Sequence[torch.Generator | None]
     tcache: KVCache
     dcache: KVCache | None
     out: torch.Tensor  # [B, N + spare] committed tokens
@@ -155,6 +156,30 @@ class DecodeRun:
     step_index: torch.Tensor  # [1] long: steps taken (on the device, so a replayed step advances it)
     draft_calls: int = 0
     calls: list[StepCalls] = field(default_factory=list)  # per step
+
+    def restart(self, stream: Condition, generators: Sequence[torch.Generator | None]) -> None:
+        """A new decode of the same shapes on these tensors, reset in place (a recorded step replays on
+        them); the prefill then fills the caches and the root's drafter feature and logits."""
+        self.stream.features.copy_(stream.features)
+        self.stream.mask.copy_(stream.mask)
+        self.generators = generators
+        for cache in (self.tcache, self.dcache):
+            if cache is not None:
+                cache.k.zero_()
+                cache.v.zero_()
+        for buffer in (self.out, self.pending, self.log, self.step_index):
+            buffer.zero_()
+        self.committed.fill_(1)
+        self.rng.reseed(RowRandom.seeds_of(generators, self.out.device))
+        self.draft_calls, self.calls = 0, []
+
+
+class _Recorded(NamedTuple):
+    """The last decode whose step was recorded: a decode of the same shapes replays it on its run."""
+
+    key: tuple
+    run: DecodeRun
+    step: StepGraph
 
 
 class SpeculativeEngine:
@@ -189,6 +214,7 @@ class SpeculativeEngine:
                 f"{type(builder).__name__} drafts without a drafter: skipping verification (VVS) needs one"
             )
         self.run: DecodeRun | None = None
+        self._recorded: _Recorded | None = None
 
     # --- distributions ---------------------------------------------------------------------------
     def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -290,29 +316,42 @@ class SpeculativeEngine:
         skipping = schedule.can_skip
         chain = extra if skipping else 0  # post-verification feeds [unverified tokens ⊕ tree]
         use_drafter = self.builder.needs_drafter
-        run = self.run = DecodeRun(
-            stream=stream,
-            batch=batch,
-            streams=streams,
-            tcache=target.new_cache(len(stream), extra_slots=extra + chain),
-            dcache=self.drafter.new_cache(len(stream), target.max_seq_len + extra + chain)
-            if use_drafter
-            else None,
-            out=torch.zeros(batch, n_img + extra + chain, dtype=torch.long, device=device),
-            committed=torch.ones(batch, dtype=torch.long, device=device),
-            rng=RowRandom.from_generators(generators, device),
-            chain=chain,
-            pending=torch.zeros(batch, dtype=torch.long, device=device),
-            fcache=None,
-            root_feats=None,
-            root_logits=None,
-            log=torch.zeros(n_img, len(LOG_FIELDS), batch, dtype=torch.long, device=device),
-            step_index=torch.zeros(1, dtype=torch.long, device=device),
-        )
+        recorder = self.recorder
+        key = (batch, *(tuple(t.shape) for t in (stream.features, stream.mask)), device)
+        if recorder is not None and self._recorded is not None and self._recorded.key == key:
+            run, step = self._recorded.run, self._recorded.step  # replay the step recorded before
+            run.restart(stream, generators)
+        else:
+            run = DecodeRun(
+                stream=stream,
+                batch=batch,
+                streams=streams,
+                generators=generators,
+                tcache=target.new_cache(len(stream), extra_slots=extra + chain),
+                dcache=self.drafter.new_cache(len(stream), target.max_seq_len + extra + chain)
+                if use_drafter
+                else None,
+                out=torch.zeros(batch, n_img + extra + chain, dtype=torch.long, device=device),
+                committed=torch.ones(batch, dtype=torch.long, device=device),
+                rng=RowRandom.from_generators(generators, device),
+                chain=chain,
+                pending=torch.zeros(batch, dtype=torch.long, device=device),
+                fcache=None,
+                root_feats=None,
+                root_logits=None,
+                log=torch.zeros(n_img, len(LOG_FIELDS), batch, dtype=torch.long, device=device),
+                step_index=torch.zeros(1, dtype=torch.long, device=device),
+            )
+            step = self._step
+            if recorder is not None:
+                step = StepGraph(step, recorder)
+                self._recorded = _Recorded(key, run, step)
+        self.run = run
         self.builder.reset(batch)
         schedule.reset(batch, device)
 
         # Prefill the target, sample x_0 like AR, and catch the drafter up on the prefix.
+        stream = run.stream
         pre = target.prefill(stream, run.tcache)
         run.out[:, 0] = next_tokens(*split_cfg(pre.logits[:, -1], sampling), sampling, generators)
         if skipping:
@@ -326,15 +365,17 @@ class SpeculativeEngine:
                 pre.hidden, run.out[:, :1].repeat(streams, 1), stream.mask, run.dcache
             )
             run.draft_calls += 1
-            run.root_feats = feat[:, -1].contiguous()
-            run.root_logits = target.constrain_logits(
-                self.drafter.logits(run.root_feats), torch.ones_like(run.root_feats[:, 0], dtype=torch.long)
-            ).contiguous()
+            feats = feat[:, -1]
+            logits = target.constrain_logits(
+                self.drafter.logits(feats), torch.ones_like(feats[:, 0], dtype=torch.long)
+            )
+            if run.root_feats is None:
+                run.root_feats, run.root_logits = feats.contiguous(), logits.contiguous()
+            else:  # a reused run: in place
+                run.root_feats.copy_(feats)
+                run.root_logits.copy_(logits)
         prefill_calls = run.draft_calls
 
-        step = lambda: self._step(generators)  # noqa: E731
-        if self.recorder is not None:
-            step = StepGraph(step, self.recorder)
         while bool((run.committed < n_img).any()):  # the loop's one read of the device
             run.calls.append(step())
             if on_step is not None:
@@ -351,7 +392,7 @@ class SpeculativeEngine:
         graph_safe = self.builder.graph_safe and not self.schedule.can_skip
         return self.target.step_recorder if graph_safe else None
 
-    def _step(self, generators: Sequence[torch.Generator | None]) -> StepCalls:
+    def _step(self) -> StepCalls:
         """One step for the whole batch: draft, verify, accept, commit. It reads and writes the run's
         tensors in place and appends its counts to ``run.log`` at ``run.step_index``, so a recorded step
         replays correctly; what it returns (drafter calls) is the same every step for a graph-safe method."""
@@ -364,7 +405,7 @@ class SpeculativeEngine:
             root_logits=run.root_logits,
             committed=committed,
             depth_limit=torch.where(active, n_img - 1 - committed, 0),
-            generators=generators,
+            generators=run.generators,
             rng=run.rng,
         )
         calls_before = run.draft_calls

@@ -10,7 +10,8 @@ drafter rounds, tree building, the verification forward, acceptance, commit and 
 replays a decoding step. What the step returns to the host (its drafter-call counts) is recorded with it:
 a graph-safe method (``SpeculativeEngine.graphs``) returns the same every step.
 
-``StepGraph`` runs the first ``warmup`` steps eagerly (on a side stream, as CUDA graph capture asks:
+The engine keeps the recorded step with its run (``DecodeRun``), and a decode of the same shapes resets
+that run in place and replays the same graph. ``StepGraph`` runs the first ``warmup`` steps eagerly (on a side stream, as CUDA graph capture asks:
 compiled code compiles and libraries allocate their workspaces there), records the next one and replays
 it from then on. ``recording()`` is set while it does, so a compiled forward that would capture a CUDA
 graph of its own (``reduce-overhead``, ``vdtrain.decode.compiled``) runs its plain compiled version

@@ -62,25 +62,41 @@ class RowRandom:
     """Uniform draws for a batch of rows from per-row seeds and step counters (see the module docstring)."""
 
     def __init__(self, seeds: torch.Tensor) -> None:
+        self.seed_key = self._key(seeds)  # [B]: fixed for the whole decode
+        self.steps = torch.zeros_like(seeds)  # [B]: advanced once per step by the rows still decoding
+
+    @staticmethod
+    def _key(seeds: torch.Tensor) -> torch.Tensor:
         if seeds.dim() != 1 or seeds.dtype != torch.long:
             raise ValueError(
                 f"seeds must be a 1-D LongTensor [B], got {seeds.dtype} of shape {tuple(seeds.shape)}"
             )
         lo, hi = seeds & _MASK, (seeds >> 32) & _MASK
-        self.seed_key = _mix(_mix(lo ^ _SEED_SALT) ^ hi)  # [B]: fixed for the whole decode
-        self.steps = torch.zeros_like(seeds)  # [B]: advanced once per step by the rows still decoding
+        return _mix(_mix(lo ^ _SEED_SALT) ^ hi)
 
-    @classmethod
-    def from_generators(
-        cls, generators: Sequence[torch.Generator | None], device: torch.device | str | None = None
-    ) -> RowRandom:
-        """Rows seeded like the generators the engine is given (their ``initial_seed``); a ``None`` row
+    @staticmethod
+    def seeds_of(
+        generators: Sequence[torch.Generator | None], device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Row seeds like the generators the engine is given (their ``initial_seed``); a ``None`` row
         gets a seed from torch's global generator, so ``torch.manual_seed`` still fixes it."""
         seeds = [
             _as_int64_seed(g.initial_seed() if g is not None else int(torch.randint(1 << 62, ())))
             for g in generators
         ]
-        return cls(torch.tensor(seeds, dtype=torch.long, device=device))
+        return torch.tensor(seeds, dtype=torch.long, device=device)
+
+    @classmethod
+    def from_generators(
+        cls, generators: Sequence[torch.Generator | None], device: torch.device | str | None = None
+    ) -> RowRandom:
+        """Rows seeded from ``generators`` (``seeds_of``)."""
+        return cls(cls.seeds_of(generators, device))
+
+    def reseed(self, seeds: torch.Tensor) -> None:
+        """Start over from new seeds, in place (a recorded step replays on these tensors)."""
+        self.seed_key.copy_(self._key(seeds))
+        self.steps.zero_()
 
     @property
     def batch(self) -> int:

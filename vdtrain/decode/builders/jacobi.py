@@ -81,6 +81,21 @@ class _Windows:
     stored: torch.Tensor | None  # [B, S, V]: the distribution of the last committed position ≡ slot mod S
     stored_at: torch.Tensor | None  # [B, S] long: the position each slot holds, −1 none (*_sample)
 
+    def restart(self) -> _Windows:
+        """The state before any step, in place (a recorded step replays on these tensors)."""
+        for tensor, value in (
+            (self.start, -1),
+            (self.count, 0),
+            (self.tokens, 0),
+            (self.q, 0.0),
+            (self.board, -1),
+            (self.stored, 0.0),
+            (self.stored_at, -1),
+        ):
+            if tensor is not None:
+                tensor.fill_(value)
+        return self
+
 
 class JacobiWindowBuilder(DraftTreeBuilder):
     """SJD's Jacobi window as a chain tree of ``window`` drafts, kept and refined across steps."""
@@ -95,13 +110,15 @@ class JacobiWindowBuilder(DraftTreeBuilder):
             raise ValueError(f"unknown Jacobi initialisation {init!r}; known: {list(INITS)}")
         self.window, self.init = window, init
         self._ranges: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._windows: _Windows | None = None
         self.reset(0)
 
     def max_nodes(self) -> int:
         return self.window + 1
 
     def reset(self, batch: int) -> None:
-        self._windows: _Windows | None = None
+        win = self._windows
+        self._windows = win.restart() if win is not None and win.tokens.shape[0] == batch else None
         self._rng: RowRandom | None = None
         self._greedy = False
 
@@ -116,18 +133,16 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         if win is None or win.tokens.shape[0] != batch or win.tokens.device != device:
             long = {"dtype": torch.long, "device": device}
             slots = width if self.init == "vertical_sample" else 1
-            sample = self.init.endswith("_sample")
+            sample, repeat = self.init.endswith("_sample"), self.init.endswith("_repeat")
             win = self._windows = _Windows(
-                torch.full((batch,), -1, **long),
-                torch.zeros(batch, **long),
-                torch.zeros(batch, self.window, **long),
-                torch.zeros(batch, self.window, vocab, device=device),
-                torch.full((batch, n_img + self.window + 1), -1, **long)
-                if self.init.endswith("_repeat")
-                else None,
-                torch.zeros(batch, slots, vocab, device=device) if sample else None,
-                torch.full((batch, slots), -1, **long) if sample else None,
-            )
+                torch.empty(batch, **long),
+                torch.empty(batch, **long),
+                torch.empty(batch, self.window, **long),
+                torch.empty(batch, self.window, vocab, device=device),
+                torch.empty(batch, n_img + self.window + 1, **long) if repeat else None,
+                torch.empty(batch, slots, vocab, device=device) if sample else None,
+                torch.empty(batch, slots, **long) if sample else None,
+            ).restart()
         return win
 
     # --- drafting ------------------------------------------------------------------------------------

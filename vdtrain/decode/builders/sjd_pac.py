@@ -81,6 +81,13 @@ class _Windows:
     tokens: torch.Tensor  # [B, M] long
     q: torch.Tensor  # [B, M, V]
 
+    def restart(self) -> _Windows:
+        """The state before any step, in place (a recorded step replays on these tensors)."""
+        self.start.fill_(-1)
+        for tensor in (self.count, self.tokens, self.q):
+            tensor.zero_()
+        return self
+
 
 @dataclass(frozen=True)
 class _Layout:
@@ -124,13 +131,15 @@ class SjdPacBuilder(DraftTreeBuilder):
         for d in range(1, self.main_depth + 1):
             self.main[d] = self.first_child[self.main[d - 1]]
         self._layouts: dict[torch.device, _Layout] = {}
+        self._windows: _Windows | None = None
         self.reset(0)
 
     def max_nodes(self) -> int:
         return self.window
 
     def reset(self, batch: int) -> None:
-        self._windows: _Windows | None = None
+        win = self._windows
+        self._windows = win.restart() if win is not None and win.tokens.shape[0] == batch else None
         self._rng: RowRandom | None = None
         self._greedy = False
 
@@ -171,12 +180,13 @@ class SjdPacBuilder(DraftTreeBuilder):
     def _windows_for(self, batch: int, vocab: int, device: torch.device) -> _Windows:
         win = self._windows
         if win is None or win.tokens.shape[0] != batch or win.tokens.device != device:
+            long = {"dtype": torch.long, "device": device}
             win = self._windows = _Windows(
-                torch.full((batch,), -1, dtype=torch.long, device=device),
-                torch.zeros(batch, dtype=torch.long, device=device),
-                torch.zeros(batch, self.main_depth, dtype=torch.long, device=device),
-                torch.zeros(batch, self.main_depth, vocab, device=device),
-            )
+                torch.empty(batch, **long),
+                torch.empty(batch, **long),
+                torch.empty(batch, self.main_depth, **long),
+                torch.empty(batch, self.main_depth, vocab, device=device),
+            ).restart()
         return win
 
     # --- drafting ------------------------------------------------------------------------------------
