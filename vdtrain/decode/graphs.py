@@ -8,15 +8,16 @@ test (are prompts left?), and it changes the run's tensors in place (``DecodeRun
 drafter rounds, tree building, the verification forward, acceptance, commit and the drafter's catch-up
 — can be recorded once (``torch.cuda.graph``) and replayed each step with one launch, the way gpt-fast
 replays a decoding step. What the step returns to the host (its drafter-call counts) is recorded with it:
-a graph-safe method (``SpeculativeEngine.graphs``) returns the same every step.
+a graph-safe method (``SpeculativeEngine.recorder``) returns the same every step.
 
-The engine keeps the recorded step with its run (``DecodeRun``), and a decode of the same shapes resets
-that run in place and replays the same graph. ``StepGraph`` runs the first ``warmup`` steps eagerly (on a side stream, as CUDA graph capture asks:
+``StepGraph`` runs the first ``warmup`` steps eagerly (on a side stream, as CUDA graph capture asks:
 compiled code compiles and libraries allocate their workspaces there), records the next one and replays
 it from then on. ``recording()`` is set while it does, so a compiled forward that would capture a CUDA
 graph of its own (``reduce-overhead``, ``vdtrain.decode.compiled``) runs its plain compiled version
-inside the step's graph instead. Tests record on the CPU with ``record_fx`` (``make_fx``: the same op
-sequence replayed on the same tensors), which checks what a CUDA graph needs without a GPU.
+inside the step's graph instead. The engine keeps the recorded step with its run (``DecodeRun``): a
+decode of the same shapes resets that run in place and replays the same graph. Tests record on the CPU
+with ``record_fx`` (``make_fx``: the same op sequence replayed on the same tensors), which checks what
+a CUDA graph needs without a GPU.
 """
 
 from __future__ import annotations
