@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import random_drafter, random_gpt, random_vq, tiny_condition
 
+from vdtrain.decode.compiled import compile_decoding
 from vdtrain.decode.graphs import StepGraph, record_fx
 from vdtrain.decode.methods import build_method, load_preset, preset_names
 from vdtrain.decode.profiling import Counts, OpCounter
@@ -26,23 +27,27 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 GRAPH_SAFE = ["eagle1", "eagle2", "gsd", "gsd_tree", "lantern", "lantern_pp", "sjd", "sjd_pac"]
 
 
-def _engine(name: str, temperature: float, cache_dir, recorder=None):
+def _engine(name: str, temperature: float, cache_dir, recorder=None, device: str = "cpu", compile=False):
     target = LlamaGenTarget(
         random_gpt(), VQTokenizer(random_vq(), image_size=8), None, "tiny", SamplingConfig(cfg_scale=2.0)
-    )
-    target.step_recorder = recorder
+    ).to(device)
     sampling = replace(target.sampling_defaults, temperature=temperature)
     overrides = {"acceptance": {"cache_dir": str(cache_dir)}}
     if name == "sjd_pac":  # its 64-node window would draw the tiny image in a step or two
         overrides["tree"] = {"window": 8, "width": 2}
     config = load_preset(name, overrides)
-    drafter = random_drafter(target) if config.needs_drafter else None
+    drafter = random_drafter(target).to(device) if config.needs_drafter else None
+    if compile:
+        compile_decoding(target, drafter)  # on a GPU it sets the CUDA-graph recorder
+    else:
+        target.step_recorder = recorder
     return build_method(config, target, drafter, sampling)
 
 
 def _decode(engine, batch: int = 3, seed: int = 10):
-    generators = [torch.Generator().manual_seed(seed + i) for i in range(batch)]
-    return engine.generate(tiny_condition(batch, seed=seed), generators)
+    device = engine.target.device
+    generators = [torch.Generator(device).manual_seed(seed + i) for i in range(batch)]
+    return engine.generate(tiny_condition(batch, seed=seed).to(device), generators)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +73,8 @@ def test_a_recorded_step_replays_the_eager_decode(name, temperature, cache_dir):
     recordings, replays = [], []
     record = engine.target.step_recorder
 
-    def counted(step):
-        result, replay, ran = record(step)
+    def counted(step, stream):
+        result, replay, ran = record(step, stream)
         recordings.append(1)
         return result, lambda: replays.append(replay()), ran
 
@@ -115,18 +120,18 @@ def test_the_step_graph_warms_up_records_once_and_replays():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("name", ["eagle2", "sjd"])
-def test_a_cuda_graph_of_the_step_replays_the_eager_decode(name, cache_dir):
-    """The real recorder: each step after the warm-up is one CUDA graph replay."""
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-forwards", "compile_decoding"])
+@pytest.mark.parametrize("name", ["eagle2", "sjd", "lantern_pp"])
+def test_a_cuda_graph_of_the_step_replays_the_eager_decode(name, compile, cache_dir):
+    """The real recorder, with eager forwards and kernels or with ``compile=true``'s (compiled forwards
+    and kernels): two decodes, the second only replaying, decode what the same code stepped from Python
+    decodes on the GPU."""
     from vdtrain.decode.graphs import record_cuda_graph
 
-    results = []
-    for recorder in (None, record_cuda_graph):
-        engine = _engine(name, 1.0, cache_dir, recorder)
-        engine.target.cuda()
-        if engine.drafter is not None:
-            engine.drafter.cuda()
-        generators = [torch.Generator("cuda").manual_seed(10 + i) for i in range(3)]
-        results.append(engine.generate(tiny_condition(3).to("cuda"), generators))
-    assert torch.equal(results[0].tokens, results[1].tokens)
-    assert results[0].stats == results[1].stats
+    eager = _engine(name, 1.0, cache_dir, device="cuda", compile=compile)
+    eager.target.step_recorder = None  # the same compiled code, stepped from Python: the same numerics
+    graphed = _engine(name, 1.0, cache_dir, record_cuda_graph, device="cuda", compile=compile)
+    assert graphed.recorder is record_cuda_graph
+    for seed in (10, 20):
+        want, got = _decode(eager, seed=seed), _decode(graphed, seed=seed)
+        assert torch.equal(got.tokens, want.tokens) and got.stats == want.stats, f"{name}: decode {seed}"

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from vdtrain.decode.graphs import record_cuda_graph, recording
+from vdtrain.decode.kernels import RECOMPILE_LIMIT
 from vdtrain.drafter import Drafter
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Target
@@ -71,7 +72,17 @@ def graph_replay(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.T
 
 
 def _compile_forward(module: nn.Module, mode: str, backend: str) -> None:
-    compile = functools.partial(torch.compile, backend=backend, fullgraph=False, dynamic=False)
+    # Each compiled version keeps its own graphs, up to RECOMPILE_LIMIT shapes (a prefill, AR's step and
+    # one verification shape per method of an evaluation): past torch's default of 8 shared by both
+    # versions, later methods (or AR, the baseline) would fall back to eager forwards silently.
+    compile = functools.partial(
+        torch.compile,
+        backend=backend,
+        fullgraph=False,
+        dynamic=False,
+        recompile_limit=RECOMPILE_LIMIT,
+        isolate_recompiles=True,
+    )
     if mode != "reduce-overhead":
         module.forward = compile(module.forward, mode=mode)
         return

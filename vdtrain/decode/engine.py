@@ -317,7 +317,7 @@ class SpeculativeEngine:
         chain = extra if skipping else 0  # post-verification feeds [unverified tokens ⊕ tree]
         use_drafter = self.builder.needs_drafter
         recorder = self.recorder
-        key = (batch, *(tuple(t.shape) for t in (stream.features, stream.mask)), device)
+        key = (batch, *((t.shape, t.dtype) for t in (stream.features, stream.mask)), device)
         if recorder is not None and self._recorded is not None and self._recorded.key == key:
             run, step = self._recorded.run, self._recorded.step  # replay the step recorded before
             run.restart(stream, generators)
@@ -344,7 +344,7 @@ class SpeculativeEngine:
             )
             step = self._step
             if recorder is not None:
-                step = StepGraph(step, recorder)
+                step = StepGraph(step, recorder, device)
                 self._recorded = _Recorded(key, run, step)
         self.run = run
         self.builder.reset(batch)

@@ -23,15 +23,15 @@ a CUDA graph needs without a GPU.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Generic, TypeVar
 
 import torch
 
 T = TypeVar("T")
-# record(step) → (what the step returned, replay, whether recording already ran the step once)
-Recorder = Callable[[Callable[[], T]], tuple[T, Callable[[], object], bool]]
+# record(step, stream) → (what the step returned, replay, whether recording already ran the step once)
+Recorder = Callable[[Callable[[], T], "torch.cuda.Stream | None"], tuple[T, Callable[[], object], bool]]
 
 _RECORDING: ContextVar[bool] = ContextVar("vdtrain_recording_step", default=False)
 
@@ -50,15 +50,25 @@ def _recording() -> Iterator[None]:
         _RECORDING.reset(token)
 
 
-def record_cuda_graph(step: Callable[[], T]) -> tuple[T, Callable[[], object], bool]:
-    """``step`` captured as a CUDA graph on the current device; capture runs none of its kernels."""
+def record_cuda_graph(
+    step: Callable[[], T], stream: torch.cuda.Stream | None
+) -> tuple[T, Callable[[], object], bool]:
+    """``step`` captured as a CUDA graph on ``stream``; capture runs none of its kernels.
+
+    cuBLAS keeps a scratch buffer per stream that a graph addresses directly: cleared before the capture,
+    the graph allocates its own in its memory pool (as torch's cudagraph trees do), and cleared after, so
+    no later eager call or other graph shares it. Nothing may compile while capturing (the warm-up steps
+    did): a recompile raises instead of failing obscurely inside the capture."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    clear()
+    with torch.compiler.set_stance("fail_on_recompile"), torch.cuda.graph(graph, stream=stream):
         result = step()
+    clear()
     return result, graph.replay, False
 
 
-def record_fx(step: Callable[[], T]) -> tuple[T, Callable[[], object], bool]:
+def record_fx(step: Callable[[], T], stream: object = None) -> tuple[T, Callable[[], object], bool]:
     """``step`` traced into an FX graph of ATen ops (``make_fx``), replayed on the same tensors: a CPU
     stand-in for ``record_cuda_graph`` in tests. Tracing runs the step once."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -74,14 +84,28 @@ def record_fx(step: Callable[[], T]) -> tuple[T, Callable[[], object], bool]:
 
 
 class StepGraph(Generic[T]):
-    """``step`` eagerly for ``warmup`` calls, then recorded once with ``record`` and replayed."""
+    """``step`` eagerly for ``warmup`` calls, then recorded once with ``record`` and replayed. On a GPU
+    (``record_cuda_graph``) warm-up and capture run on a stream of this graph's own, and every call on
+    ``device`` (the run's GPU, whichever is current)."""
 
-    def __init__(self, step: Callable[[], T], record: Recorder = record_cuda_graph, warmup: int = 2) -> None:
+    def __init__(
+        self,
+        step: Callable[[], T],
+        record: Recorder = record_cuda_graph,
+        device: torch.device | str | None = None,
+        warmup: int = 2,
+    ) -> None:
         self.step, self.record, self.warmup = step, record, warmup
+        self.device = torch.device(device) if device is not None else None
+        self.stream = torch.cuda.Stream(self.device) if record is record_cuda_graph else None
         self.replay: Callable[[], object] | None = None
         self.result: T | None = None
 
     def __call__(self) -> T:
+        with torch.cuda.device(self.device) if self.stream is not None else nullcontext():
+            return self._call()
+
+    def _call(self) -> T:
         if self.replay is not None:
             self.replay()
             return self.result
@@ -89,17 +113,17 @@ class StepGraph(Generic[T]):
             if self.warmup > 0:
                 self.warmup -= 1
                 return self._warm_up()
-            self.result, self.replay, ran = self.record(self.step)
+            self.result, self.replay, ran = self.record(self.step, self.stream)
         if not ran:
             self.replay()
         return self.result
 
     def _warm_up(self) -> T:
-        if self.record is not record_cuda_graph:
+        if self.stream is None:
             return self.step()
-        side, main = torch.cuda.Stream(), torch.cuda.current_stream()
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
             result = self.step()
-        main.wait_stream(side)
+        main.wait_stream(self.stream)
         return result
