@@ -16,6 +16,7 @@ import pytest
 import torch
 from conftest import random_drafter, random_gpt, random_vq, tiny_condition
 
+from vdtrain.decode import graphs
 from vdtrain.decode.compiled import compile_decoding
 from vdtrain.decode.graphs import StepGraph, record_fx
 from vdtrain.decode.methods import build_method, load_preset, preset_names
@@ -24,7 +25,8 @@ from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-GRAPH_SAFE = ["eagle1", "eagle2", "gsd", "gsd_tree", "lantern", "lantern_pp", "sjd", "sjd_pac"]
+PEANUT = ["peanut", "peanut_lantern"]
+GRAPH_SAFE = ["eagle1", "eagle2", "gsd", "gsd_tree", "lantern", "lantern_pp", *PEANUT, "sjd", "sjd_pac"]
 
 
 def _engine(name: str, temperature: float, cache_dir, recorder=None, device: str = "cpu", compile=False):
@@ -63,6 +65,12 @@ def test_the_graph_safe_presets_are_the_drafter_trees_that_never_skip(cache_dir)
         assert (engine.recorder is not None) == (name in GRAPH_SAFE), name
 
 
+def _comparable(stats, name: str):
+    """A recorded PEANUT step drafts its padded envelope, the deepest tree any step may plan, so it runs
+    more drafter forwards than a step of the same tree stepped from Python; the rest is the same."""
+    return [replace(st, drafter_forwards=0) for st in stats] if name in PEANUT else stats
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("name", GRAPH_SAFE)
 def test_a_recorded_step_replays_the_eager_decode(name, temperature, cache_dir):
@@ -82,7 +90,7 @@ def test_a_recorded_step_replays_the_eager_decode(name, temperature, cache_dir):
     for seed in (10, 20):
         want, got = _decode(eager, seed=seed), _decode(engine, seed=seed)
         assert torch.equal(got.tokens, want.tokens), f"{name}: decode {seed}"
-        assert got.stats == want.stats
+        assert _comparable(got.stats, name) == _comparable(want.stats, name)
     assert len(recordings) == 1 and len(replays) >= 4, f"{name}: {len(replays)} replays"
 
 
@@ -93,7 +101,7 @@ def test_a_step_neither_reads_the_device_nor_copies_host_data_to_it(name, cache_
     step = engine._step
 
     def counted(*args):
-        with OpCounter(as_if_gpu=True) as counter:
+        with graphs._recording(), OpCounter(as_if_gpu=True) as counter:  # as while recording
             calls = step(*args)
         inside.append(counter.counts)
         return calls
@@ -121,7 +129,7 @@ def test_the_step_graph_warms_up_records_once_and_replays():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("compile", [False, True], ids=["eager-forwards", "compile_decoding"])
-@pytest.mark.parametrize("name", ["eagle2", "sjd", "lantern_pp"])
+@pytest.mark.parametrize("name", ["eagle2", "sjd", "lantern_pp", "peanut"])
 def test_a_cuda_graph_of_the_step_replays_the_eager_decode(name, compile, cache_dir):
     """The real recorder, with eager forwards and kernels or with ``compile=true``'s (compiled forwards
     and kernels): two decodes, the second only replaying, decode what the same code stepped from Python

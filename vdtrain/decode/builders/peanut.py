@@ -50,6 +50,7 @@ import torch
 from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.builders.base import StepState
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.graphs import recording
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.trees import DraftTree
 
@@ -70,7 +71,9 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
     """
 
     keep_deepest_path = True
-    graph_safe = False  # the envelope (padded shapes) follows each step's planned trees, read on the host
+    # Stepped from Python, the padded shapes follow the batch's planned trees (a read of the device per
+    # step); in a recorded step they are the widest and deepest any tree can have (``envelope``).
+    graph_safe = True
 
     def __init__(
         self,
@@ -111,6 +114,7 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         self.d_init, self.k_init, self.seed = d_init, k_init, seed
         self.k_ceiling = max(total_tokens - 1, k_max - 1)  # widest tree ever (an unrestricted width)
         self.grid = grid
+        self.planned: torch.Tensor | None = None
         self.reset(0)
 
     # --- the rule ------------------------------------------------------------------------------------
@@ -144,11 +148,16 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
 
     # --- engine hooks --------------------------------------------------------------------------------
     def reset(self, batch: int) -> None:
+        if self.planned is not None and self.batch == batch:
+            self._restart()  # in place: a recorded step replays on these tensors
+            return
         self.batch = batch
         self.depth_grid = self.width_grid = None  # [B, h·w + 1], −1 where unset; the last column is scratch
         self.alpha: torch.Tensor | None = None  # [B] the previous tree's acceptance rate, NaN before one
-        self.planned: torch.Tensor | None = None  # [B, 2] (d̂, k̂) of the current tree
-        self._history: list[tuple[torch.Tensor, ...]] = []
+        self.planned = None  # [B, 2] (d̂, k̂) of the current tree
+        # Per verified step (verified, root, d̂, k̂, accepted) [steps, B, 5], written at ``logged``.
+        self.log: torch.Tensor | None = None
+        self.logged: torch.Tensor | None = None  # [1] steps observed
         # Draws when the engine passes no per-prompt randomness: seeded with ``seed + b``.
         self._own_rng = RowRandom(torch.arange(batch, dtype=torch.long) + self.seed)
         if self.grid is not None:
@@ -156,10 +165,24 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
 
     def _allocate(self, device: torch.device) -> None:
         n = self.grid[0] * self.grid[1]
-        self.depth_grid = torch.full((self.batch, n + 1), -1, dtype=torch.long, device=device)
-        self.width_grid = torch.full((self.batch, n + 1), -1, dtype=torch.long, device=device)
-        self.alpha = torch.full((self.batch,), float("nan"), device=device)
-        self.planned = torch.tensor([[self.d_init, self.k_init]] * self.batch, device=device).view(-1, 2)
+        long = {"dtype": torch.long, "device": device}
+        self.depth_grid = torch.empty(self.batch, n + 1, **long)
+        self.width_grid = torch.empty(self.batch, n + 1, **long)
+        self.alpha = torch.empty(self.batch, device=device)
+        self.planned = torch.empty(self.batch, 2, **long)
+        self.log = torch.empty(n, self.batch, 5, **long)  # a step commits at least one token
+        self.logged = torch.empty(1, **long)
+        self._restart()
+
+    def _restart(self) -> None:
+        """No tree yet, in place."""
+        self.depth_grid.fill_(-1)
+        self.width_grid.fill_(-1)
+        self.alpha.fill_(float("nan"))
+        self.planned[:, 0], self.planned[:, 1] = self.d_init, self.k_init
+        self.log.zero_()
+        self.logged.zero_()
+        self._own_rng.reseed(torch.arange(self.batch, dtype=torch.long) + self.seed)
 
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
         grid, device = tuple(engine.target.grid), state.roots.device
@@ -194,11 +217,15 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         has_alpha = ~self.alpha.isnan()
         d, k = torch.where(has_alpha, new_d, d), torch.where(has_alpha, new_k, k)
         update = (root < n - 1)[:, None]  # finished prompts keep their last plan
-        self.planned = torch.where(update, torch.stack([d, k], 1), self.planned)
+        self.planned.copy_(torch.where(update, torch.stack([d, k], 1), self.planned))
         return self.planned[:, 0] - 1, self.planned[:, 1]
 
     def envelope(self, state: StepState) -> tuple[int, int]:
-        """The batch's largest (rounds, width) this step: PEANUT's one read of the device per step."""
+        """The batch's largest (rounds, width) this step: PEANUT's one read of the device per step. A
+        recorded step (``vdtrain.decode.graphs``) cannot read it, so it pads to the largest of any step
+        (the same trees: padding rows never rank before real ones), about twice the drafter rows."""
+        if recording():
+            return self.d_max - 2, self.k_ceiling
         rounds, width = self.planned.amax(0).tolist()
         return rounds - 1, width
 
@@ -220,18 +247,19 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         self.width_grid.scatter_(1, at, self.planned[:, 1:].expand_as(at))
         # A depth-0 tree (the image's last token) says nothing about α.
         measured = verified & (depth > 0)
-        self.alpha = torch.where(measured, accepted / depth.clamp_min(1), self.alpha)
-        self._history.append((verified, roots_at.clone(), self.planned.clone(), accepted))
+        self.alpha.copy_(torch.where(measured, accepted / depth.clamp_min(1), self.alpha))
+        row = torch.stack([verified.long(), roots_at, self.planned[:, 0], self.planned[:, 1], accepted], 1)
+        self.log.index_copy_(0, self.logged, row[None])
+        self.logged += 1
 
     # --- views ---------------------------------------------------------------------------------------
     @property
     def history(self) -> list[list[tuple[int, int, int, int]]]:
         """Per prompt, (root, d̂, k̂, accepted drafts) of every verified tree (read back on demand)."""
         rows: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.batch)]
-        if not self._history:
+        if self.log is None:
             return rows
-        steps = [torch.stack([v.long(), r, p[:, 0], p[:, 1], a], 1) for v, r, p, a in self._history]
-        for step in torch.stack(steps).tolist():
+        for step in self.log[: int(self.logged)].tolist():
             for b, (verified, root, d, k, accepted) in enumerate(step):
                 if verified:
                     rows[b].append((root, d, k, accepted))
