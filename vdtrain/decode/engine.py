@@ -322,27 +322,7 @@ class SpeculativeEngine:
             run, step = self._recorded.run, self._recorded.step  # replay the step recorded before
             run.restart(stream, generators)
         else:
-            run = DecodeRun(
-                stream=stream,
-                batch=batch,
-                streams=streams,
-                generators=generators,
-                tcache=target.new_cache(len(stream), extra_slots=extra + chain),
-                dcache=self.drafter.new_cache(len(stream), target.max_seq_len + extra + chain)
-                if use_drafter
-                else None,
-                out=torch.zeros(batch, n_img + extra + chain, dtype=torch.long, device=device),
-                committed=torch.ones(batch, dtype=torch.long, device=device),
-                rng=RowRandom.from_generators(generators, device),
-                chain=chain,
-                pending=torch.zeros(batch, dtype=torch.long, device=device),
-                fcache=None,
-                root_feats=None,
-                root_logits=None,
-                log=torch.zeros(n_img, len(LOG_FIELDS), batch, dtype=torch.long, device=device),
-                step_index=torch.zeros(1, dtype=torch.long, device=device),
-            )
-            step = self._step
+            run, step = self._new_run(stream, batch, generators, chain), self._step
             if recorder is not None:
                 step = StepGraph(step, recorder, device)
                 self._recorded = _Recorded(key, run, step)
@@ -382,6 +362,35 @@ class SpeculativeEngine:
                 on_step(run.tcache, run.committed, run.out[:, :n_img])
         tokens = run.out[:, :n_img].clone()
         return DecodeResult(tokens, self._stats(prefill_calls), time.perf_counter() - start_time)
+
+    def _new_run(
+        self, stream: Condition, batch: int, generators: Sequence[torch.Generator | None], chain: int
+    ) -> DecodeRun:
+        """Fresh buffers and caches for a decode of ``batch`` prompts (``chain``: VVS's room for
+        post-verified tokens before a tree)."""
+        target, device = self.target, self.target.token_embedding.weight.device
+        n_img, extra = target.num_image_tokens, self.builder.max_nodes() + 1
+        long = {"dtype": torch.long, "device": device}
+        return DecodeRun(
+            stream=stream,
+            batch=batch,
+            streams=len(stream) // batch,
+            generators=generators,
+            tcache=target.new_cache(len(stream), extra_slots=extra + chain),
+            dcache=self.drafter.new_cache(len(stream), target.max_seq_len + extra + chain)
+            if self.builder.needs_drafter
+            else None,
+            out=torch.zeros(batch, n_img + extra + chain, **long),
+            committed=torch.ones(batch, **long),
+            rng=RowRandom.from_generators(generators, device),
+            chain=chain,
+            pending=torch.zeros(batch, **long),
+            fcache=None,
+            root_feats=None,
+            root_logits=None,
+            log=torch.zeros(n_img, len(LOG_FIELDS), batch, **long),
+            step_index=torch.zeros(1, **long),
+        )
 
     @property
     def recorder(self) -> Recorder | None:
