@@ -7,7 +7,8 @@
 
 For each target × preset × batch × mode (eager; with ``--compile`` also ``steps``, the step kernels
 compiled, and ``compiled``, what ``compile=true`` gives: the forwards too, and on a GPU the whole step
-recorded as one CUDA graph for graph-safe methods, whose phases and host time then read "—") it decodes
+recorded as one CUDA graph for graph-safe methods, whose phases and host time then read "—"; on a GPU
+then ``unrecorded``, the same without recording steps) it decodes
 the same prompts with the same seeds with AR and with the method (one untimed warm-up each) and reports:
 
 - the AR step time (between consecutive target forwards: forward + sampling);
@@ -284,6 +285,17 @@ def compiled_steps(target: Target) -> Iterator[None]:
         target.compile_steps = None
 
 
+@contextmanager
+def unrecorded(target: Target) -> Iterator[None]:
+    """Mode ``unrecorded``: ``compile=true`` but every step run from Python (no whole-step CUDA graph),
+    to show what recording the step adds on a GPU."""
+    recorder, target.step_recorder = target.step_recorder, None
+    try:
+        yield
+    finally:
+        target.step_recorder = recorder
+
+
 def make_row(name: str, preset: str, batch: int, mode: str, ar: tuple[float, float], m, s_shapes) -> Row:
     """One table row from the AR timing (step, total) and the method's ``time_method`` figures."""
     ar_step, ar_total = ar
@@ -309,12 +321,16 @@ def make_row(name: str, preset: str, batch: int, mode: str, ar: tuple[float, flo
 
 def measure(args: argparse.Namespace) -> list[Row]:
     """Every row, printed as it is measured. Mode ``compiled`` is what ``compile=true`` gives
-    (``compile_decoding``: forwards and kernels); it wraps modules in place, so it runs last, on a fresh
-    copy of the target (the same weights: the same file or seed), after the eager copy is freed."""
+    (``compile_decoding``: forwards and kernels, on a GPU whole steps recorded as CUDA graphs); it wraps
+    modules in place, so it runs last, on a fresh copy of the target (the same weights: the same file or
+    seed), after the eager copy is freed. On a GPU ``unrecorded`` follows: the same compiled target with
+    every step run from Python."""
     device = torch.device(args.device)
     rows: list[Row] = []
     shapes_s: dict[tuple[str, int, str], float] = {}  # S of the shapes target, for the projections
     modes = ["eager", "steps", "compiled"] if args.compile else ["eager"]
+    if args.compile and device.type == "cuda":
+        modes.append("unrecorded")
     for name in args.targets:
         target, drafter = load(name, device, args.drafter, args.seed)
         sampling = target.sampling_defaults
@@ -327,7 +343,8 @@ def measure(args: argparse.Namespace) -> list[Row]:
                 compile_decoding(target, drafter)
             for batch in args.batch:
                 conds = conditions(target, name, max(args.prompts, batch), batch, args.seed)
-                speed = compiled_steps(target) if mode == "steps" else nullcontext()
+                speed = {"steps": compiled_steps, "unrecorded": unrecorded}.get(mode)
+                speed = nullcontext() if speed is None else speed(target)
                 with speed, torch.no_grad():
                     ar = time_ar(target, conds, args.seed, sampling)
                     for preset in args.presets:
