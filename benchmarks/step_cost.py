@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from vdtrain.decode.compiled import compile_decoding
+from vdtrain.decode.engine import LOG_FIELDS, SpeculativeEngine
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.profiling import PHASES, PhaseTimer, StepTimes
 from vdtrain.decode.sampling import SamplingConfig
@@ -226,11 +227,11 @@ def time_ar(target: Target, conds: Sequence[Condition], seed: int, sampling) -> 
 
 class StepClock:
     """``PhaseTimer``'s interface with step times only, for steps the engine records as CUDA graphs: a
-    replay has no phases to time, and a capture must not be interrupted by synchronisation. Every step
-    of a graph-safe method is verified."""
+    replay has no phases to time, and a capture must not be interrupted by synchronisation. Whether a
+    step was verified (a VVS step may skip the target) comes from the engine's step log."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.marks = device, [0.0]
+    def __init__(self, engine: SpeculativeEngine) -> None:
+        self.engine, self.device, self.marks = engine, engine.target.device, [0.0]
 
     def __enter__(self) -> StepClock:
         self.marks = [_now(self.device)]
@@ -243,8 +244,11 @@ class StepClock:
         self.marks.append(_now(self.device))
 
     def steps(self) -> tuple[StepTimes | None, list[StepTimes]]:
+        run = self.engine.run
+        verified = run.log[: len(run.calls), LOG_FIELDS.index("verified")].any(1).tolist()
         unknown = {p: math.nan for p in PHASES}
-        out = [StepTimes(b - a, unknown, math.nan, True) for a, b in pairwise(self.marks)]
+        marks = pairwise(self.marks)
+        out = [StepTimes(b - a, unknown, math.nan, v) for (a, b), v in zip(marks, verified, strict=True)]
         return (out[0] if out else None), out[1:]
 
 
@@ -257,7 +261,7 @@ def time_method(target, drafter, preset: str, conds, seed: int, sampling) -> dic
     for cond in conds:
         gens = _generators(target.device, seed, start, len(cond))
         recorded = getattr(method, "recorder", None) is not None
-        with StepClock(target.device) if recorded else PhaseTimer(method) as timer:
+        with StepClock(method) if recorded else PhaseTimer(method) as timer:
             t0 = _now(target.device)
             result = method.generate(cond, gens, on_step=timer.on_step)
             total += _now(target.device) - t0

@@ -518,7 +518,7 @@ def test_batched_paths_and_scores_match_the_per_prompt_reference(formula):
     reference = reference_similarity if formula == "level_mean" else release_similarity
     engine = SpeculativeEngine(target, drafter, builder, sampling, schedule=schedule)
     seen = []
-    plan = schedule.plan
+    plan = schedule.plan_on_device  # what the engine calls (it reads the flags after)
 
     def checked_plan(tree, active, committed, pending):
         out = plan(tree, active, committed, pending)
@@ -542,7 +542,7 @@ def test_batched_paths_and_scores_match_the_per_prompt_reference(formula):
             seen.append(len(ref))
         return out
 
-    schedule.plan = checked_plan
+    schedule.plan_on_device = checked_plan
     engine.generate(tiny_condition(batch=3), generators(3))
     assert len(seen) > 20 and max(seen) > 2  # many trees, with real alternatives
 

@@ -45,7 +45,7 @@ import torch
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
-from vdtrain.decode.graphs import Recorder, StepGraph
+from vdtrain.decode.graphs import Recorder, SplitStepGraph, StepGraph
 from vdtrain.decode.kernels import compiled_step_kernels, step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.sampling import (
@@ -57,7 +57,7 @@ from vdtrain.decode.sampling import (
     split_cfg,
 )
 from vdtrain.decode.trees import DraftTree, ancestor_matrix
-from vdtrain.decode.vvs import VerificationSchedule
+from vdtrain.decode.vvs import StepPlan, VerificationSchedule
 from vdtrain.drafter import Drafter
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Condition, Target, prefix_and_image_mask
@@ -172,6 +172,17 @@ class DecodeRun:
         self.committed.fill_(1)
         self.rng.reseed(RowRandom.seeds_of(generators, self.out.device))
         self.draft_calls, self.calls = 0, []
+
+
+class Drafted(NamedTuple):
+    """A step's first part (``SpeculativeEngine._draft``): the tree and the plan, flags unread."""
+
+    tree: DraftTree
+    plan: StepPlan
+    active: torch.Tensor  # [B] prompts still decoding at the step's start
+    roots_at: torch.Tensor  # [B] image index of each root
+    depth: torch.Tensor  # [B] depth of the drafted tree
+    calls: int  # drafter forwards the tree took
 
 
 class _Recorded(NamedTuple):
@@ -324,7 +335,12 @@ class SpeculativeEngine:
         else:
             run, step = self._new_run(stream, batch, generators, chain), self._step
             if recorder is not None:
-                step = StepGraph(step, recorder, device)
+                if schedule.can_skip:  # draft and plan, read the plan's flags, then the rest per flags
+                    flags = lambda d: d.plan.flag_values()  # noqa: E731
+                    finish = lambda d, values: self._finish(d, d.plan.with_flags(values))  # noqa: E731
+                    step = SplitStepGraph(self._draft, flags, finish, recorder, device)
+                else:
+                    step = StepGraph(step, recorder, device)
                 self._recorded = _Recorded(key, run, step)
         self.run = run
         self.builder.reset(batch)
@@ -335,9 +351,12 @@ class SpeculativeEngine:
         pre = target.prefill(stream, run.tcache)
         run.out[:, 0] = next_tokens(*split_cfg(pre.logits[:, -1], sampling), sampling, generators)
         if skipping:
-            run.fcache = pre.hidden.new_zeros(
-                len(stream), target.max_seq_len + extra + chain, pre.hidden.shape[-1]
-            )
+            if run.fcache is None:
+                run.fcache = pre.hidden.new_zeros(
+                    len(stream), target.max_seq_len + extra + chain, pre.hidden.shape[-1]
+                )
+            else:  # a reused run: in place
+                run.fcache.zero_()
             run.fcache[:, :prefix] = pre.hidden
         if use_drafter:
             # Drafter rows 0 .. L-1: zero embeddings inside the prefix, then x_0 (as in training).
@@ -395,17 +414,22 @@ class SpeculativeEngine:
     @property
     def recorder(self) -> Recorder | None:
         """How to record the step once and replay it (``Target.step_recorder``: a CUDA graph, set by
-        ``compile_decoding`` on a GPU), when this method's step allows it: a builder with fixed shapes
-        and no host state across steps (``DraftTreeBuilder.graph_safe``) and a schedule that never
-        skips (its plan reads the device). None: every step runs eagerly."""
-        graph_safe = self.builder.graph_safe and not self.schedule.can_skip
-        return self.target.step_recorder if graph_safe else None
+        ``compile_decoding`` on a GPU), when this method's builder allows it: fixed shapes and no host
+        state across steps (``DraftTreeBuilder.graph_safe``). None: every step runs eagerly."""
+        return self.target.step_recorder if self.builder.graph_safe else None
 
     def _step(self) -> StepCalls:
         """One step for the whole batch: draft, verify, accept, commit. It reads and writes the run's
         tensors in place and appends its counts to ``run.log`` at ``run.step_index``, so a recorded step
-        replays correctly; what it returns (drafter calls) is the same every step for a graph-safe method."""
-        run, schedule, n_img = self.run, self.schedule, self.target.num_image_tokens
+        replays correctly; what it returns (drafter calls) is the same every step for a graph-safe method.
+        A skipping schedule's plan is read from the device between its two parts (``_draft``, then
+        ``_finish``), which are recorded separately (``SplitStepGraph``)."""
+        drafted = self._draft()
+        return self._finish(drafted, drafted.plan.read())
+
+    def _draft(self) -> Drafted:
+        """The step up to the schedule's plan, its flags still on the device."""
+        run, n_img = self.run, self.target.num_image_tokens
         committed, device = run.committed, run.committed.device
         active = committed < n_img
         state = StepState(
@@ -420,11 +444,15 @@ class SpeculativeEngine:
         calls_before = run.draft_calls
         tree = self.builder.build(self, state)
         tree.valid = tree.valid & (active[:, None] | (torch.arange(tree.size, device=device) == 0)[None])
-        tree_calls = run.draft_calls - calls_before
-        plan = schedule.plan(tree, active, committed, run.pending)
-        verify = plan.verify
-        roots_at = committed - 1
-        depth = tree.max_depth()
+        plan = self.schedule.plan_on_device(tree, active, committed, run.pending)
+        return Drafted(tree, plan, active, committed - 1, tree.max_depth(), run.draft_calls - calls_before)
+
+    def _finish(self, drafted: Drafted, plan: StepPlan) -> StepCalls:
+        """The rest of the step, for the ``plan`` with its flags read: verify, accept and commit the
+        verified prompts, commit the skipping ones' paths, log."""
+        run, schedule = self.run, self.schedule
+        tree, active, roots_at = drafted.tree, drafted.active, drafted.roots_at
+        committed, verify = run.committed, plan.verify
         verdict = None
         commit_calls = 0
         root_feats, root_logits = run.root_feats, run.root_logits
@@ -437,7 +465,7 @@ class SpeculativeEngine:
                 tree, verdict, verify, hidden, plan.lead, root_feats, root_logits
             )
             commit_calls = run.draft_calls - calls_before
-        skip_calls = tree_calls
+        skip_calls = drafted.calls
         skip_committed = torch.zeros_like(committed)
         if plan.any_skip:
             calls_before = run.draft_calls
@@ -450,9 +478,9 @@ class SpeculativeEngine:
             run.root_logits.copy_(root_logits)
         if plan.skipped is not None:
             run.pending.copy_(torch.where(plan.skipped, skip_committed, torch.where(verify, 0, run.pending)))
-        self._log_step(plan, verdict, skip_committed, depth, roots_at)
+        self._log_step(plan, verdict, skip_committed, drafted.depth, roots_at)
         run.rng.advance(active)
-        return StepCalls(tree_calls + commit_calls, skip_calls)
+        return StepCalls(drafted.calls + commit_calls, skip_calls)
 
     def _log_step(self, plan, verdict: BatchVerdict | None, skip_committed, depth, roots_at) -> None:
         """This step's per-prompt counts (``LOG_FIELDS``) into ``run.log`` at ``run.step_index``."""

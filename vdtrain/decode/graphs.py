@@ -22,6 +22,7 @@ a CUDA graph needs without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
@@ -30,6 +31,8 @@ from typing import Generic, TypeVar
 import torch
 
 T = TypeVar("T")
+A = TypeVar("A")
+K = TypeVar("K")
 # record(step, stream) → (what the step returned, replay, whether recording already ran the step once)
 Recorder = Callable[[Callable[[], T], "torch.cuda.Stream | None"], tuple[T, Callable[[], object], bool]]
 
@@ -70,17 +73,46 @@ def record_cuda_graph(
 
 def record_fx(step: Callable[[], T], stream: object = None) -> tuple[T, Callable[[], object], bool]:
     """``step`` traced into an FX graph of ATen ops (``make_fx``), replayed on the same tensors: a CPU
-    stand-in for ``record_cuda_graph`` in tests. Tracing runs the step once."""
+    stand-in for ``record_cuda_graph`` in tests. Tracing runs the step once. A CUDA graph rewrites the
+    tensors its captured step returned at their addresses; a replay here copies its results into them."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     box: list[T] = []
 
     def traced() -> list[torch.Tensor]:
         box.append(step())
-        return []
+        return _tensors_in(box[-1])
 
     graph = make_fx(traced)()
-    return box[0], graph, True
+    returned = _tensors_in(box[0])
+
+    def replay() -> None:
+        for captured, now in zip(returned, graph(), strict=True):
+            if captured.data_ptr() == now.data_ptr():  # a view of the run's state: already written
+                continue
+            if torch._debug_has_internal_overlap(captured) != 0:  # an expanded view: write its base
+                captured, now = captured._base, now._base
+            captured.copy_(now)
+
+    return box[0], replay, True
+
+
+def _tensors_in(value: object) -> list[torch.Tensor]:
+    """The distinct tensors inside ``value`` (named tuples, dataclasses, sequences), in a fixed order."""
+    found: dict[int, torch.Tensor] = {}
+
+    def walk(v: object) -> None:
+        if isinstance(v, torch.Tensor):
+            found.setdefault(id(v), v)
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            for f in dataclasses.fields(v):
+                walk(getattr(v, f.name))
+        elif isinstance(v, (tuple, list)):
+            for item in v:
+                walk(item)
+
+    walk(value)
+    return list(found.values())
 
 
 class StepGraph(Generic[T]):
@@ -127,3 +159,33 @@ class StepGraph(Generic[T]):
             result = self.step()
         main.wait_stream(self.stream)
         return result
+
+
+class SplitStepGraph(Generic[A, K, T]):
+    """A step in two recorded parts with one read of the device between them: ``first`` (one graph),
+    then ``key(first's result)`` on the host, then ``second(result, key)``, one graph per key. A VVS step
+    is drafted and planned by the first; which prompts verify, post-verify or skip decides which
+    forwards the second runs."""
+
+    def __init__(
+        self,
+        first: Callable[[], A],
+        key: Callable[[A], K],
+        second: Callable[[A, K], T],
+        record: Recorder = record_cuda_graph,
+        device: torch.device | str | None = None,
+    ) -> None:
+        self.first = StepGraph(first, record, device)
+        self.key, self.second, self.record, self.device = key, second, record, device
+        self.seconds: dict[K, StepGraph[T]] = {}
+        self.drafted: A | None = None  # the first part's result this step (one object once recorded)
+
+    def __call__(self) -> T:
+        self.drafted = self.first()
+        key = self.key(self.drafted)
+        graph = self.seconds.get(key)
+        if graph is None:
+            graph = self.seconds[key] = StepGraph(
+                lambda: self.second(self.drafted, key), self.record, self.device
+            )
+        return graph()

@@ -41,7 +41,7 @@ docs/decoding.md (VVS) has the table, ``conf/decode/vvs_release.yaml`` the setti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -57,7 +57,8 @@ if TYPE_CHECKING:
 @dataclass
 class StepPlan:
     """One step's verification plan for the batch. ``skipped`` and ``lead`` are None for a schedule
-    that never skips (no tensor work at all); the three flags are host booleans read in one go."""
+    that never skips (no tensor work at all); the three flags are host booleans, read in one go from
+    ``flags`` (``read``; the engine reads them between the two recorded parts of a step)."""
 
     verify: torch.Tensor  # [B] bool: prompts verified this step
     skipped: torch.Tensor | None  # [B] bool: prompts committing a drafted path without the target
@@ -66,6 +67,22 @@ class StepPlan:
     any_lead: bool = False  # some verified prompt post-verifies tokens (the forward feeds a chain)
     any_skip: bool = False  # some prompt commits an unverified path
     paths: LeafPaths | None = None  # the trees' leaf paths (skipping schedules), for the path pick
+    flags: torch.Tensor | None = None  # [3] bool on the device: the three flags, until ``read``
+
+    def flag_values(self) -> tuple[bool, bool, bool]:
+        """(any_verify, any_lead, any_skip), read from the device if still there (the one read)."""
+        if self.flags is None:
+            return self.any_verify, self.any_lead, self.any_skip
+        return tuple(self.flags.tolist())
+
+    def with_flags(self, values: tuple[bool, bool, bool]) -> StepPlan:
+        """The plan with these flag values on the host."""
+        any_verify, any_lead, any_skip = values
+        return replace(self, any_verify=any_verify, any_lead=any_lead, any_skip=any_skip, flags=None)
+
+    def read(self) -> StepPlan:
+        """The plan with its flags on the host."""
+        return self if self.flags is None else self.with_flags(self.flag_values())
 
 
 @dataclass
@@ -171,6 +188,13 @@ class VerificationSchedule:
     ) -> StepPlan:
         """Which of the ``active`` prompts verify this step; ``committed`` [B] tokens so far, of which
         the last ``pending`` [B] are unverified (a skip's path)."""
+        return self.plan_on_device(tree, active, committed, pending).read()
+
+    def plan_on_device(
+        self, tree: DraftTree, active: torch.Tensor, committed: torch.Tensor, pending: torch.Tensor
+    ) -> StepPlan:
+        """``plan`` before its flags are read: tensor work only (a recorded step ends here, and the
+        engine reads the flags before the rest of the step, recorded once per flag combination)."""
         return StepPlan(verify=active, skipped=None, lead=None)
 
     def unverified_paths(
@@ -207,7 +231,7 @@ class SkippingSchedule(VerificationSchedule):
         """[B] bool: the prompts that would skip; only read where ``allowed``."""
         raise NotImplementedError
 
-    def plan(self, tree, active, committed, pending) -> StepPlan:
+    def plan_on_device(self, tree, active, committed, pending) -> StepPlan:
         # Never two skips in a row (pending > 0: the last step was a skip); a tree without drafts (the
         # last image token) needs the target.
         paths = leaf_paths(tree)
@@ -217,8 +241,8 @@ class SkippingSchedule(VerificationSchedule):
         skipped = allowed & self.wants_skip(tree, paths, active, allowed)
         verify = active & ~skipped
         lead = torch.where(verify, pending, 0)
-        flags = torch.stack([verify.any(), (lead > 0).any(), skipped.any()]).tolist()  # the one read
-        return StepPlan(verify, skipped, lead, *flags, paths=paths)
+        flags = torch.stack([verify.any(), (lead > 0).any(), skipped.any()])
+        return StepPlan(verify, skipped, lead, paths=paths, flags=flags)
 
     def unverified_paths(self, tree: DraftTree, plan: StepPlan, rng: RowRandom):
         return unverified_paths(tree, plan.paths, rng.uniform(Purpose.PATH, 1)[:, 0])
@@ -317,10 +341,18 @@ class UniformSchedule(SkippingSchedule):
         self.steps: torch.Tensor | None = None
 
     def reset(self, batch: int, device: torch.device | str | None = None) -> None:
-        self.steps = torch.zeros(batch, dtype=torch.long, device=device)  # steps taken, skips counted
+        steps = self.steps  # steps taken, skips counted; reset in place when it fits (recorded steps)
+        if (
+            steps is not None
+            and len(steps) == batch
+            and (device is None or steps.device == torch.device(device))
+        ):
+            steps.zero_()
+        else:
+            self.steps = torch.zeros(batch, dtype=torch.long, device=device)
 
     def wants_skip(self, tree, paths, active, allowed) -> torch.Tensor:
-        self.steps = self.steps + active.long()
+        self.steps += active.long()
         return (self.steps - 1) % self.every == self.phase
 
 
@@ -350,7 +382,9 @@ class SimilaritySchedule(SkippingSchedule):
         self.scores: list[torch.Tensor] = []
 
     def reset(self, batch: int, device: torch.device | str | None = None) -> None:
-        self.scores = []  # per step: S̄ [B] where a skip was allowed, NaN elsewhere (diagnostics)
+        # Per step run from Python: S̄ [B] where a skip was allowed, NaN elsewhere (diagnostics; a step
+        # replayed as a CUDA graph adds nothing here).
+        self.scores = []
 
     def score(self, tree: DraftTree, paths: LeafPaths | None = None) -> torch.Tensor:
         """S̄ [B] of every row's tree."""
