@@ -136,7 +136,7 @@ def test_the_step_graph_warms_up_records_once_and_replays():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("compile", [False, True], ids=["eager-forwards", "compile_decoding"])
-@pytest.mark.parametrize("name", ["eagle2", "sjd", "lantern_pp", "peanut"])
+@pytest.mark.parametrize("name", ["eagle2", "sjd", "lantern_pp", "peanut", "vvs"])
 def test_a_cuda_graph_of_the_step_replays_the_eager_decode(name, compile, cache_dir):
     """The real recorder, with eager forwards and kernels or with ``compile=true``'s (compiled forwards
     and kernels): two decodes, the second only replaying, decode what the same code stepped from Python
