@@ -4,7 +4,8 @@ Compiling the forwards and the step kernels (``vdtrain.decode.kernels``) fuses a
 dozen kernels, but each is still launched from Python: on a GPU that host time is about what the small
 kernels of a decoding step take to run, so a step costs several AR steps however little it computes.
 Every tensor of a step has a shape fixed by the method, the step reads the device only in the loop's
-test (are prompts left?), and it changes the run's tensors in place (``DecodeRun``). So the whole step —
+test (are prompts left?; VVS also in its plan, between two recorded parts: ``SplitStepGraph``), and it
+changes the run's tensors in place (``DecodeRun``). So the whole step —
 drafter rounds, tree building, the verification forward, acceptance, commit and the drafter's catch-up
 — can be recorded once (``torch.cuda.graph``) and replayed each step with one launch, the way gpt-fast
 replays a decoding step. What the step returns to the host (its drafter-call counts) is recorded with it:
@@ -40,7 +41,7 @@ _RECORDING: ContextVar[bool] = ContextVar("vdtrain_recording_step", default=Fals
 
 
 def recording() -> bool:
-    """True while a step is warmed up, recorded or replayed as a graph."""
+    """True while a step is warmed up or recorded (replays run no Python)."""
     return _RECORDING.get()
 
 
