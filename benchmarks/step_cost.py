@@ -245,7 +245,7 @@ class StepClock:
 
     def steps(self) -> tuple[StepTimes | None, list[StepTimes]]:
         run = self.engine.run
-        verified = run.log[: len(run.calls), LOG_FIELDS.index("verified")].any(1).tolist()
+        verified = run.log.rows[: len(run.calls), LOG_FIELDS.index("verified")].any(1).tolist()
         unknown = {p: math.nan for p in PHASES}
         marks = pairwise(self.marks)
         out = [StepTimes(b - a, unknown, math.nan, v) for (a, b), v in zip(marks, verified, strict=True)]

@@ -221,7 +221,7 @@ def test_a_step_every_prompt_skips_runs_no_target_forward():
     target.forward_tokens = counted
     engine.generate(tiny_condition(), generators(2))
     steps = len(engine.run.calls)
-    verified = engine.run.log[:steps, LOG_FIELDS.index("verified")].any(1).tolist()
+    verified = engine.run.log.rows[:steps, LOG_FIELDS.index("verified")].any(1).tolist()
     verifying = [i for i in range(steps) if verified[i]]
     assert forwards == verifying and len(verifying) < steps  # some steps had no forward
 

@@ -9,11 +9,11 @@ CUDA graphs need fixed addresses, so there the KV caches come from a pool (one p
 reuse) and are marked static, and each output is copied out of the graph's memory before the next
 replay overwrites it. CPUs have no CUDA graphs: there the mode is ``default`` (inductor's C++ kernels).
 
-On a GPU the speculative engine goes one step further for the methods whose step allows it: it records
-the whole step (drafter rounds, verification forward, acceptance, commit) as one CUDA graph and replays
-it (``vdtrain.decode.graphs``, ``Target.step_recorder``). A forward called while a step is recorded
-runs a second compiled version of itself without CUDA graphs of its own (captures do not nest); AR
-decoding and the other methods keep the ``reduce-overhead`` forwards.
+On a GPU the speculative engine goes one step further: it records the whole step (drafter rounds,
+verification forward, acceptance, commit) as one CUDA graph and replays it (``vdtrain.decode.graphs``,
+``Target.step_recorder``; VVS in two parts). A forward called while a step is recorded runs a second
+compiled version of itself without CUDA graphs of its own (captures do not nest); AR decoding keeps the
+``reduce-overhead`` forwards.
 
 The wrapping lives on the module instances, not in the engine, so every method gets it unchanged and
 eager decoding stays the reference the compiled one is tested against.
@@ -97,7 +97,7 @@ def _compile_forward(module: nn.Module, mode: str, backend: str) -> None:
 def compile_decoding(target: Target, drafter: Drafter | None = None, *, backend: str = "inductor") -> None:
     """Wrap, in place, the target transformer's forward (prefill and verification) and the drafter's,
     and make speculative decoding on ``target`` run its step kernels compiled (the tensor work between
-    forwards, ``vdtrain.decode.kernels``) and, on a GPU, record graph-safe steps as CUDA graphs.
+    forwards, ``vdtrain.decode.kernels``) and, on a GPU, record its steps as CUDA graphs.
 
     ``backend`` is torch.compile's (``inductor``; ``aot_eager`` traces without generating kernels). Call
     it once, after the target has its device and dtype and before decoding.

@@ -45,7 +45,7 @@ import torch
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
-from vdtrain.decode.graphs import Recorder, SplitStepGraph, StepGraph
+from vdtrain.decode.graphs import DeviceLog, Recorder, SplitStepGraph, StepGraph
 from vdtrain.decode.kernels import compiled_step_kernels, step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.sampling import (
@@ -152,8 +152,7 @@ class DecodeRun:
     fcache: torch.Tensor | None  # VVS: [R, L + N + spare, H] target feature at every verified slot
     root_feats: torch.Tensor | None  # [R, H] the drafter's feature for the next root (None: no drafter)
     root_logits: torch.Tensor | None  # [R, V] the drafter's logits for the next root's children
-    log: torch.Tensor  # [N, len(LOG_FIELDS), B] per-step counts, row ``step_index`` written next
-    step_index: torch.Tensor  # [1] long: steps taken (on the device, so a replayed step advances it)
+    log: DeviceLog  # per step: [len(LOG_FIELDS), B] counts
     draft_calls: int = 0
     calls: list[StepCalls] = field(default_factory=list)  # per step
 
@@ -167,8 +166,9 @@ class DecodeRun:
             if cache is not None:
                 cache.k.zero_()
                 cache.v.zero_()
-        for buffer in (self.out, self.pending, self.log, self.step_index):
-            buffer.zero_()
+        self.out.zero_()
+        self.pending.zero_()
+        self.log.clear()
         self.committed.fill_(1)
         self.rng.reseed(RowRandom.seeds_of(generators, self.out.device))
         self.draft_calls, self.calls = 0, []
@@ -190,7 +190,7 @@ class _Recorded(NamedTuple):
 
     key: tuple
     run: DecodeRun
-    step: StepGraph
+    step: Callable[[], StepCalls]  # a StepGraph, or a SplitStepGraph (VVS)
 
 
 class SpeculativeEngine:
@@ -407,8 +407,7 @@ class SpeculativeEngine:
             fcache=None,
             root_feats=None,
             root_logits=None,
-            log=torch.zeros(n_img, len(LOG_FIELDS), batch, **long),
-            step_index=torch.zeros(1, **long),
+            log=DeviceLog(n_img, len(LOG_FIELDS), batch, device=device),  # a step commits >= 1 token
         )
 
     @property
@@ -420,7 +419,7 @@ class SpeculativeEngine:
 
     def _step(self) -> StepCalls:
         """One step for the whole batch: draft, verify, accept, commit. It reads and writes the run's
-        tensors in place and appends its counts to ``run.log`` at ``run.step_index``, so a recorded step
+        tensors in place and appends its counts to ``run.log`` (a ``DeviceLog``), so a recorded step
         replays correctly; what it returns (drafter calls) is the same every step for a graph-safe method.
         A skipping schedule's plan is read from the device between its two parts (``_draft``, then
         ``_finish``), which are recorded separately (``SplitStepGraph``)."""
@@ -483,30 +482,30 @@ class SpeculativeEngine:
         return StepCalls(drafted.calls + commit_calls, skip_calls)
 
     def _log_step(self, plan, verdict: BatchVerdict | None, skip_committed, depth, roots_at) -> None:
-        """This step's per-prompt counts (``LOG_FIELDS``) into ``run.log`` at ``run.step_index``."""
+        """This step's per-prompt counts (``LOG_FIELDS``) appended to ``run.log``."""
         run, verify = self.run, plan.verify
         none = torch.zeros_like(run.committed)
         accepted = verdict.accepted if verdict is not None else none
         skipped = plan.skipped if plan.skipped is not None else torch.zeros_like(verify)
-        row = torch.stack(
-            [
-                verify.long(),
-                skipped.long(),
-                torch.where(verify, accepted + 1, skip_committed),
-                depth,
-                roots_at,
-                accepted,
-                verdict.relaxed if verdict is not None else none,
-            ]
+        run.log.append(
+            torch.stack(
+                [
+                    verify.long(),
+                    skipped.long(),
+                    torch.where(verify, accepted + 1, skip_committed),
+                    depth,
+                    roots_at,
+                    accepted,
+                    verdict.relaxed if verdict is not None else none,
+                ]
+            )
         )
-        run.log.index_copy_(0, run.step_index, row[None])
-        run.step_index += 1
 
     def _stats(self, prefill_calls: int) -> list[DecodeStats]:
         """Per-prompt ``DecodeStats`` from the step log: one read of the device for the whole decode."""
         run, batch = self.run, self.run.batch
         stats = [DecodeStats(target_forwards=1, drafter_forwards=prefill_calls) for _ in range(batch)]
-        table = run.log[: len(run.calls)].tolist()
+        table = run.log.tolist(len(run.calls))
         for calls, rows in zip(run.calls, table, strict=True):
             for b in range(batch):
                 verified, skipped, count, depth, root, accepted, relaxed = (row[b] for row in rows)

@@ -54,6 +54,28 @@ def _recording() -> Iterator[None]:
         _RECORDING.reset(token)
 
 
+class DeviceLog:
+    """Long rows appended at a count kept on the device: a recorded step, replayed without Python, still
+    appends its row at the next place. Read back in one transfer."""
+
+    def __init__(self, capacity: int, *row: int, device: torch.device | str | None = None) -> None:
+        self.rows = torch.zeros(capacity, *row, dtype=torch.long, device=device)
+        self.count = torch.zeros(1, dtype=torch.long, device=device)
+
+    def append(self, row: torch.Tensor) -> None:
+        self.rows.index_copy_(0, self.count, row[None].long())
+        self.count += 1
+
+    def clear(self) -> None:
+        """Empty, in place."""
+        self.rows.zero_()
+        self.count.zero_()
+
+    def tolist(self, count: int | None = None) -> list:
+        """The first ``count`` rows (default: all appended, which reads the count from the device)."""
+        return self.rows[: int(self.count) if count is None else count].tolist()
+
+
 def record_cuda_graph(
     step: Callable[[], T], stream: torch.cuda.Stream | None
 ) -> tuple[T, Callable[[], object], bool]:

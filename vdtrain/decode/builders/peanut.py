@@ -50,7 +50,7 @@ import torch
 from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.builders.base import StepState
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
-from vdtrain.decode.graphs import recording
+from vdtrain.decode.graphs import DeviceLog, recording
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.trees import DraftTree
 
@@ -155,9 +155,7 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         self.depth_grid = self.width_grid = None  # [B, h·w + 1], −1 where unset; the last column is scratch
         self.alpha: torch.Tensor | None = None  # [B] the previous tree's acceptance rate, NaN before one
         self.planned = None  # [B, 2] (d̂, k̂) of the current tree
-        # Per verified step (verified, root, d̂, k̂, accepted) [steps, B, 5], written at ``logged``.
-        self.log: torch.Tensor | None = None
-        self.logged: torch.Tensor | None = None  # [1] steps observed
+        self.log: DeviceLog | None = None  # per verified step: (verified, root, d̂, k̂, accepted) [B, 5]
         # Draws when the engine passes no per-prompt randomness: seeded with ``seed + b``.
         self._own_rng = RowRandom(torch.arange(batch, dtype=torch.long) + self.seed)
         if self.grid is not None:
@@ -170,8 +168,7 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         self.width_grid = torch.empty(self.batch, n + 1, **long)
         self.alpha = torch.empty(self.batch, device=device)
         self.planned = torch.empty(self.batch, 2, **long)
-        self.log = torch.empty(n, self.batch, 5, **long)  # a step commits at least one token
-        self.logged = torch.empty(1, **long)
+        self.log = DeviceLog(n, self.batch, 5, device=device)  # a step commits at least one token
         self._restart()
 
     def _restart(self) -> None:
@@ -180,8 +177,7 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         self.width_grid.fill_(-1)
         self.alpha.fill_(float("nan"))
         self.planned[:, 0], self.planned[:, 1] = self.d_init, self.k_init
-        self.log.zero_()
-        self.logged.zero_()
+        self.log.clear()
         self._own_rng.reseed(torch.arange(self.batch, dtype=torch.long) + self.seed)
 
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
@@ -248,9 +244,7 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         # A depth-0 tree (the image's last token) says nothing about α.
         measured = verified & (depth > 0)
         self.alpha.copy_(torch.where(measured, accepted / depth.clamp_min(1), self.alpha))
-        row = torch.stack([verified.long(), roots_at, self.planned[:, 0], self.planned[:, 1], accepted], 1)
-        self.log.index_copy_(0, self.logged, row[None])
-        self.logged += 1
+        self.log.append(torch.stack([verified.long(), roots_at, *self.planned.unbind(1), accepted], 1))
 
     # --- views ---------------------------------------------------------------------------------------
     @property
@@ -259,7 +253,7 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         rows: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.batch)]
         if self.log is None:
             return rows
-        for step in self.log[: int(self.logged)].tolist():
+        for step in self.log.tolist():
             for b, (verified, root, d, k, accepted) in enumerate(step):
                 if verified:
                     rows[b].append((root, d, k, accepted))
