@@ -175,6 +175,22 @@ def test_topk_ties_go_to_the_lower_index():
     assert ranked(scores, valid, 4).tolist() == [[0, 2, 1, 4]]  # the invalid best comes last
 
 
+def test_topk_ties_go_to_the_lower_index_on_random_tie_heavy_rows():
+    """Against a sort by (−value, index) in Python: few distinct values, −inf and −0.0, every k."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n = int(torch.randint(1, 30, (1,), generator=g))
+        k = int(torch.randint(1, n + 1, (1,), generator=g))
+        values = torch.randint(-2, 3, (2, 3, n), generator=g).float()
+        if trial % 2:
+            values[values == -2] = float("-inf")
+            values[values == 1] = -0.0
+        got_values, got_index = topk_low_index_first(values, k)
+        for row, index in zip(values.flatten(0, 1).tolist(), got_index.flatten(0, 1).tolist(), strict=True):
+            assert index == sorted(range(n), key=lambda i, row=row: (-row[i], i))[:k], (row, k)
+        assert torch.equal(got_values, values.gather(-1, got_index))
+
+
 def stub_engine(logits: torch.Tensor, n_img: int = 16, prefix: int = 3) -> SimpleNamespace:
     """Just what ``build`` uses of an engine: the drafter returns ``logits`` [V] for every row."""
 

@@ -51,6 +51,7 @@ from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.sampling import (
     SamplingConfig,
     cfg_batch,
+    distribution,
     next_tokens,
     probabilities,
     processed_logits,
@@ -529,10 +530,9 @@ class SpeculativeEngine:
     def _judge(self, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, BatchVerdict]:
         """The target's logits at the tree nodes [R, T, V] → (p [B, T, V], every row's verdict). At T = 0
         rules that ask for it also see the softmax of the same filtered logits."""
-        p_nodes = probabilities(*split_cfg(logits, self.sampling), self.sampling)
-        p_relax = None
-        if self.sampling.greedy and self.accept.needs_soft_p:
-            p_relax = processed_logits(*split_cfg(logits, self.sampling), self.sampling).softmax(-1)
+        processed = processed_logits(*split_cfg(logits, self.sampling), self.sampling)
+        p_nodes = distribution(processed, self.sampling)
+        p_relax = processed.softmax(-1) if self.sampling.greedy and self.accept.needs_soft_p else None
         return p_nodes, self._accept(tree, p_nodes, p_relax)
 
     def _accept(self, tree: DraftTree, p_nodes: torch.Tensor, p_relax: torch.Tensor | None) -> BatchVerdict:

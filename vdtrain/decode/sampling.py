@@ -45,7 +45,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     (the token that crosses the threshold is kept).
     """
     if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        kth = torch.topk(logits, top_k, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # no sort needed
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
@@ -66,10 +66,14 @@ def processed_logits(cond: torch.Tensor, uncond: torch.Tensor | None, config: Sa
 
 def probabilities(cond: torch.Tensor, uncond: torch.Tensor | None, config: SamplingConfig) -> torch.Tensor:
     """The target (or drafter) distribution p over image tokens; one-hot of the argmax at T=0."""
-    logits = processed_logits(cond, uncond, config)
+    return distribution(processed_logits(cond, uncond, config), config)
+
+
+def distribution(processed: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """``processed_logits`` → p: their softmax, or at T=0 the one-hot of their argmax."""
     if config.greedy:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return logits.softmax(-1)
+        return torch.zeros_like(processed).scatter_(-1, processed.argmax(-1, keepdim=True), 1.0)
+    return processed.softmax(-1)
 
 
 def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:

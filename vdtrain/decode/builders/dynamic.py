@@ -44,14 +44,27 @@ if TYPE_CHECKING:
 def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` largest float32 ``values`` along the last dim, equal values in ascending index order.
 
-    One ``topk`` over an int64 key: the float's order-preserving int32 image in the high half, the
-    reversed index in the low half (so the key is unique and ties resolve the same on every device).
+    Two float ``topk`` over the full width and small sorts over ``k``: the first finds the k-th largest
+    value and every larger one; the second, over negated indices where a value equals the k-th, picks
+    the lowest-index ties to fill the rest. (Integer keys over the full width cost several times more
+    on a CPU.) Comparisons are float, so −0.0 ties +0.0.
     """
+    values = values.float()
     n = values.shape[-1]
-    bits = (values.float() + 0.0).view(torch.int32).long()  # + 0.0 folds −0.0 into +0.0
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = ordered * 2**32 + (n - 1 - torch.arange(n, device=values.device))
-    index = key.topk(k, dim=-1).indices
+    if n > 2**24:
+        raise ValueError(f"{n} columns: indices above 2**24 are not exact as float32")
+    top_values, top_index = values.topk(k, dim=-1)  # descending; ties in unspecified order
+    kth = top_values[..., -1:]
+    above = (top_values > kth).sum(-1, keepdim=True)  # these come first, all of them are in top
+    by_index = top_index.sort(dim=-1).indices  # ties above the k-th: ascending index, by a stable sort
+    top_values, top_index = top_values.gather(-1, by_index), top_index.gather(-1, by_index)
+    order = top_values.sort(dim=-1, descending=True, stable=True).indices
+    top_index = top_index.gather(-1, order)
+    minus_index = -torch.arange(n, device=values.device, dtype=torch.float32)
+    tied = torch.where(values == kth, minus_index, float("-inf")).topk(k, dim=-1).values  # lowest first
+    position = torch.arange(k, device=values.device)
+    tied_index = (-tied.gather(-1, (position - above).clamp_min(0))).long()
+    index = torch.where(position < above, top_index, tied_index)
     return values.gather(-1, index), index
 
 
