@@ -1,20 +1,24 @@
-"""What the step kernels cost: ATen ops per step outside the forwards, and each kernel's call time eager
-and compiled (``vdtrain.decode.kernels``).
+"""What the step kernels cost: ATen ops per step outside the forwards, the ops that take the most time
+there, and each kernel's call time eager and compiled (``vdtrain.decode.kernels``).
 
     python -m benchmarks.step_kernels                      # eagle2 on the shapes target, B = 1, CPU
     python -m benchmarks.step_kernels --preset sjd --batch 4 --backend inductor
+    python -m benchmarks.step_kernels --target llamagen-b --calls 0   # real vocabulary; op table only
 
-One decode of the held-out captions runs under a dispatch-level counter (forwards excluded: the target's
-``forward_tokens`` and the drafter's ``forward`` / ``logits``, as in ``PhaseTimer``), and records the first
-arguments each kernel of the engine and its builder was called with. Each kernel is then called again with
-those arguments ``--calls`` times, eagerly and compiled (after a warm-up call that compiles it), and the
-mean time per call is printed. Kernels that change tensors in place (the commit) are timed on the same
-arguments again; their values do not matter for the timing.
+One decode (of held-out captions on the shapes target, of random caption features on the random-weight
+targets of ``benchmarks.step_cost``) runs under a dispatch-level counter (forwards excluded: the target's
+``forward_tokens`` and the drafter's ``forward`` / ``logits``, as in ``PhaseTimer``) that also times each
+op outside the forwards (wall time around the call: on a CPU the kernel's time, on a GPU only its launch),
+and records the first arguments each kernel of the engine and its builder was called with. Each kernel
+is then called again with those arguments ``--calls`` times, eagerly and compiled (after a warm-up call
+that compiles it), and the mean time per call is printed. Kernels that change tensors in place (the
+commit) are timed on the same arguments again; their values do not matter for the timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from collections import Counter
 from collections.abc import Callable
 from itertools import pairwise
@@ -23,22 +27,28 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.step_cost import _generators, _now, conditions, load
+from benchmarks.step_cost import RANDOM_CHAMELEON, RANDOM_TARGETS, _generators, _now, conditions, load
 from vdtrain.decode.kernels import compiled_step_kernels
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.profiling import phase_methods
 
 
 class _Ops(TorchDispatchMode):
-    """ATen ops outside the forwards, per engine step."""
+    """ATen ops outside the forwards, per engine step, and the seconds spent in each kind."""
 
     def __init__(self) -> None:
         super().__init__()
         self.in_forward, self.ops, self.marks = 0, 0, [0]
+        self.seconds: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += self.in_forward == 0
-        return func(*args, **(kwargs or {}))
+        if self.in_forward:
+            return func(*args, **(kwargs or {}))
+        self.ops += 1
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.seconds[str(func.overloadpacket)] += time.perf_counter() - start
+        return out
 
     def on_step(self, *_: object) -> None:
         self.marks.append(self.ops)
@@ -81,9 +91,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", default="eagle2")
+    parser.add_argument("--target", default="shapes", choices=["shapes", *RANDOM_TARGETS, *RANDOM_CHAMELEON])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled calls")
-    parser.add_argument("--calls", type=int, default=200, help="timed calls per kernel and mode")
+    parser.add_argument(
+        "--calls", type=int, default=200, help="timed calls per kernel and mode (0: no kernel table)"
+    )
+    parser.add_argument("--top", type=int, default=12, help="rows of the op-time table")
     parser.add_argument("--drafter", default="checkpoints/shapes/drafter")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
@@ -91,10 +105,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    target, drafter = load("shapes", device, args.drafter, args.seed)
+    target, drafter = load(args.target, device, args.drafter, args.seed)
     config = load_preset(args.preset)
     engine = build_method(config, target, drafter if config.needs_drafter else None, target.sampling_defaults)
-    cond = conditions(target, "shapes", args.batch, args.batch, args.seed)[0]
+    cond = conditions(target, args.target, args.batch, args.batch, args.seed)[0]
     gens = _generators(device, args.seed, 0, args.batch)
 
     counter, seen, calls = _Ops(), {}, Counter()
@@ -109,9 +123,21 @@ def main() -> None:
     steps = [b - a for a, b in pairwise(counter.marks[1:])]  # every step but the first (the prefill)
     ops = sum(steps) / len(steps)
     print(
-        f"{args.preset}, B = {args.batch}, shapes target, {args.device}: {len(steps)} steps after the first,"
+        f"{args.preset}, B = {args.batch}, {args.target} target, {args.device}: "
+        f"{len(steps)} steps after the first,"
     )
     print(f"{ops:.0f} ATen ops per step outside the forwards\n")
+
+    per_step = len(steps) + 1  # the op times include the first step's: a small overstatement
+    total = sum(counter.seconds.values())
+    print(f"Time in ops outside the forwards: {total / per_step * 1e3:.2f} ms per step\n")
+    print("| op | ms per step | share |")
+    print("|---|---|---|")
+    for op, seconds in counter.seconds.most_common(args.top):
+        print(f"| {op} | {seconds / per_step * 1e3:.3f} | {seconds / total:.0%} |")
+    if args.calls == 0:
+        return
+    print()
 
     print("| kernel | calls per step | eager µs | compiled µs |")
     print("|---|---|---|---|")
