@@ -174,6 +174,29 @@ def test_gsd_group_on_a_hand_made_example():
     assert Grouped(emb, group_size=1, delta_p=1.0, max_distance=10.0).group(p, 0).tolist() == []
 
 
+def test_gsd_batched_window_is_the_sorted_one_on_tie_heavy_rows():
+    """``group_batch`` (no sort: a rank count and two index-ordered top-k) against ``group`` (a sort of the
+    vocabulary), every token of tie-heavy rows, windows clipped at both ends of the ranking."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(120):
+        vocab = int(torch.randint(1, 20, (1,), generator=g))
+        emb = torch.randn(vocab, 3, generator=g)
+        size = int(torch.randint(2, 16, (1,), generator=g))
+        rule = Grouped(emb, group_size=size, delta_p=0.4, max_distance=float(torch.rand(1, generator=g)) * 8)
+        p = (
+            torch.randint(0, 4, (vocab,), generator=g).double()
+            if trial % 2
+            else torch.rand(vocab, generator=g).double()
+        )
+        p = p / p.sum().clamp_min(1e-9)
+        x = torch.arange(vocab)
+        window, member = rule.group_batch(p.expand(vocab, -1), x)
+        for token in range(vocab):
+            assert window[token][member[token]].tolist() == rule.group(p, token).tolist(), (p, token, size)
+            inside = window[token][window[token] != token]
+            assert len(set(inside.tolist())) == len(inside)  # a scatter over the window writes once per token
+
+
 def test_gsd_accepts_with_the_group_mass_for_point_mass_drafts():
     p = torch.tensor([0.05, 0.1, 0.5, 0.15, 0.1, 0.1], dtype=torch.float64)
     emb = torch.zeros(6, 1)  # every token is close: the window and δ_p decide

@@ -35,37 +35,11 @@ import torch
 
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
 from vdtrain.decode.kernels import step_kernel
+from vdtrain.decode.ranking import topk_by_index
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
     from vdtrain.decode.engine import ImageColumns, SpeculativeEngine
-
-
-def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest float32 ``values`` along the last dim, equal values in ascending index order.
-
-    Two float ``topk`` over the full width and small sorts over ``k``: the first finds the k-th largest
-    value and every larger one; the second, over negated indices where a value equals the k-th, picks
-    the lowest-index ties to fill the rest. (Integer keys over the full width cost several times more
-    on a CPU.) Comparisons are float, so −0.0 ties +0.0.
-    """
-    values = values.float()
-    n = values.shape[-1]
-    if n > 2**24:
-        raise ValueError(f"{n} columns: indices above 2**24 are not exact as float32")
-    top_values, top_index = values.topk(k, dim=-1)  # descending; ties in unspecified order
-    kth = top_values[..., -1:]
-    above = (top_values > kth).sum(-1, keepdim=True)  # these come first, all of them are in top
-    by_index = top_index.sort(dim=-1).indices  # ties above the k-th: ascending index, by a stable sort
-    top_values, top_index = top_values.gather(-1, by_index), top_index.gather(-1, by_index)
-    order = top_values.sort(dim=-1, descending=True, stable=True).indices
-    top_index = top_index.gather(-1, order)
-    minus_index = -torch.arange(n, device=values.device, dtype=torch.float32)
-    tied = torch.where(values == kth, minus_index, float("-inf")).topk(k, dim=-1).values  # lowest first
-    position = torch.arange(k, device=values.device)
-    tied_index = (-tied.gather(-1, (position - above).clamp_min(0))).long()
-    index = torch.where(position < above, top_index, tied_index)
-    return values.gather(-1, index), index
 
 
 def ranked(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
@@ -184,7 +158,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         batch, device = len(roots), roots.device
         col = torch.arange(size, device=device)
         kid_ok = (col[None, :, None] < widths[:, None, None]) & (col[None, None, :] < widths[:, None, None])
-        front_logq, front_tok = topk_low_index_first(self._logq(engine, state.root_logits), size)
+        front_logq, front_tok = topk_by_index(self._logq(engine, state.root_logits), size)
         front_score = front_logq.double()
         root = Layer(
             roots[:, None],
@@ -237,7 +211,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
 
     def _candidates(self, engine, state: StepState, front: Frontier, logits, r: int, size: int) -> Layer:
         """Round ``r``'s ``K·K`` candidates: frontier node ``j``'s child of rank ``c`` at ``j·K + c``."""
-        kid_logq, kid_tok = topk_low_index_first(self._logq(engine, logits), size)  # [B, K, K]
+        kid_logq, kid_tok = topk_by_index(self._logq(engine, logits), size)  # [B, K, K]
         grow = (front.plan.rounds >= r) & (state.depth_limit >= r + 1)
         tokens = kid_tok.flatten(1)
         return Layer(
