@@ -1,30 +1,25 @@
-"""``topk_by_index``: the k largest values with ties in index order, against a Python sort."""
+"""``topk_by_index``: the k largest values with ties in ascending index order, against a Python sort."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from vdtrain.decode.ranking import topk_by_index
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("low_index_first", [True, False])
-def test_matches_a_sort_by_value_then_index_on_tie_heavy_rows(dtype, low_index_first):
+def test_matches_a_sort_by_value_then_index_on_tie_heavy_rows():
     """Few distinct values, −inf and −0.0, every k."""
     g = torch.Generator().manual_seed(0)
-    sign = 1 if low_index_first else -1
-    for trial in range(200):
+    for trial in range(300):
         n = int(torch.randint(1, 30, (1,), generator=g))
         k = int(torch.randint(1, n + 1, (1,), generator=g))
-        values = torch.randint(-2, 3, (2, 3, n), generator=g).to(dtype)
+        values = torch.randint(-2, 3, (2, 3, n), generator=g).float()
         if trial % 2:
             values[values == -2] = float("-inf")
             values[values == 1] = -0.0
-        got_values, got_index = topk_by_index(values, k, low_index_first=low_index_first)
+        got_values, got_index = topk_by_index(values, k)
         for row, index in zip(values.flatten(0, 1).tolist(), got_index.flatten(0, 1).tolist(), strict=True):
-            assert index == sorted(range(n), key=lambda i, row=row: (-row[i], sign * i))[:k], (row, k)
-        assert got_values.dtype == dtype
+            assert index == sorted(range(n), key=lambda i, row=row: (-row[i], i))[:k], (row, k)
         assert torch.equal(got_values, values.gather(-1, got_index))
 
 

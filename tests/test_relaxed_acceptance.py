@@ -175,8 +175,8 @@ def test_gsd_group_on_a_hand_made_example():
 
 
 def test_gsd_batched_window_is_the_sorted_one_on_tie_heavy_rows():
-    """``group_batch`` (no sort: a rank count and two index-ordered top-k) against ``group`` (a sort of the
-    vocabulary), every token of tie-heavy rows, windows clipped at both ends of the ranking."""
+    """``group_batch`` (every row at once) against ``group`` (one token), every token of tie-heavy rows,
+    windows clipped at both ends of the ranking."""
     g = torch.Generator().manual_seed(0)
     for trial in range(120):
         vocab = int(torch.randint(1, 20, (1,), generator=g))
@@ -193,8 +193,6 @@ def test_gsd_batched_window_is_the_sorted_one_on_tie_heavy_rows():
         window, member = rule.group_batch(p.expand(vocab, -1), x)
         for token in range(vocab):
             assert window[token][member[token]].tolist() == rule.group(p, token).tolist(), (p, token, size)
-            inside = window[token][window[token] != token]
-            assert len(set(inside.tolist())) == len(inside)  # a scatter over the window writes once per token
 
 
 def test_gsd_accepts_with_the_group_mass_for_point_mass_drafts():

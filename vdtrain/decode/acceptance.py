@@ -53,7 +53,6 @@ from typing import ClassVar
 
 import torch
 
-from vdtrain.decode.ranking import topk_by_index
 from vdtrain.decode.rng import inverse_cdf
 from vdtrain.decode.trees import DraftTree
 
@@ -323,40 +322,21 @@ class Grouped(Rule):
         return window[close_p & (dist < self.max_distance)]
 
     def group_batch(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rank window without sorting the vocabulary: x's rank is a count, and the tokens ranked just
-        before and just after x are two index-ordered top-k (``topk_by_index``). Slot ``s`` holds the
-        token of rank ``lo + s`` (``lo`` = x's rank − G//2, clipped at 0), the layout ``group`` slices;
-        slots outside the window hold x itself, so a scatter over the window writes each token once."""
         if self.group_size == 1:
             return super().group_batch(p, x)
-        vocab, size, half = p.shape[-1], self.group_size, self.group_size // 2
-        xs = x.unsqueeze(-1)
-        p_x = p.gather(-1, xs)
-        index = torch.arange(vocab, device=p.device)
-        tie = p == p_x
-        before = (p > p_x) | (tie & (index < xs))  # ranked before x (descending p, ties by token id)
-        after = (p < p_x) | (tie & (index > xs))
-        rank = before.sum(-1, keepdim=True)
-        n_before = rank.clamp_max(half)  # window slots before x's
-        n_after = min(size - half - 1, vocab - 1)
-        # Nearest first: the smallest p before x (ties: highest id), the largest after it (lowest id).
-        _, above = topk_by_index(
-            torch.where(before, -p, float("-inf")), min(half, vocab), low_index_first=False
+        vocab, size = p.shape[-1], self.group_size
+        order = p.sort(dim=-1, descending=True, stable=True).indices  # ties by token id, as in ``group``
+        place = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(vocab, device=p.device).expand_as(order)
         )
-        slot = torch.arange(size, device=p.device)
-        from_above = above.gather(-1, (n_before - 1 - slot).clamp(0, above.shape[-1] - 1))
-        from_below = xs.expand_as(from_above)
-        if n_after:
-            _, below = topk_by_index(torch.where(after, p, float("-inf")), n_after, low_index_first=True)
-            from_below = below.gather(-1, (slot - n_before - 1).clamp(0, n_after - 1))
-        lo = rank - n_before
-        in_window = (lo + slot < rank - half + size) & (lo + slot < vocab) & (slot != n_before)
-        window = torch.where(slot < n_before, from_above, from_below)
-        window = torch.where(in_window, window, xs)
-        close_p = (p.gather(-1, window) - p_x).abs() < self.delta_p
+        start = place.gather(-1, x.unsqueeze(-1)) - size // 2  # [..., 1]: x's rank minus half the window
+        slots = start.clamp_min(0) + torch.arange(size, device=p.device)
+        in_window = (slots < start + size) & (slots < vocab)
+        window = order.gather(-1, slots.clamp_max(vocab - 1))  # [..., G]
+        close_p = (p.gather(-1, window) - p.gather(-1, x.unsqueeze(-1))).abs() < self.delta_p
         emb = self.embeddings.to(p.device)
         dist = (emb[window] - emb[x].unsqueeze(-2)).pow(2).sum(-1)
-        return window, in_window & close_p & (dist < self.max_distance)
+        return window, in_window & (window != x.unsqueeze(-1)) & close_p & (dist < self.max_distance)
 
 
 # --- batched acceptance ------------------------------------------------------------------------------
