@@ -35,11 +35,24 @@ import torch
 
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
 from vdtrain.decode.kernels import step_kernel
-from vdtrain.decode.ranking import topk_by_index
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
     from vdtrain.decode.engine import ImageColumns, SpeculativeEngine
+
+
+def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest float32 ``values`` along the last dim, equal values in ascending index order.
+
+    One ``topk`` over an int64 key: the float's order-preserving int32 image in the high half, the
+    reversed index in the low half (so the key is unique and ties resolve the same on every device).
+    """
+    n = values.shape[-1]
+    bits = (values.float() + 0.0).view(torch.int32).long()  # + 0.0 folds −0.0 into +0.0
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    key = ordered * 2**32 + (n - 1 - torch.arange(n, device=values.device))
+    index = key.topk(k, dim=-1).indices
+    return values.gather(-1, index), index
 
 
 def ranked(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
@@ -158,7 +171,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         batch, device = len(roots), roots.device
         col = torch.arange(size, device=device)
         kid_ok = (col[None, :, None] < widths[:, None, None]) & (col[None, None, :] < widths[:, None, None])
-        front_logq, front_tok = topk_by_index(self._logq(engine, state.root_logits), size)
+        front_logq, front_tok = topk_low_index_first(self._logq(engine, state.root_logits), size)
         front_score = front_logq.double()
         root = Layer(
             roots[:, None],
@@ -211,7 +224,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
 
     def _candidates(self, engine, state: StepState, front: Frontier, logits, r: int, size: int) -> Layer:
         """Round ``r``'s ``K·K`` candidates: frontier node ``j``'s child of rank ``c`` at ``j·K + c``."""
-        kid_logq, kid_tok = topk_by_index(self._logq(engine, logits), size)  # [B, K, K]
+        kid_logq, kid_tok = topk_low_index_first(self._logq(engine, logits), size)  # [B, K, K]
         grow = (front.plan.rounds >= r) & (state.depth_limit >= r + 1)
         tokens = kid_tok.flatten(1)
         return Layer(
