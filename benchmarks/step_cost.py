@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from vdtrain.decode.compiled import compile_decoding
-from vdtrain.decode.engine import LOG_FIELDS, SpeculativeEngine
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.profiling import PHASES, PhaseTimer, StepTimes
 from vdtrain.decode.sampling import SamplingConfig
@@ -244,8 +244,7 @@ class StepClock:
         self.marks.append(_now(self.device))
 
     def steps(self) -> tuple[StepTimes | None, list[StepTimes]]:
-        run = self.engine.run
-        verified = run.log.rows[: len(run.calls), LOG_FIELDS.index("verified")].any(1).tolist()
+        verified = self.engine.run.verified_steps()
         unknown = {p: math.nan for p in PHASES}
         marks = pairwise(self.marks)
         out = [StepTimes(b - a, unknown, math.nan, v) for (a, b), v in zip(marks, verified, strict=True)]

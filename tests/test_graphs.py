@@ -3,9 +3,8 @@
 A CUDA graph replays the kernels its capture saw, on the tensors it saw: a step that rebinds run state,
 reads the device or bakes a per-step host value into its ops would replay wrongly. On the CPU ``record_fx``
 records the same way (``make_fx``: the step's ATen ops, replayed on the same tensors), so these tests
-check every graph-safe preset without a GPU: the same tokens and counts as eager steps at T = 0 and
-T > 0, no host sync or host-to-device copy inside a step, and the presets that are not graph-safe
-keep running eagerly.
+check every speculative preset without a GPU: the same tokens and counts as eager steps at T = 0 and
+T > 0, and no host sync or host-to-device copy inside a step.
 """
 
 from __future__ import annotations

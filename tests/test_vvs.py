@@ -23,7 +23,7 @@ from test_engine import assert_cache_is_fresh_prefill
 from vdtrain.decode.acceptance import Lantern
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
 from vdtrain.decode.builders.static import StaticTreeBuilder
-from vdtrain.decode.engine import LOG_FIELDS, SpeculativeEngine
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import ScheduleConfig, verification_schedule
 from vdtrain.decode.metrics import summarize
 from vdtrain.decode.neighbours import latent_neighbours
@@ -220,10 +220,9 @@ def test_a_step_every_prompt_skips_runs_no_target_forward():
 
     target.forward_tokens = counted
     engine.generate(tiny_condition(), generators(2))
-    steps = len(engine.run.calls)
-    verified = engine.run.log.rows[:steps, LOG_FIELDS.index("verified")].any(1).tolist()
-    verifying = [i for i in range(steps) if verified[i]]
-    assert forwards == verifying and len(verifying) < steps  # some steps had no forward
+    verified = engine.run.verified_steps()
+    verifying = [i for i, v in enumerate(verified) if v]
+    assert forwards == verifying and len(verifying) < len(verified)  # some steps had no forward
 
 
 # --- metrics ------------------------------------------------------------------------------------------

@@ -169,10 +169,16 @@ class DecodeRun:
                 cache.v.zero_()
         self.out.zero_()
         self.pending.zero_()
+        if self.fcache is not None:
+            self.fcache.zero_()
         self.log.clear()
         self.committed.fill_(1)
         self.rng.reseed(RowRandom.seeds_of(generators, self.out.device))
         self.draft_calls, self.calls = 0, []
+
+    def verified_steps(self) -> list[bool]:
+        """Per step so far: whether any prompt was verified (a VVS step may skip the target)."""
+        return self.log.rows[: len(self.calls), LOG_FIELDS.index("verified")].any(1).tolist()
 
 
 class Drafted(NamedTuple):
@@ -352,12 +358,10 @@ class SpeculativeEngine:
         pre = target.prefill(stream, run.tcache)
         run.out[:, 0] = next_tokens(*split_cfg(pre.logits[:, -1], sampling), sampling, generators)
         if skipping:
-            if run.fcache is None:
+            if run.fcache is None:  # a reused run keeps its own, zeroed by ``restart``
                 run.fcache = pre.hidden.new_zeros(
                     len(stream), target.max_seq_len + extra + chain, pre.hidden.shape[-1]
                 )
-            else:  # a reused run: in place
-                run.fcache.zero_()
             run.fcache[:, :prefix] = pre.hidden
         if use_drafter:
             # Drafter rows 0 .. L-1: zero embeddings inside the prefix, then x_0 (as in training).
