@@ -40,9 +40,9 @@ from pathlib import Path
 
 import torch
 
-from vdtrain.decode.compiled import compile_decoding
+from vdtrain.decode.compiled import prepare_decoding, record_steps
 from vdtrain.decode.engine import SpeculativeEngine
-from vdtrain.decode.methods import build_method, load_preset
+from vdtrain.decode.methods import build_method, load_preset, preset_names
 from vdtrain.decode.profiling import PHASES, PhaseTimer, StepTimes
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
@@ -52,7 +52,7 @@ from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
 from vdtrain.models.llamagen_gpt import GPT_PRESETS, GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.prompts import shapes_heldout_captions
-from vdtrain.targets import load_target_folder
+from vdtrain.targets import cast_for_inference, load_target_folder
 from vdtrain.targets.base import Condition, Target
 from vdtrain.targets.chameleon import (
     FAMILY_SAMPLING,
@@ -100,6 +100,8 @@ class Row:
     s_from: str | None  # whose S the projection uses (None: none measured)
     measured_speedup: float  # AR decode time / method decode time, same prompts
     verified_steps: int
+    startup_s: float  # the method's first decode of the first batch beyond a warm one (capture, compile)
+    ar_startup_s: float  # the same for AR
 
 
 # --- targets ------------------------------------------------------------------------------------------
@@ -111,9 +113,9 @@ def random_llamagen(size: str, device: torch.device, seed: int) -> tuple[Target,
     vq = VQModel(
         VQConfig(ch=8, ch_mult=(1, 1, 1, 1, 1), num_res_blocks=1, z_channels=8, norm_groups=4)
     ).eval()
-    target = LlamaGenTarget(
-        LlamaGenGPT(config).eval(), VQTokenizer(vq, image_size=256), None, size, LLAMAGEN_SAMPLING
-    ).to(device)
+    with torch.device(device):  # XL's 775M parameters initialised where they run
+        gpt = LlamaGenGPT(config).eval()
+    target = LlamaGenTarget(gpt, VQTokenizer(vq, image_size=256), None, size, LLAMAGEN_SAMPLING).to(device)
     drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
     return target, drafter.attach(target)
 
@@ -152,13 +154,20 @@ def random_chameleon(size: str, device: torch.device, seed: int) -> tuple[Target
     return target, drafter.attach(target)
 
 
-def load(name: str, device: torch.device, drafter_folder: str, seed: int) -> tuple[Target, Drafter]:
+def load(
+    name: str, device: torch.device, drafter_folder: str, seed: int, dtype: str = "fp32"
+) -> tuple[Target, Drafter]:
+    """The target and its drafter on ``device``, the target cast to ``dtype`` (``target.dtype``'s cast)
+    and the drafter moved to it."""
     if name == "shapes":
         target = load_target_folder(None, device)
-        return target, load_drafter(drafter_folder, target).to(device).eval()
-    if name in RANDOM_CHAMELEON:
-        return random_chameleon(name, device, seed)
-    return random_llamagen(name, device, seed)
+        drafter = load_drafter(drafter_folder, target).to(device).eval()
+    elif name in RANDOM_CHAMELEON:
+        target, drafter = random_chameleon(name, device, seed)
+    else:
+        target, drafter = random_llamagen(name, device, seed)
+    target = cast_for_inference(target, dtype)
+    return target, drafter.to(target.dtype)
 
 
 def conditions(target: Target, name: str, prompts: int, batch: int, seed: int) -> list[Condition]:
@@ -209,20 +218,40 @@ def forward_times(target: Target) -> Iterator[list[float]]:
         del target.forward_tokens
 
 
-def time_ar(target: Target, conds: Sequence[Condition], seed: int, sampling) -> tuple[float, float]:
-    """(seconds per AR step, whole decode seconds)."""
+class ARClock:
+    """AR's step time from its step hook: a synchronised clock read at the first and the last step only,
+    so the steps between run as they would unobserved (AR reads nothing from the device)."""
+
+    def __init__(self, device: torch.device, steps: int) -> None:
+        self.device, self.steps, self.count, self.marks = device, steps, 0, []
+
+    def on_step(self) -> None:
+        self.count += 1
+        if self.count in (1, self.steps):
+            self.marks.append(_now(self.device))
+
+    def seconds_per_step(self) -> float:
+        return (self.marks[1] - self.marks[0]) / (self.steps - 1)
+
+
+def time_ar(target: Target, conds: Sequence[Condition], seed: int, sampling) -> tuple[float, float, float]:
+    """(seconds per AR step, whole decode seconds, start-up seconds)."""
     method = build_method(load_preset("ar"), target, None, sampling)
-    method.generate(conds[0], _generators(target.device, seed, 0, len(conds[0])))  # warm-up
-    intervals, total, start = [], 0.0, 0
+    first = _generators(target.device, seed, 0, len(conds[0]))
+    t0 = _now(target.device)
+    method.generate(conds[0], first)  # warm-up: records the step, compiles
+    cold = _now(target.device) - t0
+    steps, total, start, warm = [], 0.0, 0, None
     for cond in conds:
         gens = _generators(target.device, seed, start, len(cond))
-        with forward_times(target) as stamps:
-            t0 = _now(target.device)
-            method.generate(cond, gens)
-            total += _now(target.device) - t0
-        intervals += [b - a for a, b in pairwise(stamps)]
+        clock = ARClock(target.device, target.num_image_tokens - 1)
+        t0 = _now(target.device)
+        method.generate(cond, gens, on_step=clock.on_step)
+        total += _now(target.device) - t0
+        warm = total if warm is None else warm
+        steps.append(clock.seconds_per_step())
         start += len(cond)
-    return sum(intervals) / len(intervals), total
+    return sum(steps) / len(steps), total, max(0.0, cold - warm)
 
 
 class StepClock:
@@ -255,8 +284,10 @@ def time_method(target, drafter, preset: str, conds, seed: int, sampling) -> dic
     """Per verified step: seconds, phases, forwards (NaN for recorded steps); S and whole-decode
     seconds."""
     method = build_method(load_preset(preset), target, drafter, sampling)
+    t0 = _now(target.device)
     method.generate(conds[0], _generators(target.device, seed, 0, len(conds[0])))  # warm-up
-    steps, stats, total, start = [], [], 0.0, 0
+    cold = _now(target.device) - t0
+    steps, stats, total, start, warm = [], [], 0.0, 0, None
     for cond in conds:
         gens = _generators(target.device, seed, start, len(cond))
         recorded = getattr(method, "recorder", None) is not None
@@ -264,6 +295,7 @@ def time_method(target, drafter, preset: str, conds, seed: int, sampling) -> dic
             t0 = _now(target.device)
             result = method.generate(cond, gens, on_step=timer.on_step)
             total += _now(target.device) - t0
+        warm = total if warm is None else warm
         steps += timer.steps()[1]
         stats += result.stats
         start += len(cond)
@@ -275,6 +307,7 @@ def time_method(target, drafter, preset: str, conds, seed: int, sampling) -> dic
     out["verified"] = verified
     out["s"] = sum(target.num_image_tokens / s.target_forwards for s in stats) / len(stats)
     out["total"] = total
+    out["startup"] = max(0.0, cold - warm)
     return out
 
 
@@ -288,20 +321,10 @@ def compiled_steps(target: Target) -> Iterator[None]:
         target.compile_steps = None
 
 
-@contextmanager
-def unrecorded(target: Target) -> Iterator[None]:
-    """Mode ``unrecorded``: ``compile=true`` but every step run from Python (no whole-step CUDA graph),
-    to show what recording the step adds on a GPU."""
-    recorder, target.step_recorder = target.step_recorder, None
-    try:
-        yield
-    finally:
-        target.step_recorder = recorder
-
-
-def make_row(name: str, preset: str, batch: int, mode: str, ar: tuple[float, float], m, s_shapes) -> Row:
-    """One table row from the AR timing (step, total) and the method's ``time_method`` figures."""
-    ar_step, ar_total = ar
+def make_row(name: str, preset: str, batch: int, mode: str, ar, m, s_shapes) -> Row:
+    """One table row from the AR timing (step, total, start-up) and the method's ``time_method``
+    figures."""
+    ar_step, ar_total, ar_startup = ar
     r = m["step"] / ar_step
     return Row(
         target=name,
@@ -319,35 +342,47 @@ def make_row(name: str, preset: str, batch: int, mode: str, ar: tuple[float, flo
         s_from=None if s_shapes is None else "shapes",
         measured_speedup=ar_total / m["total"],
         verified_steps=int(m["verified"]),
+        startup_s=m["startup"],
+        ar_startup_s=ar_startup,
     )
+
+
+MODES = ("eager", "steps", "graphs", "compiled")
+
+
+def default_modes(device: torch.device, compile: bool) -> list[str]:
+    """eager (and on a GPU graphs: cuda_graphs=true, the default there); ``--compile`` adds compile=true
+    (on a GPU on top of graphs; on a CPU after ``steps``, the step kernels alone compiled)."""
+    if device.type == "cuda":
+        return ["eager", "graphs", *(["compiled"] if compile else [])]
+    return ["eager", *(["steps", "compiled"] if compile else [])]
 
 
 def measure(args: argparse.Namespace) -> list[Row]:
     """Every row, printed as it is measured. Mode ``compiled`` is what ``compile=true`` gives
-    (``compile_decoding``: forwards and kernels, on a GPU whole steps recorded as CUDA graphs); it wraps
-    modules in place, so it runs last, on a fresh copy of the target (the same weights: the same file or
-    seed), after the eager copy is freed. On a GPU ``unrecorded`` follows: the same compiled target with
-    every step run from Python."""
+    (``prepare_decoding``: compiled forwards, on a GPU inside recorded steps, elsewhere with compiled
+    step kernels); it wraps modules in place, so it runs on a fresh copy of the target (the same weights:
+    the same file or seed), after the last copy is freed."""
     device = torch.device(args.device)
     rows: list[Row] = []
     shapes_s: dict[tuple[str, int, str], float] = {}  # S of the shapes target, for the projections
-    modes = ["eager", "steps", "compiled"] if args.compile else ["eager"]
-    if args.compile and device.type == "cuda":
-        modes.append("unrecorded")
+    modes = args.modes or default_modes(device, args.compile)
     for name in args.targets:
-        target, drafter = load(name, device, args.drafter, args.seed)
-        sampling = target.sampling_defaults
-        if args.temperature is not None:
-            sampling = replace(sampling, temperature=args.temperature)
+        target = drafter = None
         for mode in modes:
-            if mode == "compiled":
+            if target is None or mode in ("compiled", "graphs"):
                 del target, drafter
-                target, drafter = load(name, device, args.drafter, args.seed)
-                compile_decoding(target, drafter)
+                target, drafter = load(name, device, args.drafter, args.seed, args.dtype)
+                if mode == "compiled":
+                    prepare_decoding(target, drafter, compile=True)
+                elif mode == "graphs":
+                    record_steps(target)
+            sampling = target.sampling_defaults
+            if args.temperature is not None:
+                sampling = replace(sampling, temperature=args.temperature)
             for batch in args.batch:
                 conds = conditions(target, name, max(args.prompts, batch), batch, args.seed)
-                speed = {"steps": compiled_steps, "unrecorded": unrecorded}.get(mode)
-                speed = nullcontext() if speed is None else speed(target)
+                speed = compiled_steps(target) if mode == "steps" else nullcontext()
                 with speed, torch.no_grad():
                     ar = time_ar(target, conds, args.seed, sampling)
                     for preset in args.presets:
@@ -357,6 +392,8 @@ def measure(args: argparse.Namespace) -> list[Row]:
                         s_shapes = shapes_s.get((preset, batch, mode))
                         rows.append(make_row(name, preset, batch, mode, ar, m, s_shapes))
                         print(table(rows[-1:], header=len(rows) == 1), flush=True)
+            if mode in ("compiled", "graphs"):  # the next mode starts from a clean copy
+                target = drafter = None
         del target, drafter
     return rows
 
@@ -364,7 +401,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
 def table(rows: Sequence[Row], header: bool = True) -> str:
     """Markdown rows; phase columns and host in AR steps; S/r marked * when S is another target's."""
     cols = "target | preset | B | mode | AR step ms | step ms | r | draft | verify | accept | commit | other"
-    cols += " | host | S | 1/r | S/r | measured"
+    cols += " | host | S | 1/r | S/r | measured | start-up s | AR start-up s"
     lines = [f"| {cols} |", "|" + "---|" * (cols.count("|") + 1)] if header else []
     for w in rows:
         p = w.phases
@@ -378,7 +415,7 @@ def table(rows: Sequence[Row], header: bool = True) -> str:
             f"| {w.r:.2f} | {cell(p['draft'])} | {cell(p['verify'])} | {cell(p['accept'])} "
             f"| {cell(p['commit'])} | {cell(p['other'])} | {cell(w.host)} | {w.s:.2f} | {w.efficiency:.3f} "
             f"| {projected} "
-            f"| {w.measured_speedup:.2f} |"
+            f"| {w.measured_speedup:.2f} | {w.startup_s:.1f} | {w.ar_startup_s:.1f} |"
         )
     return "\n".join(lines)
 
@@ -397,7 +434,10 @@ def main() -> None:
     known = ["shapes", *RANDOM_TARGETS, *RANDOM_CHAMELEON]
     parser.add_argument("--targets", nargs="+", default=["shapes"], choices=known)
     parser.add_argument(
-        "--presets", nargs="+", default=["eagle1", "eagle2", "sjd"], help="conf/decode presets (not ar)"
+        "--presets",
+        nargs="+",
+        default=["eagle1", "eagle2", "sjd"],
+        help="conf/decode presets (not ar); all: every one",
     )
     parser.add_argument("--batch", nargs="+", type=int, default=[1], help="prompts per batch")
     parser.add_argument("--prompts", type=int, default=1, help="prompts per row (at least one batch)")
@@ -406,8 +446,12 @@ def main() -> None:
         "--drafter", default="checkpoints/shapes/drafter", help="the shapes target's drafter folder"
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="target.dtype")
     parser.add_argument(
-        "--compile", action="store_true", help="also time with compiled step kernels, then compile=true"
+        "--compile", action="store_true", help="also time compile=true (CPU: the step kernels alone first)"
+    )
+    parser.add_argument(
+        "--modes", nargs="+", choices=MODES, default=None, help="explicit modes (default: see default_modes)"
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default on a CPU: 1; on a GPU: torch's)"
@@ -415,6 +459,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
+    if args.presets == ["all"]:
+        args.presets = [name for name in preset_names() if name != "ar"]
     if "ar" in args.presets:
         parser.error("ar is the reference every row is divided by; leave it out of --presets")
     if min(args.batch) < 1 or args.prompts < 1:
@@ -432,6 +478,7 @@ def main() -> None:
             "command": " ".join(["python -m benchmarks.step_cost", *sys.argv[1:]]),
             **{k: v for k, v in vars(args).items() if k != "out"},
             "device": device,
+            "torch": torch.__version__,
             "threads": torch.get_num_threads(),
         }
         rows_json = [_no_nan(asdict(w)) for w in rows]

@@ -16,12 +16,11 @@ import vdtrain.generate
 from vdtrain.decode import compiled as compiled_module
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
-from vdtrain.decode.compiled import compile_decoding, compile_mode, pooled_caches
+from vdtrain.decode.compiled import compile_decoding, compile_options, prepare_decoding, wants_cuda_graphs
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter
 from vdtrain.eval import runner
-from vdtrain.models.kv_cache import KVCache
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
@@ -114,12 +113,13 @@ def recorded(monkeypatch) -> list[tuple[object, object]]:
     """``compile_decoding`` calls made by the apps, run with the ``eager`` backend (no kernels to build)."""
     calls: list[tuple[object, object]] = []
 
-    def record(target, drafter=None):
-        calls.append((target, drafter))
-        compiled_module.compile_decoding(target, drafter, backend="eager")
+    compile = compiled_module.compile_decoding
 
-    monkeypatch.setattr(runner, "compile_decoding", record)
-    monkeypatch.setattr(vdtrain.generate, "compile_decoding", record)
+    def record(target, drafter=None, **kwargs):
+        calls.append((target, drafter))
+        compile(target, drafter, **{**kwargs, "backend": "eager"})
+
+    monkeypatch.setattr(compiled_module, "compile_decoding", record)
     return calls
 
 
@@ -152,21 +152,42 @@ def test_generate_compiles_when_compile_is_set(recorded, tiny_folder, tmp_path):
     assert summary["dtype"] == "float32"  # conf/target's default
 
 
-def test_the_mode_is_cuda_graphs_on_a_gpu_only():
-    assert compile_mode(torch.device("cuda", 0)) == "reduce-overhead"
-    assert compile_mode(torch.device("cpu")) == "default"
+def test_missing_compile_options_fall_back_to_the_process_wide_limit(tiny_target, monkeypatch):
+    """torch 2.11 has no per-function ``recompile_limit`` / ``isolate_recompiles``: the same code runs
+    (dynamo's own limit raised instead) and decodes the eager tokens."""
+    from vdtrain.decode import kernels
+
+    real = torch.compile
+    seen = []
+
+    def old_compile(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None):
+        seen.append(backend)
+        return real(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode)
+
+    assert set(compile_options()) == {"recompile_limit", "isolate_recompiles"}  # this torch has both
+    assert compile_options(old_compile) == {}
+    drafter = random_drafter(tiny_target)
+    eager = decode(tiny_target, drafter)
+    monkeypatch.setattr(torch, "compile", old_compile)
+    monkeypatch.setattr(torch._dynamo.config, kernels._limit_name(), 8)
+    torch._dynamo.reset()
+    compile_decoding(tiny_target, drafter, backend="eager")
+    assert seen == ["eager", "eager"] and kernels.recompile_limit() >= kernels.RECOMPILE_LIMIT
+    compiled = decode(tiny_target, drafter)
+    torch._dynamo.reset()
+    assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
 
 
-def test_pooled_caches_reuse_one_zeroed_cache_per_shape():
-    make = pooled_caches(lambda batch, max_len: KVCache(1, batch, 2, max_len, 4))
-    first = make(2, 8)
-    first.k.fill_(1.0)
-    first.v.fill_(2.0)
-    again = make(2, 8)
-    assert again.k.data_ptr() == first.k.data_ptr() and again.v.data_ptr() == first.v.data_ptr()
-    assert again.k.abs().sum() == 0 and again.v.abs().sum() == 0
-    other = make(2, max_len=9)
-    assert other.max_len == 9 and other.k.data_ptr() != first.k.data_ptr()
+def test_cuda_graphs_key_is_auto_on_a_gpu_and_refused_elsewhere(tiny_target):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert wants_cuda_graphs("auto", gpu) and not wants_cuda_graphs("auto", cpu)
+    assert wants_cuda_graphs(None, gpu) and not wants_cuda_graphs(False, gpu)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        wants_cuda_graphs(True, cpu)
+    with pytest.raises(ValueError, match="auto, true or false"):
+        wants_cuda_graphs("yes", gpu)
+    assert prepare_decoding(tiny_target, None, compile=False) is False
+    assert tiny_target.step_recorder is None and tiny_target.compile_steps is None
 
 
 def test_compiling_twice_is_refused(tiny_target):
@@ -225,25 +246,3 @@ def test_step_kernels_raise_the_recompile_limit_for_their_block_only():
     assert torch._dynamo.config.recompile_limit == before  # AR decoding outside keeps torch's limit
     with compiled_step_kernels(enabled=False):
         assert torch._dynamo.config.recompile_limit == before
-
-
-def test_on_a_gpu_forwards_inside_a_recorded_step_skip_their_own_cuda_graphs(tiny_target, monkeypatch):
-    """CUDA graph captures do not nest: while the engine records a whole step (``recording()``) each
-    forward runs its plain compiled version, elsewhere (AR, methods stepped eagerly) its
-    ``reduce-overhead`` one; and the target asks the engine to record graph-safe steps."""
-    from vdtrain.decode import graphs
-
-    modes = ["default", "reduce-overhead"]
-
-    def fake_compile(fn, mode="default", **_):  # a "compiled forward" that says which mode it is
-        return lambda *args, **kwargs: torch.tensor(modes.index(mode))
-
-    monkeypatch.setattr(compiled_module, "compile_mode", lambda device: "reduce-overhead")
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    drafter = random_drafter(tiny_target)
-    compile_decoding(tiny_target, drafter)
-    assert tiny_target.step_recorder is graphs.record_cuda_graph
-    for module in (tiny_target.transformer, drafter):
-        assert modes[int(module.forward())] == "reduce-overhead"
-        with graphs._recording():
-            assert modes[int(module.forward())] == "default"

@@ -43,6 +43,7 @@ def test_uniforms_are_the_documented_integer_hash():
     assert got.view(len(seeds), 6).tolist() == want
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_uniforms_are_the_same_on_a_gpu():
     seeds = torch.arange(5) * 1_000_003 - 7

@@ -74,6 +74,7 @@ def run(cfg: DictConfig) -> EvalResult:
         image_dir=out / "images" if cfg.save_images else None,
         warmup=cfg.warmup,
         compile=cfg.get("compile", False),
+        cuda_graphs=cfg.get("cuda_graphs", "auto"),
     )
     settings: dict[str, Any] = {
         "command": " ".join(["python -m vdtrain.evaluate", *sys.argv[1:]]),

@@ -21,7 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from vdtrain.decode.compiled import compile_decoding
+from vdtrain.decode.compiled import prepare_decoding
 from vdtrain.decode.methods import build_method, decode_config
 from vdtrain.decode.metrics import summarize
 from vdtrain.decode.sampling import SamplingConfig
@@ -71,8 +71,9 @@ def run(cfg: DictConfig) -> dict:
         if not cfg.drafter:
             raise ValueError(f"method {method_cfg.name!r} needs a drafter: set drafter=<folder>")
         drafter = Drafter.from_pretrained(resolve_folder(cfg.drafter), target)
-    if cfg.get("compile", False):
-        compile_decoding(target, drafter)
+    graphs = prepare_decoding(
+        target, drafter, compile=cfg.get("compile", False), cuda_graphs=cfg.get("cuda_graphs", "auto")
+    )
     method = build_method(method_cfg, target, drafter, sampling)
     prompts = prompts_for_run(cfg.prompts, cfg.num_prompts)
     scorer = quality_scorer(cfg.target.get("quality"))
@@ -125,6 +126,7 @@ def run(cfg: DictConfig) -> dict:
         "device": str(device),
         "dtype": str(target.dtype).removeprefix("torch."),
         "compile": bool(cfg.get("compile", False)),
+        "cuda_graphs": graphs,
         "num_samples": len(samples),
         "mean_latency_per_image_s": sum(s["batch_latency_s"] / s["batch_size"] for s in samples)
         / len(samples),

@@ -54,17 +54,31 @@ def step_kernel(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
+def _limit_name() -> str:
+    """Dynamo's recompile-limit setting: ``recompile_limit`` (torch 2.7+), ``cache_size_limit`` before."""
+    config = torch._dynamo.config
+    return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+
+
+def recompile_limit() -> int:
+    return getattr(torch._dynamo.config, _limit_name())
+
+
+def raise_recompile_limit(limit: int) -> None:
+    """Raise dynamo's process-wide recompile limit to at least ``limit``."""
+    setattr(torch._dynamo.config, _limit_name(), max(recompile_limit(), limit))
+
+
 @contextmanager
 def compiled_step_kernels(enabled: bool = True, backend: str = "inductor") -> Iterator[None]:
     """Run step kernels compiled with ``backend`` (``inductor``; ``eager``/``aot_eager`` trace without
     generating code, for tests) inside the block; eagerly when not ``enabled``."""
-    config = torch._dynamo.config
-    limit = config.recompile_limit
+    limit = recompile_limit()
     if enabled:  # for the block only: AR decoding outside it keeps torch's limit
-        config.recompile_limit = max(limit, RECOMPILE_LIMIT)
+        raise_recompile_limit(RECOMPILE_LIMIT)
     token = _COMPILED.set(backend if enabled else None)
     try:
         yield
     finally:
         _COMPILED.reset(token)
-        config.recompile_limit = limit
+        setattr(torch._dynamo.config, _limit_name(), limit)

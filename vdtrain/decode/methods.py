@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from vdtrain.decode.acceptance import EXACT, Grouped, Lantern, LanternPP, Rule
-from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.ar import ARDecoder
 from vdtrain.decode.builders.base import DraftTreeBuilder
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
 from vdtrain.decode.builders.jacobi import JacobiWindowBuilder
@@ -276,14 +276,26 @@ def tree_builder(config: TreeConfig) -> DraftTreeBuilder:
 
 
 class ARMethod:
-    """The baseline, reporting the same statistics as the speculative methods."""
+    """The baseline, reporting the same statistics as the speculative methods. Its step is recorded and
+    replayed like theirs when the target asks for it (``Target.step_recorder``), once per batch shape."""
 
     def __init__(self, target: Target, sampling: SamplingConfig) -> None:
         self.target, self.sampling = target, sampling
+        self.decoder = ARDecoder(target, sampling, target.step_recorder)
 
-    def generate(self, cond: Condition, generators: Sequence[torch.Generator | None]) -> DecodeResult:
+    @property
+    def recorder(self):
+        return self.decoder.recorder
+
+    def generate(
+        self,
+        cond: Condition,
+        generators: Sequence[torch.Generator | None],
+        on_step: Callable[..., None] | None = None,
+    ) -> DecodeResult:
+        """``on_step()`` runs after each step (as the engine's hook, without arguments)."""
         start = time.perf_counter()
-        tokens = generate_ar(self.target, cond, self.sampling, generators)
+        tokens = self.decoder.generate(cond, generators, on_step)
         n = self.target.num_image_tokens
         stats = [
             DecodeStats(

@@ -20,7 +20,6 @@ m)``, so draw each purpose once per step (or use another purpose) and ``advance`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import IntEnum
 
 import torch
 
@@ -31,11 +30,12 @@ _SEED_SALT = 0x243F6A88  # digits of pi: keep a zero seed away from the all-zero
 _PURPOSE_SALT = 0x9E3779B9  # 2^32 / golden ratio: spreads small purpose numbers over the word
 
 
-class Purpose(IntEnum):
-    """The streams a speculative step draws from; each is used at most once per step."""
+class Purpose:
+    """The streams a decoding step draws from; each is used at most once per step. Plain ints, not an
+    enum: traced code (torch.compile, dynamo of torch 2.11) must compare numbers, not Python objects."""
 
     ACCEPT = 1  # one uniform per tree node: the test when the node is tried as a child
-    BONUS = 2  # one uniform per row: the bonus / residual token by inverse CDF
+    BONUS = 2  # one uniform per row: the bonus / residual token by inverse CDF (AR's token too)
     DRAFT = 3  # Gumbel noise for sampling a tree's children without replacement
     SHAPE = 4  # PEANUT's random initialisation of a tree's (depth, width)
     CONTINUE = 5  # SJD-PAC's continuation: per later position a keep test and a redraw
@@ -117,7 +117,7 @@ class RowRandom:
         values as separate calls, in about half the ops for two blocks)."""
         counts = []
         for purpose, shape in blocks:
-            if not 0 <= purpose <= _MASK:
+            if not isinstance(purpose, int) or not 0 <= purpose <= _MASK:
                 raise ValueError(f"purpose must be in [0, 2^32), got {purpose}")
             count = 1
             for n in shape:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from vdtrain.decode.compiled import compile_decoding
+from vdtrain.decode.compiled import prepare_decoding
 from vdtrain.decode.engine import DecodeStats, SpeculativeEngine
 from vdtrain.decode.methods import ARMethod, DecodeConfig, build_method, load_preset
 from vdtrain.decode.metrics import position_maps as stats_position_maps
@@ -48,6 +48,7 @@ class Decoded:
     tokens: torch.Tensor  # [N, h·w]
     stats: list[DecodeStats]
     seconds: float  # decoding only
+    batch_seconds: list[float]  # per batch, in order
 
 
 def synchronize(device: torch.device) -> None:
@@ -66,7 +67,7 @@ def decode_prompts(
 ) -> Decoded:
     """Decode ``prompts`` in batches with ``method`` (prompt ``i`` with seed ``seed + i``)."""
     device = target.token_embedding.weight.device
-    tokens, stats, seconds = [], [], 0.0
+    tokens, stats, seconds = [], [], []
     for start in range(0, len(prompts), batch_size):
         batch = list(prompts[start : start + batch_size])
         cond = target.encode_captions(batch)
@@ -75,12 +76,38 @@ def decode_prompts(
         t0 = time.perf_counter()
         result = method.generate(cond, generators)
         synchronize(device)
-        seconds += time.perf_counter() - t0
+        seconds.append(time.perf_counter() - t0)
         tokens.append(result.tokens)
         stats.extend(result.stats)
         if progress is not None:
             progress.update(len(batch))
-    return Decoded(torch.cat(tokens), stats, seconds)
+    return Decoded(torch.cat(tokens), stats, sum(seconds), seconds)
+
+
+def starts_up(target: Target) -> bool:
+    """Whether a method's first decode of a batch shape does work later ones skip: records its step
+    (CUDA graphs) or compiles."""
+    compiled = getattr(target.transformer, "_vdtrain_compiled", False)
+    return target.step_recorder is not None or target.compile_steps is not None or compiled
+
+
+def warm_up(
+    method: ARMethod | SpeculativeEngine, target: Target, prompts: Sequence[str], seed: int, batch_size: int
+) -> Decoded:
+    """The method's first, untimed decode: the first batch where the method ``starts_up`` (the timed run
+    then replays what it recorded and compiled), else one prompt, so that a GPU's first calls (CUDA
+    context, library handles) land on no method's time."""
+    if starts_up(target):
+        return decode_prompts(method, target, prompts[:batch_size], seed, batch_size)
+    return decode_prompts(method, target, prompts[:1], seed, 1)
+
+
+def startup_seconds(target: Target, cold: Decoded | None, timed: Decoded) -> float | None:
+    """What the method's first decode of the first batch cost beyond the timed one of the same prompts:
+    capture, compilation, warm-up steps. None without a warm-up or where nothing starts up."""
+    if cold is None or not starts_up(target):
+        return None
+    return max(0.0, cold.batch_seconds[0] - timed.batch_seconds[0])
 
 
 def vq_decode(target: Target, tokens: torch.Tensor, batch_size: int) -> tuple[np.ndarray, float]:
@@ -126,6 +153,7 @@ def evaluate(
     progress: bool = True,
     warmup: bool = True,
     compile: bool = False,
+    cuda_graphs: bool | str | None = "auto",
 ) -> EvalResult:
     """Rows, per-position maps and images for AR and every method at every temperature.
 
@@ -133,11 +161,11 @@ def evaluate(
     ``exact_only_at_zero``, relaxed (lossy) methods are left out: greedy decoding makes them meaningless.
     ``quality`` None scores shapes-world captions by consistency and other prompts by the real-image
     metrics (each "not available" unless configured, see ``QualityConfig``). With ``image_dir``, every
-    image is saved as ``<image_dir>/<method>_T<t>/<prompt index:04d>.png``. ``warmup`` first decodes one
-    prompt, untimed, with a separate instance of each method: on a GPU the first calls pay for CUDA
-    context, library handles and kernel loading, which would otherwise land on whichever method ran first.
-    ``compile`` wraps the target's and the drafter's forwards in ``torch.compile`` first (in place, see
-    ``vdtrain.decode.compiled``); the warm-up then also takes each method's compilation out of the timings.
+    image is saved as ``<image_dir>/<method>_T<t>/<prompt index:04d>.png``. ``warmup`` first decodes
+    untimed with each method (``warm_up``): GPU start-up costs, step capture and compilation stay out of
+    the timings, and the row's ``startup_seconds`` says what they cost. ``cuda_graphs`` (``auto``: on a GPU)
+    records every method's step, AR's too; ``compile`` wraps the target's and the drafter's forwards in
+    ``torch.compile`` (in place, ``vdtrain.decode.compiled.prepare_decoding``).
     """
     if not prompts:
         raise ValueError("no prompts to evaluate (the prompt set is empty)")
@@ -145,8 +173,7 @@ def evaluate(
     needy = [c.name for c in configs if c.needs_drafter]
     if needy and drafter is None:
         raise ValueError(f"methods {needy} need a drafter; none was given")
-    if compile:
-        compile_decoding(target, drafter)
+    prepare_decoding(target, drafter, compile=compile, cuda_graphs=cuda_graphs)
     scorer = QualityScorer(quality, target.token_embedding.weight.device)
     baseline = load_preset("ar")
     runs = [(t, c) for t in temperatures for c in [baseline, *configs]]
@@ -161,9 +188,8 @@ def evaluate(
         for temperature, config in runs:
             bar.set_description(f"{config.name} T={temperature:g}")
             sampling = replace(target.sampling_defaults, temperature=temperature)
-            if warmup:
-                decode_prompts(build_method(config, target, drafter, sampling), target, prompts[:1], seed, 1)
             method = build_method(config, target, drafter, sampling)
+            cold = warm_up(method, target, prompts, seed, batch_size) if warmup else None
             decoded = decode_prompts(method, target, prompts, seed, batch_size, bar)
             images, vq_seconds = vq_decode(target, decoded.tokens, batch_size)
             if config is baseline:  # runs first at every temperature
@@ -177,6 +203,7 @@ def evaluate(
                     speedup_with_vq_decode=(ar.seconds + ar_vq_seconds) / (decoded.seconds + ar_vq_seconds),
                     method_seconds=decoded.seconds,
                     ar_seconds=ar.seconds,
+                    startup_seconds=startup_seconds(target, cold, decoded),
                     identical_to_ar=bool(torch.equal(decoded.tokens, ar.tokens))
                     if temperature == 0
                     else None,

@@ -38,6 +38,8 @@ class EvalRow:
     method_seconds: float
     ar_seconds: float
     identical_to_ar: bool | None = None  # checked at T = 0 only
+    # The first decode's extra seconds (step capture, compilation); None where nothing starts up (eager)
+    startup_seconds: float | None = None
     skipped_steps: float = 0.0
     relaxed_acceptances: float = 0.0
     target_forwards: float = 0.0
@@ -71,6 +73,7 @@ COLUMNS = [  # (header, row -> cell)
     ("latency speedup", lambda r: f"{r.speedup:.2f}×"),
     ("with VQ decode", lambda r: f"{r.speedup_with_vq_decode:.2f}×"),
     ("= AR", lambda r: {None: "–", True: "yes", False: "NO"}[r.identical_to_ar]),
+    ("start-up s", lambda r: "–" if r.startup_seconds is None else f"{r.startup_seconds:.1f}"),
 ]
 
 

