@@ -36,5 +36,5 @@ def test_a_folder_without_cache_or_encoder_says_what_is_missing(monkeypatch, tmp
     for name in ("config.json", "gpt.pt", "vq.pt"):
         (tmp_path / name).symlink_to(shapes.SHIPPED_TARGET / name)
     _without_encoder(monkeypatch)
-    with pytest.raises(ImportError, match="ships no captions.safetensors"):
+    with pytest.raises(ImportError, match=r"ships no captions\.safetensors"):
         load_target_folder(tmp_path)

@@ -22,10 +22,10 @@ from tqdm import tqdm
 from vdtrain.checkpoint_io import load_strict, read_state_dict
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.text_encoders import HFTextEncoder, minilm_path
-from vdtrain.targets.caption_cache import CAPTION_CACHE, write_caption_cache
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.shapes.scene import HELDOUT_SEED, IMAGE_SIZE, TRAIN_SEED, generate
 from vdtrain.targets.base import Condition, Target
+from vdtrain.targets.caption_cache import CAPTION_CACHE, write_caption_cache
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer, left_pad
 
 log = logging.getLogger(__name__)
