@@ -41,7 +41,7 @@ def _engine(name: str, temperature: float, cache_dir, recorder=None, device: str
     config = load_preset(name, overrides)
     drafter = random_drafter(target).to(device) if config.needs_drafter else None
     if compile:
-        compile_decoding(target, drafter, step_kernels=False)  # as prepare_decoding does with graphs
+        compile_decoding(target, drafter)
     target.step_recorder = recorder
     return build_method(config, target, drafter, sampling)
 

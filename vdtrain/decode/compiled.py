@@ -2,10 +2,10 @@
 
 ``cuda_graphs`` (default on a GPU) records AR's step and every speculative step once per shape with the
 eager kernels (``vdtrain.decode.graphs``) and replays it with one launch: capture takes seconds, no
-code is generated. ``compile`` wraps the target's and the drafter's forwards in ``torch.compile``
-(inductor, static shapes); with graphs the compiled forwards run inside the recorded step, without,
-the step kernels between forwards (``vdtrain.decode.kernels``) are compiled too. docs/decoding.md
-("Fast decoding") has the measurements.
+code is generated. ``compile`` wraps the target's decoder layers, the drafter and the step kernels
+between forwards (``vdtrain.decode.kernels``) in ``torch.compile`` (inductor, static shapes); with
+graphs the compiled code runs inside the recorded steps. docs/decoding.md ("Fast decoding") has the
+measurements.
 
 Every ``torch.compile`` option newer than the oldest supported torch (2.11) is feature-detected
 (``compile_options``): where it is missing the same code runs, with torch's process-wide setting in its
@@ -29,22 +29,25 @@ from vdtrain.targets.base import Target
 
 
 def compile_options(compile: Callable[..., Any] | None = None) -> dict[str, Any]:
-    """Per-function recompile options where this torch has them (2.13+): each compiled forward keeps its
-    own graphs, up to ``RECOMPILE_LIMIT`` shapes (a prefill, AR's step and one verification shape per
-    method of an evaluation). Older torches get none; ``compile_decoding`` raises the process-wide limit
-    instead."""
+    """The per-function recompile limit where this torch has it (2.13+): a compiled layer keeps up to
+    ``RECOMPILE_LIMIT`` shapes (a prefill, AR's step and one verification shape per method of an
+    evaluation). Older torches get none; ``compile_decoding`` raises the process-wide limit instead."""
     accepted = inspect.signature(compile or torch.compile).parameters
-    wanted = {"recompile_limit": RECOMPILE_LIMIT, "isolate_recompiles": True}
+    wanted = {"recompile_limit": RECOMPILE_LIMIT}
     return {k: v for k, v in wanted.items() if k in accepted}
 
 
 def compile_decoding(
     target: Target, drafter: Drafter | None = None, *, backend: str = "inductor", step_kernels: bool = True
 ) -> None:
-    """Wrap, in place, the target transformer's forward (prefill, AR and verification) and the drafter's
-    in ``torch.compile`` (``backend``: ``inductor``; ``eager``/``aot_eager`` trace without generating
-    kernels), and with ``step_kernels`` run the speculative step kernels compiled too. Call it once,
-    after the target has its device and dtype and before decoding."""
+    """Wrap, in place, the target transformer's decoder layers (prefill, AR and verification) and the
+    drafter's forward in ``torch.compile`` (``backend``: ``inductor``; ``eager``/``aot_eager`` trace
+    without generating kernels), and with ``step_kernels`` run the speculative step kernels compiled too.
+    Call it once, after the target has its device and dtype and before decoding.
+
+    The target is compiled by region: every decoder layer runs the same code on its own weights and
+    cache (``KVCache.layer``), so one compiled layer per shape serves all of them, and XL's 36 layers
+    compile as fast as one."""
     modules: list[nn.Module] = [target.transformer] if drafter is None else [target.transformer, drafter]
     if any(getattr(m, "_vdtrain_compiled", False) for m in modules):
         raise RuntimeError("compile_decoding was already applied to this target or drafter")
@@ -54,7 +57,10 @@ def compile_decoding(
     compile = functools.partial(torch.compile, backend=backend, fullgraph=False, dynamic=False, **options)
     target.compile_steps = backend if step_kernels else None
     for module in modules:
-        module.forward = compile(module.forward)
+        layers = getattr(module, "layers", None)
+        regions = list(layers) if isinstance(layers, nn.ModuleList) else [module]
+        for region in regions:
+            region.forward = compile(region.forward)
         module._vdtrain_compiled = True
 
 
@@ -81,11 +87,12 @@ def prepare_decoding(
     target: Target, drafter: Drafter | None, *, compile: bool, cuda_graphs: bool | str | None = "auto"
 ) -> bool:
     """Set up the fast mode the apps' ``compile`` and ``cuda_graphs`` keys ask for; returns whether steps
-    are recorded. With graphs only the forwards are compiled: the recorded step already launches at
-    once what compiled step kernels would fuse, and compiling them would cost minutes per method."""
+    are recorded. ``compile`` compiles the target's layers, the drafter and the step kernels; with graphs
+    they run inside the recorded steps, where fusing a step's hundreds of small ops into a few kernels is
+    what is left to gain."""
     graphs = wants_cuda_graphs(cuda_graphs, target.token_embedding.weight.device)
     if compile:
-        compile_decoding(target, drafter, step_kernels=not graphs)
+        compile_decoding(target, drafter)
     if graphs:
         record_steps(target)
     return graphs

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vdtrain.models.kv_cache import KVCache
+from vdtrain.models.kv_cache import KVCache, LayerCache
 
 QK_NORM_LAYOUTS = ("per_head", "per_shard")
 QK_NORM_EPS = 1e-5  # hard-coded in both official implementations
@@ -176,8 +176,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
-        cache: KVCache | None,
-        layer: int,
+        cache: LayerCache | None,
         slots: torch.Tensor | None,
     ) -> torch.Tensor:
         c = self.config
@@ -189,7 +188,7 @@ class Attention(nn.Module):
         if cache is not None:
             if slots is None:
                 raise ValueError("a cached forward needs explicit slots")
-            k, v = cache.write(layer, slots, k, v, kv_len=mask.shape[-1])
+            k, v = cache.write(slots, k, v, kv_len=mask.shape[-1])
         groups = c.num_attention_heads // c.num_key_value_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -225,14 +224,13 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
-        cache: KVCache | None,
-        layer: int,
+        cache: LayerCache | None,
         slots: torch.Tensor | None,
     ) -> torch.Tensor:
         if self.swin_norm:
-            h = x + self.input_layernorm(self.self_attn(x, rope, mask, cache, layer, slots))
+            h = x + self.input_layernorm(self.self_attn(x, rope, mask, cache, slots))
             return h + self.post_attention_layernorm(self.mlp(h))
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, slots)
+        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, slots)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -259,7 +257,7 @@ class ChameleonBackbone(nn.Module):
         rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         h = x
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, mask, cache, i, slots)
+            h = layer(h, rope, mask, None if cache is None else cache.layer(i), slots)
         return self.norm(h)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

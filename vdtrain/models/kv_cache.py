@@ -34,19 +34,10 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def write(
-        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k, v`` ([B, H, S, D]) at ``slots`` ([S] or [B, S]); return the first ``kv_len`` slots."""
-        if slots.dim() == 1:
-            self.k[layer][:, :, slots] = k
-            self.v[layer][:, :, slots] = v
-        else:
-            rows = torch.arange(k.shape[0], device=k.device)[:, None]
-            # Advanced indices split by a slice put the indexed dims first: [B, S, H, D].
-            self.k[layer][rows, :, slots] = k.transpose(1, 2)
-            self.v[layer][rows, :, slots] = v.transpose(1, 2)
-        return self.k[layer][:, :, :kv_len], self.v[layer][:, :, :kv_len]
+    def layer(self, index: int) -> LayerCache:
+        """Layer ``index``'s keys and values, as views: what a decoder layer reads and writes. Layers get
+        no index of their own, so one compiled layer serves them all (``vdtrain.decode.compiled``)."""
+        return LayerCache(self.k[index], self.v[index])
 
     def move(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's keys/values of ``rows`` [R] from slots ``src`` to ``dst`` ([R, S]).
@@ -58,3 +49,24 @@ class KVCache:
         for cache in (self.k, self.v):
             moved = cache[:, r, :, src]  # [layers, R, S, H, D]
             cache[:, r, :, dst] = moved
+
+
+class LayerCache:
+    """One layer's keys and values ``[batch, kv_heads, max_len, head_dim]``, views into a ``KVCache``."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v
+
+    def write(
+        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k, v`` ([B, H, S, D]) at ``slots`` ([S] or [B, S]); return the first ``kv_len`` slots."""
+        if slots.dim() == 1:
+            self.k[:, :, slots] = k
+            self.v[:, :, slots] = v
+        else:
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            # Advanced indices split by a slice put the indexed dims first: [B, S, H, D].
+            self.k[rows, :, slots] = k.transpose(1, 2)
+            self.v[rows, :, slots] = v.transpose(1, 2)
+        return self.k[:, :, :kv_len], self.v[:, :, :kv_len]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vdtrain.models.kv_cache import KVCache
+from vdtrain.models.kv_cache import KVCache, LayerCache
 
 
 def find_multiple(n: int, k: int) -> int:
@@ -201,8 +201,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: torch.Tensor,
         mask: torch.Tensor | None,
-        cache: KVCache | None = None,
-        layer: int = 0,
+        cache: LayerCache | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         c = self.config
@@ -215,7 +214,7 @@ class Attention(nn.Module):
         if cache is not None:
             if slots is None or mask is None:
                 raise ValueError("a cached forward needs explicit slots and an attention mask")
-            k, v = cache.write(layer, slots, k, v, kv_len=mask.shape[-1])
+            k, v = cache.write(slots, k, v, kv_len=mask.shape[-1])
         if c.kv_heads != c.n_head:
             k = k.repeat_interleave(c.n_head // c.kv_heads, dim=1)
             v = v.repeat_interleave(c.n_head // c.kv_heads, dim=1)
@@ -243,11 +242,10 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         rope: torch.Tensor,
         mask: torch.Tensor | None,
-        cache: KVCache | None = None,
-        layer: int = 0,
+        cache: LayerCache | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask, cache, layer, slots)
+        h = x + self.attention(self.attention_norm(x), rope, mask, cache, slots)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -302,7 +300,7 @@ class LlamaGenGPT(nn.Module):
             x = x + self.pos_embedding[positions].to(x.dtype)
         h = self.tok_dropout(x)
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, mask, cache, i, slots)
+            h = layer(h, rope, mask, None if cache is None else cache.layer(i), slots)
         return self.norm(h)
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:

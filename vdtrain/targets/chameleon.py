@@ -209,7 +209,11 @@ class ChameleonDraftLayer(DecoderLayer, DraftLayer):
     ) -> torch.Tensor:
         c = self.config
         return super().forward(
-            x, rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype), mask, cache, 0, slots
+            x,
+            rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype),
+            mask,
+            None if cache is None else cache.layer(0),
+            slots,
         )
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

@@ -133,7 +133,9 @@ class LlamaGenDraftLayer(TransformerBlock, DraftLayer):
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return super().forward(x, self.rope[positions], mask, cache, 0, slots)
+        return super().forward(
+            x, self.rope[positions], mask, None if cache is None else cache.layer(0), slots
+        )
 
     def _apply(self, fn, recurse: bool = True):
         # The RoPE table follows the device but stays fp32: rotations are computed in fp32 (apply_rope).
