@@ -40,7 +40,7 @@ steps=(
   "tests|120|python -m pytest -q -p no:cacheprovider -m 'gpu and not slow' tests/test_graphs.py tests/test_rng.py"
   "xl_graphs|90|$step_cost --targets $xl --modes $graphs --batch 1 $big --presets eagle2 sjd --out $out/xl_graphs.json"
   "shapes|150|$step_cost --targets shapes --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $out/shapes.json"
-  "xl_compiled|150|$step_cost --targets $xl --modes $compiled --batch 1 --presets eagle2 sjd --out $out/xl_compiled.json"
+  "xl_compiled|180|$step_cost --targets $xl --modes $compiled --batch 1 --presets eagle2 sjd --out $out/xl_compiled.json"
   "evaluate|120|python -m vdtrain.evaluate device=$device num_prompts=$prompts batch_size=$big plots=false save_images=false out_dir=/tmp/vdtrain_gpu_eval"
   "xl_eager|90|$step_cost --targets $xl --modes eager --batch 1 --presets eagle2 sjd --out $out/xl_eager.json"
 )

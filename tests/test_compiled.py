@@ -262,3 +262,22 @@ def test_step_kernels_raise_the_recompile_limit_for_their_block_only():
     assert torch._dynamo.config.recompile_limit == before  # AR decoding outside keeps torch's limit
     with compiled_step_kernels(enabled=False):
         assert torch._dynamo.config.recompile_limit == before
+
+
+def test_the_runner_reports_start_up_where_a_first_decode_records():
+    """With recorded steps each row says what its method's first decode cost beyond a warm one; eager
+    rows have nothing to start up and say so (None), and the recorded decode keeps the eager tokens."""
+    from vdtrain.decode.graphs import record_fx
+
+    target = LlamaGenTarget(
+        random_gpt(), VQTokenizer(random_vq(), 8), hashed_captions, "tiny", SamplingConfig(cfg_scale=2.0)
+    )
+    drafter = random_drafter(target)
+    prompts = shapes_heldout_captions(2)
+    eager = runner.evaluate(target, drafter, prompts, ["eagle2"], [1], progress=False, batch_size=2)
+    assert [r.startup_seconds for r in eager.rows] == [None, None]
+    target.step_recorder = record_fx
+    recorded = runner.evaluate(target, drafter, prompts, ["eagle2"], [1], progress=False, batch_size=2)
+    assert all(r.startup_seconds is not None and r.startup_seconds >= 0 for r in recorded.rows)
+    for key, images in eager.images.items():
+        assert (recorded.images[key] == images).all(), key

@@ -95,4 +95,6 @@ def prepare_decoding(
         compile_decoding(target, drafter)
     if graphs:
         record_steps(target)
+    elif cuda_graphs is False:  # asked off: a recorder set by an earlier run goes too
+        target.step_recorder = None
     return graphs
