@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from vdtrain.eval.runner import evaluate
+from vdtrain.eval.runner import device_description, evaluate
 from vdtrain.eval.table import to_json, to_markdown
-from vdtrain.evaluate import device_description, load_drafter
+from vdtrain.evaluate import load_drafter
 from vdtrain.prompts import prompts_for_run
 from vdtrain.targets import load_target_folder
 

@@ -46,7 +46,8 @@ from vdtrain.decode.methods import build_method, load_preset, preset_names
 from vdtrain.decode.profiling import PHASES, PhaseTimer, StepTimes
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.evaluate import device_description, load_drafter
+from vdtrain.eval.runner import device_description
+from vdtrain.evaluate import load_drafter
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
 from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
 from vdtrain.models.llamagen_gpt import GPT_PRESETS, GPTConfig, LlamaGenGPT

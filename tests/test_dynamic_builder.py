@@ -264,10 +264,18 @@ def test_a_depth_limit_and_padding_follow_the_old_layout():
 # --- vocabulary and envelope ----------------------------------------------------------------------------
 
 
-def test_top_k_above_a_known_vocabulary_is_refused():
-    with pytest.raises(ValueError, match="exceeds the vocabulary"):
-        DynamicTreeBuilder(top_k=25, vocab_size=24)
-    DynamicTreeBuilder(top_k=24, vocab_size=24)
+def test_top_k_above_the_vocabulary_is_refused_on_the_preset_path(tmp_path):
+    """``decode.tree.top_k=600`` on a small vocabulary once crawled instead of failing (issue 26)."""
+    from vdtrain.decode.methods import build_method, load_preset
+
+    target = make_target()
+    drafter = make_drafter(target)
+    vocab = target.vocab_size
+    for preset in ("eagle2", "peanut"):
+        too_wide = load_preset(preset, {"tree": {"top_k": vocab + 1, "k_init": vocab + 1}})
+        with pytest.raises(ValueError, match=f"exceeds the target's vocabulary \\({vocab} image tokens\\)"):
+            build_method(too_wide, target, drafter, SamplingConfig())
+    build_method(load_preset("eagle2", {"tree": {"top_k": vocab}}), target, drafter, SamplingConfig())
 
 
 @pytest.mark.parametrize("kwargs", [{"top_k": 0}, {"depth": -1}, {"total_tokens": 1}])

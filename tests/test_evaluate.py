@@ -310,3 +310,17 @@ def test_export_then_reload_then_evaluate_reproduces_the_numbers(target, drafter
         }
     for key, images in original.images.items():
         assert np.array_equal(images, again.images[key]), key
+
+
+def test_speed_columns_name_their_device_and_a_cpu_says_what_that_means():
+    from vdtrain.eval.table import CPU_NOTE, EvalRow, to_markdown
+
+    def row(device: str) -> EvalRow:
+        return EvalRow("eagle2", 1.0, 2.0, 3.1, 2.4, 3.0, 0.18, 0.2, 1.0, 0.18, device=device)
+
+    cpu = to_markdown([row("cpu (x86_64, 2 threads)")])
+    assert "latency speedup (cpu)" in cpu and "with VQ decode (cpu)" in cpu
+    assert "Speeds measured on cpu (x86_64, 2 threads)." in cpu and CPU_NOTE in cpu
+    gpu = to_markdown([row("cuda:0 (NVIDIA H200)")])
+    assert "latency speedup (cuda:0)" in gpu and CPU_NOTE not in gpu
+    assert "latency speedup |" in to_markdown([row("")])  # rows read from older results.json

@@ -167,3 +167,16 @@ def test_vvs_presets_decode_and_report_skipped_steps(method, kind, extra, tiny_f
         assert summary["skipped_steps"] > 0 and summary["TPF"] > summary["tau"]
     stats = json.loads((tmp_path / method / "stats.json").read_text())
     assert all(len(s["tokens"]) == 256 for s in stats["samples"])
+
+
+@pytest.mark.parametrize("count", [0, -2])
+def test_no_prompts_is_refused_before_the_target_loads(count, tmp_path, monkeypatch):
+    import vdtrain.generate
+
+    def never(*_, **__):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(vdtrain.generate, "target_for_run", never)
+    with pytest.raises(ValueError, match=f"num_prompts must be at least 1, got {count}"):
+        run(_config(tmp_path / "no_target", tmp_path / "run", f"num_prompts={count}"))
+    assert not (tmp_path / "run").exists()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -21,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from vdtrain.drafter import Drafter
 from vdtrain.eval.plots import write_plots
 from vdtrain.eval.quality import QualityConfig
-from vdtrain.eval.runner import EvalResult, evaluate, method_configs
+from vdtrain.eval.runner import EvalResult, device_description, evaluate, method_configs
 from vdtrain.eval.table import to_markdown, write_tables
 from vdtrain.prompts import prompts_for_run
 from vdtrain.targets import Target, target_for_run
@@ -35,12 +34,6 @@ def load_drafter(source: str | os.PathLike[str], target: Target) -> Drafter:
     working directory, then the repository root."""
     path = resolve_folder(source)
     return Drafter.from_pretrained(path if path.exists() else source, target)
-
-
-def device_description(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{device} ({torch.cuda.get_device_name(device)})"
-    return f"{device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def run(cfg: DictConfig) -> EvalResult:

@@ -63,6 +63,7 @@ def quality_summary(samples: list[dict]) -> dict:
 
 def run(cfg: DictConfig) -> dict:
     method_cfg = decode_config(cfg.decode)
+    prompts = prompts_for_run(cfg.prompts, cfg.num_prompts)  # a bad prompt setting fails before loading
     target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device
     sampling = sampling_config(target, cfg.sampling)
@@ -75,7 +76,6 @@ def run(cfg: DictConfig) -> dict:
         target, drafter, compile=cfg.get("compile", False), cuda_graphs=cfg.get("cuda_graphs", "auto")
     )
     method = build_method(method_cfg, target, drafter, sampling)
-    prompts = prompts_for_run(cfg.prompts, cfg.num_prompts)
     scorer = quality_scorer(cfg.target.get("quality"))
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,9 @@ def prompt_set(name: str) -> list[str]:
 
 def prompts_for_run(source: str | os.PathLike[str] | None, n: int) -> list[str]:
     """The first ``n`` prompts of ``source``: held-out shapes captions (None), a vendored set's name, or a
-    caption file (``read_captions``)."""
+    caption file (``read_captions``). ``n`` < 1 is refused before anything is read."""
+    if n < 1:
+        raise ValueError(f"num_prompts must be at least 1, got {n}")
     if source is None:
         captions = shapes_heldout_captions(n)
     elif str(source) in PROMPT_SETS:

@@ -217,6 +217,7 @@ class SpeculativeEngine:
             drafter.attach(target)  # refuses a drafter trained for another target
         elif builder.needs_drafter:
             raise ValueError(f"{type(builder).__name__} drafts with a drafter model: pass one")
+        builder.check_vocabulary(target.vocab_size)
         if not isinstance(accept, Rule):
             raise TypeError(f"accept must be an acceptance Rule (vdtrain.decode.acceptance), got {accept!r}")
         self.target, self.drafter, self.builder, self.sampling, self.accept = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -49,6 +50,13 @@ class Decoded:
     stats: list[DecodeStats]
     seconds: float  # decoding only
     batch_seconds: list[float]  # per batch, in order
+
+
+def device_description(device: torch.device) -> str:
+    """Where speeds were measured: ``cuda:0 (NVIDIA H200)``, ``cpu (x86_64, 2 threads)``."""
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"{device} ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def synchronize(device: torch.device) -> None:
@@ -204,6 +212,7 @@ def evaluate(
                     method_seconds=decoded.seconds,
                     ar_seconds=ar.seconds,
                     startup_seconds=startup_seconds(target, cold, decoded),
+                    device=device_description(target.token_embedding.weight.device),
                     identical_to_ar=bool(torch.equal(decoded.tokens, ar.tokens))
                     if temperature == 0
                     else None,

@@ -40,6 +40,7 @@ class EvalRow:
     identical_to_ar: bool | None = None  # checked at T = 0 only
     # The first decode's extra seconds (step capture, compilation); None where nothing starts up (eager)
     startup_seconds: float | None = None
+    device: str = ""  # where the speeds were measured (``cuda:0 (NVIDIA H200)``); "" if not recorded
     skipped_steps: float = 0.0
     relaxed_acceptances: float = 0.0
     target_forwards: float = 0.0
@@ -84,9 +85,19 @@ def quality_names(rows: list[EvalRow]) -> list[str]:
     return names
 
 
+SPEED_COLUMNS = ("latency speedup", "with VQ decode")
+CPU_NOTE = (
+    "Speeds on a CPU: tree methods are compute-bound there (a tree of n nodes costs about n times an AR "
+    "step's arithmetic), so only GPU tables say what a method gains (docs/evaluation.md)."
+)
+
+
 def to_markdown(rows: list[EvalRow]) -> str:
+    """The table; speed columns name the device they were measured on, with a note when it is a CPU."""
     metrics = quality_names(rows)
-    header = [h for h, _ in COLUMNS] + metrics
+    devices = sorted({r.device for r in rows if r.device})
+    where = devices[0].split(" ")[0] if len(devices) == 1 else None
+    header = [f"{h} ({where})" if h in SPEED_COLUMNS and where else h for h, _ in COLUMNS] + metrics
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes: dict[str, str] = {}
     for row in rows:
@@ -98,6 +109,10 @@ def to_markdown(rows: list[EvalRow]) -> str:
                 notes[name] = q.note
         lines.append("| " + " | ".join(cells) + " |")
     lines += [""] + [f"- {name}: not available — {why}" for name, why in notes.items()]
+    if devices:
+        lines += [f"Speeds measured on {', '.join(devices)}."]
+        if any(d.startswith("cpu") for d in devices):
+            lines.append(CPU_NOTE)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -45,6 +45,9 @@ class DraftTreeBuilder:
     def max_nodes(self) -> int:
         raise NotImplementedError
 
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Refuse settings a vocabulary of ``vocab_size`` image tokens cannot serve (the engine asks)."""
+
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
         raise NotImplementedError
 

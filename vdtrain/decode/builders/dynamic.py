@@ -96,28 +96,29 @@ class Frontier:
 class DynamicTreeBuilder(DraftTreeBuilder):
     """EAGLE-2's dynamic tree in padded tensor shapes, with per-prompt ``depth`` and ``top_k`` (``shape``).
 
-    ``vocab_size``: when known, a ``top_k`` above it is refused here; otherwise widths are capped at the
-    drafter's vocabulary at build time. ``keep_deepest_path`` (PEANUT): the best-scoring path to the
-    deepest level drafted is kept whatever the node budget prunes.
+    A ``top_k`` above the target's vocabulary is refused when the engine is built (``check_vocabulary``):
+    the envelope grows as ``top_k · (depth + 1)`` scratch slots and ``top_k²`` candidates per round, so
+    an over-wide setting would crawl rather than fail. ``keep_deepest_path`` (PEANUT): the best-scoring
+    path to the deepest level drafted is kept whatever the node budget prunes.
     """
 
     keep_deepest_path: ClassVar[bool] = False
     graph_safe: ClassVar[bool] = True
 
-    def __init__(
-        self, top_k: int = 10, depth: int = 5, total_tokens: int = 59, vocab_size: int | None = None
-    ) -> None:
+    def __init__(self, top_k: int = 10, depth: int = 5, total_tokens: int = 59) -> None:
         if top_k < 1 or depth < 0 or total_tokens < 2:
             raise ValueError(
                 f"dynamic tree needs top_k >= 1, depth >= 0 and total_tokens >= 2 "
                 f"(got top_k={top_k}, depth={depth}, total_tokens={total_tokens})"
             )
-        if vocab_size is not None and top_k > vocab_size:
-            raise ValueError(
-                f"dynamic tree top_k={top_k} exceeds the vocabulary ({vocab_size} tokens): a node cannot "
-                f"have more distinct children than there are tokens"
-            )
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        if self.top_k > vocab_size:
+            raise ValueError(
+                f"tree.top_k={self.top_k} exceeds the target's vocabulary ({vocab_size} image tokens): a "
+                f"node cannot have more distinct children than there are tokens; use top_k <= {vocab_size}"
+            )
 
     def max_nodes(self) -> int:
         return max(self.total_tokens, 1 + self.top_k * (self.depth + 1))
