@@ -14,6 +14,7 @@ import json
 import hydra
 from omegaconf import DictConfig
 
+from vdtrain.cli import user_errors
 from vdtrain.data.prepare import prepare_features
 from vdtrain.targets import target_for_run
 
@@ -34,6 +35,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="data_prep/features")
+@user_errors("data_prep.features")
 def main(cfg: DictConfig) -> None:
     print(json.dumps(run(cfg), indent=2))
 

@@ -18,6 +18,7 @@ import json
 import hydra
 from omegaconf import DictConfig
 
+from vdtrain.cli import user_errors
 from vdtrain.data.prepare import prepare_self_generate
 from vdtrain.generate import sampling_config
 from vdtrain.targets import target_for_run
@@ -42,6 +43,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="data_prep/self_generate")
+@user_errors("data_prep.self_generate")
 def main(cfg: DictConfig) -> None:
     print(json.dumps(run(cfg), indent=2))
 

@@ -16,6 +16,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from vdtrain.cli import user_errors
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig
 from vdtrain.shapes.build import (
@@ -41,6 +42,7 @@ def _vq_config(cfg: DictConfig) -> VQConfig:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="shapes_world")
+@user_errors("data_prep.shapes")
 def main(cfg: DictConfig) -> None:
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)

@@ -16,6 +16,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from vdtrain.cli import user_errors
 from vdtrain.data.shards import ValidationReport, validate_shards
 
 
@@ -29,6 +30,7 @@ def run(cfg: DictConfig) -> ValidationReport:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="data_prep/validate")
+@user_errors("data_prep.validate")
 def main(cfg: DictConfig) -> None:
     report = run(cfg)
     print(json.dumps(report.to_dict(), indent=2))

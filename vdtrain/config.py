@@ -149,6 +149,7 @@ class FitConfig:
     push: PushConfig = field(default_factory=PushConfig)
     best_metric: str = "val/tau_sim"  # picks checkpoints/best.ckpt; e.g. eval/eagle2_T0/S (EvalAfterEpoch)
     best_mode: str = "max"  # max | min
+    debug: bool = False  # a user error shows its full traceback (vdtrain.cli)
 
 
 def register_configs() -> None:

@@ -17,6 +17,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from vdtrain.cli import user_errors
 from vdtrain.drafter import Drafter
 from vdtrain.eval.plots import write_plots
 from vdtrain.eval.quality import QualityConfig
@@ -88,6 +89,7 @@ def run(cfg: DictConfig) -> EvalResult:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="evaluate")
+@user_errors("vdtrain.evaluate")
 def main(cfg: DictConfig) -> None:
     result = run(cfg)
     print(to_markdown(result.rows))

@@ -8,6 +8,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
+from vdtrain.cli import user_errors
 from vdtrain.drafter import CONFIG_FILE, Drafter
 from vdtrain.hub import PushPlan, export_drafter, find_results, push_to_hub, run_metadata
 from vdtrain.targets import target_for_run
@@ -71,6 +72,7 @@ def export(cfg: DictConfig) -> tuple[Path, PushPlan | None]:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="export")
+@user_errors("vdtrain.export")
 def main(cfg: DictConfig) -> None:
     export(cfg)
 

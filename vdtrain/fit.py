@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
+from vdtrain.cli import user_errors
 from vdtrain.config import FitConfig, check_known_keys, register_configs
 from vdtrain.data.datamodule import DrafterDataModule
 from vdtrain.drafter import Drafter, DrafterConfig
@@ -230,6 +231,7 @@ def push_at_end(export: Path, cfg: FitConfig) -> None:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="fit")
+@user_errors("vdtrain.fit")
 def main(cfg: DictConfig) -> None:
     try:
         summary = fit(cfg)

@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from vdtrain.cli import user_errors
 from vdtrain.decode.compiled import prepare_decoding
 from vdtrain.decode.methods import build_method, decode_config
 from vdtrain.decode.metrics import summarize
@@ -142,6 +143,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="generate")
+@user_errors("vdtrain.generate")
 def _main(cfg: DictConfig) -> None:
     summary = run(cfg)
     print(json.dumps(summary, indent=2))

@@ -1,0 +1,39 @@
+"""Every app ends a user's mistake with one line naming it and exit status 2 (``vdtrain.cli``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+CASES = {
+    "vdtrain.fit": (["target.folder=/nonexistent"], "no target at '/nonexistent'"),
+    "vdtrain.generate": (["num_prompts=0"], "num_prompts must be at least 1, got 0"),
+    "vdtrain.evaluate": (["methods=[nope]"], "unknown method preset 'nope'"),
+    "vdtrain.export": (["source=/nonexistent"], "belongs to no known run folder"),
+    "data_prep.features": (["in_dir=/nonexistent", "out_dir=out"], "is not a shard set"),
+}
+
+
+def _run(app: str, args: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.run(
+        [sys.executable, "-m", app, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("app", sorted(CASES))
+def test_a_user_error_is_one_line_and_status_2(app, tmp_path):
+    args, message = CASES[app]
+    done = _run(app, args, tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith(f"{app}: error: ")]
+    assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
+def test_debug_keeps_the_traceback(tmp_path):
+    done = _run("vdtrain.generate", ["num_prompts=0", "debug=true"], tmp_path)
+    assert done.returncode == 1 and "ValueError: num_prompts must be at least 1" in done.stderr
