@@ -111,11 +111,20 @@ def test_fit_cli_writes_checkpoints_logs_summary_and_drafter(tiny_folder, tmp_pa
             "data.samples_per_epoch=4",  # 2 steps an epoch: validation runs twice during fit
             "data.val_samples=2",
             "trainer.max_steps=4",
+            "trainer.progress_every_n_steps=2",
             f"hydra.run.dir={run}",
         ],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    # No terminal here: plain progress lines instead of a bar (issue 26, item 4).
+    out = result.stdout + result.stderr
+    progress = re.findall(r"step (\d)/4 \| loss [0-9.e+-]+ \| top-1 [0-9.]+ \| [0-9.]+ samples/s", out)
+    assert progress == ["2", "4"], out[-3000:]
+    assert re.search(r"step 2/4 .*\| ETA \d+s", out) and "validation at step 2/4: val/" in out
+    assert "Epoch" not in out and re.search(r"^wall time \d", result.stdout, re.M)
+    assert "Loading weights" not in out  # start-up noise that is not the user's to act on
+    assert "has `__len__` defined" not in out  # false for the project's stream (fit.STREAM_HANDLES)
     assert (run / "checkpoints" / "last.ckpt").is_file()
     assert (run / "checkpoints" / "best.ckpt").is_file()
     header = (run / "logs" / "metrics.csv").read_text().splitlines()[0].split(",")

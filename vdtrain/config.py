@@ -93,6 +93,7 @@ class TrainerConfig:
     max_minutes: float | None = None  # stop after this wall-clock time (checkpoints are still written)
     accumulate_grad_batches: int = 1
     log_every_n_steps: int = 10
+    progress_every_n_steps: int = 25  # a plain progress line (step, loss, top-1, samples/s, ETA) this often
     val_every_n_epochs: int = 1
     checkpoint_every_n_steps: int = 100
     deterministic: bool = False

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from vdtrain.prompts import prompts_for_run
 from vdtrain.targets import load_target
 from vdtrain.train.checkpointing import AtomicCheckpointIO, FiniteCheckpoint, Preempted
 from vdtrain.train.module import DrafterModule, NonFiniteLossError
+from vdtrain.train.progress import ProgressLog, StepProgressBar, duration
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,15 @@ def resume_path(cfg: FitConfig, run_dir: Path) -> str | None:
     return str(path)
 
 
+# Lightning's warnings that the training stream (vdtrain.data.streams) makes false, silenced around fit
+# only: it gives each worker and rank its own samples (no duplicates whatever __len__ says), and a resumed
+# run continues from the step reached, mid-epoch included (tests/test_fit.py checks both).
+STREAM_HANDLES = (
+    r"Your `IterableDataset` has `__len__` defined",
+    r"You're resuming from a checkpoint that ended before the epoch ended",
+)
+
+
 def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     """Train; ``callbacks`` are added to the configured ones (tests use them to interrupt a run).
 
@@ -148,13 +159,18 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
             save_on_train_epoch_end=cfg.best_metric.startswith("eval/"),
         ),
     ]
+    t = cfg.trainer
+    samples_per_step = cfg.data.batch_size * t.accumulate_grad_batches
+    hooks.append(ProgressLog(t.progress_every_n_steps, samples_per_step))
+    terminal = sys.stderr.isatty()
+    if terminal:
+        hooks.append(StepProgressBar())
     if cfg.eval.enabled:
         from vdtrain.eval.callback import EvalAfterEpoch  # the eval stack loads only when used
 
         eval_cfg = OmegaConf.to_object(cfg.eval) if isinstance(cfg.eval, DictConfig) else cfg.eval
         prompts = prompts_for_run(eval_cfg.prompts, eval_cfg.num_prompts)
         hooks.append(EvalAfterEpoch(eval_cfg, run_dir, prompts))
-    t = cfg.trainer
     trainer = L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
@@ -173,12 +189,16 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         callbacks=[*hooks, *(callbacks or [])],
         default_root_dir=str(run_dir),
         enable_model_summary=False,
+        enable_progress_bar=terminal,  # elsewhere (SLURM, a file) ProgressLog's lines say it plainly
         # DeepSpeed writes its own checkpoint folders and takes no CheckpointIO plugin.
         plugins=None if t.strategy.startswith("deepspeed") else [AtomicCheckpointIO()],
     )
     start = time.monotonic()
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        with warnings.catch_warnings():
+            for message in STREAM_HANDLES:
+                warnings.filterwarnings("ignore", message=message)
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     except SIGTERMException as stop:
         raise Preempted(
             f"stopped by SIGTERM at step {trainer.global_step}; {last.last_finite_hint()}, "
@@ -233,6 +253,7 @@ def push_at_end(export: Path, cfg: FitConfig) -> None:
 @hydra.main(version_base=None, config_path="../conf", config_name="fit")
 @user_errors("vdtrain.fit")
 def main(cfg: DictConfig) -> None:
+    started = time.monotonic()
     try:
         summary = fit(cfg)
     except Preempted as stop:
@@ -247,6 +268,7 @@ def main(cfg: DictConfig) -> None:
             f"top-1 {summary.get('val/top1', nan):.3f}, tau_sim {summary.get('val/tau_sim', nan):.2f} "
             f"-> {summary['drafter']}"
         )
+        print(f"wall time {duration(time.monotonic() - started)} (loading, training, validation, export)")
 
 
 if __name__ == "__main__":

