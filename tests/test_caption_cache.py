@@ -18,11 +18,16 @@ def _without_encoder(monkeypatch) -> None:
 
 
 def test_shipped_captions_are_what_the_encoder_gives(monkeypatch):
-    captions = shapes_heldout_captions(32)
-    want = load_target_folder().encode_captions(captions[::3])
+    captions = shapes_heldout_captions(32)[::3]
+    target = load_target_folder()
+    got = target.encode_captions(captions)
+    assert target.caption_encoder.encoder is None  # nothing loaded for cached captions
+    want = target.encode_captions([*captions, "an uncached caption"])  # the whole batch via the encoder
+    assert target.caption_encoder.encoder is not None
+    assert torch.equal(got.features, want.features[:-1]) and torch.equal(got.mask, want.mask[:-1])
     _without_encoder(monkeypatch)
-    got = load_target_folder().encode_captions(captions[::3])
-    assert torch.equal(got.features, want.features) and torch.equal(got.mask, want.mask)
+    offline = load_target_folder().encode_captions(captions)
+    assert torch.equal(offline.features, got.features)
 
 
 def test_an_uncached_caption_names_the_package_to_install(monkeypatch):

@@ -83,7 +83,8 @@ def run(cfg: DictConfig) -> dict:
     log.info("%s on %s: %d prompts, %s", method_cfg.name, device, len(prompts), sampling)
 
     samples, images_all, all_stats = [], [], []
-    for start in tqdm(range(0, len(prompts), cfg.batch_size), desc=method_cfg.name):
+    bar = tqdm(total=len(prompts), desc=method_cfg.name, unit="image")
+    for start in range(0, len(prompts), cfg.batch_size):
         batch = prompts[start : start + cfg.batch_size]
         seeds = [cfg.seed + start + i for i in range(len(batch))]
         generators = [torch.Generator(device).manual_seed(s) for s in seeds]
@@ -117,6 +118,8 @@ def run(cfg: DictConfig) -> dict:
             samples.append(record)
         images_all.extend(images)
         all_stats.extend(result.stats)
+        bar.update(len(batch))
+    bar.close()
 
     summary = {
         "method": method_cfg.name,

