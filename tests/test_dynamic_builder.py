@@ -264,18 +264,30 @@ def test_a_depth_limit_and_padding_follow_the_old_layout():
 # --- vocabulary and envelope ----------------------------------------------------------------------------
 
 
-def test_top_k_above_the_vocabulary_is_refused_on_the_preset_path(tmp_path):
-    """``decode.tree.top_k=600`` on a small vocabulary once crawled instead of failing (issue 26)."""
+def test_top_k_above_the_vocabulary_is_capped_once_on_the_preset_path():
+    """``decode.tree.top_k=600`` on a 512-token vocabulary was capped silently at build time only, and its
+    600-wide envelope made every step crawl (issue 26): the engine caps it, with one warning, so the
+    envelope is the capped one and a decode costs the ops of a tree as wide as the vocabulary."""
     from vdtrain.decode.methods import build_method, load_preset
 
     target = make_target()
     drafter = make_drafter(target)
     vocab = target.vocab_size
-    for preset in ("eagle2", "peanut"):
-        too_wide = load_preset(preset, {"tree": {"top_k": vocab + 1, "k_init": vocab + 1}})
-        with pytest.raises(ValueError, match=f"exceeds the target's vocabulary \\({vocab} image tokens\\)"):
-            build_method(too_wide, target, drafter, SamplingConfig())
-    build_method(load_preset("eagle2", {"tree": {"top_k": vocab}}), target, drafter, SamplingConfig())
+    at_vocab = build_method(
+        load_preset("eagle2", {"tree": {"top_k": vocab}}), target, drafter, SamplingConfig()
+    )
+    with pytest.warns(UserWarning, match=f"exceeds the target's vocabulary \\({vocab} image tokens\\)"):
+        too_wide = build_method(
+            load_preset("eagle2", {"tree": {"top_k": 3 * vocab}}), target, drafter, SamplingConfig()
+        )
+    assert too_wide.builder.top_k == vocab and too_wide.builder.max_nodes() == at_vocab.builder.max_nodes()
+    counts = []
+    for method in (at_vocab, too_wide):
+        gens = [torch.Generator().manual_seed(i) for i in range(2)]
+        with OpCounter() as counter:
+            tokens = method.generate(tiny_condition(), gens).tokens
+        counts.append((counter.counts.ops, tokens))
+    assert counts[1][0] == counts[0][0] and torch.equal(counts[1][1], counts[0][1])
 
 
 @pytest.mark.parametrize("kwargs", [{"top_k": 0}, {"depth": -1}, {"total_tokens": 1}])

@@ -46,7 +46,7 @@ class DraftTreeBuilder:
         raise NotImplementedError
 
     def check_vocabulary(self, vocab_size: int) -> None:
-        """Refuse settings a vocabulary of ``vocab_size`` image tokens cannot serve (the engine asks)."""
+        """Fit settings to a vocabulary of ``vocab_size`` image tokens, or refuse them (the engine asks)."""
 
     def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
         raise NotImplementedError

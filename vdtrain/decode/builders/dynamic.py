@@ -28,6 +28,7 @@ the flat node index here. Scores are cumulative log q in float64, as the old bui
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
@@ -96,9 +97,10 @@ class Frontier:
 class DynamicTreeBuilder(DraftTreeBuilder):
     """EAGLE-2's dynamic tree in padded tensor shapes, with per-prompt ``depth`` and ``top_k`` (``shape``).
 
-    A ``top_k`` above the target's vocabulary is refused when the engine is built (``check_vocabulary``):
-    the envelope grows as ``top_k · (depth + 1)`` scratch slots and ``top_k²`` candidates per round, so
-    an over-wide setting would crawl rather than fail. ``keep_deepest_path`` (PEANUT): the best-scoring
+    A ``top_k`` above the target's vocabulary is capped to it, with a warning, when the engine is built
+    (``check_vocabulary``): the envelope grows as ``top_k · (depth + 1)`` scratch slots and ``top_k²``
+    candidates per round, so an uncapped setting (600 on 512 tokens) made every step crawl while its trees
+    were the capped ones. ``keep_deepest_path`` (PEANUT): the best-scoring
     path to the deepest level drafted is kept whatever the node budget prunes.
     """
 
@@ -115,10 +117,12 @@ class DynamicTreeBuilder(DraftTreeBuilder):
 
     def check_vocabulary(self, vocab_size: int) -> None:
         if self.top_k > vocab_size:
-            raise ValueError(
+            warnings.warn(
                 f"tree.top_k={self.top_k} exceeds the target's vocabulary ({vocab_size} image tokens): a "
-                f"node cannot have more distinct children than there are tokens; use top_k <= {vocab_size}"
+                f"node cannot have more distinct children than there are tokens, so top_k is {vocab_size}",
+                stacklevel=3,
             )
+            self.top_k = vocab_size
 
     def max_nodes(self) -> int:
         return max(self.total_tokens, 1 + self.top_k * (self.depth + 1))
