@@ -13,6 +13,8 @@ import logging
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -109,7 +111,28 @@ def resume_path(cfg: FitConfig, run_dir: Path) -> str | None:
 STREAM_HANDLES = (
     r"Your `IterableDataset` has `__len__` defined",
     r"You're resuming from a checkpoint that ended before the epoch ended",
+    # Lightning's own use of a torch API newer torches deprecate: not the user's to act on
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
 )
+
+
+@contextmanager
+def without_false_warnings() -> Iterator[None]:
+    """``STREAM_HANDLES`` silenced inside the block only; every other warning is kept."""
+    with warnings.catch_warnings():
+        for message in STREAM_HANDLES:
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+class _NoAdverts(logging.Filter):
+    """Lightning's start-up tip for its cloud logger is an advert, not information about the run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("💡 Tip")
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdverts())
 
 
 def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
@@ -195,9 +218,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     )
     start = time.monotonic()
     try:
-        with warnings.catch_warnings():
-            for message in STREAM_HANDLES:
-                warnings.filterwarnings("ignore", message=message)
+        with without_false_warnings():
             trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     except SIGTERMException as stop:
         raise Preempted(
@@ -209,7 +230,8 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     minutes = (time.monotonic() - start) / 60
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # train/* and eval/*
     if data.val_dataloader():  # the summary reports the final drafter, not the last epoch's
-        trainer.validate(module, datamodule=data, verbose=False)  # replaces callback_metrics
+        with without_false_warnings():
+            trainer.validate(module, datamodule=data, verbose=False)  # replaces callback_metrics
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
     summary = {
         "run_dir": str(run_dir),
