@@ -112,3 +112,40 @@ def test_sample_grids_go_to_image_loggers():
     for logger in (TensorBoardLike(), WandbLike(), object()):
         _log_image(logger, "eval/samples", image, 7)
     assert calls == [("tb", "eval/samples", (4, 6, 3), 7, "HWC"), ("wandb", "eval/samples", (4, 6, 3), 7)]
+
+
+def test_ar_is_decoded_once_across_evaluations(monkeypatch):
+    """The target is frozen: later evaluations reuse AR's first decode (tokens, images, time)."""
+    from types import SimpleNamespace
+
+    from conftest import random_drafter, random_gpt, random_vq
+    from test_compiled import hashed_captions
+
+    from vdtrain.decode import ar
+    from vdtrain.decode.sampling import SamplingConfig
+    from vdtrain.eval.runner import evaluate
+    from vdtrain.prompts import shapes_heldout_captions
+    from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+
+    target = LlamaGenTarget(
+        random_gpt(), VQTokenizer(random_vq(), 8), hashed_captions, "tiny", SamplingConfig(cfg_scale=2.0)
+    )
+    drafter = random_drafter(target)
+    calls = []
+    generate = ar.ARDecoder.generate
+    monkeypatch.setattr(ar.ARDecoder, "generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
+    runs: dict = {}
+    prompts = shapes_heldout_captions(2)
+    first = evaluate(target, drafter, prompts, ["eagle2"], [0], progress=False, ar_runs=runs, warmup=False)
+    again = evaluate(target, drafter, prompts, ["eagle2"], [0], progress=False, ar_runs=runs, warmup=False)
+    assert len(calls) == 1 and list(runs) == [0]
+    assert first.rows[0] == again.rows[0] and again.rows[1].identical_to_ar
+
+    callback = EvalAfterEpoch(EvalCallbackConfig(), "unused", prompts)
+    trainer = SimpleNamespace(max_steps=400, num_training_batches=128, accumulate_grad_batches=1)
+    near = [
+        s
+        for s in (128, 256, 384, 400)
+        if callback._final_is_near(SimpleNamespace(**vars(trainer), global_step=s))
+    ]
+    assert near == [384]  # 16 steps before the final evaluation: skipped

@@ -53,10 +53,20 @@ class EvalAfterEpoch(L.Callback):
             raise ValueError("eval: the prompt set is empty")
         self.cfg, self.run_dir, self.prompts = cfg, Path(run_dir), prompts
         self.last_step: int | None = None
+        # AR per temperature, decoded at the first evaluation: the target is frozen, so later ones reuse
+        # its tokens and time instead of decoding it again.
+        self.ar_runs: dict[float, Any] = {}
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if (trainer.current_epoch + 1) % self.cfg.every_n_epochs == 0:
+        if (trainer.current_epoch + 1) % self.cfg.every_n_epochs == 0 and not self._final_is_near(trainer):
             self.run(trainer, pl_module, f"epoch{trainer.current_epoch:03d}")
+
+    def _final_is_near(self, trainer: L.Trainer) -> bool:
+        """The run stops (``max_steps``) within half an epoch and will measure its final drafter then:
+        an evaluation now would measure nearly the same drafter."""
+        left = trainer.max_steps - trainer.global_step if trainer.max_steps > 0 else None
+        per_epoch = trainer.num_training_batches / max(1, trainer.accumulate_grad_batches)
+        return self.cfg.at_fit_end and left is not None and 0 < left < per_epoch / 2
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A run that stops mid-epoch (max_steps, max_minutes) still gets its final drafter measured."""
@@ -89,6 +99,7 @@ class EvalAfterEpoch(L.Callback):
                     seed=self.cfg.seed,
                     batch_size=self.cfg.batch_size,
                     progress=False,
+                    ar_runs=self.ar_runs,
                 )
         finally:
             pl_module.train(was_training)

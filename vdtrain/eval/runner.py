@@ -162,6 +162,7 @@ def evaluate(
     warmup: bool = True,
     compile: bool = False,
     cuda_graphs: bool | str | None = "auto",
+    ar_runs: dict[float, tuple[Decoded, np.ndarray, float]] | None = None,
 ) -> EvalResult:
     """Rows, per-position maps and images for AR and every method at every temperature.
 
@@ -173,7 +174,9 @@ def evaluate(
     untimed with each method (``warm_up``): GPU start-up costs, step capture and compilation stay out of
     the timings, and the row's ``startup_seconds`` says what they cost. ``cuda_graphs`` (``auto``: on a GPU)
     records every method's step, AR's too; ``compile`` wraps the target's and the drafter's forwards in
-    ``torch.compile`` (in place, ``vdtrain.decode.compiled.prepare_decoding``).
+    ``torch.compile`` (in place, ``vdtrain.decode.compiled.prepare_decoding``). ``ar_runs`` (per
+    temperature: AR's decode, images and VQ seconds) is filled on first use and reused after: a caller
+    evaluating the same frozen target on the same prompts again (``EvalAfterEpoch``) decodes AR once.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate (the prompt set is empty)")
@@ -196,12 +199,19 @@ def evaluate(
         for temperature, config in runs:
             bar.set_description(f"{config.name} T={temperature:g}")
             sampling = replace(target.sampling_defaults, temperature=temperature)
-            method = build_method(config, target, drafter, sampling)
-            cold = warm_up(method, target, prompts, seed, batch_size) if warmup else None
-            decoded = decode_prompts(method, target, prompts, seed, batch_size, bar)
-            images, vq_seconds = vq_decode(target, decoded.tokens, batch_size)
+            cold = None
+            if config is baseline and ar_runs is not None and temperature in ar_runs:
+                decoded, images, vq_seconds = ar_runs[temperature]  # the same frozen target and prompts
+                bar.update(len(prompts))
+            else:
+                method = build_method(config, target, drafter, sampling)
+                cold = warm_up(method, target, prompts, seed, batch_size) if warmup else None
+                decoded = decode_prompts(method, target, prompts, seed, batch_size, bar)
+                images, vq_seconds = vq_decode(target, decoded.tokens, batch_size)
             if config is baseline:  # runs first at every temperature
                 ar, ar_vq_seconds = decoded, vq_seconds
+                if ar_runs is not None:
+                    ar_runs[temperature] = (decoded, images, vq_seconds)
             result.rows.append(
                 EvalRow(
                     method=config.name,
