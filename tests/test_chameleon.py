@@ -275,6 +275,19 @@ def test_lumina_loads_per_shard_norms_and_matches_transformers(lumina_files):
     torch.testing.assert_close(rows[free, :CODEBOOK], ref[free, :CODEBOOK], rtol=0, atol=1e-5)
 
 
+def test_lumina_prompt_is_the_whole_official_template(lumina_files):
+    """Lumina-mGPT's text-to-image turn: the instruction with the image size, a newline, the caption and
+    the end-of-turn token, then boi and the height and width tokens (64 px = 2 patches of 32)."""
+    target = lumina_target(lumina_files[0])
+    texts: list[str] = []
+    encode = target.encode_text
+    target.encode_text = lambda text: texts.append(text) or encode(text)
+    prompt = target.prompt_ids("a red circle")
+    assert texts == ["Generate an image of 64x64 according to the following prompt:\na red circle<reserved08706>"]
+    words = "Generate an image of 64x64 according to the following prompt : a red circle".split()
+    assert prompt == [0, *(8900 + WORDS.index(w) for w in words), 8710, 8197, 8806, 8806]
+
+
 def test_lumina_norm_layout_is_checked(lumina_files, tmp_path):
     folder, _ = lumina_files
     from safetensors.torch import load_file
