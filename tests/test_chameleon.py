@@ -283,8 +283,9 @@ def test_lumina_prompt_is_the_whole_official_template(lumina_files):
     encode = target.encode_text
     target.encode_text = lambda text: texts.append(text) or encode(text)
     prompt = target.prompt_ids("a red circle")
-    assert texts == ["Generate an image of 64x64 according to the following prompt:\na red circle<reserved08706>"]
-    words = "Generate an image of 64x64 according to the following prompt : a red circle".split()
+    instruction = "Generate an image of 64x64 according to the following prompt:"
+    assert texts == [f"{instruction}\na red circle<reserved08706>"]
+    words = [*WORDS[:10], ":", "a", "red", "circle"]  # the word-level tokenizer splits off the colon
     assert prompt == [0, *(8900 + WORDS.index(w) for w in words), 8710, 8197, 8806, 8806]
 
 
