@@ -21,10 +21,11 @@ from omegaconf import OmegaConf
 from test_engine import assert_cache_is_fresh_prefill
 
 from vdtrain.decode.acceptance import Lantern
+from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
 from vdtrain.decode.builders.static import StaticTreeBuilder
 from vdtrain.decode.engine import SpeculativeEngine
-from vdtrain.decode.methods import ScheduleConfig, verification_schedule
+from vdtrain.decode.methods import ScheduleConfig, build_method, load_preset, verification_schedule
 from vdtrain.decode.metrics import summarize
 from vdtrain.decode.neighbours import latent_neighbours
 from vdtrain.decode.profiling import OpCounter
@@ -587,3 +588,71 @@ def test_bad_schedules_are_refused():
         verification_schedule(ScheduleConfig(kind="similarity", formula="paper"), target)
     with pytest.raises(ValueError, match="unknown few_paths rule 'never'"):
         verification_schedule(ScheduleConfig(kind="similarity", few_paths="never"), target)
+
+
+# --- the skip path, through the presets -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def alike_codes():
+    """The 8 × 8 grid target with code vectors that all point almost the same way (cosine ≈ 0.99), so
+    any two drafted paths look alike and the presets' similarity schedules skip whenever their rules let
+    them, as they do on real codebooks where the tiny targets' random codes never reach t_sim."""
+    target = make_target(seed=2)
+    with torch.no_grad():
+        weight = target.tokenizer.vq.quantize.embedding.weight
+        noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(0))
+        weight.copy_(torch.ones_like(weight) + 0.1 * noise)
+    return target, make_drafter(target, std=0.3)
+
+
+def preset_engine(name: str, target, drafter, sampling, tmp_path, **overrides):
+    config = load_preset(name, {"acceptance": {"cache_dir": str(tmp_path)}, **overrides})
+    return build_method(config, target, drafter, sampling)
+
+
+# The release's score counts positions missing from shorter paths as 0, so on this target's trees it sits
+# near 0.6 even for alike codes: its threshold is lowered to let it skip as often.
+SKIPPING = {"vvs": {}, "vvs_release": {"schedule": {"t_sim": 0.5}}}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", sorted(SKIPPING))
+def test_skipping_presets_skip_often_and_sample_alike_batched_and_alone(
+    name, temperature, alike_codes, tmp_path
+):
+    target, drafter = alike_codes
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=temperature)
+    engine = preset_engine(name, target, drafter, sampling, tmp_path, **SKIPPING[name])
+    cond = tiny_condition(batch=4, seed=7)
+    batched = engine.generate(cond, generators(4, seed=100))
+    for st in batched.stats:  # at most every other step is skipped
+        assert st.skipped_steps >= 0.25 * (st.steps + st.skipped_steps)
+    for i in range(4):
+        alone = engine.generate(
+            Condition(cond.features[i : i + 1], cond.mask[i : i + 1]), generators(1, 100 + i)
+        )
+        assert torch.equal(alone.tokens[0], batched.tokens[i]), f"prompt {i}"
+        assert alone.stats[0].skipped_steps == batched.stats[i].skipped_steps
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", ["vvs", "vvs_release"])
+def test_skipping_presets_never_skipping_with_exact_acceptance_are_eagle2(
+    name, temperature, alike_codes, tmp_path
+):
+    """The degenerate settings (t_sim above any score, δ = 0) on the target where the presets skip most:
+    EAGLE-2 on the same tree, token for token, and AR's tokens at T = 0."""
+    target, drafter = alike_codes
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=temperature)
+    cond = tiny_condition(batch=2, seed=3)
+    exact = {"schedule": {"t_sim": 2.0}, "acceptance": {"delta": 0.0, "cache_dir": str(tmp_path)}}
+    never = preset_engine(name, target, drafter, sampling, tmp_path, **exact).generate(cond, generators(2, 5))
+    tree = OmegaConf.to_container(OmegaConf.load(CONF / "decode" / f"{name}.yaml").tree)
+    eagle2 = preset_engine("eagle2", target, drafter, sampling, tmp_path, tree=tree).generate(
+        cond, generators(2, 5)
+    )
+    assert torch.equal(never.tokens, eagle2.tokens)
+    assert all(st.skipped_steps == 0 for st in never.stats)
+    if temperature == 0.0:
+        assert torch.equal(never.tokens, generate_ar(target, cond, sampling, [None, None]))
