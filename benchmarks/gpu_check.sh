@@ -6,7 +6,7 @@
 #
 # --wheels: the project's missing pure-Python dependencies as wheels (default .whl; benchmarks/README.md,
 #   "GPU check", says how to fill it here). --device cpu runs the same steps on small shapes, to test the
-#   script without a GPU. At most 8 files are left in OUT_DIR.
+#   script without a GPU. At most 9 files are left in OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,8 +30,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 
 if [[ $device == cuda ]]; then
   xl="llamagen-xl --dtype bf16" big=16 prompts=16 graphs=graphs compiled=compiled presets=all
+  train="--targets llamagen-xl --modes eager compiled zero2 --batch 8 --steps 5 --warmup 2"
 else  # the script's own test: the same steps on a CPU, eager, at sizes it decodes in seconds
   xl="shapes --dtype fp32" big=2 prompts=2 graphs=eager compiled=steps presets="eagle2 sjd"
+  train="--targets small --modes eager --batch 2 --steps 2 --warmup 1"
 fi
 step_cost="python -m benchmarks.step_cost --device $device"
 
@@ -42,6 +44,7 @@ steps=(
   "shapes|150|$step_cost --targets shapes --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $out/shapes.json"
   "xl_compiled|180|$step_cost --targets $xl --modes $compiled --batch 1 --presets eagle2 sjd --out $out/xl_compiled.json"
   "evaluate|120|python -m vdtrain.evaluate device=$device num_prompts=$prompts batch_size=$big plots=false save_images=false out_dir=/tmp/vdtrain_gpu_eval"
+  "train|60|python -m benchmarks.train_throughput --device $device $train --out $out/train.json"
   "xl_eager|90|$step_cost --targets $xl --modes eager --batch 1 --presets eagle2 sjd --out $out/xl_eager.json"
 )
 

@@ -106,10 +106,15 @@ class Row:
 
 
 # --- targets ------------------------------------------------------------------------------------------
-def random_llamagen(size: str, device: torch.device, seed: int) -> tuple[Target, Drafter]:
-    """A LlamaGen t2i-shaped target and drafter with random weights (no files needed)."""
+def random_llamagen(
+    size: str, device: torch.device, seed: int, shape: dict[str, int] | None = None
+) -> tuple[Target, Drafter]:
+    """A LlamaGen t2i-shaped target and drafter with random weights (no files needed): a released size,
+    or the layers, width and heads in ``shape``."""
     torch.manual_seed(seed)
-    config = replace(GPTConfig(), **GPT_PRESETS[RANDOM_TARGETS[size]])  # vocab 16384, 120 + 256 rows
+    config = replace(
+        GPTConfig(), **(shape or GPT_PRESETS[RANDOM_TARGETS[size]])
+    )  # vocab 16384, 120 + 256 rows
     # A small VQ of the right codebook and grid: only its codebook is read (LANTERN, VVS); never decoded.
     vq = VQModel(
         VQConfig(ch=8, ch_mult=(1, 1, 1, 1, 1), num_res_blocks=1, z_channels=8, norm_groups=4)

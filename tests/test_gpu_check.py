@@ -16,7 +16,7 @@ def test_dry_run_lists_the_steps_in_priority_order(tmp_path):
     done = _run("--dry-run", "480", str(tmp_path))
     assert done.returncode == 0, done.stderr
     steps = [line.split(" ")[1] for line in done.stdout.splitlines()[1:]]
-    assert steps == ["tests", "xl_graphs", "shapes", "xl_compiled", "evaluate", "xl_eager"]
+    assert steps == ["tests", "xl_graphs", "shapes", "xl_compiled", "evaluate", "train", "xl_eager"]
     assert "-m 'gpu and not slow'" in done.stdout and "--modes graphs" in done.stdout
     assert "--dtype bf16" in done.stdout and "device=cuda" in done.stdout
     assert not any(tmp_path.iterdir())  # a dry run writes nothing

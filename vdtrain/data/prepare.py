@@ -499,7 +499,7 @@ def prepare_features(
     progress: bool = True,
 ) -> dict[str, Any]:
     """A copy of shard set ``in_dir`` with ``feats.npy`` per sample: the fp16 target hidden states
-    [L+N, H] = ``target.forward_sequence(cond, tokens).hidden`` (final norm applied).
+    [L+N, H] = ``target.sequence_features(cond, tokens)`` (final norm applied).
 
     ``cond`` is the stored condition when the input has one, else the encoded caption. With probability
     ``p_null`` (per sample, seeded by ``seed`` and the key) the sample is null-conditioned: its features
@@ -557,7 +557,7 @@ def prepare_features(
                 null = torch.tensor([null_decision(seed, s["key"], p_null) for s in batch], device=device)
                 if null.any():
                     cond = target.with_null(cond, null)
-                hidden = target.forward_sequence(cond, tokens).hidden.to("cpu", torch.float16).numpy()
+                hidden = target.sequence_features(cond, tokens).to("cpu", torch.float16).numpy()
                 for i, s in enumerate(batch):
                     out = {k: s[k] for k in ("key", "tokens", "caption", "cond", "cond_mask") if k in s}
                     out["meta"] = {**s["meta"], "null_conditioned": bool(null[i])}

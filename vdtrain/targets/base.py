@@ -289,15 +289,19 @@ class Target(nn.Module, ABC):
         return self.constrain_logits(self.head(hidden).float(), predicts)
 
     def forward_sequence(self, cond: Condition, tokens: torch.Tensor) -> TargetOutput:
-        """Teacher-forced pass over prefix + ``tokens`` [B, N] without a cache (training, features).
+        """Teacher-forced pass over prefix + ``tokens`` [B, N] without a cache: outputs for all ``L + N``
+        positions."""
+        hidden = self.sequence_features(cond, tokens)
+        positions = torch.arange(hidden.shape[1], device=hidden.device)
+        return TargetOutput(hidden, self.logits(hidden, positions - (self.prefix_length - 1)))
 
-        Returns outputs for all ``L + N`` positions.
-        """
+    def sequence_features(self, cond: Condition, tokens: torch.Tensor) -> torch.Tensor:
+        """``forward_sequence``'s hidden states [B, L + N, H] without the head: what drafter training
+        reads (the head's [B, L + N, V] logits would cost about a sixth of LlamaGen-B's pass)."""
         x = torch.cat([self.prefix_inputs(cond), self.token_embedding(tokens)], dim=1)
         seq = x.shape[1]
         positions = torch.arange(seq, device=x.device)
-        hidden = self.transformer(x, positions, prefix_causal_mask(cond.mask, seq))
-        return TargetOutput(hidden, self.logits(hidden, positions - (self.prefix_length - 1)))
+        return self.transformer(x, positions, prefix_causal_mask(cond.mask, seq))
 
     def new_cache(self, batch: int, extra_slots: int = 0) -> KVCache:
         """A static cache for ``max_seq_len`` slots plus ``extra_slots`` of scratch (draft trees)."""

@@ -108,7 +108,7 @@ class DrafterModule(L.LightningModule):
             mask = target.encode_captions(batch["caption"]).mask if mask is None else mask.bool()
             return tokens, mask.to(self.device), batch["feats"].to(self.device, torch.float32)
         cond = target.with_null(target.encode_captions(batch["caption"]), null_rows.to(self.device))
-        return tokens, cond.mask, target.forward_sequence(cond, tokens).hidden.float()
+        return tokens, cond.mask, target.sequence_features(cond, tokens).float()
 
     def _null_rows(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         return torch.rand(batch_size, generator=generator) < self.p_null

@@ -1,0 +1,252 @@
+"""What one drafter-training step costs: samples/s, image tokens/s, the frozen target's share, and model
+FLOP utilisation, for ``fit``'s own step (``DrafterModule``: online features with 10% null rows, feature
+noise, the drafter's teacher-forced pass, its loss, backward and AdamW) on random-weight targets.
+
+    python -m benchmarks.train_throughput                              # CPU: a small LlamaGen-shaped target
+    python -m benchmarks.train_throughput --device cuda --targets llamagen-b llamagen-xl \\
+        --modes eager compiled zero2 --batch 8 --out train_throughput.json
+
+Modes: ``eager``; ``compiled`` (the drafter's decoder layer under ``torch.compile``); ``zero2`` (DeepSpeed
+ZeRO stage 2 in one process, as ``trainer=deepspeed_stage_2`` runs each rank; GPU only). ``--dtype bf16``
+runs the target in bf16 and the drafter under bf16 autocast (``precision: bf16-mixed``). Captions are
+random condition rows (a real run adds the text encoder's pass, not counted here). The first
+``--warmup`` steps (compilation included) are left out.
+
+Columns: step time; ``target``: the feature pass; ``drafter``: the rest (drafter forward, loss, backward,
+optimizer); samples/s and image tokens/s; model TFLOP/s (matmul FLOPs: 2 per weight per token for the
+target's pass, 6 for the drafter's trained layers, 4 for its frozen head, whose input gradient is needed,
+plus attention) and MFU against the device's dense bf16 peak (known GPUs only: H100 / H200 989 TFLOP/s,
+A100 312). Goal on an H100 / H200 at XL shape: the drafter ≤ 35% of the step, MFU ≥ 35%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+
+from benchmarks.step_cost import random_llamagen
+from vdtrain.config import DrafterTrainConfig, OptimConfig
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.eval.runner import device_description
+from vdtrain.targets import cast_for_inference
+from vdtrain.targets.base import Target
+from vdtrain.train.module import DrafterModule
+
+# A LlamaGen-shaped target small enough for a CPU: GPT-B's vocabulary and caption rows, 4 layers of 256.
+SMALL = {"n_layer": 4, "n_head": 4, "dim": 256}
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+MODES = ("eager", "compiled", "zero2")
+
+
+@dataclass
+class Row:
+    target: str
+    drafter: str
+    mode: str
+    dtype: str
+    batch: int
+    steps: int
+    step_ms: float
+    target_ms: float
+    drafter_ms: float
+    drafter_share: float
+    samples_per_s: float
+    tokens_per_s: float
+    tflops: float
+    mfu: float | None
+
+
+class RandomCaptions:
+    """A caption encoder of the target's shape that returns random rows: the benchmark times training, not
+    the text encoder."""
+
+    def __init__(self, rows: int, width: int, device: torch.device) -> None:
+        self.rows, self.width, self.device = rows, width, device
+
+    def __call__(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        features = torch.randn(len(captions), self.rows, self.width, device=self.device)
+        return features, torch.ones(len(captions), self.rows, dtype=torch.bool, device=self.device)
+
+
+def build(name: str, device: torch.device, dtype: str, seed: int) -> tuple[Target, Drafter]:
+    """The random-weight target (its captions random rows, cast to ``dtype``) and a fresh drafter."""
+    target, _ = random_llamagen(name, device, seed, SMALL if name == "small" else None)
+    gpt = target.gpt.config
+    target.caption_encoder = RandomCaptions(target.prefix_length, gpt.caption_dim, device)
+    target = cast_for_inference(target, dtype)
+    return target, Drafter(DrafterConfig.for_target(target)).to(device)
+
+
+def step_flops(target: Target, drafter: Drafter, batch: int) -> float:
+    """Matmul FLOPs of one training step (see the module docstring)."""
+    seq = target.prefix_length + target.num_image_tokens
+    tokens = batch * seq
+    image_rows = batch * target.num_image_tokens
+    width, layers = target.gpt.config.dim, target.gpt.config.n_layer
+    frozen = sum(p.numel() for n, p in target.gpt.named_parameters() if "layers" in n)
+    trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    head = target.vocab_size * width
+    attention = 2 * batch * seq * seq * width  # QKᵀ and AV, causal: half of 4·S²·d per layer
+    target_flops = 2 * frozen * tokens + layers * attention
+    drafter_flops = 6 * trained * tokens + 3 * attention + 2 * head * image_rows + 4 * head * image_rows
+    return float(target_flops + drafter_flops)
+
+
+@contextlib.contextmanager
+def timed(clock: list[float], device: torch.device) -> Iterator[None]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    clock.append(time.perf_counter() - start)
+
+
+def measure(name: str, mode: str, dtype: str, batch: int, steps: int, warmup: int, device, seed: int) -> Row:
+    target, drafter = build(name, device, dtype, seed)
+    module = DrafterModule(target, drafter, DrafterTrainConfig(), OptimConfig(), max_steps=steps + warmup)
+    module.to(device)
+    module._place_target()
+    if mode == "compiled":
+        module.drafter.layer.compile()
+    params = [p for p in module.drafter.parameters() if p.requires_grad]
+    if mode == "zero2":
+        import deepspeed  # GPU only: ZeRO shards the optimizer state across ranks (here one)
+
+        for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "RANK": "0"}.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+
+        config = {
+            "train_micro_batch_size_per_gpu": batch,
+            "zero_optimization": {"stage": 2},
+            "bf16": {"enabled": dtype == "bf16"},
+            "optimizer": {"type": "AdamW", "params": {"lr": OptimConfig().lr}},
+        }
+        engine, *_ = deepspeed.initialize(model=module.drafter, model_parameters=params, config=config)
+        backward, step = engine.backward, engine.step
+    else:
+        optimizer = torch.optim.AdamW(params, lr=OptimConfig().lr)
+
+        def backward(loss: torch.Tensor) -> None:
+            loss.backward()
+
+        def step() -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    prepare, feature_clock = module.prepare, []
+
+    def timed_prepare(*args, **kwargs):
+        with timed(feature_clock, device):
+            return prepare(*args, **kwargs)
+
+    module.prepare = timed_prepare
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(target.vocab_size, (batch, target.num_image_tokens), generator=generator)
+    batch_data = {"tokens": tokens.to(device), "caption": [""] * batch}
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=dtype == "bf16")
+    step_clock: list[float] = []
+    for i in range(warmup + steps):
+        with timed(step_clock, device):
+            with autocast:
+                loss, _ = module.loss(batch_data, torch.Generator().manual_seed(i))
+            backward(loss)
+            step()
+    step_s = sum(step_clock[warmup:]) / steps
+    target_s = sum(feature_clock[warmup:]) / steps
+    flops = step_flops(target, module.drafter, batch) / step_s
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_description(device)), None)
+    return Row(
+        name,
+        "eagle1",
+        mode,
+        dtype,
+        batch,
+        steps,
+        step_s * 1e3,
+        target_s * 1e3,
+        (step_s - target_s) * 1e3,
+        (step_s - target_s) / step_s,
+        batch / step_s,
+        batch * target.num_image_tokens / step_s,
+        flops / 1e12,
+        flops / 1e12 / peak if peak and device.type == "cuda" else None,
+    )
+
+
+def table(rows: list[Row], device: torch.device) -> str:
+    lines = [
+        f"device: {device_description(device)}, torch {torch.__version__}",
+        "| target | drafter | mode | dtype | batch | step ms | target ms | drafter ms | drafter share "
+        "| samples/s | tokens/s | TFLOP/s | MFU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mfu = "–" if r.mfu is None else f"{r.mfu:.0%}"
+        lines.append(
+            f"| {r.target} | {r.drafter} | {r.mode} | {r.dtype} | {r.batch} | {r.step_ms:.1f} | "
+            f"{r.target_ms:.1f} | {r.drafter_ms:.1f} | {r.drafter_share:.0%} | {r.samples_per_s:.1f} | "
+            f"{r.tokens_per_s:.0f} | {r.tflops:.2f} | {mfu} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--targets", nargs="+", default=["small"], choices=["small", "llamagen-b", "llamagen-xl"]
+    )
+    parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES)
+    parser.add_argument("--dtype", nargs="+", default=None, choices=["fp32", "bf16"])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="write the rows as JSON")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtypes = args.dtype or (["bf16"] if device.type == "cuda" else ["fp32"])  # CPUs run bf16 slowly
+    rows = []
+    for name in args.targets:
+        for mode in args.modes:
+            if mode == "zero2" and (device.type != "cuda" or importlib.util.find_spec("deepspeed") is None):
+                print(f"{name} zero2: skipped (DeepSpeed ZeRO needs a GPU and the deepspeed package)")
+                continue
+            for dtype in dtypes:
+                row = measure(name, mode, dtype, args.batch, args.steps, args.warmup, device, args.seed)
+                rows.append(row)
+                print(
+                    f"{name} {mode} {dtype}: {row.step_ms:.1f} ms/step, drafter {row.drafter_share:.0%}",
+                    flush=True,
+                )
+    print(table(rows, device))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "device": device_description(device),
+                    "torch": torch.__version__,
+                    "rows": [asdict(r) for r in rows],
+                },
+                f,
+                indent=1,
+            )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
