@@ -41,6 +41,7 @@ class Purpose:
     CONTINUE = 5  # SJD-PAC's continuation: per later position a keep test and a redraw
     REFINE = 6  # SJD's refinement: per window position a redraw from the distribution just computed
     PATH = 7  # VVS: the root-to-leaf path a skipped step commits
+    GUMBEL = 8  # SCD's Gumbel coupling: per image position, noise over the vocabulary (``keyed``)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -135,6 +136,23 @@ class RowRandom:
         flat = (high * (1 << 26) + low).double() / float(1 << 53)
         parts = flat.split(counts, dim=1)
         return [part.reshape(self.batch, *shape) for part, (_, shape) in zip(parts, blocks, strict=True)]
+
+
+    def keyed(self, purpose: int, keys: torch.Tensor, width: int) -> torch.Tensor:
+        """float64 [B, K, width] in [0, 1): a function of each row's seed, ``purpose``, ``keys`` [B, K]
+        (say, absolute image positions) and the element's index only, not of the step. A row that asks
+        again for a key gets the same numbers, in any batch: noise fixed per position until it is
+        committed (SCD's Gumbel coupling)."""
+        if not isinstance(purpose, int) or not 0 <= purpose <= _MASK:
+            raise ValueError(f"purpose must be in [0, 2^32), got {purpose}")
+        if keys.dim() != 2 or keys.shape[0] != self.batch:
+            raise ValueError(f"keys must be [B={self.batch}, K], got shape {tuple(keys.shape)}")
+        row = _mix(self.seed_key ^ ((purpose * _PURPOSE_SALT) & _MASK))  # [B]: no step in it
+        key = _mix(_mix(row[:, None] ^ (keys & _MASK)) ^ _SEED_SALT)  # [B, K]
+        counters = torch.arange(2 * width, dtype=torch.long, device=key.device)
+        words = _mix(_mix(key[..., None] ^ counters))  # [B, K, 2 * width]
+        high, low = words[..., 0::2] >> 5, words[..., 1::2] >> 6
+        return (high * (1 << 26) + low).double() / float(1 << 53)
 
 
 def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
