@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +47,7 @@ import torch
 from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
+from vdtrain.export_format import CONFIG_FILE, REPO_ID, WEIGHTS_FILE, download
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets import draft_layer_class
 from vdtrain.targets.base import (
@@ -57,8 +57,6 @@ from vdtrain.targets.base import (
     prefix_causal_mask,
 )
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 # Top-level keys of LlamaGen drafter configs written before ``DrafterConfig.layer`` (still read).
 LLAMAGEN_LAYER_FIELDS = (
     "n_head",
@@ -73,8 +71,6 @@ LLAMAGEN_LAYER_FIELDS = (
 # are the ``drafter.``-prefixed entries of the checkpoint's state dict.
 CHECKPOINT_CONFIG_KEY = "drafter_config"
 CHECKPOINT_PREFIX = "drafter."
-# A Hugging Face Hub model id: ``owner/name``.
-REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 @dataclass(frozen=True)
@@ -402,8 +398,6 @@ class Drafter(nn.Module):
         elif path.exists():
             config, state, metadata = _read_export(path)
         elif REPO_ID.fullmatch(str(source)):
-            from vdtrain.hub import download
-
             config, state, metadata = _read_export(download(str(source), revision, cache_dir))
         else:
             raise FileNotFoundError(
