@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig, combine_cfg, probabilities
-from vdtrain.models.chameleon_io import load_vqgan_meta
+from vdtrain.models.chameleon_io import load_vqgan_meta, vqgan_config_hf
 from vdtrain.models.chameleon_vocab import image_code_of_name, image_token_ids, image_token_name
-from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
+from vdtrain.models.chameleon_vqgan import ChameleonVQGAN
 from vdtrain.targets import load_target
 from vdtrain.targets.chameleon import FORCED_LOGIT, ChameleonTarget
 
@@ -125,7 +125,7 @@ def tiny_hf(model_parallel_size: int, swin_norm: bool = False, seed: int = 0):
 
 def random_decoder_state(prefix: str, seed: int = 1) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    vq = ChameleonVQGAN(ChameleonVQConfig.from_hf(VQ))
+    vq = ChameleonVQGAN(vqgan_config_hf(VQ))
     return {f"{prefix}{k}": v.clone() for k, v in vq.decoder.state_dict().items()}
 
 

@@ -2,7 +2,7 @@
 
 The module tree (``cls_embedding.cap_proj.fc1``, ``layers.3.attention.wqkv`` ...) mirrors the official
 release so its ``state_dict`` loads unchanged. Two behaviours of the original are kept on purpose
-because the released weights depend on them (ALGORITHMS.md §9):
+because the released weights depend on them (docs/targets.md, "LlamaGen t2i"):
 
 - the 2D RoPE table has zero rows for the caption prefix, so caption queries and keys are *zero
   vectors*: captions reach image tokens through their values only;

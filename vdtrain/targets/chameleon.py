@@ -28,6 +28,7 @@ from torch import nn
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM, DecoderLayer, rope_cos_sin
 from vdtrain.models.chameleon_io import (
+    chameleon_config,
     load_chameleon_lm,
     load_vqgan_hf,
     load_vqgan_meta,
@@ -401,7 +402,7 @@ def build_chameleon_target(spec: ChameleonSpec, device: str | torch.device = "cp
         raise ValueError(f"unknown Chameleon family {spec.family!r}; use one of {FAMILIES}")
     config = read_hf_config(spec.model_dir)
     state = read_hf_weights(spec.model_dir)
-    lm_config = ChameleonConfig.from_hf(config)
+    lm_config = chameleon_config(config)
     layout_kind = "per_head" if spec.family == "anole" else "per_shard"
     lm = load_chameleon_lm(lm_config, state, layout_kind, f"{spec.family} decoder ({spec.model_dir})")
     if spec.vqgan_ckpt is not None:

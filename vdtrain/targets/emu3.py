@@ -24,7 +24,14 @@ import torch
 
 from vdtrain.models.chameleon_io import read_hf_config, read_hf_weights, text_tokenizer
 from vdtrain.models.chameleon_vocab import token_id
-from vdtrain.models.emu3 import load_decoder, load_vq, split_state, text_config, visual_token_ids, vocabulary
+from vdtrain.models.emu3_io import (
+    load_decoder,
+    load_vq,
+    split_state,
+    text_config,
+    visual_token_ids,
+    vocabulary,
+)
 from vdtrain.sampling_config import SamplingConfig
 from vdtrain.targets.chameleon import ChameleonLayout, ChameleonTarget, ChameleonTokenizer, Guidance
 from vdtrain.targets.janus import JanusDraftLayer
