@@ -31,7 +31,7 @@ from vdtrain.data.streams import ShapesStream, collate
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.fit import build_strategy, fit
-from vdtrain.shapes.build import images_to_tensor
+from vdtrain.images import images_to_tensor
 from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, generate
 from vdtrain.targets import load_target
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
