@@ -1,10 +1,10 @@
 """The Hugging Face Hub side of a drafter: the export folder, its checks, its download and its upload.
 
-An export folder (ARCHITECTURE.md, "Checkpoints and the Hub") holds ``config.json`` (the drafter config
-with the identity of the target it serves, plus training metadata), ``model.safetensors`` (the drafter's
-own weights: the target's frozen embedding and head are borrowed at load time, never saved) and
-``README.md`` (the model card). Writing one is deterministic: the same drafter, metadata and results
-give byte-identical files, so an export can be re-made and compared.
+An export folder (docs/hub.md; file names in ``vdtrain.export_format``) holds ``config.json`` (the
+drafter config with the identity of the target it serves, plus training metadata), ``model.safetensors``
+(the drafter's own weights: the target's frozen embedding and head are borrowed at load time, never
+saved) and ``README.md`` (the model card). Writing one is deterministic: the same drafter, metadata and
+results give byte-identical files, so an export can be re-made and compared.
 """
 
 from __future__ import annotations
