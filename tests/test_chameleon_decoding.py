@@ -27,8 +27,13 @@ from vdtrain.decode.profiling import count_steps
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
 from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
-from vdtrain.targets import ChameleonDraftLayer
-from vdtrain.targets.chameleon import ChameleonLayout, ChameleonTarget, ChameleonTokenizer, Guidance
+from vdtrain.targets.chameleon import (
+    ChameleonDraftLayer,
+    ChameleonLayout,
+    ChameleonTarget,
+    ChameleonTokenizer,
+    Guidance,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -585,6 +585,13 @@ def test_plus_added_typo_is_refused_naming_the_key_and_close_matches(tiny_folder
     check_known_keys(fit_config(tiny_folder, tmp_path / "run", *ok))
 
 
+def test_a_target_key_its_kind_does_not_declare_is_refused_naming_the_kind(tiny_folder, tmp_path):
+    cfg = fit_config(tiny_folder, tmp_path / "run", "+target.foldr=elsewhere")
+    with pytest.raises(UnknownConfigKeyError, match=r"kind 'folder': target\.foldr \(did you mean folder"):
+        fit(cfg)
+    assert not (tmp_path / "run").exists()
+
+
 def test_drafter_of_another_target_is_refused(tiny_folder, tmp_path):
     wide = LlamaGenTarget(
         random_gpt(replace(TINY_GPT, dim=64)),

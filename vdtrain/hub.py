@@ -27,7 +27,7 @@ from vdtrain.checkpoint_io import CheckpointError, load_strict
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.eval.table import EvalRow, read_results, to_markdown
 from vdtrain.export_format import CARD_FILE, CONFIG_FILE, EXPORT_FILES, WEIGHTS_FILE
-from vdtrain.targets import kind_fields
+from vdtrain.targets import kind_config
 from vdtrain.targets.base import Target, TargetIdentity
 from vdtrain.targets.shapes import REPO_ROOT
 
@@ -248,7 +248,7 @@ def _target_section(ident: TargetIdentity) -> str:
 
 def _usage_section(metadata: Mapping[str, Any]) -> str:
     recorded = metadata.get("config", {}).get("target", {})
-    target_config = {"kind": recorded["kind"], **kind_fields(recorded)} if recorded.get("kind") else {}
+    target_config = kind_config(recorded) if recorded.get("kind") else {}
     load = (
         f"target = load_target({json.dumps(target_config)})"
         if target_config

@@ -439,8 +439,3 @@ FAMILY_SAMPLING: dict[str, dict[str, float]] = {
     "anole": {"temperature": 0.7, "top_p": 0.9, "top_k": 0},
     "lumina_mgpt": {"temperature": 1.0, "top_k": 2000, "top_p": 1.0},
 }
-
-
-def load_chameleon_target(fields: dict[str, object], device: str | torch.device = "cpu") -> ChameleonTarget:
-    """The registry's entry point: a ``kind: chameleon`` target config without ``kind``/``quality``."""
-    return build_chameleon_target(ChameleonSpec(**fields), device)

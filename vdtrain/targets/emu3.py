@@ -126,8 +126,3 @@ def build_emu3_target(spec: Emu3Spec, device: str | torch.device = "cpu") -> Cha
         spec.caption_overflow,
     )
     return target.to(device)
-
-
-def load_emu3_target(fields: dict[str, object], device: str | torch.device = "cpu") -> ChameleonTarget:
-    """The registry's entry point: a ``kind: emu3`` target config without ``kind``/``quality``."""
-    return build_emu3_target(Emu3Spec(**fields), device)

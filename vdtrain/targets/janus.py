@@ -240,8 +240,3 @@ def build_janus_target(spec: JanusSpec, device: str | torch.device = "cpu") -> J
         spec.caption_overflow,
     )
     return target.to(device)
-
-
-def load_janus_target(fields: dict[str, object], device: str | torch.device = "cpu") -> JanusTarget:
-    """The registry's entry point: a ``kind: janus`` target config without ``kind``/``quality``."""
-    return build_janus_target(JanusSpec(**fields), device)
