@@ -412,7 +412,7 @@ def test_anole_instruct_guidance_reduces_to_cfg_for_text_prompts(anole_files):
     streams = [
         target.forward_sequence(s, tokens).logits[0, L - 1 : L + N - 1] for s in target.guidance_streams(cond)
     ]
-    mixed = target.guidance.combine(streams)
+    mixed = target.guidance.combine(streams, target.sampling_defaults.cfg_scale)
     assert torch.equal(mixed, combine_cfg(streams[0], streams[2], target.sampling_defaults.cfg_scale))
     # Meta's three streams on transformers' logits: full prompt, image-only prompt, [bos, boi].
     img = ids[tokens[0]].tolist()

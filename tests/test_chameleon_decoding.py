@@ -119,7 +119,7 @@ def enumerable_target(family: str, seed: int = 2) -> ChameleonTarget:
         prefix if lumina else (BOS, BOI),
         NEWLINE if lumina else None,
         "{text}",
-        Guidance((3.0,) if lumina else (3.0, 1.2)),
+        Guidance(() if lumina else (1.2,)),
     )
     return ChameleonTarget(
         lm,

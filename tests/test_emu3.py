@@ -294,7 +294,8 @@ def test_shipped_config_builds_with_local_files_and_fit_defaults(emu3_files):
     target = load_target({**dataclasses.asdict(TargetConfig()), **config})
     s = target.sampling_defaults
     assert (s.cfg_scale, s.temperature, s.top_k, s.top_p) == (3.0, 1.0, 2048, 1.0)
-    assert target.identity.family == "emu3" and target.guidance.scales == (3.0,)
+    assert target.identity.family == "emu3" and target.guidance.image_scales == ()
+    assert target.sampling_defaults.cfg_scale == 3.0
     # the release's negative prompt (words this tiny vocabulary lacks become <unk>)
     assert target.layout.null_prompt[:2] == (VOCAB[BOS], VOCAB["lowres"])
 

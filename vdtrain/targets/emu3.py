@@ -66,7 +66,6 @@ def emu3_layout(
     latent: tuple[int, int],
     prompt_suffix: str,
     negative_prompt: str,
-    cfg_scale: float,
 ) -> ChameleonLayout:
     h, w = latent
     bos = token_id(vocab, BOS)
@@ -74,7 +73,7 @@ def emu3_layout(
     null = (bos, *encode_text(negative_prompt), *prefix)
     template = "{text}" + prompt_suffix.replace("{", "{{").replace("}", "}}")
     newline = token_id(vocab, END_OF_ROW)
-    return ChameleonLayout(FAMILY, latent, bos, prefix, null, newline, template, Guidance((cfg_scale,)))
+    return ChameleonLayout(FAMILY, latent, bos, prefix, null, newline, template, Guidance())
 
 
 @dataclass
@@ -112,7 +111,6 @@ def build_emu3_target(spec: Emu3Spec, device: str | torch.device = "cpu") -> Cha
         (side, side),
         POSITIVE_SUFFIX if spec.prompt_suffix is None else spec.prompt_suffix,
         NEGATIVE_PROMPT if spec.negative_prompt is None else spec.negative_prompt,
-        sampling.cfg_scale,
     )
     target = ChameleonTarget(
         lm,
