@@ -1,7 +1,7 @@
 """The EAGLE-style feature drafter: fc over ``[embed(x_{t+1}); f_t]`` + one decoder layer of the target's.
 
 The drafter owns ``fc = Linear(2H → H)`` and ONE decoder layer: the family's ``DraftLayer``
-(``vdtrain.targets.DRAFT_LAYERS``), which also brings the family's positional encoding. The token
+(``vdtrain.targets.draft_layers()``), which also brings the family's positional encoding. The token
 embedding and the output head are *borrowed* from the frozen target (``Drafter.attach``): they are neither
 parameters of the drafter nor in its saved weights.
 

@@ -11,11 +11,11 @@ from vdtrain.targets.base import (
 )
 from vdtrain.targets.llamagen import LlamaGenSpec, LlamaGenTarget, build_llamagen_target
 from vdtrain.targets.registry import (
-    DRAFT_LAYERS,
     TARGET_KINDS,
     TargetKind,
     cast_for_inference,
     draft_layer_class,
+    draft_layers,
     inference_dtype,
     kind_config,
     load_target,
@@ -25,7 +25,6 @@ from vdtrain.targets.registry import (
 from vdtrain.targets.shapes import load_target_folder
 
 __all__ = [
-    "DRAFT_LAYERS",
     "TARGET_KINDS",
     "Condition",
     "DraftLayer",
@@ -39,6 +38,7 @@ __all__ = [
     "build_llamagen_target",
     "cast_for_inference",
     "draft_layer_class",
+    "draft_layers",
     "inference_dtype",
     "kind_config",
     "load_target",

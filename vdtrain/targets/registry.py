@@ -47,19 +47,20 @@ TARGET_KINDS: dict[str, TargetKind] = {
     "emu3": TargetKind(Emu3Spec, build_emu3_target, {EMU3_FAMILY: Emu3DraftLayer}),  # Emu3-Gen
 }
 
-# The drafter's decoder layer per target family (``TargetIdentity.family``).
-DRAFT_LAYERS: dict[str, type[DraftLayer]] = {
-    family: layer for kind in TARGET_KINDS.values() for family, layer in kind.draft_layers.items()
-}
-
 SHARED_KEYS = tuple(f.name for f in dataclasses.fields(TargetConfig))
+
+
+def draft_layers() -> dict[str, type[DraftLayer]]:
+    """The drafter's decoder layer per target family (``TargetIdentity.family``), over every kind."""
+    return {family: layer for kind in TARGET_KINDS.values() for family, layer in kind.draft_layers.items()}
 
 
 def draft_layer_class(family: str) -> type[DraftLayer]:
     """The drafter layer of target family ``family``; a clear error for a family without one."""
-    if family not in DRAFT_LAYERS:
-        raise ValueError(f"no drafter layer for target family {family!r}; known: {sorted(DRAFT_LAYERS)}")
-    return DRAFT_LAYERS[family]
+    layers = draft_layers()
+    if family not in layers:
+        raise ValueError(f"no drafter layer for target family {family!r}; known: {sorted(layers)}")
+    return layers[family]
 
 
 def target_kind(config: Mapping[str, object]) -> tuple[str, TargetKind]:
