@@ -3,30 +3,32 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import replace
+from typing import TypeVar
 
 from vdtrain.checkpoint_io import load_strict, read_state_dict
 from vdtrain.models.llamagen_gpt import GPT_PRESETS, GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQ_PRESETS, VQConfig, VQModel
 
+C = TypeVar("C", GPTConfig, VQConfig)
+
+
+def _from_preset(base: C, presets: Mapping[str, Mapping[str, object]], preset: str | None, what: str) -> C:
+    if preset is None:
+        return base
+    if preset not in presets:
+        raise ValueError(f"unknown {what} preset {preset!r}; choose one of {sorted(presets)}")
+    return replace(base, **presets[preset])
+
 
 def gpt_config_from(preset: str | None, overrides: dict[str, object]) -> GPTConfig:
-    base = GPTConfig()
-    if preset is not None:
-        if preset not in GPT_PRESETS:
-            raise ValueError(f"unknown GPT preset {preset!r}; choose one of {sorted(GPT_PRESETS)}")
-        base = replace(base, **GPT_PRESETS[preset])
-    return replace(base, **overrides)
+    return replace(_from_preset(GPTConfig(), GPT_PRESETS, preset, "GPT"), **overrides)
 
 
 def vq_config_from(preset: str | None, overrides: dict[str, object]) -> VQConfig:
-    base = VQConfig()
-    if preset is not None:
-        if preset not in VQ_PRESETS:
-            raise ValueError(f"unknown VQ preset {preset!r}; choose one of {sorted(VQ_PRESETS)}")
-        base = replace(base, **VQ_PRESETS[preset])
     overrides = {k: tuple(v) if k == "ch_mult" else v for k, v in overrides.items()}
-    return replace(base, **overrides)
+    return replace(_from_preset(VQConfig(), VQ_PRESETS, preset, "VQ"), **overrides)
 
 
 def load_gpt(path: str | os.PathLike[str], config: GPTConfig) -> LlamaGenGPT:
