@@ -490,12 +490,16 @@ def test_a_real_push_creates_the_repo_and_uploads_the_export(export_dir, no_netw
 
 
 def test_the_cards_snippet_repeats_every_key_the_targets_kind_reads():
-    """A key equal to fit's typed default is still repeated when the target's kind reads it: Chameleon's
-    own default caption_overflow is 'error', so a run with 'truncate' (the typed default) must say so."""
+    """Every key the target's kind reads is repeated, also one that equals another kind's default:
+    Chameleon's own default caption_overflow is 'error', so a run with 'truncate' must say so. A drafter
+    exported before targets owned their config recorded every kind's keys; the others stay out."""
     from vdtrain.hub import _usage_section
 
     recorded = {
         **dataclasses.asdict(TargetConfig()),
+        "folder": None,  # what fit's former one-schema-for-all-kinds target config recorded
+        "gpt_ckpt": None,
+        "gpt_preset": "GPT-XL",
         "kind": "chameleon",
         "name": "lumina",
         "family": "lumina_mgpt",
