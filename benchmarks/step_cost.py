@@ -140,7 +140,7 @@ def random_chameleon(size: str, device: torch.device, seed: int) -> tuple[Target
         (8197, 8804 + CHAMELEON_LATENT // 2, 8804 + CHAMELEON_LATENT // 2),
         8803,
         "{text}",
-        Guidance((3.0,)),
+        Guidance(),
     )
     # A small VQGAN with the released codebook size: only its codebook is read (LANTERN, VVS).
     vqgan = ChameleonVQGAN(

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import user_errors
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
+from vdtrain.models.llamagen_io import load_vq
 from vdtrain.models.vq import VQConfig
 from vdtrain.shapes.build import (
     OptimConfig,
@@ -30,7 +31,6 @@ from vdtrain.shapes.build import (
     write_target_folder,
 )
 from vdtrain.shapes.report import caption_sensitivity, consistency_report, sample_grid
-from vdtrain.targets.llamagen import load_vq
 from vdtrain.targets.shapes import load_target_folder
 
 log = logging.getLogger(__name__)

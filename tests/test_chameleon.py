@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig, combine_cfg, probabilities
-from vdtrain.models.chameleon_io import load_vqgan_meta
+from vdtrain.models.chameleon_io import load_vqgan_meta, vqgan_config_hf
 from vdtrain.models.chameleon_vocab import image_code_of_name, image_token_ids, image_token_name
-from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
+from vdtrain.models.chameleon_vqgan import ChameleonVQGAN
 from vdtrain.targets import load_target
 from vdtrain.targets.chameleon import FORCED_LOGIT, ChameleonTarget
 
@@ -125,7 +125,7 @@ def tiny_hf(model_parallel_size: int, swin_norm: bool = False, seed: int = 0):
 
 def random_decoder_state(prefix: str, seed: int = 1) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
-    vq = ChameleonVQGAN(ChameleonVQConfig.from_hf(VQ))
+    vq = ChameleonVQGAN(vqgan_config_hf(VQ))
     return {f"{prefix}{k}": v.clone() for k, v in vq.decoder.state_dict().items()}
 
 
@@ -426,7 +426,7 @@ def test_anole_instruct_guidance_reduces_to_cfg_for_text_prompts(anole_files):
     streams = [
         target.forward_sequence(s, tokens).logits[0, L - 1 : L + N - 1] for s in target.guidance_streams(cond)
     ]
-    mixed = target.guidance.combine(streams)
+    mixed = target.guidance.combine(streams, target.sampling_defaults.cfg_scale)
     assert torch.equal(mixed, combine_cfg(streams[0], streams[2], target.sampling_defaults.cfg_scale))
     # Meta's three streams on transformers' logits: full prompt, image-only prompt, [bos, boi].
     img = ids[tokens[0]].tolist()

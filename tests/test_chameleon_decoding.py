@@ -27,8 +27,13 @@ from vdtrain.decode.profiling import count_steps
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
 from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
-from vdtrain.targets import ChameleonDraftLayer
-from vdtrain.targets.chameleon import ChameleonLayout, ChameleonTarget, ChameleonTokenizer, Guidance
+from vdtrain.targets.chameleon import (
+    ChameleonDraftLayer,
+    ChameleonLayout,
+    ChameleonTarget,
+    ChameleonTokenizer,
+    Guidance,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -114,7 +119,7 @@ def enumerable_target(family: str, seed: int = 2) -> ChameleonTarget:
         prefix if lumina else (BOS, BOI),
         NEWLINE if lumina else None,
         "{text}",
-        Guidance((3.0,) if lumina else (3.0, 1.2)),
+        Guidance(() if lumina else (1.2,)),
     )
     return ChameleonTarget(
         lm,

@@ -42,8 +42,8 @@ from vdtrain.data.shards import (
 )
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.images import images_to_tensor
 from vdtrain.prompts import load_captions, read_caption_table
-from vdtrain.shapes.build import images_to_tensor
 from vdtrain.targets import load_target_folder
 from vdtrain.targets.base import Condition
 

@@ -290,11 +290,12 @@ def test_shipped_config_builds_with_local_files_and_fit_defaults(emu3_files):
 
     config = yaml.safe_load((Path(__file__).parents[1] / "conf" / "target" / "emu3.yaml").read_text())
     config.update(model_dir=str(emu3_files[0]), image_size=IMAGE_SIZE, prefix_length=64)
-    # fit composes the target through TargetConfig, which fills in the other kinds' defaults
+    # fit composes the target over TargetConfig, which fills in the keys every kind shares
     target = load_target({**dataclasses.asdict(TargetConfig()), **config})
     s = target.sampling_defaults
     assert (s.cfg_scale, s.temperature, s.top_k, s.top_p) == (3.0, 1.0, 2048, 1.0)
-    assert target.identity.family == "emu3" and target.guidance.scales == (3.0,)
+    assert target.identity.family == "emu3" and target.guidance.image_scales == ()
+    assert target.sampling_defaults.cfg_scale == 3.0
     # the release's negative prompt (words this tiny vocabulary lacks become <unk>)
     assert target.layout.null_prompt[:2] == (VOCAB[BOS], VOCAB["lowres"])
 

@@ -31,7 +31,7 @@ from vdtrain.data.streams import ShapesStream, collate
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.fit import build_strategy, fit
-from vdtrain.shapes.build import images_to_tensor
+from vdtrain.images import images_to_tensor
 from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, generate
 from vdtrain.targets import load_target
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
@@ -583,6 +583,13 @@ def test_plus_added_typo_is_refused_naming_the_key_and_close_matches(tiny_folder
     # The free-form maps the docs add keys to with + keep taking them.
     ok = ("+drafter.layer.n_head=2", "+trainer.deepspeed.zero_optimization.overlap_comm=true")
     check_known_keys(fit_config(tiny_folder, tmp_path / "run", *ok))
+
+
+def test_a_target_key_its_kind_does_not_declare_is_refused_naming_the_kind(tiny_folder, tmp_path):
+    cfg = fit_config(tiny_folder, tmp_path / "run", "+target.foldr=elsewhere")
+    with pytest.raises(UnknownConfigKeyError, match=r"kind 'folder': target\.foldr \(did you mean folder"):
+        fit(cfg)
+    assert not (tmp_path / "run").exists()
 
 
 def test_drafter_of_another_target_is_refused(tiny_folder, tmp_path):

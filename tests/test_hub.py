@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from test_drafter import make_drafter, other_target, teacher_batch
 from test_fit import CONF, REPO, fit_config, run_cli, sub_env
 
-from vdtrain import hub
+from vdtrain import export_format, hub
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.config import TargetConfig
 from vdtrain.decode.sampling import SamplingConfig
@@ -55,10 +55,10 @@ def refuse(*args, **kwargs):
 @pytest.fixture
 def no_network(monkeypatch, tmp_path):
     monkeypatch.setattr(hub, "HfApi", refuse)
-    monkeypatch.setattr(hub, "snapshot_download", refuse)
+    monkeypatch.setattr(export_format, "snapshot_download", refuse)
     for name in (*hub.TOKEN_ENV, "HF_OIDC_RESOURCE"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no_saved_login" / "token"))
+    monkeypatch.setattr(export_format.constants, "HF_TOKEN_PATH", str(tmp_path / "no_saved_login" / "token"))
 
 
 @pytest.fixture
@@ -222,12 +222,16 @@ def test_a_hub_repo_id_is_fetched_with_snapshot_download(export_dir, tiny_target
         calls.append((repo_id, kwargs))
         return str(export_dir)
 
-    monkeypatch.setattr(hub, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(export_format, "snapshot_download", fake_snapshot_download)
     loaded = Drafter.from_pretrained(REPO_ID, tiny_target, revision="v1", cache_dir=tmp_path / "cache")
     assert calls == [
         (
             REPO_ID,
-            {"revision": "v1", "cache_dir": tmp_path / "cache", "allow_patterns": list(hub.EXPORT_FILES)},
+            {
+                "revision": "v1",
+                "cache_dir": tmp_path / "cache",
+                "allow_patterns": list(export_format.EXPORT_FILES),
+            },
         )
     ]
     assert_same_weights(loaded, Drafter.from_pretrained(export_dir))
@@ -236,7 +240,7 @@ def test_a_hub_repo_id_is_fetched_with_snapshot_download(export_dir, tiny_target
 def test_a_hub_repo_id_resolves_from_the_cache_offline_and_says_when_it_cannot(
     export_dir, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(export_format.constants, "HF_HUB_OFFLINE", True)
     repo = tmp_path / "cache" / "models--someone--tiny-drafter"
     shutil.copytree(export_dir, repo / "snapshots" / "0123abc")
     (repo / "refs").mkdir()
@@ -443,7 +447,7 @@ def test_the_token_saved_by_hf_auth_login_is_used(export_dir, no_network, monkey
     saved = tmp_path / "hf_home" / "token"
     saved.parent.mkdir()
     saved.write_text("hf_saved\n")  # what `hf auth login` writes
-    monkeypatch.setattr(hub.constants, "HF_TOKEN_PATH", str(saved))
+    monkeypatch.setattr(export_format.constants, "HF_TOKEN_PATH", str(saved))
     assert hub.find_token() == ("hf_saved", "saved login")
     assert push_to_hub(export_dir, REPO_ID, dry_run=True).token_source == "saved login"
     monkeypatch.setenv("HF_TOKEN", "hf_env")  # the environment comes first, as in huggingface_hub
@@ -486,12 +490,16 @@ def test_a_real_push_creates_the_repo_and_uploads_the_export(export_dir, no_netw
 
 
 def test_the_cards_snippet_repeats_every_key_the_targets_kind_reads():
-    """A key equal to fit's typed default is still repeated when the target's kind reads it: Chameleon's
-    own default caption_overflow is 'error', so a run with 'truncate' (the typed default) must say so."""
+    """Every key the target's kind reads is repeated, also one that equals another kind's default:
+    Chameleon's own default caption_overflow is 'error', so a run with 'truncate' must say so. A drafter
+    exported before targets owned their config recorded every kind's keys; the others stay out."""
     from vdtrain.hub import _usage_section
 
     recorded = {
         **dataclasses.asdict(TargetConfig()),
+        "folder": None,  # what fit's former one-schema-for-all-kinds target config recorded
+        "gpt_ckpt": None,
+        "gpt_preset": "GPT-XL",
         "kind": "chameleon",
         "name": "lumina",
         "family": "lumina_mgpt",

@@ -263,7 +263,7 @@ def test_shipped_config_builds_with_local_files_and_fit_defaults(janus_files):
 
     config = yaml.safe_load((Path(__file__).parents[1] / "conf" / "target" / "janus_pro.yaml").read_text())
     config.update(model_dir=str(janus_files[0]), prefix_length=16)
-    # fit composes the target through TargetConfig, which fills in the other kinds' defaults
+    # fit composes the target over TargetConfig, which fills in the keys every kind shares
     target = load_target({**dataclasses.asdict(TargetConfig()), **config})
     s = target.sampling_defaults
     assert (s.cfg_scale, s.temperature, s.top_k, s.top_p) == (5.0, 1.0, 0, 1.0)

@@ -22,6 +22,7 @@ from vdtrain.checkpoint_io import CheckpointError, read_state_dict
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.models.llamagen_gpt import LlamaGenGPT
+from vdtrain.models.llamagen_io import gpt_config_from, load_gpt, load_vq, vq_config_from
 from vdtrain.models.text_encoders import CaptionTooLongError, HFTextEncoder
 from vdtrain.models.vq import VQModel
 from vdtrain.targets.llamagen import (
@@ -29,10 +30,6 @@ from vdtrain.targets.llamagen import (
     LlamaGenTarget,
     VQTokenizer,
     build_llamagen_target,
-    gpt_config_from,
-    load_gpt,
-    load_vq,
-    vq_config_from,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -20,31 +20,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 @dataclass
 class TargetConfig:
-    kind: str = "folder"  # folder: config.json + gpt.pt + vq.pt (shapes); llamagen: official files
-    folder: str | None = None  # kind=folder: the target folder (relative: cwd, then repo root)
-    name: str = ""  # kind=llamagen: a name for the identity
-    gpt_ckpt: str | None = None  # kind=llamagen: the GPT checkpoint (official format)
-    vq_ckpt: str | None = None  # kind=llamagen: the VQ checkpoint (official format)
-    gpt_preset: str | None = "GPT-XL"  # GPT-B/L/XL/XXL/...
-    gpt: dict[str, Any] = field(default_factory=dict)  # GPTConfig overrides
-    vq_preset: str | None = "VQ-16"
-    vq: dict[str, Any] = field(default_factory=dict)  # VQConfig overrides
-    image_size: int = 256
-    text_encoder_path: str | None = None  # local folder of flan-t5-xl
-    text_encoder_kind: str = "t5"  # t5 | bert
-    text_preprocessing: str = "llamagen"  # kind=llamagen: llamagen (official cleaning) | lowercase | none
-    caption_overflow: str = "truncate"  # truncate (warn) | error
-    sampling: dict[str, Any] = field(default_factory=dict)  # the target's sampling defaults
+    """The keys every target kind shares. The rest of a ``conf/target/*.yaml`` belongs to its kind's spec
+    (``vdtrain.targets.registry.TARGET_KINDS``), which refuses any key it does not declare."""
+
+    kind: str = "folder"  # a key of TARGET_KINDS: folder (the shapes world), llamagen, chameleon, janus, emu3
     quality: str | None = None  # per-image quality metric (shapes_consistency) or null
     dtype: str = "fp32"  # fp32 | bf16 | fp16: weights and KV cache when decoding (generate, evaluate)
-    family: str | None = None  # kind=chameleon: anole | lumina_mgpt
-    model_dir: str | None = None  # kind=chameleon|janus|emu3: the HF folder (config, weights, tokenizer)
-    tokenizer_file: str | None = None  # kind=chameleon|janus|emu3: tokenizer.json (null: model_dir's)
-    vqgan_ckpt: str | None = None  # kind=chameleon: Meta's vqgan.ckpt (null: model_dir's model.vqmodel.*)
-    vqgan_config: str | None = None  # kind=chameleon: Meta's vqgan.yaml, with vqgan_ckpt
-    prefix_length: int | None = None  # kind=chameleon|janus|emu3: prompt rows, left-padded
-    prompt_suffix: str | None = None  # kind=emu3: text after the caption (null: the release's)
-    negative_prompt: str | None = None  # kind=emu3: the unconditional context's text (null: the release's)
 
 
 @dataclass
@@ -136,7 +117,8 @@ class PushConfig:
 
 @dataclass
 class FitConfig:
-    target: TargetConfig = field(default_factory=TargetConfig)
+    # a conf/target/*.yaml: TargetConfig's keys and its kind's, checked against both when it is loaded
+    target: dict[str, Any] = field(default_factory=dict)
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

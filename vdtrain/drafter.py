@@ -1,36 +1,13 @@
-"""The EAGLE-style feature drafter (ALGORITHMS.md §1): fc over ``[embed(x_{t+1}); f_t]`` + one target layer.
+"""The EAGLE-style feature drafter: fc over ``[embed(x_{t+1}); f_t]`` + one decoder layer of the target's.
 
-The drafter owns two things: ``fc = Linear(2H → H)`` and ONE decoder layer of the target's family: the
-family's ``DraftLayer`` (``vdtrain.targets.DRAFT_LAYERS``; a LlamaGen block with its 2D RoPE table, a
-Chameleon layer with 1D RoPE), which also brings the family's positional encoding. The token embedding and
-the output head are *borrowed* from the frozen target (``Drafter.attach``): they are neither parameters of
-the drafter nor in its saved weights.
+The drafter owns ``fc = Linear(2H → H)`` and ONE decoder layer: the family's ``DraftLayer``
+(``vdtrain.targets.draft_layers()``), which also brings the family's positional encoding. The token
+embedding and the output head are *borrowed* from the frozen target (``Drafter.attach``): they are neither
+parameters of the drafter nor in its saved weights.
 
-Sequence alignment (the one convention; ``drafter_inputs`` is the only place that builds it)
-------------------------------------------------------------------------------------------------
-The target lays a sequence out as slots ``0 .. L-1`` (condition prefix) and ``L + i`` (image token i);
-``f_s`` is its final-norm hidden state at slot ``s`` and ``e_s`` the token embedding of the token at slot
-``s``. The drafter's row at slot ``s`` (``s = 0 .. L+N-2``) is::
-
-    input   fc([e_{s+1}; f_s])      embedding FIRST, then feature
-    output  f̂_{s+1}                 head(f̂_{s+1}) predicts the token at slot s+2 (image token s+2-L)
-
-The last hidden state ``f_{L+N-1}`` has no next token, so a teacher-forced drafter sequence has
-``L + N - 1`` rows and regresses ``target_hidden[:, 1:]``.
-
-*Dummy embedding on the prefix* (the "document" item of ALGORITHMS §1): for ``s + 1 < L`` there is no
-token at slot ``s + 1`` (it is a caption row), so ``e_{s+1}`` is a fixed **zero vector**. The drafter
-therefore still sees every condition feature ``f_0 .. f_{L-2}`` (through ``fc``'s feature half and the
-bias); row ``L - 1`` is the first that carries a real token (image token 0). Zeros need no extra
-parameter, are identical for the cond and null streams, and cannot collide with a real token's embedding.
-
-Positions and mask follow the target: row ``s`` takes RoPE position ``s`` (the slot of its *feature*; for
-LlamaGen the first ``L`` rows of the table are zero), so the row that embeds image token ``j`` sits at
-``target.rope_positions(j - 1)`` (position ``L - 1`` for ``j = 0``). Teacher forcing uses the targets'
-``prefix_causal_mask(cond.mask, S)`` over drafter slots; decoding rows use ``prefix_and_image_mask``, the
-layout the target's own ``forward_tokens`` uses.
-
-Which rows are trained is decided in ``vdtrain.train.losses.image_target_mask``.
+Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}``, with a zero embedding
+where slot ``s + 1`` is a caption row; ``drafter_inputs`` is the only place that builds it. The alignment,
+positions and mask are derived in docs/training.md, "The drafter's sequence alignment".
 """
 
 from __future__ import annotations
@@ -38,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +24,7 @@ import torch
 from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
+from vdtrain.export_format import CONFIG_FILE, REPO_ID, WEIGHTS_FILE, download
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets import draft_layer_class
 from vdtrain.targets.base import (
@@ -57,8 +34,6 @@ from vdtrain.targets.base import (
     prefix_causal_mask,
 )
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 # Top-level keys of LlamaGen drafter configs written before ``DrafterConfig.layer`` (still read).
 LLAMAGEN_LAYER_FIELDS = (
     "n_head",
@@ -73,8 +48,6 @@ LLAMAGEN_LAYER_FIELDS = (
 # are the ``drafter.``-prefixed entries of the checkpoint's state dict.
 CHECKPOINT_CONFIG_KEY = "drafter_config"
 CHECKPOINT_PREFIX = "drafter."
-# A Hugging Face Hub model id: ``owner/name``.
-REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 
 
 @dataclass(frozen=True)
@@ -402,8 +375,6 @@ class Drafter(nn.Module):
         elif path.exists():
             config, state, metadata = _read_export(path)
         elif REPO_ID.fullmatch(str(source)):
-            from vdtrain.hub import download
-
             config, state, metadata = _read_export(download(str(source), revision, cache_dir))
         else:
             raise FileNotFoundError(

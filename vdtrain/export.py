@@ -9,7 +9,8 @@ import hydra
 from omegaconf import DictConfig
 
 from vdtrain.cli import user_errors
-from vdtrain.drafter import CONFIG_FILE, Drafter
+from vdtrain.drafter import Drafter
+from vdtrain.export_format import CONFIG_FILE
 from vdtrain.hub import PushPlan, export_drafter, find_results, push_to_hub, run_metadata
 from vdtrain.targets import target_for_run
 from vdtrain.targets.shapes import resolve_folder

@@ -29,9 +29,8 @@ from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter
 from vdtrain.eval.quality import Scorer, Unavailable, quality_scorer
 from vdtrain.eval.runner import synchronize
-from vdtrain.images import captioned_grid, save_png
+from vdtrain.images import captioned_grid, save_png, tensor_to_images
 from vdtrain.prompts import prompts_for_run
-from vdtrain.shapes.build import tensor_to_images
 from vdtrain.targets import Target, target_for_run
 from vdtrain.targets.shapes import resolve_folder
 

@@ -1,10 +1,10 @@
 """The Hugging Face Hub side of a drafter: the export folder, its checks, its download and its upload.
 
-An export folder (ARCHITECTURE.md, "Checkpoints and the Hub") holds ``config.json`` (the drafter config
-with the identity of the target it serves, plus training metadata), ``model.safetensors`` (the drafter's
-own weights: the target's frozen embedding and head are borrowed at load time, never saved) and
-``README.md`` (the model card). Writing one is deterministic: the same drafter, metadata and results
-give byte-identical files, so an export can be re-made and compared.
+An export folder (docs/hub.md; file names in ``vdtrain.export_format``) holds ``config.json`` (the
+drafter config with the identity of the target it serves, plus training metadata), ``model.safetensors``
+(the drafter's own weights: the target's frozen embedding and head are borrowed at load time, never
+saved) and ``README.md`` (the model card). Writing one is deterministic: the same drafter, metadata and
+results give byte-identical files, so an export can be re-made and compared.
 """
 
 from __future__ import annotations
@@ -18,22 +18,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import HfApi, constants, get_token, snapshot_download
+from huggingface_hub import HfApi, get_token
 from huggingface_hub.utils import validate_repo_id
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict
-from vdtrain.drafter import CONFIG_FILE, WEIGHTS_FILE, Drafter, DrafterConfig
+from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.eval.table import EvalRow, read_results, to_markdown
-from vdtrain.targets import kind_fields
+from vdtrain.export_format import CARD_FILE, CONFIG_FILE, EXPORT_FILES, WEIGHTS_FILE
+from vdtrain.targets import kind_config
 from vdtrain.targets.base import Target, TargetIdentity
 from vdtrain.targets.shapes import REPO_ROOT
 
 log = logging.getLogger(__name__)
 
-CARD_FILE = "README.md"
-EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, CARD_FILE)
 RESULTS_FILE = "results.json"
 TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # huggingface_hub reads them in this order
 # What an absolute path outside the repository becomes in an export: this prefix and its last component.
@@ -49,27 +48,6 @@ class ExportError(ValueError):
 
 class MissingTokenError(RuntimeError):
     pass
-
-
-# --- download ------------------------------------------------------------------------------------------
-def download(
-    repo_id: str, revision: str | None = None, cache_dir: str | os.PathLike[str] | None = None
-) -> Path:
-    """The local snapshot of a Hub drafter repo (only the cache is used when ``HF_HUB_OFFLINE`` is set)."""
-    try:
-        folder = snapshot_download(
-            repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=list(EXPORT_FILES)
-        )
-    except (OSError, ValueError) as err:  # huggingface_hub's HTTP, cache and id errors
-        offline = (
-            " (HF_HUB_OFFLINE is set: only the cache was searched)" if constants.is_offline_mode() else ""
-        )
-        raise FileNotFoundError(
-            f"drafter {repo_id!r} is not a local path, and Hub repo {repo_id!r} (revision "
-            f"{revision or 'main'}) could not be downloaded and is not in the local cache "
-            f"{str(cache_dir or constants.HF_HUB_CACHE)!r}{offline}: {err}"
-        ) from err
-    return Path(folder)
 
 
 # --- export ----------------------------------------------------------------------------------------------
@@ -270,7 +248,7 @@ def _target_section(ident: TargetIdentity) -> str:
 
 def _usage_section(metadata: Mapping[str, Any]) -> str:
     recorded = metadata.get("config", {}).get("target", {})
-    target_config = {"kind": recorded["kind"], **kind_fields(recorded)} if recorded.get("kind") else {}
+    target_config = kind_config(recorded) if recorded.get("kind") else {}
     load = (
         f"target = load_target({json.dumps(target_config)})"
         if target_config

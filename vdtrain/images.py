@@ -1,12 +1,31 @@
-"""Saving generated images: single PNGs and captioned grids."""
+"""Images between tensors and pixels, their PSNR, and saving them: single PNGs and captioned grids."""
 
 from __future__ import annotations
 
+import math
 import textwrap
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image, ImageDraw, ImageFont
+
+
+def images_to_tensor(images: list[np.ndarray] | np.ndarray) -> torch.Tensor:
+    """uint8 [N, H, W, 3] → float [N, 3, H, W] in [-1, 1]."""
+    arr = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float()
+    return arr / 127.5 - 1.0
+
+
+def tensor_to_images(x: torch.Tensor) -> np.ndarray:
+    """float [N, 3, H, W] in [-1, 1] → uint8 [N, H, W, 3]."""
+    return ((x.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """PSNR in dB of images in [-1, 1] (peak-to-peak 2)."""
+    mse = (a.clamp(-1, 1) - b.clamp(-1, 1)).pow(2).mean().item()
+    return 10 * math.log10(4.0 / max(mse, 1e-12))
 
 
 def save_png(image: np.ndarray, path: Path) -> None:

@@ -40,8 +40,8 @@ from vdtrain.data.shards import (
 )
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.images import images_to_tensor
 from vdtrain.prompts import load_captions
-from vdtrain.shapes.build import images_to_tensor
 from vdtrain.targets.base import Condition, Target
 
 log = logging.getLogger(__name__)

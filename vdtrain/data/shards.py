@@ -1,26 +1,11 @@
 """Shard sets on disk: the versioned sample schema, an atomic resumable writer, a validating reader.
 
-A shard set is a folder with webdataset ``.tar`` shards and a ``manifest.json``. Each sample is a group
-of tar members sharing a key (``{key}.{field}``, so ``webdataset.WebDataset`` reads them as well):
-
-    tokens.npy     int64 [N]        image token ids in raster order, N = grid h·w, 0 <= id < vocab
-    caption.txt    utf-8            the caption the tokens belong to
-    meta.json      object           source, seed, generation settings, ``null_conditioned`` (features)
-    cond.npy       float16 [L, D]   optional: the encoded caption (``target.encode_captions``)
-    cond_mask.npy  bool [L]         optional, with ``cond``: True = a real caption token
-    feats.npy      float16 [L+N, H] optional (offline mode): ``target.forward_sequence(cond, tokens).hidden``
-
-``manifest.json`` says what every sample must look like (schema version, target identity, which optional
-fields are present, their shapes) and lists the finished shards with their sample counts and byte sizes.
-A shard is written to ``name.tar.tmp`` and renamed when complete, then entered in the manifest (itself
-replaced atomically), so a crash never leaves a half-written shard that looks finished; a rerun skips
-exactly the shards the manifest lists whose file is present with the recorded size and whose input
-plan is unchanged.
-
-Reading validates every sample against the manifest. A bad sample is a ``ShardError`` naming the shard
-file and the sample key; with ``on_corrupt="skip"`` it is logged as a warning (shard and key) and left
-out instead, and a shard whose tar breaks off is read up to the break. ``validate_shards`` checks a
-whole set before training.
+A shard set is a folder with webdataset ``.tar`` shards and a ``manifest.json`` that says what every
+sample must look like and lists the finished shards. A shard is written to ``name.tar.tmp`` and renamed
+when complete, so a crash never leaves a half-written shard that looks finished, and a rerun skips the
+shards already done. Reading validates every sample against the manifest; a bad one is a ``ShardError``
+naming the shard and key, or with ``on_corrupt="skip"`` a warning. The sample fields and the manifest
+are described in docs/training.md, "The shard format".
 """
 
 from __future__ import annotations

@@ -29,8 +29,7 @@ from vdtrain.decode.metrics import summarize
 from vdtrain.drafter import Drafter
 from vdtrain.eval.quality import QualityConfig, QualityScorer
 from vdtrain.eval.table import EvalRow
-from vdtrain.images import save_png
-from vdtrain.shapes.build import tensor_to_images
+from vdtrain.images import save_png, tensor_to_images
 from vdtrain.targets.base import Target
 
 log = logging.getLogger(__name__)

@@ -1,1 +1,2 @@
-"""Pure network architectures (no loading policy, no training loop)."""
+"""Network architectures: ``<family>.py`` holds the modules (no loading policy, no training loop) and
+``<family>_io.py`` reads that family's released files into them."""

@@ -7,12 +7,11 @@ per-row slots with a tree-shaped mask. This module computes what ``model.model``
 
 Two q/k-norm layouts are released: transformers' ``[heads, head_dim]`` (Anole) and Lumina-mGPT's vendored
 ``[model_parallel_size, head_dim]``, repeat-interleaved over each shard's heads at run time. The module
-keeps the per-head layout; ``per_head_state`` converts the per-shard one when loading.
+keeps the per-head layout; ``chameleon_io.per_head_state`` converts the per-shard one when loading.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +20,6 @@ from torch import nn
 
 from vdtrain.models.kv_cache import KVCache, LayerCache
 
-QK_NORM_LAYOUTS = ("per_head", "per_shard")
 QK_NORM_EPS = 1e-5  # hard-coded in both official implementations
 
 
@@ -54,65 +52,6 @@ class ChameleonConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    @classmethod
-    def from_hf(cls, config: Mapping[str, object]) -> ChameleonConfig:
-        """From a released ``config.json`` (transformers 4.x ``rope_theta`` or 5.x ``rope_parameters``)."""
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"Chameleon config has hidden_act={act!r}; only 'silu' is released")
-        rope = config.get("rope_parameters") or {}
-        scaling = config.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-        if rope_type != "default":
-            raise ValueError(
-                f"Chameleon config asks for RoPE scaling {rope_type!r}; only plain RoPE is supported"
-            )
-        heads = int(config.get("num_attention_heads", 32))
-        return cls(
-            vocab_size=int(config.get("vocab_size", 65536)),
-            hidden_size=int(config.get("hidden_size", 4096)),
-            intermediate_size=int(config.get("intermediate_size", 11008)),
-            num_hidden_layers=int(config.get("num_hidden_layers", 32)),
-            num_attention_heads=heads,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            swin_norm=bool(config.get("swin_norm", False)),
-            attention_bias=bool(config.get("attention_bias", False)),
-            mlp_bias=bool(config.get("mlp_bias", False)),
-            model_parallel_size=int(config.get("model_parallel_size") or 1),
-        )
-
-
-def per_head_state(
-    state: Mapping[str, torch.Tensor], config: ChameleonConfig, layout: str
-) -> dict[str, torch.Tensor]:
-    """``state`` with q/k-norm weights and biases in the per-head ``[heads, head_dim]`` layout.
-
-    ``per_shard`` (Lumina-mGPT) holds ``[model_parallel_size, head_dim]`` per norm; each shard's row is
-    repeated for that shard's heads, as the vendored ``ChameleonLayerNorm.repeat_param`` does.
-    """
-    if layout not in QK_NORM_LAYOUTS:
-        raise ValueError(f"qk_norm_layout must be one of {QK_NORM_LAYOUTS}, got {layout!r}")
-    out = dict(state)
-    if layout == "per_head":
-        return out
-    mp = config.model_parallel_size
-    heads = {"q_norm": config.num_attention_heads, "k_norm": config.num_key_value_heads}
-    for key, value in state.items():
-        norm = key.split(".")[-2] if "." in key else ""
-        if norm not in heads:
-            continue
-        if tuple(value.shape) != (mp, config.head_dim):
-            raise ValueError(
-                f"{key}: Lumina-mGPT layout expects [model_parallel_size={mp}, head_dim={config.head_dim}], "
-                f"file has {tuple(value.shape)}"
-            )
-        if heads[norm] % mp:
-            raise ValueError(f"{key}: {heads[norm]} heads do not split over model_parallel_size={mp}")
-        out[key] = value.repeat_interleave(heads[norm] // mp, dim=0)
-    return out
 
 
 class RMSNorm(nn.Module):

@@ -9,7 +9,6 @@ image. The released decoders come in two layouts with the same module tree: Meta
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -33,42 +32,6 @@ class ChameleonVQConfig:
     @property
     def downsample(self) -> int:
         return 2 ** (len(self.channel_multiplier) - 1)
-
-    @classmethod
-    def from_hf(cls, vq: Mapping[str, object]) -> ChameleonVQConfig:
-        """From the ``vq_config`` of a released HF ``config.json``."""
-        if vq.get("double_latent"):
-            raise ValueError("vq_config.double_latent=true is not a released Chameleon VQGAN")
-        return cls(
-            embed_dim=int(vq.get("embed_dim", 256)),
-            num_embeddings=int(vq.get("num_embeddings", 8192)),
-            latent_channels=int(vq.get("latent_channels", 256)),
-            base_channels=int(vq.get("base_channels", 128)),
-            channel_multiplier=tuple(int(m) for m in vq.get("channel_multiplier", (1, 1, 2, 2, 4))),
-            num_res_blocks=int(vq.get("num_res_blocks", 2)),
-            attn_resolutions=tuple(int(r) for r in (vq.get("attn_resolutions") or ())),
-            resolution=int(vq.get("resolution", 512)),
-            in_channels=int(vq.get("in_channels", 3)),
-        )
-
-    @classmethod
-    def from_meta(cls, params: Mapping[str, object]) -> ChameleonVQConfig:
-        """From ``model.params`` of Meta's ``vqgan.yaml`` (``ddconfig``, ``n_embed``, ``embed_dim``)."""
-        dd = params["ddconfig"]
-        if dd.get("double_z"):
-            raise ValueError("ddconfig.double_z=true is not a released Chameleon VQGAN")
-        return cls(
-            embed_dim=int(params["embed_dim"]),
-            num_embeddings=int(params["n_embed"]),
-            latent_channels=int(dd["z_channels"]),
-            base_channels=int(dd["ch"]),
-            channel_multiplier=tuple(int(m) for m in dd["ch_mult"]),
-            num_res_blocks=int(dd["num_res_blocks"]),
-            attn_resolutions=tuple(int(r) for r in (dd.get("attn_resolutions") or ())),
-            resolution=int(dd["resolution"]),
-            in_channels=int(dd["in_channels"]),
-            out_channels=int(dd["out_ch"]),
-        )
 
 
 def group_norm(channels: int) -> nn.GroupNorm:
@@ -237,14 +200,3 @@ class ChameleonVQGAN(nn.Module):
         """Codebook indices [B, h, w] → images [B, 3, 16h, 16w] (unclamped)."""
         z = self.quantize.embedding(codes).permute(0, 3, 1, 2)
         return self.decoder(self.post_quant_conv(z))
-
-
-def vqgan_state(state: Mapping[str, torch.Tensor], prefix: str = "") -> dict[str, torch.Tensor]:
-    """The VQGAN's own entries of ``state``: keys under ``prefix`` (``model.vqmodel.`` in Anole's HF
-    checkpoint, empty in Meta's ``vqgan.ckpt``), minus Meta's training-only ``loss.*`` (discriminator)."""
-    parts = ("encoder.", "decoder.", "quantize.", "quant_conv.", "post_quant_conv.")
-    out = {}
-    for key, value in state.items():
-        if key.startswith(prefix) and key[len(prefix) :].startswith(parts):
-            out[key[len(prefix) :]] = value
-    return out

@@ -2,7 +2,7 @@
 
 The module tree (``cls_embedding.cap_proj.fc1``, ``layers.3.attention.wqkv`` ...) mirrors the official
 release so its ``state_dict`` loads unchanged. Two behaviours of the original are kept on purpose
-because the released weights depend on them (ALGORITHMS.md §9):
+because the released weights depend on them (docs/targets.md, "LlamaGen t2i"):
 
 - the 2D RoPE table has zero rows for the caption prefix, so caption queries and keys are *zero
   vectors*: captions reach image tokens through their values only;
@@ -13,7 +13,7 @@ because the released weights depend on them (ALGORITHMS.md §9):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -93,12 +93,6 @@ GPT_PRESETS: dict[str, dict[str, int]] = {
     "GPT-3B": {"n_layer": 24, "n_head": 32, "dim": 3200},
     "GPT-7B": {"n_layer": 32, "n_head": 32, "dim": 4096},
 }
-
-
-def gpt_config(preset: str, **overrides: object) -> GPTConfig:
-    if preset not in GPT_PRESETS:
-        raise ValueError(f"unknown LlamaGen preset {preset!r}; choose one of {sorted(GPT_PRESETS)}")
-    return replace(GPTConfig(), **GPT_PRESETS[preset], **overrides)
 
 
 CAPTION_ROPE = ("zero", "identity")

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from vdtrain.checkpoint_io import load_strict, read_state_dict
+from vdtrain.images import images_to_tensor, psnr
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.text_encoders import HFTextEncoder, minilm_path
 from vdtrain.models.vq import VQConfig, VQModel
@@ -39,23 +39,6 @@ class OptimConfig:
     warmup: int
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-
-
-def images_to_tensor(images: list[np.ndarray] | np.ndarray) -> torch.Tensor:
-    """uint8 [N, H, W, 3] → float [N, 3, H, W] in [-1, 1]."""
-    arr = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float()
-    return arr / 127.5 - 1.0
-
-
-def tensor_to_images(x: torch.Tensor) -> np.ndarray:
-    """float [N, 3, H, W] in [-1, 1] → uint8 [N, H, W, 3]."""
-    return ((x.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
-
-
-def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
-    """PSNR in dB of images in [-1, 1] (peak-to-peak 2)."""
-    mse = (a.clamp(-1, 1) - b.clamp(-1, 1)).pow(2).mean().item()
-    return 10 * math.log10(4.0 / max(mse, 1e-12))
 
 
 def _lr_factor(opt: OptimConfig, step: int, progress: float | None = None) -> float:

@@ -15,8 +15,8 @@ from tqdm import tqdm
 
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.images import captioned_grid
-from vdtrain.shapes.build import images_to_tensor, tensor_to_images, token_nll
+from vdtrain.images import captioned_grid, images_to_tensor, tensor_to_images
+from vdtrain.shapes.build import token_nll
 from vdtrain.shapes.consistency import score_image
 from vdtrain.shapes.scene import (
     CELLS,

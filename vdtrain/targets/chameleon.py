@@ -28,6 +28,7 @@ from torch import nn
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM, DecoderLayer, rope_cos_sin
 from vdtrain.models.chameleon_io import (
+    chameleon_config,
     load_chameleon_lm,
     load_vqgan_hf,
     load_vqgan_meta,
@@ -67,21 +68,23 @@ def lumina_size_token(pixels: int) -> str:
 
 @dataclass(frozen=True)
 class Guidance:
-    """How a family combines its guidance streams' raw logits.
+    """How a family combines its guidance streams' raw logits; the text scale is the sampling config's
+    ``cfg_scale`` (its one home), ``image_scales`` are the family's further ones.
 
     Streams ``s_0`` (the full prompt) … ``s_n`` (the null prompt) give
-    ``s_n + Σ_k scales[k]·(s_k − s_{k+1})``.
-    Lumina-mGPT: one scale (3.0), ``u + 3(c − u)``. Anole: Meta's instruct CFG over (full, image-only,
-    null) with scales (text 3.0, image 1.2): ``u + 1.2(i − u) + 3.0(f − i)``.
+    ``s_n + Σ_k scales[k]·(s_k − s_{k+1})`` with ``scales = (cfg_scale, *image_scales)``.
+    Lumina-mGPT and Emu3: no image scale, ``u + s(c − u)``. Anole: Meta's instruct CFG over (full,
+    image-only, null) with image scale 1.2: ``u + 1.2(i − u) + s(f − i)`` (Meta's s is 3.0).
     """
 
-    scales: tuple[float, ...]
+    image_scales: tuple[float, ...] = ()
 
-    def combine(self, streams: Sequence[torch.Tensor]) -> torch.Tensor:
-        if len(streams) != len(self.scales) + 1:
-            raise ValueError(f"guidance with {len(self.scales)} scales takes {len(self.scales) + 1} streams")
+    def combine(self, streams: Sequence[torch.Tensor], cfg_scale: float) -> torch.Tensor:
+        scales = (cfg_scale, *self.image_scales)
+        if len(streams) != len(scales) + 1:
+            raise ValueError(f"guidance with {len(scales)} scales takes {len(scales) + 1} streams")
         out = streams[-1]
-        for scale, hi, lo in zip(self.scales, streams[:-1], streams[1:], strict=True):
+        for scale, hi, lo in zip(scales, streams[:-1], streams[1:], strict=True):
             out = out + scale * (hi - lo)
         return out
 
@@ -117,14 +120,14 @@ def chameleon_layout(family: str, vocab: dict[str, int], image_size: int, downsa
     if family == "anole":
         # Meta's image generation: [bos] + prompt + [boi]; its image-only and null streams are [bos, boi].
         return ChameleonLayout(
-            family, (side, side), bos, (boi,), (bos, boi), None, "{text}", Guidance((3.0, 1.2))
+            family, (side, side), bos, (boi,), (bos, boi), None, "{text}", Guidance((1.2,))
         )
     size = token_id(vocab, lumina_size_token(image_size))
     prefix = (boi, size, size)  # height, then width
     template = LUMINA_PROMPT + LUMINA_END_OF_TURN
     # Lumina-mGPT's unbatched CFG: the null context starts at the image start token, without text.
     return ChameleonLayout(
-        family, (side, side), bos, prefix, prefix, token_id(vocab, LUMINA_NEWLINE), template, Guidance((3.0,))
+        family, (side, side), bos, prefix, prefix, token_id(vocab, LUMINA_NEWLINE), template, Guidance()
     )
 
 
@@ -311,7 +314,7 @@ class ChameleonTarget(Target):
 
     @property
     def guidance(self) -> Guidance:
-        """The family's guidance rule; ``sampling_defaults.cfg_scale`` is its first (text) scale."""
+        """The family's guidance rule; its text scale is ``sampling_defaults.cfg_scale``."""
         return self.layout.guidance
 
     def forced_tokens(self, image_index: torch.Tensor) -> torch.Tensor:
@@ -357,7 +360,7 @@ class ChameleonTarget(Target):
 
         Anole's image-only stream keeps a prompt's bos, boi, eoi and image tokens (Meta's
         ``_split_inputs_for_cfg``); for a text prompt that is ``[bos, boi]``, the null stream, so Anole's
-        rule equals ``u + 3.0·(f − u)``: plain CFG with ``cfg_scale = 3.0``.
+        rule equals ``u + s·(f − u)``: plain CFG with ``s = cfg_scale``.
         """
         null = self.null_condition(cond)
         return [cond, null, null] if self.layout.family == "anole" else [cond, null]
@@ -401,7 +404,7 @@ def build_chameleon_target(spec: ChameleonSpec, device: str | torch.device = "cp
         raise ValueError(f"unknown Chameleon family {spec.family!r}; use one of {FAMILIES}")
     config = read_hf_config(spec.model_dir)
     state = read_hf_weights(spec.model_dir)
-    lm_config = ChameleonConfig.from_hf(config)
+    lm_config = chameleon_config(config)
     layout_kind = "per_head" if spec.family == "anole" else "per_shard"
     lm = load_chameleon_lm(lm_config, state, layout_kind, f"{spec.family} decoder ({spec.model_dir})")
     if spec.vqgan_ckpt is not None:
@@ -418,7 +421,7 @@ def build_chameleon_target(spec: ChameleonSpec, device: str | torch.device = "cp
     vocab = vocabulary_map(config, tok_path if has_tokenizer else None)
     layout = chameleon_layout(spec.family, vocab, spec.image_size, vqgan.config.downsample)
     encode = text_tokenizer(tok_path) if has_tokenizer else None
-    defaults = {"cfg_scale": layout.guidance.scales[0], **FAMILY_SAMPLING[spec.family], **spec.sampling}
+    defaults = {**FAMILY_SAMPLING[spec.family], **spec.sampling}
     target = ChameleonTarget(
         lm,
         ChameleonTokenizer(vqgan, spec.image_size, layout.newline is not None),
@@ -433,13 +436,9 @@ def build_chameleon_target(spec: ChameleonSpec, device: str | torch.device = "cp
     return target.to(device)
 
 
-# The released sampling settings: Meta's image options (Anole) and Lumina-mGPT's demo defaults.
+# The released sampling settings: Meta's image options (Anole: text CFG scale 3.0) and Lumina-mGPT's
+# demo defaults.
 FAMILY_SAMPLING: dict[str, dict[str, float]] = {
-    "anole": {"temperature": 0.7, "top_p": 0.9, "top_k": 0},
-    "lumina_mgpt": {"temperature": 1.0, "top_k": 2000, "top_p": 1.0},
+    "anole": {"cfg_scale": 3.0, "temperature": 0.7, "top_p": 0.9, "top_k": 0},
+    "lumina_mgpt": {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0},
 }
-
-
-def load_chameleon_target(fields: dict[str, object], device: str | torch.device = "cpu") -> ChameleonTarget:
-    """The registry's entry point: a ``kind: chameleon`` target config without ``kind``/``quality``."""
-    return build_chameleon_target(ChameleonSpec(**fields), device)

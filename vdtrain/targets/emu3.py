@@ -24,7 +24,14 @@ import torch
 
 from vdtrain.models.chameleon_io import read_hf_config, read_hf_weights, text_tokenizer
 from vdtrain.models.chameleon_vocab import token_id
-from vdtrain.models.emu3 import load_decoder, load_vq, split_state, text_config, visual_token_ids, vocabulary
+from vdtrain.models.emu3_io import (
+    load_decoder,
+    load_vq,
+    split_state,
+    text_config,
+    visual_token_ids,
+    vocabulary,
+)
 from vdtrain.sampling_config import SamplingConfig
 from vdtrain.targets.chameleon import ChameleonLayout, ChameleonTarget, ChameleonTokenizer, Guidance
 from vdtrain.targets.janus import JanusDraftLayer
@@ -59,7 +66,6 @@ def emu3_layout(
     latent: tuple[int, int],
     prompt_suffix: str,
     negative_prompt: str,
-    cfg_scale: float,
 ) -> ChameleonLayout:
     h, w = latent
     bos = token_id(vocab, BOS)
@@ -67,7 +73,7 @@ def emu3_layout(
     null = (bos, *encode_text(negative_prompt), *prefix)
     template = "{text}" + prompt_suffix.replace("{", "{{").replace("}", "}}")
     newline = token_id(vocab, END_OF_ROW)
-    return ChameleonLayout(FAMILY, latent, bos, prefix, null, newline, template, Guidance((cfg_scale,)))
+    return ChameleonLayout(FAMILY, latent, bos, prefix, null, newline, template, Guidance())
 
 
 @dataclass
@@ -105,7 +111,6 @@ def build_emu3_target(spec: Emu3Spec, device: str | torch.device = "cpu") -> Cha
         (side, side),
         POSITIVE_SUFFIX if spec.prompt_suffix is None else spec.prompt_suffix,
         NEGATIVE_PROMPT if spec.negative_prompt is None else spec.negative_prompt,
-        sampling.cfg_scale,
     )
     target = ChameleonTarget(
         lm,
@@ -119,8 +124,3 @@ def build_emu3_target(spec: Emu3Spec, device: str | torch.device = "cpu") -> Cha
         spec.caption_overflow,
     )
     return target.to(device)
-
-
-def load_emu3_target(fields: dict[str, object], device: str | torch.device = "cpu") -> ChameleonTarget:
-    """The registry's entry point: a ``kind: emu3`` target config without ``kind``/``quality``."""
-    return build_emu3_target(Emu3Spec(**fields), device)

@@ -22,7 +22,8 @@ from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict
 from vdtrain.models.chameleon_io import read_hf_config, read_hf_weights, text_tokenizer
-from vdtrain.models.janus import JanusConfig, JanusGenerator, generator_state, vq_state
+from vdtrain.models.janus import JanusGenerator
+from vdtrain.models.janus_io import generator_state, janus_config, vq_state
 from vdtrain.models.vq import VQModel
 from vdtrain.sampling_config import SamplingConfig
 from vdtrain.targets.base import (
@@ -215,7 +216,7 @@ class JanusSpec:
 
 
 def build_janus_target(spec: JanusSpec, device: str | torch.device = "cpu") -> JanusTarget:
-    config = JanusConfig.from_hf(read_hf_config(spec.model_dir))
+    config = janus_config(read_hf_config(spec.model_dir))
     state = read_hf_weights(spec.model_dir)
     generator = JanusGenerator(config)
     load_strict(generator, generator_state(state), f"Janus decoder and generation modules ({spec.model_dir})")
@@ -239,8 +240,3 @@ def build_janus_target(spec: JanusSpec, device: str | torch.device = "cpu") -> J
         spec.caption_overflow,
     )
     return target.to(device)
-
-
-def load_janus_target(fields: dict[str, object], device: str | torch.device = "cpu") -> JanusTarget:
-    """The registry's entry point: a ``kind: janus`` target config without ``kind``/``quality``."""
-    return build_janus_target(JanusSpec(**fields), device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -80,3 +81,14 @@ def load_target_folder(
                 f"{CAPTION_CACHE}: pip install {encoder}"
             ) from None
     return target
+
+
+@dataclass(frozen=True)
+class FolderSpec:
+    """``kind: folder``: a target saved as a folder (the shapes world's format)."""
+
+    folder: str | None = None  # config.json + gpt.pt + vq.pt; relative: cwd, then the repo root
+
+
+def build_folder_target(spec: FolderSpec, device: str | torch.device = "cpu") -> LlamaGenTarget:
+    return load_target_folder(spec.folder, device)

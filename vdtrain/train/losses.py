@@ -1,20 +1,8 @@
-"""The drafter's training loss and the cheap signals logged with it (ALGORITHMS.md §1).
+"""The drafter's training loss and the cheap signals logged with it (docs/training.md, "Choices this
+implementation makes").
 
-Which rows are trained
-----------------------
-A teacher-forced drafter sequence (``vdtrain.drafter.drafter_inputs``) has rows ``j = 0 .. L+N-2``;
-row ``j`` regresses ``f_{j+1}`` (``target_hidden[:, 1:]``). Following the target interface ("the hidden
-state at slot ``L-1+i`` predicts image token ``i``; this is the feature an EAGLE drafter regresses"), the
-trained regression targets are ``f_t`` for ``t ∈ [L-1, L+N-2]`` — exactly the ``N`` features whose head
-predicts image tokens ``0 .. N-1`` — i.e. rows ``j ∈ [L-2, L+N-3]``:
-
-- ``f_1 .. f_{L-2}`` (caption rows that predict no image token) are excluded;
-- ``f_{L-1}`` (predicts image token 0) is included; its drafter row ``L-2`` still sees the zero dummy
-  embedding, so it is 1 of ``N`` rows and teaches the drafter the step it would take from the prefix;
-- ``f_{L+N-1}`` (the last image token's state) predicts nothing and is excluded: its head distribution
-  is not a distribution over any real token (LlamaGen never even trained on it as an input).
-
-So the soft cross-entropy and the agreement signals are all about real image tokens ``0 .. N-1``.
+Only the ``N`` rows whose target feature predicts an image token are trained (``image_target_mask``):
+docs/training.md, "Which rows are trained", says why.
 """
 
 from __future__ import annotations
@@ -125,7 +113,8 @@ def simulated_tau(acc_per_depth: Sequence[float] | torch.Tensor) -> float:
 def uniform_feature_noise(
     features: torch.Tensor, a: float = 0.1, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """``features + U(-a, a)`` (the input-feature augmentation; no 512/seq_len factor, ALGORITHMS §1).
+    """``features + U(-a, a)``: the input-feature augmentation, with no 512/seq_len factor
+    (docs/training.md, "Choices this implementation makes", Loss).
 
     Apply it to the drafter's *input* features only, never to the regression targets.
     """

@@ -18,7 +18,7 @@ import torch
 
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter
-from vdtrain.shapes.build import images_to_tensor
+from vdtrain.images import images_to_tensor
 from vdtrain.targets.base import Target
 from vdtrain.train.losses import (
     drafter_loss,

@@ -1,0 +1,37 @@
+"""The drafter export folder's file names and its download: the bottom layer that both the drafter (which
+reads and writes the folder) and the Hub side (which checks and pushes it) stand on."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from huggingface_hub import constants, snapshot_download
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+CARD_FILE = "README.md"
+EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, CARD_FILE)
+# A Hugging Face Hub model id: ``owner/name``.
+REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def download(
+    repo_id: str, revision: str | None = None, cache_dir: str | os.PathLike[str] | None = None
+) -> Path:
+    """The local snapshot of a Hub drafter repo (only the cache is used when ``HF_HUB_OFFLINE`` is set)."""
+    try:
+        folder = snapshot_download(
+            repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=list(EXPORT_FILES)
+        )
+    except (OSError, ValueError) as err:  # huggingface_hub's HTTP, cache and id errors
+        offline = (
+            " (HF_HUB_OFFLINE is set: only the cache was searched)" if constants.is_offline_mode() else ""
+        )
+        raise FileNotFoundError(
+            f"drafter {repo_id!r} is not a local path, and Hub repo {repo_id!r} (revision "
+            f"{revision or 'main'}) could not be downloaded and is not in the local cache "
+            f"{str(cache_dir or constants.HF_HUB_CACHE)!r}{offline}: {err}"
+        ) from err
+    return Path(folder)
