@@ -1,18 +1,10 @@
 """Counter-based randomness per batch row, and the samplers that turn uniforms into tokens.
 
-A ``torch.Generator`` per row makes every draw one op per row, so a batched decode step would cost ops
-(and on a GPU launches) in proportion to the batch. ``RowRandom`` instead derives every uniform from a
-hash of ``(seed_b, step_b, purpose, element index)`` in plain int64 tensor ops: one op sequence for the
-whole batch, and row ``b``'s draws depend on its own seed and step counter only, so prompt ``i`` sees
-the same numbers whatever batch it is decoded in. Integer arithmetic is exact on every device, so the
-values are the same on a CPU and a GPU.
-
-The hash works on 32-bit words held in int64: ``_mix`` is an xor-shift / multiply bijection of
-[0, 2^32) whose odd multipliers are below 2^31, so no product reaches 2^63. The row key folds the two
-halves of the seed, the step and the purpose into one word; element ``i`` takes the words of counters
-``2i`` and ``2i + 1`` (two rounds of ``_mix`` each) and combines 27 + 26 of their bits into a double
-in [0, 1) with 53 random bits.
-
+A ``torch.Generator`` per row costs one op per row per draw. ``RowRandom`` derives every uniform from a
+hash of ``(seed_b, step_b, purpose, element index)`` in plain int64 ops: one op sequence for the whole
+batch, row ``b``'s draws depend on its own seed and step only (so a prompt draws the same numbers in any
+batch), and integer arithmetic gives the same values on a CPU and a GPU. The hash (``_mix``, an
+xor-shift / multiply bijection of 32-bit words kept below 2^63) gives doubles with 53 random bits.
 One ``(step, purpose)`` pair is one stream: ``uniform(purpose, n)[:, :m]`` equals ``uniform(purpose,
 m)``, so draw each purpose once per step (or use another purpose) and ``advance`` between steps.
 """
