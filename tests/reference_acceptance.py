@@ -1,7 +1,7 @@
 """The per-row acceptance walk that batched acceptance (``vdtrain.decode.acceptance.accept_batch``)
 replaced, kept as the reference its tests compare verdicts against: one row at a time on the host, one
 child at a time, with each rule's group of one token (docs/decoding.md, "Exact acceptance" and
-"Relaxed acceptance", derive them)."""
+"Relaxed acceptance", derive them). ``gumbel_topk`` draws sampled drafts for the tests' trees."""
 
 from __future__ import annotations
 
@@ -161,3 +161,11 @@ def verify_exact(
 ) -> Verdict:
     """Exact acceptance for one row (lossless): the output has exactly the target's distribution."""
     return walk(EXACT, tree, row, p_nodes, greedy, generator)
+
+
+def gumbel_topk(logq: torch.Tensor, u: torch.Tensor, k: int) -> torch.Tensor:
+    """``k`` indices per row drawn without replacement from ``softmax(logq)`` [..., V] (the Gumbel-top-k
+    trick), in the order they would be drawn one by one, with the uniforms ``u`` [..., V]. Zero-mass
+    indices (``logq = -inf``) come last, so ``k`` must not exceed the support for a true sample."""
+    gumbel = -torch.log(-torch.log(u.double()))  # u = 0 gives -inf: never ahead of a real draw
+    return (logq.double() + gumbel).topk(k, dim=-1).indices

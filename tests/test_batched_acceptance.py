@@ -14,12 +14,12 @@ from unittest.mock import patch
 
 import pytest
 import torch
-from reference_acceptance import Verdict, verdicts, walk
+from reference_acceptance import Verdict, gumbel_topk, verdicts, walk
 from scipy import stats
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vdtrain.decode.acceptance import EXACT, Grouped, Lantern, LanternPP, accept_batch
-from vdtrain.decode.rng import Purpose, RowRandom, gumbel_topk
+from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree, static_tree
 
 VOCAB = 12

@@ -102,10 +102,6 @@ class StepCounts:
     def mean_ops(self) -> float:
         return sum(s.ops for s in self.steps) / max(1, len(self.steps))
 
-    @property
-    def mean_h2d(self) -> float:
-        return sum(s.h2d for s in self.steps) / max(1, len(self.steps))
-
 
 def _call_site() -> str:
     """``file:line (function)`` of the innermost caller outside torch and this module."""

@@ -28,7 +28,7 @@ class Purpose:
 
     ACCEPT = 1  # one uniform per tree node: the test when the node is tried as a child
     BONUS = 2  # one uniform per row: the bonus / residual token by inverse CDF (AR's token too)
-    DRAFT = 3  # Gumbel noise for sampling a tree's children without replacement
+    DRAFT = 3  # a tree's drafts: children drawn without replacement, fresh window tokens
     SHAPE = 4  # PEANUT's random initialisation of a tree's (depth, width)
     CONTINUE = 5  # SJD-PAC's continuation: per later position a keep test and a redraw
     REFINE = 6  # SJD's refinement: per window position a redraw from the distribution just computed
@@ -141,11 +141,3 @@ def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(p.shape[-1], device=p.device)
     last = torch.where(p > 0, positions, 0).amax(-1)
     return torch.where(index < p.shape[-1], index, last)
-
-
-def gumbel_topk(logq: torch.Tensor, u: torch.Tensor, k: int) -> torch.Tensor:
-    """``k`` indices per row drawn without replacement from ``softmax(logq)`` [..., V] (the Gumbel-top-k
-    trick), in the order they would be drawn one by one, with the uniforms ``u`` [..., V]. Zero-mass
-    indices (``logq = -inf``) come last, so ``k`` must not exceed the support for a true sample."""
-    gumbel = -torch.log(-torch.log(u.double()))  # u = 0 gives -inf: never ahead of a real draw
-    return (logq.double() + gumbel).topk(k, dim=-1).indices
