@@ -33,14 +33,14 @@ import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 
 import torch
 
-from vdtrain.decode.compiled import prepare_decoding, record_steps
+from vdtrain.decode.compiled import DecodeOptions, cuda_graph_recorder, prepare_decoding
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import build_method, load_preset, preset_names
 from vdtrain.decode.profiling import PHASES, PhaseTimer, StepTimes
@@ -240,9 +240,11 @@ class ARClock:
         return (self.marks[1] - self.marks[0]) / (self.steps - 1)
 
 
-def time_ar(target: Target, conds: Sequence[Condition], seed: int, sampling) -> tuple[float, float, float]:
+def time_ar(
+    target: Target, conds: Sequence[Condition], seed: int, sampling, options: DecodeOptions
+) -> tuple[float, float, float]:
     """(seconds per AR step, whole decode seconds, start-up seconds)."""
-    method = build_method(load_preset("ar"), target, None, sampling)
+    method = build_method(load_preset("ar"), target, None, sampling, options)
     first = _generators(target.device, seed, 0, len(conds[0]))
     t0 = _now(target.device)
     method.generate(conds[0], first)  # warm-up: records the step, compiles
@@ -286,10 +288,12 @@ class StepClock:
         return (out[0] if out else None), out[1:]
 
 
-def time_method(target, drafter, preset: str, conds, seed: int, sampling) -> dict[str, float]:
+def time_method(
+    target, drafter, preset: str, conds, seed: int, sampling, options: DecodeOptions
+) -> dict[str, float]:
     """Per verified step: seconds, phases, forwards (NaN for recorded steps); S and whole-decode
     seconds."""
-    method = build_method(load_preset(preset), target, drafter, sampling)
+    method = build_method(load_preset(preset), target, drafter, sampling, options)
     t0 = _now(target.device)
     method.generate(conds[0], _generators(target.device, seed, 0, len(conds[0])))  # warm-up
     cold = _now(target.device) - t0
@@ -315,16 +319,6 @@ def time_method(target, drafter, preset: str, conds, seed: int, sampling) -> dic
     out["total"] = total
     out["startup"] = max(0.0, cold - warm)
     return out
-
-
-@contextmanager
-def compiled_steps(target: Target) -> Iterator[None]:
-    """Mode ``steps``: the step kernels compiled (``vdtrain.decode.kernels``), the forwards eager."""
-    target.compile_steps = "inductor"
-    try:
-        yield
-    finally:
-        target.compile_steps = None
 
 
 def make_row(name: str, preset: str, batch: int, mode: str, ar, m, s_shapes) -> Row:
@@ -380,19 +374,20 @@ def measure(args: argparse.Namespace) -> list[Row]:
                 del target, drafter
                 target, drafter = load(name, device, args.drafter, args.seed, args.dtype)
                 if mode == "compiled":
-                    prepare_decoding(target, drafter, compile=True)
+                    options = prepare_decoding(target, drafter, compile=True)
                 elif mode == "graphs":
-                    record_steps(target)
+                    options = DecodeOptions(step_recorder=cuda_graph_recorder(target))
+            if mode in ("eager", "steps"):  # mode steps: the step kernels compiled, the forwards eager
+                options = DecodeOptions(compile_steps="inductor" if mode == "steps" else None)
             sampling = target.sampling_defaults
             if args.temperature is not None:
                 sampling = replace(sampling, temperature=args.temperature)
             for batch in args.batch:
                 conds = conditions(target, name, max(args.prompts, batch), batch, args.seed)
-                speed = compiled_steps(target) if mode == "steps" else nullcontext()
-                with speed, torch.no_grad():
-                    ar = time_ar(target, conds, args.seed, sampling)
+                with torch.no_grad():
+                    ar = time_ar(target, conds, args.seed, sampling, options)
                     for preset in args.presets:
-                        m = time_method(target, drafter, preset, conds, args.seed, sampling)
+                        m = time_method(target, drafter, preset, conds, args.seed, sampling, options)
                         if name == "shapes":
                             shapes_s[(preset, batch, mode)] = m["s"]
                         s_shapes = shapes_s.get((preset, batch, mode))

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.rows import visibility
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
-    from vdtrain.decode.engine import SpeculativeEngine
+    from vdtrain.decode.builders.base import DraftContext
 
 
 @dataclass
@@ -55,13 +56,13 @@ class ReferenceDynamicTreeBuilder(DraftTreeBuilder):
             torch.full((batch,), self.top_k, dtype=torch.long),
         )
 
-    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
+    def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
         batch, device = len(state.roots), state.roots.device
-        prefix = engine.target.prefix_length
+        prefix = ctx.target.prefix_length
         rounds, widths = self.shape(state)
         widths = widths.clamp_max(state.root_logits.shape[-1])  # no more children than tokens
         limit = state.depth_limit.cpu()
-        logq = engine.draft_probs(state.root_logits).clamp_min(1e-30).log().cpu()  # [B, V]
+        logq = ctx.draft_probs(state.root_logits).clamp_min(1e-30).log().cpu()  # [B, V]
         nodes: list[list[_Node]] = [[_Node(int(state.roots[b]), -1, 0, 0.0)] for b in range(batch)]
         frontier: list[list[int]] = []
         for b in range(batch):
@@ -106,12 +107,11 @@ class ReferenceDynamicTreeBuilder(DraftTreeBuilder):
                         a = nodes[b][a].parent
             base = state.committed - 1
             slots = prefix + base[:, None] + ((r - 1) * k_max + torch.arange(size, device=device))[None, :]
-            index = (state.committed - 1 + r).clamp_max(engine.target.num_image_tokens)
-            vis_full = engine._visibility(base, base, vis.to(device), int(base.max()) + width)
-            f_hat, logits = engine.drafter_rows(
-                parent_feats, toks, index[:, None].expand(-1, size), slots, vis_full
-            )
-            child_logq = engine.draft_probs(logits).clamp_min(1e-30).log().cpu()  # [B, S, V]
+            index = (state.committed - 1 + r).clamp_max(ctx.target.num_image_tokens)
+            vis_full = visibility(base, base, vis.to(device), int(base.max()) + width)
+            rows = ctx.drafter_inputs(toks, index[:, None].expand(-1, size), slots, vis_full)
+            f_hat, logits = ctx.drafter_forward(parent_feats, rows)
+            child_logq = ctx.draft_probs(logits).clamp_min(1e-30).log().cpu()  # [B, S, V]
             for b in grow:
                 k = int(widths[b])
                 layer = []

@@ -14,11 +14,12 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from reference_acceptance import Verdict, gumbel_topk, verdicts, walk
 from scipy import stats
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vdtrain.decode.acceptance import EXACT, Grouped, Lantern, LanternPP, Verdict, accept_batch, walk
-from vdtrain.decode.rng import Purpose, RowRandom, gumbel_topk
+from vdtrain.decode.acceptance import EXACT, Grouped, Lantern, LanternPP, accept_batch
+from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree, static_tree
 
 VOCAB = 12
@@ -165,7 +166,7 @@ def test_accept_batch_equals_the_walk_row_by_row(rule_name, style, sampled, gree
         want = reference(rule, tree, p_nodes, greedy, u_accept, u_bonus, p_relax)
         for t in (tree, with_bounds(tree)):
             got = accept_batch(rule, t, p_nodes, greedy, u_accept, u_bonus, p_relax)
-            assert got.verdicts() == want, f"trial {trial}"
+            assert verdicts(got) == want, f"trial {trial}"
             assert got.accepted.tolist() == [len(v.path) for v in want]
 
 
@@ -188,7 +189,7 @@ def test_the_random_cases_exercise_deep_paths_and_bonus_draws():
     for seed in range(4):
         tree, p_nodes, _, u_accept, u_bonus = random_case(8, 30, "deep", False, False, seed)
         out = accept_batch(EXACT, tree, p_nodes, False, u_accept, u_bonus)
-        for b, v in enumerate(out.verdicts()):
+        for b, v in enumerate(verdicts(out)):
             depths[len(v.path)] += 1
             bonus_not_argmax += int(p_nodes[b, v.path[-1] if v.path else 0].argmax()) != v.bonus
     assert max(depths) >= 4 and len(depths) >= 4 and bonus_not_argmax >= 5
@@ -203,7 +204,7 @@ def test_repeated_sibling_tokens_match_the_walk():
     tree.parents[:, 2] = tree.parents[:, 1]
     tree.depths[:, 2] = tree.depths[:, 1]
     want = reference(EXACT, tree, p_nodes, False, u_accept, u_bonus, None)
-    assert accept_batch(EXACT, tree, p_nodes, False, u_accept, u_bonus).verdicts() == want
+    assert verdicts(accept_batch(EXACT, tree, p_nodes, False, u_accept, u_bonus)) == want
 
 
 def test_shapes_are_checked():
@@ -370,7 +371,7 @@ def test_eagle1_static_tree_bounds_give_the_same_verdicts():
     )
     for rule in (EXACT, RULES["lantern_pp"]):
         want = reference(rule, tree, p, False, u_accept, u_bonus, None)
-        assert accept_batch(rule, tree, p, False, u_accept, u_bonus).verdicts() == want
+        assert verdicts(accept_batch(rule, tree, p, False, u_accept, u_bonus)) == want
 
 
 def test_random_distributions_are_distributions():
@@ -434,7 +435,7 @@ def test_passes_over_later_ranks_hold_every_node_of_a_tight_tree(parents, rule_n
         u_accept = torch.rand(batch, size, generator=g, dtype=torch.float64)
         u_bonus = torch.rand(batch, generator=g, dtype=torch.float64)
         want = reference(RULES[rule_name], tree, p, False, u_accept, u_bonus, None)
-        got = accept_batch(RULES[rule_name], tree, p, False, u_accept, u_bonus).verdicts()
+        got = verdicts(accept_batch(RULES[rule_name], tree, p, False, u_accept, u_bonus))
         assert got == want
         assert sum(len(v.path) for v in want) > 10
         assert any(v.path[:1] != [1] for v in want)  # the root's first child rejected: later ranks ran

@@ -21,7 +21,7 @@ from test_exactness import EXACT_PRESETS, method
 
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
-from vdtrain.decode.compiled import compile_decoding
+from vdtrain.decode.compiled import DecodeOptions, compile_decoding
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.profiling import count_steps
 from vdtrain.decode.sampling import SamplingConfig
@@ -223,9 +223,11 @@ def test_compile_wraps_the_chameleon_decoder_and_keeps_the_tokens(lumina_files):
     builder = DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16)
     eager = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None]).tokens
     torch._dynamo.reset()
-    compile_decoding(target, drafter, backend="eager")  # traced by dynamo; no kernels to build
+    backend = compile_decoding(target, drafter, backend="eager")  # traced by dynamo; no kernels to build
     assert target.lm.model._vdtrain_compiled and drafter._vdtrain_compiled
-    compiled = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None]).tokens
+    options = DecodeOptions(compile_steps=backend)
+    engine = SpeculativeEngine(target, drafter, builder, sampling, options=options)
+    compiled = engine.generate(cond, [None, None]).tokens
     assert torch.equal(compiled, eager)
 
 

@@ -16,7 +16,13 @@ import vdtrain.generate
 from vdtrain.decode import compiled as compiled_module
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
-from vdtrain.decode.compiled import compile_decoding, compile_options, prepare_decoding, wants_cuda_graphs
+from vdtrain.decode.compiled import (
+    DecodeOptions,
+    compile_decoding,
+    compile_options,
+    prepare_decoding,
+    wants_cuda_graphs,
+)
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter
@@ -27,12 +33,15 @@ from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
-def decode(target: LlamaGenTarget, drafter: Drafter) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(
+    target: LlamaGenTarget, drafter: Drafter, options: DecodeOptions | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """AR and EAGLE-2-like tokens at T = 0 for a batch of two captions."""
     cond, sampling = tiny_condition(), SamplingConfig(cfg_scale=2.0, temperature=0.0)
     ar = generate_ar(target, cond, sampling, [None, None])
     builder = DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16)
-    tree = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None]).tokens
+    engine = SpeculativeEngine(target, drafter, builder, sampling, options=options)
+    tree = engine.generate(cond, [None, None]).tokens
     return ar, tree
 
 
@@ -42,11 +51,11 @@ def test_compiled_decoding_gives_the_eager_tokens_on_cpu_inductor(tiny_target):
     eager = decode(tiny_target, drafter)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compile_decoding(tiny_target, drafter)
+    options = DecodeOptions(compile_steps=compile_decoding(tiny_target, drafter))
     assert tiny_target.gpt._vdtrain_compiled and drafter._vdtrain_compiled
-    assert tiny_target.compile_steps == "inductor"
+    assert options.compile_steps == "inductor"
     start = time.perf_counter()
-    compiled = decode(tiny_target, drafter)
+    compiled = decode(tiny_target, drafter, options)
     print(f"compiled decode (with compilation): {time.perf_counter() - start:.1f} s")
     torch._dynamo.reset()
     # The target's and the drafter's forwards, and the step kernels: the root's children, two expansion
@@ -202,8 +211,7 @@ def test_cuda_graphs_key_is_auto_on_a_gpu_and_refused_elsewhere(tiny_target):
         wants_cuda_graphs(True, cpu)
     with pytest.raises(ValueError, match="auto, true or false"):
         wants_cuda_graphs("yes", gpu)
-    assert prepare_decoding(tiny_target, None, compile=False) is False
-    assert tiny_target.step_recorder is None and tiny_target.compile_steps is None
+    assert prepare_decoding(tiny_target, None, compile=False) == DecodeOptions()
 
 
 def test_compiling_twice_is_refused(tiny_target):
@@ -236,7 +244,7 @@ def test_step_kernels_trace_whole_and_keep_every_token(temperature, tmp_path):
         method = build_method(config, target, drafter if config.needs_drafter else None, sampling)
         tokens = []
         for backend in (None, "eager"):
-            target.compile_steps = backend
+            method.options.compile_steps = backend
             gens = [torch.Generator().manual_seed(i) for i in range(2)]
             tokens.append(method.generate(tiny_condition(), gens).tokens)
         assert torch.equal(tokens[0], tokens[1]), preset
@@ -249,7 +257,6 @@ def test_step_kernels_trace_whole_and_keep_every_token(temperature, tmp_path):
         method.generate(tiny_condition(seed=5), gens)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, preset
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
-    target.compile_steps = None
     torch._dynamo.reset()
 
 
@@ -264,7 +271,7 @@ def test_step_kernels_raise_the_recompile_limit_for_their_block_only():
         assert torch._dynamo.config.recompile_limit == before
 
 
-def test_the_runner_reports_start_up_where_a_first_decode_records():
+def test_the_runner_reports_start_up_where_a_first_decode_records(monkeypatch):
     """With recorded steps each row says what its method's first decode cost beyond a warm one; eager
     rows have nothing to start up and say so (None), and the recorded decode keeps the eager tokens."""
     from vdtrain.decode.graphs import record_fx
@@ -276,7 +283,7 @@ def test_the_runner_reports_start_up_where_a_first_decode_records():
     prompts = shapes_heldout_captions(2)
     eager = runner.evaluate(target, drafter, prompts, ["eagle2"], [1], progress=False, batch_size=2)
     assert [r.startup_seconds for r in eager.rows] == [None, None]
-    target.step_recorder = record_fx
+    monkeypatch.setattr(runner, "prepare_decoding", lambda *_, **__: DecodeOptions(step_recorder=record_fx))
     recorded = runner.evaluate(target, drafter, prompts, ["eagle2"], [1], progress=False, batch_size=2)
     assert all(r.startup_seconds is not None and r.startup_seconds >= 0 for r in recorded.rows)
     for key, images in eager.images.items():

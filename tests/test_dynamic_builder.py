@@ -204,8 +204,6 @@ def stub_engine(logits: torch.Tensor, n_img: int = 16, prefix: int = 3) -> Simpl
         draft_probs=lambda x: x.softmax(-1),
         drafter_inputs=lambda tokens, token_index, slots, vis: None,
         drafter_forward=drafter_forward,
-        _visibility=SpeculativeEngine._visibility,
-        image_columns=SpeculativeEngine.image_columns,
     )
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from conftest import TINY_GPT, TINY_VQ, random_gpt, random_vq, tiny_condition
 from conftest import random_drafter as make_drafter
+from reference_acceptance import Verdict, from_verdicts
 from scipy.stats import chisquare
 
-from vdtrain.decode.acceptance import BatchVerdict, Verdict
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.base import DraftTreeBuilder
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
@@ -241,12 +241,12 @@ class RowVerifierEngine(SpeculativeEngine):
 
     def __init__(self, *args, verify, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.verify, self.generator = verify, torch.Generator().manual_seed(0)
+        self.row_verify, self.generator = verify, torch.Generator().manual_seed(0)
 
     def _accept(self, tree, p_nodes, p_relax):
         greedy = self.sampling.greedy
-        rows = [self.verify(tree, b, p_nodes[b], greedy, self.generator) for b in range(len(p_nodes))]
-        return BatchVerdict.from_verdicts(rows, tree.size - 1)
+        rows = [self.row_verify(tree, b, p_nodes[b], greedy, self.generator) for b in range(len(p_nodes))]
+        return from_verdicts(rows, tree.size - 1)
 
 
 def wrong_verifier(tree, row, p_nodes, greedy, generator) -> Verdict:

@@ -16,7 +16,7 @@ import torch
 from conftest import random_drafter, random_gpt, random_vq, tiny_condition
 
 from vdtrain.decode import graphs
-from vdtrain.decode.compiled import compile_decoding
+from vdtrain.decode.compiled import DecodeOptions, compile_decoding
 from vdtrain.decode.graphs import StepGraph, record_fx
 from vdtrain.decode.methods import build_method, load_preset, preset_names
 from vdtrain.decode.profiling import Counts, OpCounter
@@ -40,10 +40,10 @@ def _engine(name: str, temperature: float, cache_dir, recorder=None, device: str
         overrides["tree"] = {"window": 8, "width": 2}
     config = load_preset(name, overrides)
     drafter = random_drafter(target).to(device) if config.needs_drafter else None
+    options = DecodeOptions(step_recorder=recorder)
     if compile:
-        compile_decoding(target, drafter)
-    target.step_recorder = recorder
-    return build_method(config, target, drafter, sampling)
+        options.compile_steps = compile_decoding(target, drafter)
+    return build_method(config, target, drafter, sampling, options)
 
 
 def _decode(engine, batch: int = 3, seed: int = 10):

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import TINY_GPT, TINY_VQ, tiny_condition
+from reference_acceptance import Verdict, from_verdicts, verify_exact
 from test_engine import (
     MICRO_GPT,
     MICRO_VQ,
@@ -23,12 +24,12 @@ from test_engine import (
     sample_images,
 )
 
-from vdtrain.decode.acceptance import EXACT, BatchVerdict, Grouped, Verdict, verify_exact
+from vdtrain.decode.acceptance import EXACT, BatchVerdict, Grouped
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.base import StepState
-from vdtrain.decode.builders.jacobi import INITS, JacobiWindowBuilder
+from vdtrain.decode.builders.jacobi import INITS, JacobiTreeConfig, JacobiWindowBuilder
 from vdtrain.decode.engine import SpeculativeEngine
-from vdtrain.decode.methods import DecodeConfig, TreeConfig, build_method, tree_builder
+from vdtrain.decode.methods import DecodeConfig, build_method, tree_builder
 from vdtrain.decode.profiling import OpCounter
 from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.sampling import SamplingConfig
@@ -377,7 +378,7 @@ def test_impossible_windows_are_refused():
 
 def test_jacobi_config_builds_a_drafter_free_engine():
     target = make_target()
-    config = DecodeConfig("sjd", TreeConfig(kind="jacobi", window=5, init="vertical_sample"))
+    config = DecodeConfig("sjd", JacobiTreeConfig(window=5, init="vertical_sample"))
     assert not config.needs_drafter
     builder = tree_builder(config.tree)
     assert isinstance(builder, JacobiWindowBuilder) and (builder.window, builder.init) == (
@@ -422,7 +423,7 @@ def test_gsd_groups_accept_more_than_sjd():
 
 def batched(verdicts: list[Verdict], tree: DraftTree) -> tuple[BatchVerdict, torch.Tensor]:
     """``observe``'s (verdict, verified) for per-row verdicts, every row verified."""
-    return BatchVerdict.from_verdicts(verdicts, tree.size - 1), torch.ones(len(verdicts), dtype=torch.bool)
+    return from_verdicts(verdicts, tree.size - 1), torch.ones(len(verdicts), dtype=torch.bool)
 
 
 # --- batched: a step reads nothing, and a prompt's drafts do not depend on its batch ------------------
@@ -446,7 +447,7 @@ def _two_steps(init: str, temperature: float, prompts: list[tuple[int, int, int]
     rng = RowRandom(torch.tensor([seed for seed, _, _ in prompts]))
     p = torch.softmax(torch.randn(len(VERDICTS), 6, V, generator=torch.Generator().manual_seed(1)), -1)
     p = p[[v for _, _, v in prompts]]
-    verdict = BatchVerdict.from_verdicts([VERDICTS[v] for _, _, v in prompts], 5)
+    verdict = from_verdicts([VERDICTS[v] for _, _, v in prompts], 5)
     verified = torch.ones(batch, dtype=torch.bool)
     counter = OpCounter(as_if_gpu=True)
     for step in range(2):

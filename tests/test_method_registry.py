@@ -7,6 +7,8 @@ added to the registry alone is shown to give a working method.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from conftest import tiny_condition
@@ -102,15 +104,41 @@ def test_unknown_kinds_are_refused_with_the_known_ones(tiny):
         verification_schedule(ScheduleConfig(kind="magic"), target)
 
 
-def _chain(config: TreeConfig) -> StaticTreeBuilder:
+def test_each_kind_owns_its_config_and_refuses_other_kinds_keys():
+    """A section holds only its kind's keys (its config's fields, beside its class): another kind's key
+    fails when the method is read, naming the kind and the keys it has."""
+    for parts in (TREES, ACCEPTANCE, SCHEDULES):
+        for kind, part in parts.items():
+            assert part.config().kind == kind
+    assert load_preset("sjd", {"tree": {"window": 8}}).tree.window == 8
+    with pytest.raises(ValueError, match=r"tree kind 'dynamic' has no key \['window'\]; its keys: \['depth'"):
+        load_preset("eagle2", {"tree": {"window": 8}})
+    with pytest.raises(
+        ValueError, match=r"acceptance 'exact' has no key \['delta'\]; its keys: \['cache_dir'\]"
+    ):
+        load_preset("eagle2", {"acceptance": {"delta": 0.2}})
+    with pytest.raises(ValueError, match=r"schedule kind 'uniform' has no key \['t_sim'\]"):
+        load_preset("vvs_uniform", {"schedule": {"t_sim": 0.5}})
+    with pytest.raises(ValueError, match=r"unknown decode keys \['trees'\]"):
+        decode_config({"trees": {"kind": "dynamic"}})
+
+
+@dataclass
+class ChainConfig(TreeConfig):
     """A new tree kind for the test: the drafter's top-1 chain, ``depth`` drafts long."""
+
+    kind: str = "chain"
+    depth: int = 2
+
+
+def _chain(config: ChainConfig) -> StaticTreeBuilder:
     return StaticTreeBuilder(static_tree([(0,) * d for d in range(1, config.depth + 1)]))
 
 
 def test_a_registry_entry_is_enough_to_add_a_part(tiny, monkeypatch):
     target, drafter = tiny
-    monkeypatch.setitem(TREES, "chain", Part(_chain, needs_drafter=True))
-    monkeypatch.setitem(SCHEDULES, "every_other", Part(lambda c, t: UniformSchedule(2)))
+    monkeypatch.setitem(TREES, "chain", Part(ChainConfig, _chain, needs_drafter=True))
+    monkeypatch.setitem(SCHEDULES, "every_other", Part(ScheduleConfig, lambda c, t: UniformSchedule(2)))
     cond = tiny_condition()
     ar = generate_ar(target, cond, GREEDY, [None, None])
 

@@ -21,9 +21,9 @@ from test_engine import (  # noqa: F401  (micro is a fixture)
 from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.base import StepState
-from vdtrain.decode.builders.peanut import PeanutTreeBuilder
+from vdtrain.decode.builders.peanut import PeanutTreeBuilder, PeanutTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
-from vdtrain.decode.methods import TreeConfig, tree_builder
+from vdtrain.decode.methods import tree_builder
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import DraftTree
 
@@ -246,7 +246,7 @@ def test_impossible_peanut_settings_are_refused(kwargs, message):
 
 
 def test_tree_config_builds_peanut():
-    config = TreeConfig(kind="peanut", init="vertical_repeat", l_k=3, k_max=14, total_tokens=30)
+    config = PeanutTreeConfig(init="vertical_repeat", l_k=3, k_max=14, total_tokens=30)
     builder = tree_builder(config)
     assert isinstance(builder, PeanutTreeBuilder)
     assert (builder.init, builder.l_k, builder.k_max, builder.total_tokens) == ("vertical", 3, 14, 30)

@@ -8,19 +8,30 @@ documented one, checked on hand-computed examples.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_condition
+from reference_acceptance import Verdict, group, masses, residual, verify_exact, walk
 from test_engine import make_drafter, make_target
 
 from vdtrain.decode import neighbours as nb
-from vdtrain.decode.acceptance import EXACT, Grouped, Lantern, LanternPP, Verdict, residual, verify_exact
-from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.acceptance import (
+    EXACT,
+    Grouped,
+    GsdConfig,
+    Lantern,
+    LanternConfig,
+    LanternPP,
+    LanternPPConfig,
+    Rule,
+)
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.builders.static import StaticTreeBuilder
 from vdtrain.decode.engine import SpeculativeEngine
-from vdtrain.decode.methods import AcceptanceConfig, DecodeConfig, TreeConfig, acceptance_rule, build_method
+from vdtrain.decode.methods import AcceptanceConfig, DecodeConfig, acceptance_rule, build_method
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS, DraftTree, static_tree
 
@@ -100,8 +111,10 @@ def one_level_tree(children: list[int], q_root: torch.Tensor | None = None) -> D
 
 
 def verdicts(rule, tree, p_nodes, seeds=range(400), greedy=False, p_relax=None) -> list[Verdict]:
+    """``rule`` (a ``Rule``, or a per-row verifier like ``verify_exact``) walked once per seed."""
+    verify = partial(walk, rule) if isinstance(rule, Rule) else rule
     extra = {} if p_relax is None else {"p_relax": p_relax}
-    return [rule(tree, 0, p_nodes, greedy, torch.Generator().manual_seed(s), **extra) for s in seeds]
+    return [verify(tree, 0, p_nodes, greedy, torch.Generator().manual_seed(s), **extra) for s in seeds]
 
 
 # Token 1's nearest latent neighbours are 2, then 3, then the rest.
@@ -118,7 +131,7 @@ P_ROOT = torch.tensor([0.05, 0.1, 0.5, 0.15, 0.1, 0.1], dtype=torch.float64)
 )
 def test_relaxed_rules_accept_more_when_a_neighbour_holds_the_mass(rule):
     # x = 1 (p = 0.1); its neighbour 2 holds 0.5, the next one 0.15: A(1) = {2}, p'(1) = 0.6.
-    assert rule.group(P_ROOT, 1).tolist() == [2]
+    assert group(rule, P_ROOT, 1).tolist() == [2]
     tree = one_level_tree([1])
     p_nodes = torch.stack([P_ROOT, torch.full((6,), 1 / 6, dtype=torch.float64)])
     exact, relaxed = verdicts(verify_exact, tree, p_nodes), verdicts(rule, tree, p_nodes)
@@ -132,11 +145,11 @@ def test_relaxed_rules_accept_more_when_a_neighbour_holds_the_mass(rule):
 def test_lantern_residual_removes_the_draft_and_its_neighbours():
     p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
     rule = Lantern(torch.tensor([[1, 2, 3], [2, 3, 0], [1, 3, 0], [2, 1, 0]]), k=3, delta=0.3)
-    assert rule.group(p, 1).tolist() == [2]  # S_1 = 0.3 <= 0.3 (inclusive), S_2 = 0.7 > 0.3
+    assert group(rule, p, 1).tolist() == [2]  # S_1 = 0.3 <= 0.3 (inclusive), S_2 = 0.7 > 0.3
     # Sampled draft with q_x = [0, 0.7, 0, 0.3]: P = 0.2 + 0.3 = 0.5 < 0.7, accepted with 5/7. On rejection:
     # max(0, [0.1, 0.2, 0, 0.4] − q_x) = [0.1, 0, 0, 0.1] → [0.5, 0, 0, 0.5] (exact: [0.2, 0, 0.6, 0.2]).
     q = torch.tensor([0.0, 0.7, 0.0, 0.3], dtype=torch.float64)
-    torch.testing.assert_close(residual(p, q, rule.group(p, 1)), torch.tensor([0.5, 0, 0, 0.5]).double())
+    torch.testing.assert_close(residual(p, q, group(rule, p, 1)), torch.tensor([0.5, 0, 0, 0.5]).double())
     p_nodes = torch.stack([p, p])
     runs = verdicts(rule, one_level_tree([1], q.float()), p_nodes)
     rejected = [v.bonus for v in runs if not v.path]
@@ -146,7 +159,7 @@ def test_lantern_residual_removes_the_draft_and_its_neighbours():
     # Deterministic draft (point mass): the residual is p without x and A(x), renormalised.
     p = torch.tensor([0.0, 0.2, 0.3, 0.5], dtype=torch.float64)
     point = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64)
-    torch.testing.assert_close(residual(p, point, rule.group(p, 1)), torch.tensor([0, 0, 0, 1.0]).double())
+    torch.testing.assert_close(residual(p, point, group(rule, p, 1)), torch.tensor([0, 0, 0, 1.0]).double())
     rejected = [v.bonus for v in verdicts(rule, one_level_tree([1]), torch.stack([p, p])) if not v.path]
     assert 150 < len(rejected) < 250 and set(rejected) == {3}
 
@@ -160,18 +173,18 @@ def test_gsd_group_on_a_hand_made_example():
     rule = Grouped(emb, group_size=4, delta_p=0.05, max_distance=0.3)
     # x = 0 has rank 3: window = ranks 1..4 = tokens 2, 7, 0, 3. Token 2 is too far in p (0.08 >= 0.05),
     # token 3 too far in embedding space (0.36 >= 0.3): C = {0, 7}.
-    group = rule.group(p, 0)
-    assert group.tolist() == [7]
+    credited = group(rule, p, 0)
+    assert credited.tolist() == [7]
     q = torch.full((8,), 1 / 8, dtype=torch.float64)
-    p_mass, q_mass = rule.masses(p, q, 0, group)
+    p_mass, q_mass = masses(rule, p, q, 0, credited)
     assert float(p_mass) == pytest.approx(0.27) and float(q_mass) == pytest.approx(0.25)
     # At the top of the ranking the window is clipped, not wrapped: x = 5 sees ranks 0..1 = tokens 5, 2.
     wide = Grouped(emb, group_size=4, delta_p=1.0, max_distance=10.0)
-    assert wide.group(p, 5).tolist() == [2]
-    assert sorted(Grouped(emb, group_size=14, delta_p=1.0, max_distance=10.0).group(p, 0).tolist()) == [
+    assert group(wide, p, 5).tolist() == [2]
+    assert sorted(group(Grouped(emb, group_size=14, delta_p=1.0, max_distance=10.0), p, 0).tolist()) == [
         1, 2, 3, 4, 5, 6, 7
     ]  # fmt: skip
-    assert Grouped(emb, group_size=1, delta_p=1.0, max_distance=10.0).group(p, 0).tolist() == []
+    assert group(Grouped(emb, group_size=1, delta_p=1.0, max_distance=10.0), p, 0).tolist() == []
 
 
 def test_gsd_batched_window_is_the_sorted_one_on_tie_heavy_rows():
@@ -192,7 +205,7 @@ def test_gsd_batched_window_is_the_sorted_one_on_tie_heavy_rows():
         x = torch.arange(vocab)
         window, member = rule.group_batch(p.expand(vocab, -1), x)
         for token in range(vocab):
-            assert window[token][member[token]].tolist() == rule.group(p, token).tolist(), (p, token, size)
+            assert window[token][member[token]].tolist() == group(rule, p, token).tolist(), (p, token, size)
 
 
 def test_gsd_accepts_with_the_group_mass_for_point_mass_drafts():
@@ -200,7 +213,7 @@ def test_gsd_accepts_with_the_group_mass_for_point_mass_drafts():
     emb = torch.zeros(6, 1)  # every token is close: the window and δ_p decide
     rule = Grouped(emb, group_size=3, delta_p=0.45, max_distance=0.5)
     # By p (ties by id): 2, 3, 1, 4, 5, 0. x = 1 has rank 2: window ranks 1..3 = tokens 3, 1, 4.
-    assert sorted(rule.group(p, 1).tolist()) == [3, 4]
+    assert sorted(group(rule, p, 1).tolist()) == [3, 4]
     runs = verdicts(rule, one_level_tree([1]), torch.stack([p, p]))
     accepted = sum(len(v.path) for v in runs)
     assert 110 < accepted < 170  # Σ_C p = 0.35 of 400
@@ -214,7 +227,7 @@ def test_greedy_relaxed_rule_accepts_a_draft_whose_group_holds_the_argmax():
     def greedy(rule, children):
         n = len(children) + 1
         tree, p_nodes, p_relax = one_level_tree(children), argmax.expand(n, -1), soft.expand(n, -1)
-        return rule(tree, 0, p_nodes, True, None, p_relax=p_relax)
+        return walk(rule, tree, 0, p_nodes, True, None, p_relax=p_relax)
 
     lantern = Lantern(NEIGHBOURS, k=5, delta=0.35)  # A(1) = {2}: S_1 = 0.3 <= 0.35
     v = greedy(lantern, [1])
@@ -227,7 +240,7 @@ def test_greedy_relaxed_rule_accepts_a_draft_whose_group_holds_the_argmax():
     assert greedy(LanternPP(NEIGHBOURS, k=5, lam=3.0), [1]).path == [1]
     assert greedy(LanternPP(NEIGHBOURS, k=5, lam=2.0), [1]).path == []
     # Without p_relax a relaxed rule is exact at T = 0.
-    assert lantern(one_level_tree([1]), 0, argmax.expand(2, -1), True, None).path == []
+    assert walk(lantern, one_level_tree([1]), 0, argmax.expand(2, -1), True, None).path == []
 
 
 # --- the engine: degenerate settings are exact verification -------------------------------------------
@@ -294,22 +307,20 @@ def test_acceptance_config_builds_each_rule(tiny, tmp_path):
     target, drafter = tiny
     cache = str(tmp_path)
     assert acceptance_rule(AcceptanceConfig(), target) is EXACT
-    rule = acceptance_rule(AcceptanceConfig(kind="lantern", k=1000, delta=0.2, cache_dir=cache), target)
+    rule = acceptance_rule(LanternConfig(k=1000, delta=0.2, cache_dir=cache), target)
     assert isinstance(rule, Lantern) and rule.neighbours.shape == (24, 23) and rule.delta == 0.2
-    rule = acceptance_rule(AcceptanceConfig(kind="lantern_pp", k=10, lam=3.0, cache_dir=cache), target)
+    rule = acceptance_rule(LanternPPConfig(k=10, lam=3.0, cache_dir=cache), target)
     assert isinstance(rule, LanternPP) and rule.neighbours.shape == (24, 10) and rule.lam == 3.0
-    rule = acceptance_rule(AcceptanceConfig(kind="gsd", embedding="codebook"), target)
+    rule = acceptance_rule(GsdConfig(embedding="codebook"), target)
     assert isinstance(rule, Grouped) and rule.embeddings.shape == (24, 4)
     with pytest.raises(ValueError, match="unknown acceptance"):
         acceptance_rule(AcceptanceConfig(kind="magic"), target)
     with pytest.raises(ValueError, match="unknown GSD embedding"):
-        acceptance_rule(AcceptanceConfig(kind="gsd", embedding="magic"), target)
+        acceptance_rule(GsdConfig(embedding="magic"), target)
     with pytest.raises(ValueError, match="no draft tree"):
-        build_method(DecodeConfig(acceptance=AcceptanceConfig(kind="gsd")), target, None, SamplingConfig())
+        build_method(DecodeConfig(acceptance=GsdConfig()), target, None, SamplingConfig())
     method = build_method(
-        DecodeConfig(
-            "lantern", TreeConfig(kind="dynamic"), AcceptanceConfig(kind="lantern", cache_dir=cache)
-        ),
+        DecodeConfig("lantern", DynamicTreeConfig(), LanternConfig(cache_dir=cache)),
         target,
         drafter,
         SamplingConfig(),

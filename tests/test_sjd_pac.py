@@ -16,6 +16,7 @@ import torch
 from conftest import random_gpt, random_vq, tiny_condition
 from image_statistics import bonferroni_pvalue
 from omegaconf import OmegaConf
+from reference_acceptance import Verdict, from_verdicts, residual, verify_exact
 from test_chameleon_decoding import BOS, WORDS, enumerable_target
 from test_engine import (
     MICRO_GPT,
@@ -32,7 +33,7 @@ from test_jacobi import (
     grid3,  # noqa: F401  (the 3×3 grid over 3 tokens, a module fixture)
 )
 
-from vdtrain.decode.acceptance import BatchVerdict, Verdict, residual, verify_exact
+from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.base import StepState
 from vdtrain.decode.builders.sjd_pac import SjdPacBuilder, tree_nodes
@@ -481,4 +482,4 @@ def test_sjd_pac_is_in_the_default_evaluation():
 
 def batched(verdicts: list[Verdict], tree) -> tuple[BatchVerdict, torch.Tensor]:
     """``observe``'s (verdict, verified) for per-row verdicts, every row verified."""
-    return BatchVerdict.from_verdicts(verdicts, tree.size - 1), torch.ones(len(verdicts), dtype=torch.bool)
+    return from_verdicts(verdicts, tree.size - 1), torch.ones(len(verdicts), dtype=torch.bool)

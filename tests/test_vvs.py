@@ -34,7 +34,9 @@ from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS, DraftTree, static_tree
 from vdtrain.decode.vvs import (
     SimilaritySchedule,
+    SimilarityScheduleConfig,
     UniformSchedule,
+    UniformScheduleConfig,
     VerificationSchedule,
     leaf_paths,
     path_similarity,
@@ -579,15 +581,15 @@ def test_bad_schedules_are_refused():
     with pytest.raises(ValueError, match="unknown schedule"):
         verification_schedule(ScheduleConfig(kind="sometimes"), target)
     with pytest.raises(ValueError, match="every >= 1"):
-        verification_schedule(ScheduleConfig(kind="uniform", every=0), target)
+        verification_schedule(UniformScheduleConfig(every=0), target)
     with pytest.raises(ValueError, match=r"phase must be in \[0, every=2\), got 2"):
-        verification_schedule(ScheduleConfig(kind="uniform", every=2, phase=2), target)
+        verification_schedule(UniformScheduleConfig(every=2, phase=2), target)
     with pytest.raises(ValueError, match="warmup counts committed tokens"):
-        verification_schedule(ScheduleConfig(kind="uniform", warmup=-1), target)
+        verification_schedule(UniformScheduleConfig(warmup=-1), target)
     with pytest.raises(ValueError, match="unknown similarity formula 'paper'"):
-        verification_schedule(ScheduleConfig(kind="similarity", formula="paper"), target)
+        verification_schedule(SimilarityScheduleConfig(formula="paper"), target)
     with pytest.raises(ValueError, match="unknown few_paths rule 'never'"):
-        verification_schedule(ScheduleConfig(kind="similarity", few_paths="never"), target)
+        verification_schedule(SimilarityScheduleConfig(few_paths="never"), target)
 
 
 # --- the skip path, through the presets -----------------------------------------------------------------

@@ -72,10 +72,10 @@ def run(cfg: DictConfig) -> dict:
         if not cfg.drafter:
             raise ValueError(f"method {method_cfg.name!r} needs a drafter: set drafter=<folder>")
         drafter = Drafter.from_pretrained(resolve_folder(cfg.drafter), target)
-    graphs = prepare_decoding(
+    options = prepare_decoding(
         target, drafter, compile=cfg.get("compile", False), cuda_graphs=cfg.get("cuda_graphs", "auto")
     )
-    method = build_method(method_cfg, target, drafter, sampling)
+    method = build_method(method_cfg, target, drafter, sampling, options)
     scorer = quality_scorer(cfg.target.get("quality"))
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ def run(cfg: DictConfig) -> dict:
         "device": str(device),
         "dtype": str(target.dtype).removeprefix("torch."),
         "compile": bool(cfg.get("compile", False)),
-        "cuda_graphs": graphs,
+        "cuda_graphs": options.step_recorder is not None,
         "num_samples": len(samples),
         "mean_latency_per_image_s": sum(s["batch_latency_s"] / s["batch_size"] for s in samples)
         / len(samples),

@@ -1,49 +1,12 @@
-"""Verification of a draft tree: exact (ALGORITHMS.md §3) and relaxed (LANTERN, LANTERN++, GSD; §4, §7).
+"""Verification of draft trees, every row at once: exact and relaxed (LANTERN, LANTERN++, GSD).
 
-Every rule shares one tree walk. Walking down from the root, the children of the current node are tried
-in rank order; each child ``x`` is judged against the current target distribution ``p`` and the
-proposal ``q_x`` it was drawn from:
-
-- deterministic drafts (top-k children, EAGLE-2 dynamic trees): ``q_x`` is the point mass on ``x``;
-- sampled drafts (children drawn without replacement from ``q``, static trees at T > 0): ``q_x`` is ``q``
-  without the earlier siblings, renormalised (SpecInfer).
-
-A rule turns ``(p, q_x, x)`` into a *group* G(x) of other tokens whose target mass is credited to ``x``
-and an acceptance test ``u · Q < P`` (u ~ U[0, 1), one draw per tried child):
-
-- exact: G = ∅, P = p(x), Q = q_x(x);
-- LANTERN (δ): G = A(x), the longest prefix of x's first k latent neighbours with S_j ≤ δ
-  (S_j = cumulative target mass of the first j); P = p(x) + S_|A|, Q = q_x(x);
-- LANTERN++ (λ): the same with S_j ≤ (λ − 1)·p(x);
-- GSD: G = C(x) minus x (a rank window around x, filtered by probability gap and embedding distance,
-  see ``Grouped``); P = Σ_C p, Q = Σ_C q_x;
-
-so exact verification accepts with ``min(1, p(x)/q_x(x))`` — with a point mass, with probability ``p(x)``.
-On rejection ``p ← norm(max(0, p_G − q_x))`` and the next sibling is tried, where
-
-- exact and GSD: ``p_G = p`` (GSD resamples from ``norm(max(0, p − q))`` over the full vocabulary);
-- LANTERN / LANTERN++: ``p_G`` = the *unrelaxed* ``p`` with the mass of A(x) set to 0. This is the
-  SpecInfer residual of the relaxed distribution ``p̃`` (p with A(x)'s mass moved onto ``x``): on
-  rejection ``p̃(x) = P < q_x(x)``, so ``max(0, p̃ − q_x)`` is 0 on ``x`` and on A(x) and ``max(0, p − q_x)``
-  elsewhere. With a point mass ``q_x`` it is ``p`` with ``x`` and A(x) zeroed, renormalised. One draft
-  step therefore outputs exactly ``p̃`` (total-variation distance Σ_A p from ``p``); a later sibling's
-  A is built on the residual, so mass already removed is never credited twice.
-
-When no child is accepted the bonus token is drawn from the current ``p``; every verification commits
-at least that one token.
-
-Greedy (T = 0), where ``p`` is the one-hot of the argmax: exact accepts the child equal to the argmax.
-A relaxed rule, when no child equals the argmax, accepts the first child (rank order) whose group holds
-the argmax; the group is computed on ``p_relax``, the temperature-1 softmax of the same CFG-combined,
-filtered logits (the engine passes it to rules with ``needs_soft_p``). The committed token is the draft,
-the bonus is the argmax at the last accepted node.
-
-δ = 0, λ = 1 and G = 1 reproduce exact verification bit for bit: same acceptances, same residuals, the
-same random draws. ``Verdict.relaxed`` counts the acceptances that exact verification would have refused
-with the same uniform draw (at T = 0: accepted although not the argmax).
-
-``walk`` is the reference, one row at a time on the host; ``accept_batch`` returns the same verdicts for a
-whole batch with tensor ops only, given the same pre-drawn uniforms (see "batched acceptance" below).
+A rule turns a tried child ``x`` into a *group* G(x) of other tokens whose target mass is credited to
+``x`` and an acceptance test ``u · Q < P`` (exact: G = ∅, P = p(x), Q = q_x(x)); on rejection the walk
+continues with the residual ``norm(max(0, p_G − q_x))``. ``accept_batch`` judges every node of every
+row with tensor ops only (no read of the device, loops bounded by the tree's depth and width), given
+pre-drawn uniforms. docs/decoding.md, "Exact acceptance" and "Relaxed acceptance", derive the rules,
+their T = 0 forms and why δ = 0, λ = 1, G = 1 reproduce exact verification bit for bit; the per-row
+walk the batched form must match lives with the tests (``tests/reference_acceptance.py``).
 """
 
 from __future__ import annotations
@@ -57,27 +20,9 @@ from vdtrain.decode.rng import inverse_cdf
 from vdtrain.decode.trees import DraftTree
 
 
-@dataclass
-class Verdict:
-    path: list[int]  # accepted tree nodes, depth 1, 2, ... (the root is not included)
-    bonus: int  # the token drawn after the last accepted node
-    relaxed: int = 0  # accepted nodes that only a relaxed rule accepted
-
-
-def _normalise(p: torch.Tensor) -> torch.Tensor:
-    total = p.sum()
-    if total <= 0:  # numerically exhausted: nothing left to reject into; keep the argmax mass
-        return torch.zeros_like(p).scatter_(0, p.argmax().view(1), 1.0)
-    return p / total
-
-
-def _draw(p: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(p, 1, generator=generator))
-
-
 def _normalise_rows(p: torch.Tensor) -> torch.Tensor:
-    """``_normalise`` on every row of ``p`` [..., V] (p >= 0) at once, without reading the device. An
-    exhausted row is all zeros, whose argmax is token 0: its fallback is a point mass on token 0."""
+    """Every row of ``p`` [..., V] (p >= 0) normalised, without reading the device. An exhausted row
+    (nothing left to reject into) is all zeros, whose argmax is token 0: it becomes a point mass there."""
     total = p.sum(-1, keepdim=True)
     exhausted = total <= 0
     out = p / torch.where(exhausted, 1.0, total)
@@ -85,136 +30,62 @@ def _normalise_rows(p: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _uniform(generator: torch.Generator | None) -> float:
-    device = generator.device if generator is not None else None  # a CUDA generator draws on its GPU
-    return float(torch.rand((), generator=generator, device=device))
+@dataclass
+class AcceptanceConfig:
+    """A method's ``acceptance`` section: its ``kind`` and what every kind shares; each relaxed rule's
+    config below adds its own keys. This class alone is kind ``exact``."""
+
+    kind: str = "exact"
+    cache_dir: str | None = None  # neighbour-table cache (null: $VDTRAIN_CACHE/neighbours or ~/.cache)
 
 
-def residual(p: torch.Tensor, q: torch.Tensor, removed: torch.Tensor) -> torch.Tensor:
-    """The distribution to continue with after rejecting a child: ``norm(max(0, p_G − q))`` where
-    ``p_G`` is ``p`` with the tokens ``removed`` set to 0 (LANTERN's A(x); empty for exact and GSD)."""
-    if len(removed):
-        p = p.index_fill(0, removed, 0.0)
-    return _normalise((p - q).clamp_min(0))
+@dataclass
+class LanternConfig(AcceptanceConfig):
+    """``Lantern``: the neighbours' target mass bounded additively."""
+
+    kind: str = "lantern"
+    delta: float = 0.1  # bound on the neighbours' target mass
+    k: int = 1000  # latent neighbours considered (≤ 1000, clamped to V − 1)
+
+
+@dataclass
+class LanternPPConfig(AcceptanceConfig):
+    """``LanternPP``: the neighbours' target mass bounded by (λ − 1)·p(x)."""
+
+    kind: str = "lantern_pp"
+    lam: float = 2.0  # λ
+    k: int = 1000  # latent neighbours considered (≤ 1000, clamped to V − 1)
+
+
+@dataclass
+class GsdConfig(AcceptanceConfig):
+    """``Grouped`` (GSD): a rank window by p, filtered by probability gap and embedding distance."""
+
+    kind: str = "gsd"
+    group_size: int = 14  # rank window G
+    delta_p: float = 0.15  # keep candidates with |p(c) − p(x)| < delta_p
+    max_distance: float = 0.5  # keep candidates with squared embedding distance D(x, c) < d
+    embedding: str = "token_embedding"  # distance source, token_embedding | codebook
 
 
 class Rule:
     """Exact verification. The relaxed rules are small frozen dataclasses deriving from it that widen
-    the group of tokens credited to a child; all are callables with ``verify_exact``'s signature (plus
-    ``p_relax``) and share ``walk``."""
+    the group of tokens credited to a child (``group_batch``); the flags say how ``accept_batch`` treats
+    the group."""
 
     needs_soft_p: ClassVar[bool] = False  # wants the T = 1 softmax at T = 0 (``p_relax``)
     relaxes: ClassVar[bool] = False  # has a group at all (exact does not: batched acceptance has a shortcut)
     removes_group: ClassVar[bool] = False  # the residual drops the group's mass (LANTERN)
     credits_q: ClassVar[bool] = False  # Q sums q over the group too (GSD)
 
-    def group(self, p: torch.Tensor, token: int) -> torch.Tensor:
-        """Other tokens whose target mass is credited to ``token`` (LongTensor, may be empty)."""
-        return p.new_zeros(0, dtype=torch.long)
-
     def group_batch(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``group`` for many (distribution, token) pairs at once: ``p`` [..., V], ``x`` [...] →
+        """The groups of many (distribution, token) pairs at once: ``p`` [..., V], ``x`` [...] →
         candidate tokens [..., G] and a mask [..., G] of those in the group (G = 0 here)."""
         empty = x.new_zeros(*x.shape, 0)
         return empty, empty.bool()
 
-    def masses(
-        self, p: torch.Tensor, q: torch.Tensor, token: int, group: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(P, Q): the child is accepted iff ``u · Q < P``."""
-        if not len(group):
-            return p[token], q[token]
-        q_mass = q[token] + q[group].sum() if self.credits_q else q[token]
-        return p[token] + p[group].sum(), q_mass
-
-    def __call__(
-        self,
-        tree: DraftTree,
-        row: int,
-        p_nodes: torch.Tensor,
-        greedy: bool,
-        generator: torch.Generator | None,
-        p_relax: torch.Tensor | None = None,
-        u_accept: torch.Tensor | None = None,
-        u_bonus: torch.Tensor | float | None = None,
-    ) -> Verdict:
-        return walk(self, tree, row, p_nodes, greedy, generator, p_relax, u_accept, u_bonus)
-
-
-def walk(
-    rule: Rule,
-    tree: DraftTree,
-    row: int,
-    p_nodes: torch.Tensor,
-    greedy: bool,
-    generator: torch.Generator | None,
-    p_relax: torch.Tensor | None = None,
-    u_accept: torch.Tensor | None = None,
-    u_bonus: torch.Tensor | float | None = None,
-) -> Verdict:
-    """The one tree walk. ``p_nodes`` [T, V]: the target distribution at every node (what its children
-    should be drawn from), made by the one sampling pipeline; ``p_relax`` [T, V]: at T = 0 the softmax
-    of the same filtered logits, where relaxed rules look for the argmax's group.
-
-    ``u_accept`` [T] and ``u_bonus`` (a scalar) are pre-drawn uniforms that replace the generator: node
-    ``c`` is tested with ``u_accept[c]`` when tried as a child, and the bonus token is
-    ``inverse_cdf(p, u_bonus)``. Given the same uniforms, ``accept_batch`` returns what this walk does."""
-    if (u_accept is None) != (u_bonus is None):
-        raise ValueError("pass both u_accept and u_bonus (pre-drawn uniforms) or neither")
-    tokens = tree.tokens[row]
-    node, path, relaxed = 0, [], 0
-    while True:
-        p = p_nodes[node].double()
-        kids = tree.children(row, node)
-        accepted = None
-        if greedy:
-            best = int(p.argmax())
-            accepted = next((c for c in kids if int(tokens[c]) == best), None)
-            if accepted is None and p_relax is not None:
-                soft = p_relax[node].double()
-                accepted = next((c for c in kids if best in rule.group(soft, int(tokens[c])).tolist()), None)
-                relaxed += accepted is not None
-        else:
-            q = tree.q[row, node].double() if tree.sampled else None
-            for c in kids:
-                tok = int(tokens[c])
-                if tree.sampled:
-                    q = _normalise(q)
-                    q_c = q
-                else:  # deterministic draft: a point mass on the child
-                    q_c = torch.zeros_like(p)
-                    q_c[tok] = 1.0
-                group = rule.group(p, tok)
-                p_mass, q_mass = rule.masses(p, q_c, tok, group)
-                u = _uniform(generator) if u_accept is None else float(u_accept[c])
-                if u * q_mass < p_mass:  # u < P/Q without dividing by a zero Q
-                    accepted = c
-                    relaxed += not bool(u * q_c[tok] < p[tok])
-                    break
-                p = residual(p, q_c, group if rule.removes_group else group[:0])
-                if tree.sampled:
-                    q = q.clone()
-                    q[tok] = 0  # the next sibling was drawn without this one
-        if accepted is None:
-            if greedy:
-                bonus = int(p.argmax())
-            elif u_bonus is None:
-                bonus = _draw(p.float(), generator)
-            else:
-                bonus = int(inverse_cdf(p, torch.as_tensor(u_bonus, dtype=p.dtype, device=p.device)))
-            return Verdict(path, bonus, relaxed)
-        path.append(accepted)
-        node = accepted
-
 
 EXACT = Rule()
-
-
-def verify_exact(
-    tree: DraftTree, row: int, p_nodes: torch.Tensor, greedy: bool, generator: torch.Generator | None
-) -> Verdict:
-    """Exact acceptance for one row (lossless): the output has exactly the target's distribution."""
-    return walk(EXACT, tree, row, p_nodes, greedy, generator)
 
 
 @dataclass(frozen=True, eq=False)
@@ -237,13 +108,8 @@ class _NeighbourRule(Rule):
     def bound(self, p_token: float | torch.Tensor) -> float | torch.Tensor:
         raise NotImplementedError
 
-    def group(self, p: torch.Tensor, token: int) -> torch.Tensor:
-        near = self.neighbours[token, : self.k].to(p.device)
-        cumulative = p[near].cumsum(0)
-        return near[: int((cumulative <= self.bound(float(p[token]))).sum())]
-
     def group_batch(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # S_j never decreases, so the entries with S_j <= bound are the prefix ``group`` counts.
+        # S_j never decreases, so the entries with S_j <= bound are a prefix.
         near = self.neighbours[:, : self.k].to(p.device)[x]  # [..., k]
         cumulative = p.gather(-1, near).cumsum(-1)
         return near, cumulative <= self.bound(p.gather(-1, x.unsqueeze(-1)))
@@ -308,24 +174,11 @@ class Grouped(Rule):
         # gathered window, the bulk of this rule's work at large batches.
         object.__setattr__(self, "embeddings", self.embeddings.double())
 
-    def group(self, p: torch.Tensor, token: int) -> torch.Tensor:
-        if self.group_size == 1:
-            return p.new_zeros(0, dtype=torch.long)
-        order = p.sort(descending=True, stable=True).indices
-        rank = int((p > p[token]).sum() + (p[:token] == p[token]).sum())  # x's place in ``order``
-        lo = max(0, rank - self.group_size // 2)
-        window = order[lo : max(0, rank - self.group_size // 2 + self.group_size)]
-        window = window[window != token]
-        close_p = (p[window] - p[token]).abs() < self.delta_p
-        emb = self.embeddings.to(p.device)
-        dist = (emb[window] - emb[token]).pow(2).sum(-1)
-        return window[close_p & (dist < self.max_distance)]
-
     def group_batch(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.group_size == 1:
             return super().group_batch(p, x)
         vocab, size = p.shape[-1], self.group_size
-        order = p.sort(dim=-1, descending=True, stable=True).indices  # ties by token id, as in ``group``
+        order = p.sort(dim=-1, descending=True, stable=True).indices  # ties by token id
         place = torch.empty_like(order).scatter_(
             -1, order, torch.arange(vocab, device=p.device).expand_as(order)
         )
@@ -341,7 +194,8 @@ class Grouped(Rule):
 
 # --- batched acceptance ------------------------------------------------------------------------------
 #
-# ``walk`` reads probabilities node by node on the host. ``accept_batch`` computes the same verdict for
+# The reference walk (``tests/reference_acceptance.py``) reads probabilities node by node on the host.
+# ``accept_batch`` computes the same verdict for
 # every row with tensor ops only: no host synchronisation, and loops bounded by the tree's depth and
 # width (host-side ``DraftTree.depth_bound`` / ``width_bound``), never by the batch. The key fact is that
 # what happens at a node (which child is accepted first, what ``p`` is left when all are rejected)
@@ -365,30 +219,12 @@ class Grouped(Rule):
 
 @dataclass
 class BatchVerdict:
-    """``Verdict`` for a whole batch, as device tensors."""
+    """Every row's verdict, as device tensors."""
 
     path: torch.Tensor  # [B, D] long: accepted nodes in depth order, then -1
     accepted: torch.Tensor  # [B] long: accepted draft tokens (the bonus not counted)
     bonus: torch.Tensor  # [B] long: the token drawn after the last accepted node
     relaxed: torch.Tensor  # [B] long: accepted nodes that only a relaxed rule accepted
-
-    @classmethod
-    def from_verdicts(cls, verdicts: list[Verdict], depth: int) -> BatchVerdict:
-        """The batch form of per-row ``Verdict``s, paths padded with −1 to ``depth`` (reference code)."""
-        path = torch.full((len(verdicts), depth), -1, dtype=torch.long)
-        for b, v in enumerate(verdicts):
-            path[b, : len(v.path)] = torch.tensor(v.path, dtype=torch.long)
-        return cls(
-            path,
-            torch.tensor([len(v.path) for v in verdicts]),
-            torch.tensor([v.bonus for v in verdicts]),
-            torch.tensor([v.relaxed for v in verdicts]),
-        )
-
-    def verdicts(self) -> list[Verdict]:
-        """Per-row ``Verdict``s, read back in one transfer (for callers that still want lists)."""
-        rows = torch.cat([self.path, self.bonus[:, None], self.relaxed[:, None]], dim=1).tolist()
-        return [Verdict([n for n in row[:-2] if n >= 0], row[-2], row[-1]) for row in rows]
 
 
 def accept_batch(
@@ -400,8 +236,9 @@ def accept_batch(
     u_bonus: torch.Tensor,
     p_relax: torch.Tensor | None = None,
 ) -> BatchVerdict:
-    """Verify every row's tree at once: ``walk(rule, tree, b, p_nodes[b], greedy, None, p_relax[b],
-    u_accept[b], u_bonus[b])`` for each row ``b``, without reading the device.
+    """Verify every row's tree at once, without reading the device: for each row ``b`` what the
+    reference walk ``walk(rule, tree, b, p_nodes[b], greedy, None, p_relax[b], u_accept[b], u_bonus[b])``
+    returns.
 
     ``p_nodes`` [B, T, V]: the target distribution at every node; ``u_accept`` [B, T]: the uniform for
     testing node ``c`` as a child; ``u_bonus`` [B]: the bonus draw (both unused at T = 0); ``p_relax``

@@ -45,7 +45,7 @@ class ARRun:
 
 class ARDecoder:
     """AR decoding for one target and sampling setting; with a ``recorder`` (``ARMethod`` passes
-    ``Target.step_recorder``) each step is recorded once per batch shape and replayed."""
+    ``DecodeOptions.step_recorder``) each step is recorded once per batch shape and replayed."""
 
     def __init__(self, target: Target, sampling: SamplingConfig, recorder: Recorder | None = None) -> None:
         self.target, self.sampling, self.recorder = target, sampling, recorder

@@ -17,15 +17,30 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from vdtrain.decode.graphs import record_cuda_graph
+from vdtrain.decode.graphs import Recorder, record_cuda_graph
 from vdtrain.decode.kernels import RECOMPILE_LIMIT, raise_recompile_limit
 from vdtrain.drafter import Drafter
 from vdtrain.targets.base import Target
+
+
+@dataclass
+class DecodeOptions:
+    """How decoding steps run: decode policy, made by ``prepare_decoding`` and handed to the engine and
+    the AR decoder by ``build_method`` (never stored on the target)."""
+
+    compile_steps: str | None = None  # the step kernels' torch.compile backend; None: eager
+    step_recorder: Recorder | None = None  # records a step once and replays it; None: from Python
+
+    @property
+    def starts_up(self) -> bool:
+        """Whether a method's first decode of a batch shape records or compiles what later ones reuse."""
+        return self.step_recorder is not None or self.compile_steps is not None
 
 
 def compile_options(compile: Callable[..., Any] | None = None) -> dict[str, Any]:
@@ -39,11 +54,12 @@ def compile_options(compile: Callable[..., Any] | None = None) -> dict[str, Any]
 
 def compile_decoding(
     target: Target, drafter: Drafter | None = None, *, backend: str = "inductor", step_kernels: bool = True
-) -> None:
+) -> str | None:
     """Wrap, in place, the target transformer's decoder layers (prefill, AR and verification) and the
     drafter's forward in ``torch.compile`` (``backend``: ``inductor``; ``eager``/``aot_eager`` trace
-    without generating kernels), and with ``step_kernels`` run the speculative step kernels compiled too.
-    Call it once, after the target has its device and dtype and before decoding.
+    without generating kernels). Returns the backend the speculative step kernels should run compiled
+    with (``DecodeOptions.compile_steps``): ``backend`` with ``step_kernels``, else None. Call it once,
+    after the target has its device and dtype and before decoding.
 
     The target is compiled by region: every decoder layer runs the same code on its own weights and
     cache (``KVCache.layer``), so one compiled layer per shape serves all of them, and XL's 36 layers
@@ -55,21 +71,21 @@ def compile_decoding(
     if "recompile_limit" not in options:
         raise_recompile_limit(RECOMPILE_LIMIT)
     compile = functools.partial(torch.compile, backend=backend, fullgraph=False, dynamic=False, **options)
-    target.compile_steps = backend if step_kernels else None
     for module in modules:
         layers = getattr(module, "layers", None)
         regions = list(layers) if isinstance(layers, nn.ModuleList) else [module]
         for region in regions:
             region.forward = compile(region.forward)
         module._vdtrain_compiled = True
+    return backend if step_kernels else None
 
 
-def record_steps(target: Target) -> None:
-    """Record AR's and every graph-safe speculative method's step as a CUDA graph on first use of a shape,
-    then replay it (``vdtrain.decode.graphs``)."""
+def cuda_graph_recorder(target: Target) -> Recorder:
+    """The recorder (``DecodeOptions.step_recorder``) that records AR's and every graph-safe speculative
+    method's step as a CUDA graph on first use of a shape, then replays it (``vdtrain.decode.graphs``)."""
     if target.token_embedding.weight.device.type != "cuda":
         raise ValueError(f"cuda_graphs needs a CUDA device; the target is on {target.device}")
-    target.step_recorder = record_cuda_graph
+    return record_cuda_graph
 
 
 def wants_cuda_graphs(setting: bool | str | None, device: torch.device) -> bool:
@@ -85,16 +101,15 @@ def wants_cuda_graphs(setting: bool | str | None, device: torch.device) -> bool:
 
 def prepare_decoding(
     target: Target, drafter: Drafter | None, *, compile: bool, cuda_graphs: bool | str | None = "auto"
-) -> bool:
-    """Set up the fast mode the apps' ``compile`` and ``cuda_graphs`` keys ask for; returns whether steps
-    are recorded. ``compile`` compiles the target's layers, the drafter and the step kernels; with graphs
-    they run inside the recorded steps, where fusing a step's hundreds of small ops into a few kernels is
-    what is left to gain."""
+) -> DecodeOptions:
+    """Set up the fast mode the apps' ``compile`` and ``cuda_graphs`` keys ask for, and return the options
+    ``build_method`` hands to the methods. ``compile`` compiles the target's layers, the drafter and the
+    step kernels; with graphs they run inside the recorded steps, where fusing a step's hundreds of small
+    ops into a few kernels is what is left to gain."""
     graphs = wants_cuda_graphs(cuda_graphs, target.token_embedding.weight.device)
+    options = DecodeOptions()
     if compile:
-        compile_decoding(target, drafter)
+        options.compile_steps = compile_decoding(target, drafter)
     if graphs:
-        record_steps(target)
-    elif cuda_graphs is False:  # asked off: a recorder set by an earlier run goes too
-        target.step_recorder = None
-    return graphs
+        options.step_recorder = cuda_graph_recorder(target)
+    return options

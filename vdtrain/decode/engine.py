@@ -1,37 +1,12 @@
-"""The speculative decoding loop: draft a tree → verify it in one target forward → accept → commit.
+"""The speculative decoding loop: one step is draft → plan → verify → judge → commit → log.
 
-Drafting (``vdtrain.decode.builders``), acceptance (``vdtrain.decode.acceptance``) and the verification
-schedule (``vdtrain.decode.vvs``) are separate parts; the loop only moves tokens, features and KV entries
-between them. It runs a batch of prompts, each with its own progress, with CFG as a batch of two streams
-(conditional rows, then null rows) for both the target and the drafter.
-
-Bookkeeping per prompt ``b`` with ``m`` committed image tokens ``x_0 .. x_{m-1}``:
-
-- the *root* of the next tree is ``x_{m-1}``: committed but not yet seen by the target;
-- target KV slots ``0 .. L+m-2`` are valid (prefix + ``x_0 .. x_{m-2}``); the tree goes to slots
-  ``L+m-1 ..`` (node ``i`` at ``L+m-1+i``) and accepted nodes are moved down to ``L+m-1+depth``;
-- drafter row ``s`` pairs the target feature ``f_s`` with the embedding of the token at slot ``s+1``
-  (``vdtrain.drafter``); rows ``0 .. L+m-2`` are committed, and tree nodes at depth ``d`` take row
-  position ``L+m-2+d`` in scratch slots after them. Expansion rows are recomputed from true target
-  features once their tokens are accepted ("catch-up").
-
-Speed. Every tensor in a step has a shape fixed by the method (tree size, depth bound, image length),
-never by the batch's progress: attention masks span the whole image plus scratch, acceptance runs on
-the whole batch at once (``accept_batch``) and commit is a handful of gathers and scatters. The loop
-itself reads the device once per step (are prompts left?); statistics stay on the device until the
-end. Randomness comes from ``RowRandom`` (counter-based, per prompt), so prompt ``i`` draws the same
-numbers whatever it is batched with, without one op per row. The tensor work between two forwards is one
-step kernel each (``vdtrain.decode.kernels``: ``drafter_inputs``, ``_tree_inputs``, ``_judge``,
-``_commit_rows`` and the builders' own), which ``compile=true`` runs as compiled graphs.
-
-A *schedule* (``vdtrain.decode.vvs``) may skip a step's verification (VVS): the step commits a drafted
-path without the target; ``run.pending[b]`` of those tokens sit before the next root, unseen by the
-target, with drafter rows computed from stale cached features. The next verified step feeds them before
-its tree in the same target forward ("post-verification"), which fills their KV in place and lets the
-catch-up recompute their drafter rows from true features. The schedule plans every prompt at once
-(``VerificationSchedule.plan``, one read of the device), picks the skipped paths as tensors, and owns
-both hooks the loop calls: ``verify`` (the step's target forward, post-verified tokens first) and
-``commit_skipped``.
+Drafting (``builders``), acceptance (``acceptance``) and the verification schedule (``vvs``) are policy;
+the engine owns every forward and every write: the target's verification forward (post-verified tokens
+first, ``verify``), the drafter's forwards (through ``DraftContext``), and the commits of verified and
+of unverified (VVS-skipped) tokens. It runs a batch of prompts, each at its own pace, with CFG as a
+batch of two streams. Every tensor of a step has a shape fixed by the method, so a step can be
+recorded once as a CUDA graph and replayed. docs/decoding.md, "The engine's bookkeeping", has the
+slot and row layout; "VVS" the post-verification.
 """
 
 from __future__ import annotations
@@ -39,15 +14,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.compiled import DecodeOptions
 from vdtrain.decode.graphs import DeviceLog, Recorder, SplitStepGraph, StepGraph
 from vdtrain.decode.kernels import compiled_step_kernels, step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom
+from vdtrain.decode.rows import (
+    DrafterRows,
+    chain_visibility,
+    drafter_rows,
+    per_stream,
+    post_verified_rows,
+    tree_rows,
+)
 from vdtrain.decode.sampling import (
     SamplingConfig,
     cfg_batch,
@@ -57,16 +41,18 @@ from vdtrain.decode.sampling import (
     processed_logits,
     split_cfg,
 )
-from vdtrain.decode.trees import DraftTree, ancestor_matrix
+from vdtrain.decode.trees import DraftTree
 from vdtrain.decode.vvs import StepPlan, VerificationSchedule
 from vdtrain.drafter import Drafter
 from vdtrain.models.kv_cache import KVCache
-from vdtrain.targets.base import Condition, Target, prefix_and_image_mask
+from vdtrain.targets.base import Condition, Target
+
+T = TypeVar("T")
 
 
 @dataclass
 class DecodeStats:
-    """Counts for one prompt; the metric definitions of ALGORITHMS.md §10 are derived from them."""
+    """Counts for one prompt; the metrics (docs/decoding.md, "Metrics") are derived from them."""
 
     target_forwards: int = 0  # including the prefill; a skipped step (VVS) costs none
     drafter_forwards: int = 0
@@ -86,29 +72,6 @@ class DecodeStats:
     @property
     def mean_depth(self) -> float:
         return sum(self.depth_per_step) / max(1, len(self.depth_per_step))
-
-
-class ImageColumns(NamedTuple):
-    """Where rows' visibility lands among the image columns (``SpeculativeEngine.image_columns``)."""
-
-    prior: torch.Tensor  # [B, W] committed columns every row sees
-    place: torch.Tensor  # [B, S'] the columns of the block
-
-    def rows(self, block_vis: torch.Tensor) -> torch.Tensor:
-        """Rows' visibility [B, S, W] from their visibility within the block [B, S, S']."""
-        batch, steps, _ = block_vis.shape
-        vis = self.prior[:, None, :].expand(batch, steps, -1).clone()
-        return vis.scatter_(2, self.place[:, None, :].expand(batch, steps, -1), block_vis)
-
-
-class DrafterRows(NamedTuple):
-    """A drafter forward's inputs for every CFG stream (``SpeculativeEngine.drafter_inputs``)."""
-
-    embeds: torch.Tensor  # [R, S, H] embeddings of the next tokens
-    positions: torch.Tensor  # [R, S, ·] RoPE positions
-    mask: torch.Tensor  # [R, 1, S, L + K] attention mask
-    slots: torch.Tensor  # [R, S] drafter cache slots
-    predicts: torch.Tensor  # [R, S] image index each row's logits predict
 
 
 @dataclass
@@ -192,6 +155,11 @@ class Drafted(NamedTuple):
     calls: int  # drafter forwards the tree took
 
 
+def _plan_flags(drafted: Drafted) -> tuple[bool, bool, bool]:
+    """The step's plan flags, read from the device (``SplitStepGraph`` reads them between the parts)."""
+    return drafted.plan.flag_values()
+
+
 class _Recorded(NamedTuple):
     """The last decode whose step was recorded: a decode of the same shapes replays it on its run."""
 
@@ -200,9 +168,17 @@ class _Recorded(NamedTuple):
     step: Callable[[], StepCalls]  # a StepGraph, or a SplitStepGraph (VVS)
 
 
+class RootDraft(NamedTuple):
+    """The drafter's view of the next root, per stream row: its feature and its children's logits."""
+
+    feats: torch.Tensor | None  # [R, H] (None: no drafter)
+    logits: torch.Tensor | None  # [R, V]
+
+
 class SpeculativeEngine:
     """``builder`` drafts the trees, ``accept`` verifies them (default: exact), ``schedule`` decides which
-    steps are verified (default: all; VVS skips some, ``vdtrain.decode.vvs``)."""
+    steps are verified (default: all; VVS skips some, ``vdtrain.decode.vvs``). The engine is the
+    builders' ``DraftContext``."""
 
     def __init__(
         self,
@@ -212,6 +188,7 @@ class SpeculativeEngine:
         sampling: SamplingConfig,
         accept: Rule = EXACT,
         schedule: VerificationSchedule | None = None,
+        options: DecodeOptions | None = None,
     ) -> None:
         if drafter is not None:
             drafter.attach(target)  # refuses a drafter trained for another target
@@ -220,14 +197,13 @@ class SpeculativeEngine:
         builder.check_vocabulary(target.vocab_size)
         if not isinstance(accept, Rule):
             raise TypeError(f"accept must be an acceptance Rule (vdtrain.decode.acceptance), got {accept!r}")
-        self.target, self.drafter, self.builder, self.sampling, self.accept = (
-            target,
-            drafter,
-            builder,
-            sampling,
-            accept,
-        )
+        self.target = target
+        self.drafter = drafter
+        self.builder = builder
+        self.sampling = sampling
+        self.accept = accept
         self.schedule = schedule if schedule is not None else VerificationSchedule()
+        self.options = options if options is not None else DecodeOptions()
         if self.schedule.can_skip and not builder.needs_drafter:
             raise ValueError(
                 f"{type(builder).__name__} drafts without a drafter: skipping verification (VVS) needs one"
@@ -235,7 +211,7 @@ class SpeculativeEngine:
         self.run: DecodeRun | None = None
         self._recorded: _Recorded | None = None
 
-    # --- distributions ---------------------------------------------------------------------------
+    # --- the draft context (``DraftContext``: what a builder may use) -------------------------------
     def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Drafter logits [R, ..., V] → the pipeline's processed logits [B, ..., V] (CFG combined)."""
         return processed_logits(*split_cfg(logits, self.sampling), self.sampling)
@@ -247,26 +223,6 @@ class SpeculativeEngine:
             return self.draft_logits(logits).softmax(-1)
         return probabilities(*split_cfg(logits, self.sampling), self.sampling)
 
-    # --- masks -------------------------------------------------------------------------------------
-    @staticmethod
-    def image_columns(committed_cols: torch.Tensor, block_cols: torch.Tensor, block: int, width: int):
-        """Per row: image columns ``< committed_cols[b]`` visible, and a block of ``block`` columns at
-        ``block_cols[b] ..`` whose visibility each row brings; ``width`` columns in all."""
-        device = committed_cols.device
-        cols = torch.arange(width, device=device)
-        place = block_cols[:, None] + torch.arange(block, device=device)[None, :]
-        return ImageColumns(cols[None, :] < committed_cols[:, None], place)
-
-    @staticmethod
-    def _visibility(
-        committed_cols: torch.Tensor, tree_cols: torch.Tensor, tree_vis: torch.Tensor, width: int
-    ):
-        """Per row: image columns ``< committed_cols[b]`` visible, plus ``tree_vis`` [B, S, S'] placed at
-        columns ``tree_cols[b] ..``; ``width`` columns in all."""
-        columns = SpeculativeEngine.image_columns(committed_cols, tree_cols, tree_vis.shape[2], width)
-        return columns.rows(tree_vis)
-
-    # --- drafter ---------------------------------------------------------------------------------
     @step_kernel
     def drafter_inputs(
         self,
@@ -279,14 +235,13 @@ class SpeculativeEngine:
         """The drafter's inputs for rows pairing features with the next ``tokens`` [B, S] at image indices
         ``token_index`` [B, S], for every CFG stream. A row sits at the RoPE position of its feature's
         slot, ``rope_positions(token_index - 1)``."""
-        run, target = self.run, self.target
-        streams = run.streams
+        run = self.run
         if next_embeds is None:
-            next_embeds = self.drafter.embed(tokens.repeat(streams, 1))
-        rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        mask = prefix_and_image_mask(run.stream.mask, rep(image_vis))
-        positions = rep(target.rope_positions(token_index - 1))
-        return DrafterRows(next_embeds, positions, mask, rep(slots), rep(token_index + 1))
+            next_embeds = self.drafter.embed(tokens.repeat(run.streams, 1))
+        positions = self.target.rope_positions(token_index - 1)
+        return drafter_rows(
+            next_embeds, positions, run.stream.mask, token_index, slots, image_vis, run.streams
+        )
 
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Features [R, S, H] through the drafter at ``rows`` → (f̂ [R, S, H], logits [R, S, V] carrying
@@ -296,28 +251,13 @@ class SpeculativeEngine:
         run.draft_calls += 1
         return out, self.target.constrain_logits(self.drafter.logits(out), rows.predicts)
 
-    def drafter_rows(
-        self,
-        feats: torch.Tensor,
-        tokens: torch.Tensor | None,
-        token_index: torch.Tensor,
-        slots: torch.Tensor,
-        image_vis: torch.Tensor,
-        next_embeds: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafter rows (features [R, S, H] + the next tokens [B, S], at image indices ``token_index``
-        [B, S]) → (f̂ [R, S, H], logits [R, S, V] for indices ``token_index + 1``)."""
-        return self.drafter_forward(
-            feats, self.drafter_inputs(tokens, token_index, slots, image_vis, next_embeds)
-        )
-
     # --- the loop ---------------------------------------------------------------------------------
     def generate(
         self, cond: Condition, generators: Sequence[torch.Generator | None], on_step: StepHook | None = None
     ) -> DecodeResult:
         """Image tokens for ``cond``; ``on_step(target_cache, committed, tokens)`` runs after each step.
-        The step kernels run compiled when the target asks for it (``Target.compile_steps``)."""
-        backend = self.target.compile_steps
+        The step kernels run compiled when the options ask for it (``DecodeOptions.compile_steps``)."""
+        backend = self.options.compile_steps
         with compiled_step_kernels(backend is not None, backend or "inductor"):
             return self._generate(cond, generators, on_step)
 
@@ -344,9 +284,7 @@ class SpeculativeEngine:
             run, step = self._new_run(stream, batch, generators, chain), self._step
             if recorder is not None:
                 if schedule.can_skip:  # draft and plan, read the plan's flags, then the rest per flags
-                    flags = lambda d: d.plan.flag_values()  # noqa: E731
-                    finish = lambda d, values: self._finish(d, d.plan.with_flags(values))  # noqa: E731
-                    step = SplitStepGraph(self._draft, flags, finish, recorder, device)
+                    step = SplitStepGraph(self._draft, _plan_flags, self._finish_with, recorder, device)
                 else:
                     step = StepGraph(step, recorder, device)
                 self._recorded = _Recorded(key, run, step)
@@ -418,24 +356,23 @@ class SpeculativeEngine:
 
     @property
     def recorder(self) -> Recorder | None:
-        """How to record the step once and replay it (``Target.step_recorder``: a CUDA graph, set by
-        ``compile_decoding`` on a GPU), when this method's builder allows it: fixed shapes and no host
-        state across steps (``DraftTreeBuilder.graph_safe``). None: every step runs eagerly."""
-        return self.target.step_recorder if self.builder.graph_safe else None
+        """How to record the step once and replay it (``DecodeOptions.step_recorder``: a CUDA graph on a
+        GPU), when this method's builder allows it: fixed shapes and no host state across steps
+        (``DraftTreeBuilder.graph_safe``). None: every step runs eagerly."""
+        return self.options.step_recorder if self.builder.graph_safe else None
 
+    # --- one step: draft → plan → verify → judge → commit → log --------------------------------------
     def _step(self) -> StepCalls:
-        """One step for the whole batch: draft, verify, accept, commit. It reads and writes the run's
-        tensors in place and appends its counts to ``run.log`` (a ``DeviceLog``), so a recorded step
-        replays correctly; what it returns (drafter calls) is the same every step for a graph-safe method.
-        A skipping schedule's plan is read from the device between its two parts (``_draft``, then
-        ``_finish``), which are recorded separately (``SplitStepGraph``)."""
+        """One step for the whole batch, on the run's tensors in place (a recorded step replays it); it
+        returns the drafter calls, the same every step for a graph-safe method. A skipping schedule's
+        plan is read from the device between the two parts, recorded apart (``SplitStepGraph``)."""
         drafted = self._draft()
         return self._finish(drafted, drafted.plan.read())
 
     def _draft(self) -> Drafted:
-        """The step up to the schedule's plan, its flags still on the device."""
+        """draft → plan: every prompt's tree, and the schedule's plan with its flags still on the device."""
         run, n_img = self.run, self.target.num_image_tokens
-        committed, device = run.committed, run.committed.device
+        committed = run.committed
         active = committed < n_img
         state = StepState(
             roots=run.out.gather(1, (committed - 1)[:, None]).squeeze(1),
@@ -446,61 +383,229 @@ class SpeculativeEngine:
             generators=run.generators,
             rng=run.rng,
         )
-        calls_before = run.draft_calls
-        tree = self.builder.build(self, state)
-        tree.valid = tree.valid & (active[:, None] | (torch.arange(tree.size, device=device) == 0)[None])
+        tree, calls = self._counted(self.builder.build, self, state)
+        tree.valid = tree.valid & (
+            active[:, None] | (torch.arange(tree.size, device=active.device) == 0)[None]
+        )
         plan = self.schedule.plan_on_device(tree, active, committed, run.pending)
-        return Drafted(tree, plan, active, committed - 1, tree.max_depth(), run.draft_calls - calls_before)
+        return Drafted(tree, plan, active, committed - 1, tree.max_depth(), calls)
 
     def _finish(self, drafted: Drafted, plan: StepPlan) -> StepCalls:
-        """The rest of the step, for the ``plan`` with its flags read: verify, accept and commit the
-        verified prompts, commit the skipping ones' paths, log."""
-        run, schedule = self.run, self.schedule
-        tree, active, roots_at = drafted.tree, drafted.active, drafted.roots_at
-        committed, verify = run.committed, plan.verify
-        verdict = None
-        commit_calls = 0
-        root_feats, root_logits = run.root_feats, run.root_logits
+        """verify → judge → commit → log, for the ``plan`` with its flags read: the verified prompts
+        commit what they accept, the skipping ones their unverified paths."""
+        run, tree = self.run, drafted.tree
+        roots = RootDraft(run.root_feats, run.root_logits)
+        verdict, verify_calls, skip_calls = None, 0, 0
         if plan.any_verify:  # every prompt skipping: no target forward
-            hidden, logits = schedule.verify(self, tree, plan)
-            p_nodes, verdict = self._judge(tree, logits)
-            self.builder.observe(tree, verdict, verify, p_nodes, roots_at)
-            calls_before = run.draft_calls
-            root_feats, root_logits = self._commit(
-                tree, verdict, verify, hidden, plan.lead, root_feats, root_logits
-            )
-            commit_calls = run.draft_calls - calls_before
-        skip_calls = drafted.calls
-        skip_committed = torch.zeros_like(committed)
+            hidden, logits = self.verify(tree, plan.lead if plan.any_lead else None)
+            p_nodes, verdict = self.judge(tree, logits)
+            self.builder.observe(tree, verdict, plan.verify, p_nodes, drafted.roots_at)
+            roots, verify_calls = self._counted(self.commit, tree, verdict, plan, hidden, roots)
+        skipped = torch.zeros_like(run.committed)
         if plan.any_skip:
-            calls_before = run.draft_calls
-            root_feats, root_logits, skip_committed = schedule.commit_skipped(
-                self, tree, plan, root_feats, root_logits
-            )
-            skip_calls += run.draft_calls - calls_before
-        if run.root_feats is not None:
-            run.root_feats.copy_(root_feats)
-            run.root_logits.copy_(root_logits)
-        if plan.skipped is not None:
-            run.pending.copy_(torch.where(plan.skipped, skip_committed, torch.where(verify, 0, run.pending)))
-        self._log_step(plan, verdict, skip_committed, drafted.depth, roots_at)
-        run.rng.advance(active)
-        return StepCalls(drafted.calls + commit_calls, skip_calls)
+            (roots, skipped), skip_calls = self._counted(self.commit_unverified, tree, plan, roots)
+        self._keep(roots, plan, skipped)
+        self._log(plan, verdict, skipped, drafted)
+        run.rng.advance(drafted.active)
+        return StepCalls(drafted.calls + verify_calls, drafted.calls + skip_calls)
 
-    def _log_step(self, plan, verdict: BatchVerdict | None, skip_committed, depth, roots_at) -> None:
+    def _finish_with(self, drafted: Drafted, flags: tuple[bool, bool, bool]) -> StepCalls:
+        """``_finish`` for the plan's flags read apart (a recorded step replays one graph per flags)."""
+        return self._finish(drafted, drafted.plan.with_flags(flags))
+
+    def _counted(self, fn: Callable[..., T], *args: object) -> tuple[T, int]:
+        """``fn(*args)`` and the drafter forwards it ran."""
+        before = self.run.draft_calls
+        out = fn(*args)
+        return out, self.run.draft_calls - before
+
+    def verify(self, tree: DraftTree, lead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's target forward → (hidden [R, S, H], logits at the tree nodes [R, T, V]). ``lead``
+        [B]: unverified committed tokens fed before each tree in the same forward (VVS
+        post-verification); None where every lead is 0, the plain forward of the trees alone."""
+        run, target = self.run, self.target
+        if lead is None:
+            tokens, index, slots, vis = tree_rows(tree, run.committed, target, run.streams)
+            result = target.forward_tokens(run.stream, tokens, index, run.tcache, slots, vis)
+            return result.hidden, result.logits
+        tokens, index, slots, vis = post_verified_rows(
+            tree, lead, run.out, run.committed, run.chain, target, run.streams
+        )
+        result = target.forward_tokens(run.stream, tokens, index, run.tcache, slots, vis)
+        rows = per_stream(lead[:, None] + torch.arange(tree.size, device=lead.device)[None, :], run.streams)
+        logits = result.logits.gather(1, rows[..., None].expand(-1, -1, result.logits.shape[-1]))
+        return result.hidden, logits
+
+    @step_kernel
+    def judge(self, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, BatchVerdict]:
+        """The target's logits at the tree nodes [R, T, V] → (p [B, T, V], every row's verdict). At T = 0
+        rules that ask for it also see the softmax of the same filtered logits."""
+        processed = processed_logits(*split_cfg(logits, self.sampling), self.sampling)
+        p_nodes = distribution(processed, self.sampling)
+        p_relax = processed.softmax(-1) if self.sampling.greedy and self.accept.needs_soft_p else None
+        return p_nodes, self._accept(tree, p_nodes, p_relax)
+
+    def _accept(self, tree: DraftTree, p_nodes: torch.Tensor, p_relax: torch.Tensor | None) -> BatchVerdict:
+        """Every row's verdict at once, with this step's per-prompt uniforms."""
+        batch, size = tree.tokens.shape
+        if self.sampling.greedy:  # no draws: the argmax decides
+            u_accept = p_nodes.new_zeros(batch, size, dtype=torch.float64)
+            u_bonus = p_nodes.new_zeros(batch, dtype=torch.float64)
+        else:
+            u_accept, u_bonus = self.run.rng.uniforms((Purpose.ACCEPT, (size,)), (Purpose.BONUS, ()))
+        return accept_batch(self.accept, tree, p_nodes, self.sampling.greedy, u_accept, u_bonus, p_relax)
+
+    def commit(
+        self, tree: DraftTree, verdict: BatchVerdict, plan: StepPlan, hidden, roots: RootDraft
+    ) -> RootDraft:
+        """Write the verified prompts' accepted tokens, move their KV into place, and catch the drafter up
+        on them, in fixed shapes: ``W = chain + 1 + D`` rows per prompt.
+
+        With a lead (VVS post-verification) the rows of the unverified tokens before the root, at the
+        start of ``hidden``, are caught up too: their KV is already in place, their drafter rows (made
+        from stale features) are recomputed from the target's true features, and the feature cache gets
+        their features. Returns the next root's drafter view, unchanged for the prompts not verified."""
+        run, verify = self.run, plan.verify
+        cache_rows, src, dst, counts, last, catch_up = self._commit_rows(
+            tree, verdict, verify, hidden, plan.lead
+        )
+        run.tcache.move(cache_rows, src, dst)
+        run.committed += counts
+        if catch_up is None:
+            return RootDraft(None, None)
+        f_hat, logits = self.drafter_forward(*catch_up)
+        return self._next_roots(f_hat, logits, last, verify, roots)
+
+    @step_kernel
+    def _commit_rows(self, tree, verdict: BatchVerdict, verify, hidden, lead):
+        """``commit``'s tensor work: writes the tokens (``run.out``) and the VVS feature cache; returns
+        the target KV moves (cache rows, source and destination slots), the tokens committed per prompt,
+        the last caught-up row and the catch-up's drafter inputs (features, rows), None without a
+        drafter."""
+        run, target = self.run, self.target
+        batch, streams, committed = run.batch, run.streams, run.committed
+        device, n_img = committed.device, target.num_image_tokens
+        lead = torch.zeros_like(committed) if lead is None else lead
+        path, accepted = verdict.path, verdict.accepted
+        depth = path.shape[1]
+        width = run.chain + 1 + depth
+        j = torch.arange(width, device=device)[None]  # [1, W]
+        u, acc = lead[:, None], accepted[:, None]
+        # Rows of ``hidden`` to commit: the lead, the root, then the accepted nodes; padded by repeating
+        # the last (moving a slot onto itself and recomputing a drafter row are harmless).
+        on_path = path.gather(1, (j - u - 1).clamp(0, max(depth - 1, 0))) if depth else torch.zeros_like(j)
+        node = torch.where(j < u, j, u + torch.where(j == u, 0, on_path))
+        rows = u + acc + 1  # caught-up rows [B, 1]
+        node = torch.where(j < rows, node, node.gather(1, rows - 1))
+        base = committed - 1 - lead  # image slot of the first row
+        # Target KV: row i sits at slot L+base+i; its committed place is L+base+i' (i' <= i).
+        src = target.image_slot(base[:, None] + node)
+        dst = torch.where(verify[:, None], torch.minimum(target.image_slot(base[:, None] + j), src), src)
+        cache_rows = torch.arange(batch * streams, device=device)
+        # Tokens: the accepted drafts then the bonus, at image indices committed ..
+        k = torch.arange(depth + 1, device=device)[None]
+        drafted = torch.cat([tree.tokens.gather(1, path.clamp_min(0)), torch.zeros_like(acc)], 1)
+        new = torch.where(k == acc, verdict.bonus[:, None], drafted)
+        at = committed[:, None] + k
+        run.out.scatter_(1, at, torch.where(verify[:, None] & (k <= acc), new, run.out.gather(1, at)))
+        counts = torch.where(verify, accepted + 1, 0)
+        last = rows[:, 0] - 1
+        src, dst = per_stream(src, streams), per_stream(dst, streams)
+        if not self.builder.needs_drafter:
+            return cache_rows, src, dst, counts, last, None
+        # Drafter rows L+base .. : feature of the row's token, embedding of the token after it.
+        node = per_stream(node, streams)
+        feats = hidden.gather(1, node[..., None].expand(-1, -1, hidden.shape[-1]))
+        slots = target.image_slot(base[:, None] + j)
+        if run.fcache is not None:
+            write = per_stream(verify[:, None] & (j < rows), streams)[..., None]
+            at_f = per_stream(slots, streams)[..., None].expand(-1, -1, feats.shape[-1])
+            run.fcache.scatter_(1, at_f, torch.where(write, feats, run.fcache.gather(1, at_f)))
+        next_tokens_ = run.out.gather(1, base[:, None] + 1 + j)
+        index = (base[:, None] + 1 + j).clamp_max(n_img)  # padding rows only
+        vis = chain_visibility(base, width, n_img)
+        return (
+            cache_rows,
+            src,
+            dst,
+            counts,
+            last,
+            (feats, self.drafter_inputs(next_tokens_, index, slots, vis)),
+        )
+
+    def commit_unverified(
+        self, tree: DraftTree, plan: StepPlan, roots: RootDraft
+    ) -> tuple[RootDraft, torch.Tensor]:
+        """A skipped step: the prompts in ``plan.skipped`` commit the schedule's path (γ nodes, depth 1
+        first) without the target, in fixed shapes (D rows per prompt, D = the path bound).
+
+        The drafter rows of the new tokens' predecessors get *stale* features: the most recent cached
+        target features, as many as tokens committed (VVS §4.3; docs/decoding.md, "VVS"). The target KV
+        is left alone: the next verified step post-verifies the tokens. Returns the next root's drafter
+        view with the skipping prompts' rows replaced, and the tokens committed per prompt [B] (0 where
+        not skipped)."""
+        run, target = self.run, self.target
+        committed, fcache, streams = run.committed, run.fcache, run.streams
+        nodes, gamma = self.schedule.unverified_paths(tree, plan, run.rng)
+        gamma = torch.where(plan.skipped, gamma, 0)
+        width = nodes.shape[1]
+        j = torch.arange(width, device=committed.device)[None]  # [1, D]
+        at = committed[:, None] + j
+        write = j < gamma[:, None]
+        run.out.scatter_(1, at, torch.where(write, tree.tokens.gather(1, nodes), run.out.gather(1, at)))
+        # Row L+m−1+j (j < γ) pairs the cached feature of slot L+m−1−γ+j (slot 0 at the least) with the
+        # embedding of the token at slot L+m+j; rows past γ land in scratch slots, never read.
+        stale = target.image_slot(committed[:, None] - 1 - gamma[:, None] + j).clamp(0, fcache.shape[1] - 1)
+        feats = fcache.gather(1, per_stream(stale, streams)[..., None].expand(-1, -1, fcache.shape[-1]))
+        base = committed - 1  # image slot of the root, the first row's token
+        slots = target.image_slot(base[:, None] + j)
+        index = at.clamp_max(target.num_image_tokens)
+        vis = chain_visibility(base, width, target.num_image_tokens)
+        rows = self.drafter_inputs(run.out.gather(1, at), index, slots, vis)
+        f_hat, logits = self.drafter_forward(feats, rows)
+        committed += gamma
+        return self._next_roots(f_hat, logits, gamma - 1, plan.skipped, roots), gamma
+
+    def _next_roots(self, f_hat, logits, last, keep, roots: RootDraft) -> RootDraft:
+        """The next root's drafter view: caught-up row ``last[b]`` of ``f_hat`` / ``logits`` [R, W, ·]
+        where ``keep[b]``, the current one elsewhere."""
+        streams = self.run.streams
+        at = per_stream(last.clamp_min(0), streams)[:, None, None]
+        keep = per_stream(keep, streams)[:, None]
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t.gather(1, at.expand(-1, 1, t.shape[-1])).squeeze(1)
+
+        return RootDraft(
+            torch.where(keep, pick(f_hat), roots.feats), torch.where(keep, pick(logits), roots.logits)
+        )
+
+    def _keep(self, roots: RootDraft, plan: StepPlan, skipped: torch.Tensor) -> None:
+        """The step's results into the run, in place: the next root's drafter view, and each prompt's
+        unverified tokens (a skip's count; 0 once verified)."""
+        run = self.run
+        if run.root_feats is not None:
+            run.root_feats.copy_(roots.feats)
+            run.root_logits.copy_(roots.logits)
+        if plan.skipped is not None:
+            run.pending.copy_(torch.where(plan.skipped, skipped, torch.where(plan.verify, 0, run.pending)))
+
+    def _log(
+        self, plan: StepPlan, verdict: BatchVerdict | None, skipped: torch.Tensor, drafted: Drafted
+    ) -> None:
         """This step's per-prompt counts (``LOG_FIELDS``) appended to ``run.log``."""
         run, verify = self.run, plan.verify
         none = torch.zeros_like(run.committed)
         accepted = verdict.accepted if verdict is not None else none
-        skipped = plan.skipped if plan.skipped is not None else torch.zeros_like(verify)
+        skips = plan.skipped if plan.skipped is not None else torch.zeros_like(verify)
         run.log.append(
             torch.stack(
                 [
                     verify.long(),
-                    skipped.long(),
-                    torch.where(verify, accepted + 1, skip_committed),
-                    depth,
-                    roots_at,
+                    skips.long(),
+                    torch.where(verify, accepted + 1, skipped),
+                    drafted.depth,
+                    drafted.roots_at,
                     accepted,
                     verdict.relaxed if verdict is not None else none,
                 ]
@@ -529,123 +634,3 @@ class SpeculativeEngine:
                     st.committed_per_skip.append(count)
                     st.drafter_forwards += calls.skip
         return stats
-
-    # --- verification ------------------------------------------------------------------------------
-    @step_kernel
-    def _judge(self, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, BatchVerdict]:
-        """The target's logits at the tree nodes [R, T, V] → (p [B, T, V], every row's verdict). At T = 0
-        rules that ask for it also see the softmax of the same filtered logits."""
-        processed = processed_logits(*split_cfg(logits, self.sampling), self.sampling)
-        p_nodes = distribution(processed, self.sampling)
-        p_relax = processed.softmax(-1) if self.sampling.greedy and self.accept.needs_soft_p else None
-        return p_nodes, self._accept(tree, p_nodes, p_relax)
-
-    def _accept(self, tree: DraftTree, p_nodes: torch.Tensor, p_relax: torch.Tensor | None) -> BatchVerdict:
-        """Every row's verdict at once, with this step's per-prompt uniforms."""
-        batch, size = tree.tokens.shape
-        if self.sampling.greedy:  # no draws: the argmax decides
-            u_accept = p_nodes.new_zeros(batch, size, dtype=torch.float64)
-            u_bonus = p_nodes.new_zeros(batch, dtype=torch.float64)
-        else:
-            u_accept, u_bonus = self.run.rng.uniforms((Purpose.ACCEPT, (size,)), (Purpose.BONUS, ()))
-        return accept_batch(self.accept, tree, p_nodes, self.sampling.greedy, u_accept, u_bonus, p_relax)
-
-    @step_kernel
-    def _tree_inputs(self, tree: DraftTree):
-        """The plain verification forward's rows (tokens, image indices, slots, visibility), every stream:
-        the trees alone (their roots are the only unseen tokens)."""
-        run, target = self.run, self.target
-        base = run.committed - 1  # image slot of the root
-        anc = ancestor_matrix(tree.parents, tree.depth_bound) & tree.valid[:, None, :]
-        anc |= torch.eye(tree.size, dtype=torch.bool, device=anc.device)
-        vis = self._visibility(base, base, anc, target.num_image_tokens - 1 + tree.size)
-        # Padding nodes may lie past the image; clamp their (ignored) positions into the RoPE table.
-        index = (base[:, None] + tree.depths).clamp_max(target.num_image_tokens - 1)
-        slots = target.image_slot(base[:, None] + torch.arange(tree.size, device=base.device))
-        rep = lambda t: t.repeat(run.streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        return rep(tree.tokens), rep(index), rep(slots), rep(vis)
-
-    def _verify_tree(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plain verification forward → (hidden [R, T, H], logits [R, T, V])."""
-        tokens, index, slots, vis = self._tree_inputs(tree)
-        result = self.target.forward_tokens(self.run.stream, tokens, index, self.run.tcache, slots, vis)
-        return result.hidden, result.logits
-
-    # --- commit ------------------------------------------------------------------------------------
-    def _commit(self, tree, verdict: BatchVerdict, verify, hidden, lead, root_feats, root_logits):
-        """Write accepted tokens, move their KV into place, and catch the drafter up on them, for the
-        rows where ``verify`` is set, in fixed shapes: ``W = chain + 1 + D`` rows per prompt.
-
-        With a ``lead`` (VVS post-verification) the rows of the unverified tokens before the root, at the
-        start of ``hidden``, are caught up too: their KV is already in place, their drafter rows (computed
-        from stale features when they were committed) are recomputed from the target's true features,
-        and the feature cache gets their features. Returns the drafter's feature and logits for the next
-        root (its last catch-up row), unchanged for the rows not verified."""
-        run = self.run
-        cache_rows, src, dst, counts, last, catch_up = self._commit_rows(tree, verdict, verify, hidden, lead)
-        run.tcache.move(cache_rows, src, dst)
-        run.committed += counts
-        if catch_up is None:
-            return None, None
-        f_hat, logits = self.drafter_forward(*catch_up)
-        return self.next_roots(f_hat, logits, last, verify, root_feats, root_logits)
-
-    @step_kernel
-    def _commit_rows(self, tree, verdict: BatchVerdict, verify, hidden, lead):
-        """``_commit``'s tensor work: writes the tokens (``run.out``) and the VVS feature cache; returns
-        the target KV moves (cache rows, source and destination slots), the tokens committed per prompt,
-        the last caught-up row and the catch-up's drafter inputs (features, rows), None without a
-        drafter."""
-        run, target = self.run, self.target
-        batch, streams, committed = run.batch, run.streams, run.committed
-        device, n_img = committed.device, target.num_image_tokens
-        lead = torch.zeros_like(committed) if lead is None else lead
-        path, accepted = verdict.path, verdict.accepted
-        depth = path.shape[1]
-        width = run.chain + 1 + depth
-        j = torch.arange(width, device=device)[None]  # [1, W]
-        u, acc = lead[:, None], accepted[:, None]
-        # Rows of ``hidden`` to commit: the lead, the root, then the accepted nodes; padded by repeating
-        # the last (moving a slot onto itself and recomputing a drafter row are harmless).
-        on_path = path.gather(1, (j - u - 1).clamp(0, max(depth - 1, 0))) if depth else torch.zeros_like(j)
-        node = torch.where(j < u, j, u + torch.where(j == u, 0, on_path))
-        rows = u + acc + 1  # caught-up rows [B, 1]
-        node = torch.where(j < rows, node, node.gather(1, rows - 1))
-        base = committed - 1 - lead  # image slot of the first row
-        rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        # Target KV: row i sits at slot L+base+i; its committed place is L+base+i' (i' <= i).
-        src = target.image_slot(base[:, None] + node)
-        dst = torch.where(verify[:, None], torch.minimum(target.image_slot(base[:, None] + j), src), src)
-        cache_rows = torch.arange(batch * streams, device=device)
-        # Tokens: the accepted drafts then the bonus, at image indices committed ..
-        k = torch.arange(depth + 1, device=device)[None]
-        drafted = torch.cat([tree.tokens.gather(1, path.clamp_min(0)), torch.zeros_like(acc)], 1)
-        new = torch.where(k == acc, verdict.bonus[:, None], drafted)
-        at = committed[:, None] + k
-        run.out.scatter_(1, at, torch.where(verify[:, None] & (k <= acc), new, run.out.gather(1, at)))
-        counts = torch.where(verify, accepted + 1, 0)
-        last = rows[:, 0] - 1
-        if not self.builder.needs_drafter:
-            return cache_rows, rep(src), rep(dst), counts, last, None
-        # Drafter rows L+base .. : feature of the row's token, embedding of the token after it.
-        feats = hidden.gather(1, rep(node)[..., None].expand(-1, -1, hidden.shape[-1]))
-        slots = target.image_slot(base[:, None] + j)
-        if run.fcache is not None:
-            write = rep(verify[:, None] & (j < rows))[..., None]
-            at_f = rep(slots)[..., None].expand(-1, -1, feats.shape[-1])
-            run.fcache.scatter_(1, at_f, torch.where(write, feats, run.fcache.gather(1, at_f)))
-        next_tokens_ = run.out.gather(1, base[:, None] + 1 + j)
-        index = (base[:, None] + 1 + j).clamp_max(n_img)  # padding rows only
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        vis = self._visibility(base, base, causal.expand(batch, -1, -1), n_img - 1 + width)
-        rows_in = self.drafter_inputs(next_tokens_, index, slots, vis)
-        return cache_rows, rep(src), rep(dst), counts, last, (feats, rows_in)
-
-    def next_roots(self, f_hat, logits, last, keep, root_feats, root_logits):
-        """The next root's drafter feature and logits: caught-up row ``last[b]`` of ``f_hat`` / ``logits``
-        [R, W, ·] where ``keep[b]``, the current ones elsewhere."""
-        rep = lambda t: t.repeat(self.run.streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        at = rep(last.clamp_min(0))[:, None, None]
-        keep = rep(keep)[:, None]
-        pick = lambda t: t.gather(1, at.expand(-1, 1, t.shape[-1])).squeeze(1)  # noqa: E731
-        return torch.where(keep, pick(f_hat), root_feats), torch.where(keep, pick(logits), root_logits)

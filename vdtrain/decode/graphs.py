@@ -1,24 +1,12 @@
 """A whole speculative step recorded once as a CUDA graph and replayed: one launch per step.
 
-Compiling the forwards and the step kernels (``vdtrain.decode.kernels``) fuses a step's work into a few
-dozen kernels, but each is still launched from Python: on a GPU that host time is about what the small
-kernels of a decoding step take to run, so a step costs several AR steps however little it computes.
-Every tensor of a step has a shape fixed by the method, the step reads the device only in the loop's
-test (are prompts left?; VVS also in its plan, between two recorded parts: ``SplitStepGraph``), and it
-changes the run's tensors in place (``DecodeRun``). So the whole step —
-drafter rounds, tree building, the verification forward, acceptance, commit and the drafter's catch-up
-— can be recorded once (``torch.cuda.graph``) and replayed each step with one launch, the way gpt-fast
-replays a decoding step. What the step returns to the host (its drafter-call counts) is recorded with it:
-a graph-safe method (``SpeculativeEngine.recorder``) returns the same every step.
-
-``StepGraph`` runs the first ``warmup`` steps eagerly (on a side stream, as CUDA graph capture asks:
-compiled code compiles and libraries allocate their workspaces there), records the next one and replays
-it from then on. ``recording()`` is set while it does, so a compiled forward that would capture a CUDA
-graph of its own (``reduce-overhead``, ``vdtrain.decode.compiled``) runs its plain compiled version
-inside the step's graph instead. The engine keeps the recorded step with its run (``DecodeRun``): a
-decode of the same shapes resets that run in place and replays the same graph. Tests record on the CPU
-with ``record_fx`` (``make_fx``: the same op sequence replayed on the same tensors), which checks what
-a CUDA graph needs without a GPU.
+Launching a step's few dozen compiled kernels from Python costs about what they take to run, so a step
+would cost several AR steps however little it computes. Every tensor of a step has a shape fixed by the
+method and the step changes its run's tensors in place (``DecodeRun``), so the whole step can be
+recorded once (``torch.cuda.graph``) and replayed, as gpt-fast does. ``StepGraph`` warms up eagerly on a
+side stream, records, then replays (``SplitStepGraph``: two parts with VVS's plan read between them);
+``recording()`` tells compiled forwards not to capture graphs of their own. Tests record on the CPU with
+``record_fx``. docs/decoding.md, "Whole steps as CUDA graphs".
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Step kernels: the tensor work between a step's forwards, compiled into a few graphs when asked.
 
-A speculative step is a handful of target and drafter forwards with tree building, acceptance and
-commit bookkeeping between them: several hundred small ATen ops, each a kernel launch (GPU) or a
-dispatch (CPU) of a few microseconds, so the bookkeeping alone can cost more than an AR step. The engine
-and its parts therefore keep that work in pure tensor functions marked ``@step_kernel``, each running
-from one forward to the next. Eagerly they are plain calls (the reference every test compares
-against); inside ``compiled_step_kernels()`` each one runs as a compiled graph (``torch.compile``) with
-static shapes (``fullgraph=True``: a graph break is a bug, not a silent slowdown), so a step costs about
-one compiled call per gap between forwards instead of hundreds of ops. ``compile_decoding``
-(``vdtrain.decode.compiled``) turns this on for a target with ``Target.compile_steps``.
-
-A kernel must be a pure function of its arguments: it may change tensors in place, but must not read
-or fill Python caches or reassign attributes (builders do that in an eager wrapper and pass the results
-in), or every decode would trace it anew. A kernel called from inside another kernel's trace is inlined
-into it. Each kernel compiles once per shape and per set of Python constants it reads (tree sizes,
-sampling settings, the round number), so a decode with fixed shapes compiles a fixed number of graphs
-(``RECOMPILE_LIMIT``, torch's ``recompile_limit`` while the kernels run, bounds the methods and batch
-sizes of one process sharing a kernel).
+A speculative step's bookkeeping between forwards is several hundred small ATen ops, each a launch or a
+dispatch. The engine and its parts keep that work in pure tensor functions marked ``@step_kernel``, one
+per gap between forwards: eagerly plain calls (the reference every test compares against), inside
+``compiled_step_kernels()`` one ``torch.compile`` graph each (static shapes, ``fullgraph=True``: a graph
+break is a bug). ``DecodeOptions.compile_steps`` turns this on. A kernel must be a pure function of its
+arguments (it may change tensors in place, never Python caches or attributes), or every decode would
+trace it anew; each compiles once per shape and set of Python constants, bounded by ``RECOMPILE_LIMIT``.
+docs/decoding.md, "Step kernels".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One set of metric definitions for every method (ALGORITHMS.md §10), computed from ``DecodeStats``.
+"""One set of metric definitions for every method (docs/decoding.md, "Metrics"), from ``DecodeStats``.
 
 - S (step compression) = image tokens / target forward passes (the prefill included, so AR has S = 1);
 - τ = mean tokens committed per *verified* step (accepted drafts + the bonus);

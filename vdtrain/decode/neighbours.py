@@ -1,4 +1,4 @@
-"""Latent-neighbour tables for LANTERN / LANTERN++ relaxed acceptance (ALGORITHMS.md §4).
+"""Latent-neighbour tables for LANTERN / LANTERN++ (docs/decoding.md, "Relaxed acceptance").
 
 For every image token ``v``: its ``K`` nearest tokens in the VQ tokenizer's latent space, nearest first,
 ``v`` itself excluded. "Latent space" means the code vectors *as the quantiser compares them*

@@ -1,23 +1,12 @@
 """Measuring the engine from outside: host synchronisations, ATen ops and phase times per step.
 
-A speculative step is only fast on a GPU if the host never waits for the device: every read of a device
-value into Python (``.item()``, ``bool(t)``, ``.tolist()``, ``.cpu()``, a boolean-mask index, which needs
-``nonzero`` to size its result) drains the GPU queue. ``OpCounter`` counts those reads and every ATen op,
-on any device, and splits the counts per engine step through the engine's ``on_step`` hook;
-``PhaseTimer`` times draft / verify / accept / commit by wrapping engine methods, without editing the
-engine. ``docs/decoding.md`` ("Step cost") explains how ``benchmarks/step_cost.py`` uses both.
-
-"As if on a GPU". On a CPU machine every tensor is a host tensor, so nothing would count. The counter
-therefore follows each tensor's provenance: a tensor is a *device* tensor unless it was made on the host:
-by ``.cpu()``, ``.numpy()``/``torch.from_numpy``, ``.to("cpu")`` (the string), a factory call without an
-explicit ``device=`` (``torch.zeros(3)``, ``torch.tensor([1, 2])``), or an op whose tensor inputs are all
-host tensors. Tensors made before the counter started (weights, caches) are device tensors. A torch.device
-object passed to ``.to`` is taken to be the model's device (the engine passes ``weight.device``). Reading a
-host tensor is free; reading a device tensor is a sync, as on a GPU. With ``as_if_gpu=False`` (the default
-when CUDA is available) the tensors' real devices decide instead.
-
-Host-to-device copies from pageable memory also block the host on CUDA (``torch.tensor(data,
-device=...)``, ``host.to(device)``); they are counted apart as ``h2d``, not as syncs.
+A speculative step is only fast on a GPU if the host never waits for the device. ``OpCounter`` counts
+every read of a device value into Python (a sync) and every ATen op, on any device, split per engine step
+through the ``on_step`` hook; host-to-device copies from pageable memory are counted apart (``h2d``).
+``PhaseTimer`` times draft / verify / accept / commit by wrapping engine methods (``phase_methods``).
+On a CPU the counter follows each tensor's provenance to count "as if on a GPU". docs/decoding.md, "Host
+syncs and ATen ops per step", has the provenance rules; "Step cost" how ``benchmarks/step_cost.py`` uses
+both.
 """
 
 from __future__ import annotations
@@ -112,10 +101,6 @@ class StepCounts:
     @property
     def mean_ops(self) -> float:
         return sum(s.ops for s in self.steps) / max(1, len(self.steps))
-
-    @property
-    def mean_h2d(self) -> float:
-        return sum(s.h2d for s in self.steps) / max(1, len(self.steps))
 
 
 def _call_site() -> str:
@@ -351,9 +336,9 @@ def phase_methods(engine: Any) -> dict[str, list[tuple[Any, str]]]:
     drafter = [] if engine.drafter is None else [(engine.drafter, "forward"), (engine.drafter, "logits")]
     return {
         "draft": [(engine.builder, "build"), (engine.builder, "observe")],
-        "verify": [(engine.schedule, "verify")],
-        "accept": [(engine, "_judge")],
-        "commit": [(engine, "_commit"), (engine.schedule, "commit_skipped")],
+        "verify": [(engine, "verify")],
+        "accept": [(engine, "judge")],
+        "commit": [(engine, "commit"), (engine, "commit_unverified")],
         "forward": [(engine.target, "forward_tokens"), *drafter],
     }
 

@@ -1,18 +1,10 @@
 """Counter-based randomness per batch row, and the samplers that turn uniforms into tokens.
 
-A ``torch.Generator`` per row makes every draw one op per row, so a batched decode step would cost ops
-(and on a GPU launches) in proportion to the batch. ``RowRandom`` instead derives every uniform from a
-hash of ``(seed_b, step_b, purpose, element index)`` in plain int64 tensor ops: one op sequence for the
-whole batch, and row ``b``'s draws depend on its own seed and step counter only, so prompt ``i`` sees
-the same numbers whatever batch it is decoded in. Integer arithmetic is exact on every device, so the
-values are the same on a CPU and a GPU.
-
-The hash works on 32-bit words held in int64: ``_mix`` is an xor-shift / multiply bijection of
-[0, 2^32) whose odd multipliers are below 2^31, so no product reaches 2^63. The row key folds the two
-halves of the seed, the step and the purpose into one word; element ``i`` takes the words of counters
-``2i`` and ``2i + 1`` (two rounds of ``_mix`` each) and combines 27 + 26 of their bits into a double
-in [0, 1) with 53 random bits.
-
+A ``torch.Generator`` per row costs one op per row per draw. ``RowRandom`` derives every uniform from a
+hash of ``(seed_b, step_b, purpose, element index)`` in plain int64 ops: one op sequence for the whole
+batch, row ``b``'s draws depend on its own seed and step only (so a prompt draws the same numbers in any
+batch), and integer arithmetic gives the same values on a CPU and a GPU. The hash (``_mix``, an
+xor-shift / multiply bijection of 32-bit words kept below 2^63) gives doubles with 53 random bits.
 One ``(step, purpose)`` pair is one stream: ``uniform(purpose, n)[:, :m]`` equals ``uniform(purpose,
 m)``, so draw each purpose once per step (or use another purpose) and ``advance`` between steps.
 """
@@ -36,7 +28,7 @@ class Purpose:
 
     ACCEPT = 1  # one uniform per tree node: the test when the node is tried as a child
     BONUS = 2  # one uniform per row: the bonus / residual token by inverse CDF (AR's token too)
-    DRAFT = 3  # Gumbel noise for sampling a tree's children without replacement
+    DRAFT = 3  # a tree's drafts: children drawn without replacement, fresh window tokens
     SHAPE = 4  # PEANUT's random initialisation of a tree's (depth, width)
     CONTINUE = 5  # SJD-PAC's continuation: per later position a keep test and a redraw
     REFINE = 6  # SJD's refinement: per window position a redraw from the distribution just computed
@@ -137,7 +129,6 @@ class RowRandom:
         parts = flat.split(counts, dim=1)
         return [part.reshape(self.batch, *shape) for part, (_, shape) in zip(parts, blocks, strict=True)]
 
-
     def keyed(self, purpose: int, keys: torch.Tensor, width: int) -> torch.Tensor:
         """float64 [B, K, width] in [0, 1): a function of each row's seed, ``purpose``, ``keys`` [B, K]
         (say, absolute image positions) and the element's index only, not of the step. A row that asks
@@ -167,11 +158,3 @@ def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(p.shape[-1], device=p.device)
     last = torch.where(p > 0, positions, 0).amax(-1)
     return torch.where(index < p.shape[-1], index, last)
-
-
-def gumbel_topk(logq: torch.Tensor, u: torch.Tensor, k: int) -> torch.Tensor:
-    """``k`` indices per row drawn without replacement from ``softmax(logq)`` [..., V] (the Gumbel-top-k
-    trick), in the order they would be drawn one by one, with the uniforms ``u`` [..., V]. Zero-mass
-    indices (``logq = -inf``) come last, so ``k`` must not exceed the support for a true sample."""
-    gumbel = -torch.log(-torch.log(u.double()))  # u = 0 gives -inf: never ahead of a real draw
-    return (logq.double() + gumbel).topk(k, dim=-1).indices

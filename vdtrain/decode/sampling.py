@@ -1,9 +1,10 @@
-"""The one sampling pipeline (ALGORITHMS.md §0), shared by AR, every speculative method and the drafter.
+"""The one sampling pipeline, shared by AR, every speculative method and the drafter.
 
 ``l = l_uncond + s·(l_cond − l_uncond)`` → ``/ temperature`` → top-k → top-p → softmax = p.
 Temperature 0 is greedy: p is the one-hot of the argmax of the same masked logits, so verification code
 can treat greedy and sampled decoding alike. With CFG every model runs a batch of two streams, the
-conditional rows then the null rows (``cfg_batch``, ``split_cfg``).
+conditional rows then the null rows (``cfg_batch``, ``split_cfg``). docs/decoding.md, "The sampling
+pipeline".
 """
 
 from __future__ import annotations

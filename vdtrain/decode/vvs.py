@@ -1,57 +1,26 @@
-"""VVS: partial verification skipping (ALGORITHMS.md §8), the engine's third part — the *schedule*.
+"""VVS: partial verification skipping, the engine's third part — the *schedule* (pure policy).
 
-After a tree ``C_t`` is drafted the schedule says, for every prompt at once, whether the step is
-verified (``VerificationSchedule.plan``). ``always`` (the default) verifies every step, which is the
-plain engine, bit for bit and op for op. The skipping schedules are lossy:
+After a step's trees are drafted the schedule plans, for every prompt at once, whether the step is
+verified (``VerificationSchedule.plan_on_device``) and which unverified path a skipping prompt commits
+(``unverified_paths``); the engine does every forward and every write. ``always`` (the default) verifies
+every step: the plain engine, bit for bit and op for op. ``UniformSchedule`` skips every ``every``-th
+step, ``SimilaritySchedule`` skips when the candidate paths agree (S̄ ≥ ``t_sim``). The plan reads the
+device once, for the three decisions the loop takes on the host.
 
-- ``UniformSchedule(every)``: the ``every``-th step of a prompt is skipped (after ``every − 1`` verified
-  steps, VVS §4.4); ``every = 1`` asks to skip every step;
-- ``SimilaritySchedule``: skip when S̄ ≥ ``t_sim`` (VVS Eq. 2, Algorithm 1, ``path_similarity``).
-
-The hard rules hold for every skipping schedule (``SkippingSchedule.plan``): never two skips in a row
-(VVS §4.1) and never a skip of a tree with no drafted token (the last image token needs the target). A
-skipped step commits ``unverified_paths`` (one root-to-leaf path drawn uniformly, truncated to
-γ = min(L_s, ⌊L̄⌋), VVS Eq. 1) without a target forward; the next verified step post-verifies those
-tokens in the same target forward as its tree. The schedule owns both hooks: ``verify`` (the step's
-target forward, with the post-verified tokens first) and ``commit_skipped``; the engine's loop calls them.
-
-Everything here is batched tensor work with shapes fixed by the tree (no read of the device); the plan
-reads the device once, for the three decisions the loop must take on the host: does any prompt verify
-(else no target forward runs), does any verified prompt have unverified tokens to feed first, does any
-prompt skip.
-
-Our reading of the similarity score S̄ (the paper gives the formula, not every detail):
-
-- the candidates are the root-to-leaf paths of the drafted (pruned) tree, ordered by their leaf's node
-  index (the tree's storage order: parents before children, siblings by drafter rank); a path is its
-  drafted tokens, the root excluded;
-- "down-sampled with stride 2" keeps every ``stride``-th path (paths 0, 2, 4, …: a quarter of the pairs,
-  the paper's "around 25% time cost"); if that leaves fewer than two paths, all paths are kept;
-- S^(ℓ) (ℓ = 0 is the first drafted token) = the mean cosine similarity, over all unordered pairs of
-  kept paths that reach depth ℓ + 1, of the tokens' latent code vectors (``target.tokenizer.codebook()``,
-  the vectors the quantiser compares: L2-normalised for LlamaGen); paths sharing a prefix compare equal
-  tokens there (similarity 1);
-- S̄ = Σ_ℓ w_ℓ S^(ℓ), w_ℓ = α^ℓ / Σ_k α^k over the levels ℓ = 0 … L − 1 that at least two kept paths reach;
-- fewer than two paths (a chain): S̄ = 1 — there is no alternative path the target could pick.
-
-Where the authors' release (HyattDD/VVS) differs, knobs give its behaviour with our defaults kept:
-``formula="release"``, ``few_paths="verify"``, ``warmup``, the uniform ``phase`` (and α, the tree depth);
-docs/decoding.md (VVS) has the table, ``conf/decode/vvs_release.yaml`` the settings.
+docs/decoding.md, "VVS", has the hard rules, our reading of S̄, the stale features, post-verification
+and the release's knobs (``conf/decode/vvs_release.yaml``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.trees import DraftTree, ancestor_matrix
-
-if TYPE_CHECKING:
-    from vdtrain.decode.engine import SpeculativeEngine
 
 
 @dataclass
@@ -203,17 +172,6 @@ class VerificationSchedule:
         """(nodes [B, D], γ [B]) of the path each prompt would commit without verification."""
         raise NotImplementedError(f"{type(self).__name__} never skips a step")
 
-    def verify(self, engine: SpeculativeEngine, tree: DraftTree, plan: StepPlan):
-        """The step's target forward: hidden [R, S, H] and the logits at the tree nodes [R, T, V] (the
-        trees alone)."""
-        return engine._verify_tree(tree)
-
-    def commit_skipped(
-        self, engine: SpeculativeEngine, tree: DraftTree, plan: StepPlan, root_feats, root_logits
-    ):
-        """Commit the skipping prompts' unverified paths (only schedules that skip have any)."""
-        raise NotImplementedError(f"{type(self).__name__} never skips a step")
-
 
 class SkippingSchedule(VerificationSchedule):
     """A schedule that skips; subclasses say which prompts *want* to, the hard rules decide.
@@ -246,83 +204,6 @@ class SkippingSchedule(VerificationSchedule):
 
     def unverified_paths(self, tree: DraftTree, plan: StepPlan, rng: RowRandom):
         return unverified_paths(tree, plan.paths, rng.uniform(Purpose.PATH, 1)[:, 0])
-
-    def verify(self, engine: SpeculativeEngine, tree: DraftTree, plan: StepPlan):
-        """Post-verification: ``plan.lead[b]`` unverified committed tokens before prompt ``b``'s root are
-        fed first, in the same target forward: row ``b`` is [those tokens ⊕ its tree ⊕ padding];
-        ``hidden`` covers all ``S`` rows, ``p`` the tree nodes. Without a lead, the plain forward."""
-        if not plan.any_lead:
-            return engine._verify_tree(tree)
-        run, target, lead = engine.run, engine.target, plan.lead
-        streams, size = run.streams, tree.size
-        committed, device = run.committed, run.committed.device
-        chain = run.chain
-        width_rows = chain + size
-        base = committed - 1 - lead  # image index of the first token the target has not seen
-        anc = ancestor_matrix(tree.parents) & tree.valid[:, None, :]
-        anc |= torch.eye(size, dtype=torch.bool, device=device)
-        # Row b: chain (causal) at 0 .. u-1, tree (sees the whole chain, its ancestors, itself) at
-        # u .. u+T-1, padding (sees itself; its slots lie past the tree, never read) after.
-        j = torch.arange(width_rows, device=device)
-        u = lead[:, None]
-        in_chain, in_tree = j[None] < u, (j[None] >= u) & (j[None] < u + size)
-        node = (j[None] - u).clamp(0, size - 1)  # [B, S]: tree node of row j
-        tree_block = anc.gather(1, node[:, :, None].expand(-1, -1, size))  # [B, S, T]: row j's ancestors
-        tree_vis = tree_block.gather(2, node[:, None, :].expand(-1, width_rows, -1))  # columns alike
-        col_in_tree, col_in_chain = in_tree[:, None, :], in_chain[:, None, :]
-        vis = in_chain[:, :, None] & col_in_chain & (j[None, None, :] <= j[None, :, None])
-        vis |= in_tree[:, :, None] & (col_in_chain | (col_in_tree & tree_vis))
-        vis |= ~(in_chain | in_tree)[:, :, None] & (j[None, None, :] == j[None, :, None])
-        chain_tokens = run.out.gather(1, (base[:, None] + j[None]).clamp_max(run.out.shape[1] - 1))
-        tokens = torch.where(in_chain, chain_tokens, torch.where(in_tree, tree.tokens.gather(1, node), 0))
-        index = torch.where(in_tree, base[:, None] + u + tree.depths.gather(1, node), base[:, None] + j[None])
-        index = index.clamp_max(target.num_image_tokens - 1)
-        slots = target.image_slot(base[:, None] + j[None])
-        vis = engine._visibility(base, base, vis, target.num_image_tokens - 1 + width_rows)
-        rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        result = target.forward_tokens(run.stream, rep(tokens), rep(index), run.tcache, rep(slots), rep(vis))
-        rows = rep(lead[:, None] + torch.arange(size, device=device)[None, :])
-        logits = result.logits.gather(1, rows[..., None].expand(-1, -1, result.logits.shape[-1]))
-        return result.hidden, logits
-
-    def commit_skipped(
-        self, engine: SpeculativeEngine, tree: DraftTree, plan: StepPlan, root_feats, root_logits
-    ):
-        """A skipped step: the prompts in ``plan.skipped`` commit the schedule's path (γ nodes, depth 1
-        first) without the target, in fixed shapes (D rows per prompt, D = the path bound).
-
-        The drafter rows of the new tokens' predecessors (the old root and the picked drafts but the
-        last) get *stale* features: the most recent cached target features, as many as tokens committed
-        (VVS §4.3). With γ tokens committed after ``m``, row ``L+m−1+j`` (j < γ) pairs the cached feature
-        of slot ``L+m−1−γ+j`` with the embedding of the token at slot ``L+m+j``; slots before 0 (a skip
-        right after the prefill, γ > L) read slot 0. The target KV is left alone: the next verified step
-        post-verifies the tokens. Rows of the other prompts, and rows past γ, land in drafter scratch
-        slots past the committed ones (never read). Returns the root feature/logits with the skipped
-        prompts' rows replaced, and the tokens committed per prompt [B] (0 where not skipped)."""
-        run, target = engine.run, engine.target
-        committed, fcache, streams = run.committed, run.fcache, run.streams
-        device = committed.device
-        nodes, gamma = self.unverified_paths(tree, plan, run.rng)
-        gamma = torch.where(plan.skipped, gamma, 0)
-        width = nodes.shape[1]
-        j = torch.arange(width, device=device)[None]  # [1, D]
-        at = committed[:, None] + j
-        write = j < gamma[:, None]
-        run.out.scatter_(1, at, torch.where(write, tree.tokens.gather(1, nodes), run.out.gather(1, at)))
-        rep = lambda t: t.repeat(streams, *([1] * (t.dim() - 1)))  # noqa: E731
-        stale = target.image_slot(committed[:, None] - 1 - gamma[:, None] + j).clamp(0, fcache.shape[1] - 1)
-        feats = fcache.gather(1, rep(stale)[..., None].expand(-1, -1, fcache.shape[-1]))
-        base = committed - 1  # image slot of the root, the first row's token
-        slots = target.image_slot(base[:, None] + j)
-        index = at.clamp_max(target.num_image_tokens)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        vis = engine._visibility(
-            base, base, causal.expand(run.batch, -1, -1), target.num_image_tokens - 1 + width
-        )
-        f_hat, logits = engine.drafter_rows(feats, run.out.gather(1, at), index, slots, vis)
-        committed += gamma
-        roots = engine.next_roots(f_hat, logits, gamma - 1, plan.skipped, root_feats, root_logits)
-        return (*roots, gamma)
 
 
 class UniformSchedule(SkippingSchedule):
@@ -395,3 +276,35 @@ class SimilaritySchedule(SkippingSchedule):
         s = self.score(tree, paths)
         self.scores.append(torch.where(allowed, s, torch.nan))
         return s >= self.t_sim
+
+
+@dataclass
+class ScheduleConfig:
+    """A method's ``schedule`` section: its ``kind``; each skipping schedule's config below adds its own
+    keys. This class alone is kind ``always``: every step verified."""
+
+    kind: str = "always"
+
+
+@dataclass
+class UniformScheduleConfig(ScheduleConfig):
+    """``UniformSchedule``: skip every ``every``-th step."""
+
+    kind: str = "uniform"
+    every: int = 3  # paper: 2, 3, 4
+    phase: int | None = None  # skip step s (from 0) if s % every == phase; null: every-1 (release 1)
+    warmup: int = 0  # no skip while <= warmup image tokens are committed (release: 6)
+
+
+@dataclass
+class SimilarityScheduleConfig(ScheduleConfig):
+    """``SimilaritySchedule``: skip when the candidate paths' similarity S̄ >= ``t_sim``. Where the
+    authors' release differs: docs/decoding.md, "VVS"; preset vvs_release."""
+
+    kind: str = "similarity"
+    t_sim: float = 0.7  # paper: 0.65 - 0.8
+    alpha: float = 0.8  # depth decay of the weights w_l ∝ alpha^l (not given by the paper)
+    stride: int = 2  # keep every `stride`-th candidate path
+    formula: str = "level_mean"  # level_mean (ours) | release (0.9^l over longest path, gaps 0)
+    few_paths: str = "skip"  # < 2 candidate paths: skip (ours, S̄ = 1) | verify (release, S̄ = 0)
+    warmup: int = 0  # no skip while <= warmup image tokens are committed (release: 6)

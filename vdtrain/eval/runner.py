@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from vdtrain.decode.compiled import prepare_decoding
+from vdtrain.decode.compiled import DecodeOptions, prepare_decoding
 from vdtrain.decode.engine import DecodeStats, SpeculativeEngine
 from vdtrain.decode.methods import ARMethod, DecodeConfig, build_method, load_preset
 from vdtrain.decode.metrics import position_maps as stats_position_maps
@@ -91,11 +91,10 @@ def decode_prompts(
     return Decoded(torch.cat(tokens), stats, sum(seconds), seconds)
 
 
-def starts_up(target: Target) -> bool:
+def starts_up(target: Target, options: DecodeOptions) -> bool:
     """Whether a method's first decode of a batch shape does work later ones skip: records its step
     (CUDA graphs) or compiles."""
-    compiled = getattr(target.transformer, "_vdtrain_compiled", False)
-    return target.step_recorder is not None or target.compile_steps is not None or compiled
+    return options.starts_up or getattr(target.transformer, "_vdtrain_compiled", False)
 
 
 def warm_up(
@@ -104,15 +103,17 @@ def warm_up(
     """The method's first, untimed decode: the first batch where the method ``starts_up`` (the timed run
     then replays what it recorded and compiled), else one prompt, so that a GPU's first calls (CUDA
     context, library handles) land on no method's time."""
-    if starts_up(target):
+    if starts_up(target, method.options):
         return decode_prompts(method, target, prompts[:batch_size], seed, batch_size)
     return decode_prompts(method, target, prompts[:1], seed, 1)
 
 
-def startup_seconds(target: Target, cold: Decoded | None, timed: Decoded) -> float | None:
+def startup_seconds(
+    target: Target, options: DecodeOptions, cold: Decoded | None, timed: Decoded
+) -> float | None:
     """What the method's first decode of the first batch cost beyond the timed one of the same prompts:
     capture, compilation, warm-up steps. None without a warm-up or where nothing starts up."""
-    if cold is None or not starts_up(target):
+    if cold is None or not starts_up(target, options):
         return None
     return max(0.0, cold.batch_seconds[0] - timed.batch_seconds[0])
 
@@ -183,7 +184,7 @@ def evaluate(
     needy = [c.name for c in configs if c.needs_drafter]
     if needy and drafter is None:
         raise ValueError(f"methods {needy} need a drafter; none was given")
-    prepare_decoding(target, drafter, compile=compile, cuda_graphs=cuda_graphs)
+    options = prepare_decoding(target, drafter, compile=compile, cuda_graphs=cuda_graphs)
     scorer = QualityScorer(quality, target.token_embedding.weight.device)
     baseline = load_preset("ar")
     runs = [(t, c) for t in temperatures for c in [baseline, *configs]]
@@ -203,7 +204,7 @@ def evaluate(
                 decoded, images, vq_seconds = ar_runs[temperature]  # the same frozen target and prompts
                 bar.update(len(prompts))
             else:
-                method = build_method(config, target, drafter, sampling)
+                method = build_method(config, target, drafter, sampling, options)
                 cold = warm_up(method, target, prompts, seed, batch_size) if warmup else None
                 decoded = decode_prompts(method, target, prompts, seed, batch_size, bar)
                 images, vq_seconds = vq_decode(target, decoded.tokens, batch_size)
@@ -220,7 +221,7 @@ def evaluate(
                     speedup_with_vq_decode=(ar.seconds + ar_vq_seconds) / (decoded.seconds + ar_vq_seconds),
                     method_seconds=decoded.seconds,
                     ar_seconds=ar.seconds,
-                    startup_seconds=startup_seconds(target, cold, decoded),
+                    startup_seconds=startup_seconds(target, options, cold, decoded),
                     device=device_description(target.token_embedding.weight.device),
                     identical_to_ar=bool(torch.equal(decoded.tokens, ar.tokens))
                     if temperature == 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -177,12 +177,6 @@ class Target(nn.Module, ABC):
 
     tokenizer: ImageTokenizer
     sampling_defaults: SamplingConfig
-    # The torch.compile backend decoding runs its step kernels with (vdtrain.decode.kernels), set by
-    # compile_decoding; None: eagerly.
-    compile_steps: str | None = None
-    # How speculative decoding records a step once and replays it (vdtrain.decode.graphs), set by
-    # compile_decoding on a GPU; None: each step runs from Python.
-    step_recorder: Callable[..., Any] | None = None
 
     # --- shape of the problem -------------------------------------------------------------------
     @property

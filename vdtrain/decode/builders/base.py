@@ -1,20 +1,62 @@
-"""What every draft-tree builder is: the interface the engine's loop calls, and the state it passes."""
+"""What every draft-tree builder is: the interface the engine's loop calls, the state it passes, and
+the narrow ``DraftContext`` a builder drafts through (never the engine itself)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
-from vdtrain.decode.acceptance import BatchVerdict, Verdict
+from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.rng import RowRandom
+from vdtrain.decode.rows import DrafterRows, TargetGeometry
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from vdtrain.decode.engine import SpeculativeEngine
+    from vdtrain.sampling_config import SamplingConfig
+
+
+class DraftContext(Protocol):
+    """What a builder may use while drafting: the sampling settings, the target's geometry, the
+    drafter's distribution made by the one pipeline, and drafter forwards (``SpeculativeEngine`` is
+    one). Row layouts come from ``vdtrain.decode.rows``."""
+
+    sampling: SamplingConfig
+    target: TargetGeometry
+
+    def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Drafter logits [R, ..., V] → processed logits [B, ..., V] (CFG combined)."""
+        ...
+
+    def draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Drafter logits [R, ..., V] → q [B, ..., V] (at T = 0 the softmax of the filtered logits)."""
+        ...
+
+    def drafter_inputs(
+        self,
+        tokens: torch.Tensor | None,
+        token_index: torch.Tensor,
+        slots: torch.Tensor,
+        image_vis: torch.Tensor,
+        next_embeds: torch.Tensor | None = None,
+    ) -> DrafterRows:
+        """Drafter rows for the next ``tokens`` [B, S] at image indices ``token_index``, every stream."""
+        ...
+
+    def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Features [R, S, H] at ``rows`` → (f̂ [R, S, H], logits [R, S, V])."""
+        ...
+
+
+@dataclass
+class TreeConfig:
+    """A method's ``tree`` section: its ``kind``; each builder's module subclasses it with the kind's own
+    keys. This class alone is kind ``none``: AR, nothing drafted."""
+
+    kind: str = "none"
 
 
 @dataclass
@@ -48,7 +90,7 @@ class DraftTreeBuilder:
     def check_vocabulary(self, vocab_size: int) -> None:
         """Fit settings to a vocabulary of ``vocab_size`` image tokens, or refuse them (the engine asks)."""
 
-    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
+    def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
         raise NotImplementedError
 
     def reset(self, batch: int) -> None:
@@ -73,11 +115,3 @@ def write_in_place(state: object, new: object) -> None:
         old, value = getattr(state, f.name), getattr(new, f.name)
         if isinstance(old, torch.Tensor) and value is not old:
             old.copy_(value)
-
-
-def row_verdicts(verdict: BatchVerdict, verified: torch.Tensor) -> list[Verdict | None]:
-    """Per-prompt ``Verdict``s, None where the step was not verified, in one read of the device (for
-    builders whose per-prompt state is still host code)."""
-    flags = verified.long()[:, None]
-    rows = torch.cat([verdict.path, verdict.bonus[:, None], verdict.relaxed[:, None], flags], 1).tolist()
-    return [Verdict([n for n in r[:-3] if n >= 0], r[-3], r[-2]) if r[-1] else None for r in rows]

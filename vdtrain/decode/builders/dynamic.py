@@ -1,29 +1,13 @@
 """EAGLE-2's dynamic draft tree as tensor ops: no device→host reads, an op count independent of the batch.
 
-The rule (EAGLE-2, ALGORITHMS.md §2): from the root take the ``top_k`` most likely children; then for
-``depth`` rounds expand the frontier — the ``top_k`` nodes of the newest layer with the highest
-cumulative log-probability — each into its ``top_k`` children, one batched drafter forward per round.
-Finally keep the ``total_tokens - 1`` best nodes by cumulative log-probability (ancestors always outrank
-their descendants), parents before children. Drafts are deterministic: verification treats q as a
-point mass on each child.
-
-It builds the same trees as the node-by-node reference builder the tests keep
-(``tests/reference_builders.py``), but in fixed padded shapes, so a step's host work does not grow with
-the batch or the tree:
-
-- the *envelope* (``R`` rounds, ``K`` wide) is a pair of host ints: ``depth``/``top_k`` here; a subclass
-  whose shapes change per step (PEANUT) overrides ``envelope`` with a bound it knows on the host;
-- the frontier is always ``K`` nodes and each round makes ``K·K`` candidates, frontier node ``j``'s
-  child of rank ``c`` at ``j·K + c``; a row with a smaller width, fewer rounds or a depth limit (the
-  image end) keeps these shapes and its extra candidates are invalid (never ranked before a valid one);
-- drafter scratch column of frontier node ``j`` in round ``r`` is ``(r−1)·K + j``, as in the old
-  builder; the visibility spans the whole image plus every round's scratch, so no ``max(committed)`` read.
-
-Ranking and ties (``torch.topk`` leaves ties unspecified, so they are fixed here): a node's children are
-its top-``k`` tokens by (−log q, token id); the frontier is the best ``k`` candidates by (−score, creation
-order); the tree keeps the best ``total_tokens − 1`` nodes by (−score, depth, creation order), the old
-builder's key. Creation order (depth-1 children, then round by round, frontier position, child rank) is
-the flat node index here. Scores are cumulative log q in float64, as the old builder's Python floats.
+From the root take the ``top_k`` most likely children; then for ``depth`` rounds expand the frontier
+(the ``top_k`` newest nodes with the highest cumulative log q) into ``top_k`` children each, one batched
+drafter forward per round; keep the ``total_tokens - 1`` best nodes, parents before children. Drafts
+are deterministic (q is a point mass on each child). It builds the node-by-node reference builder's
+trees (``tests/reference_builders.py``) in fixed padded shapes: a host-side *envelope* (``R`` rounds,
+``K`` wide; PEANUT overrides ``envelope``), a ``K``-wide frontier and ``K·K`` candidates per round, so a
+step's host work does not grow with the batch or the tree. Ties are fixed (``topk`` leaves them open);
+docs/decoding.md, "Drafting", gives the keys.
 """
 
 from __future__ import annotations
@@ -34,12 +18,14 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
 from vdtrain.decode.kernels import step_kernel
+from vdtrain.decode.rows import image_columns
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
-    from vdtrain.decode.engine import ImageColumns, SpeculativeEngine
+    from vdtrain.decode.builders.base import DraftContext
+    from vdtrain.decode.rows import ImageColumns
 
 
 def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,10 +126,10 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         return self.depth, self.top_k
 
     @staticmethod
-    def _logq(engine: SpeculativeEngine, logits: torch.Tensor) -> torch.Tensor:
-        return engine.draft_probs(logits).clamp_min(1e-30).log()
+    def _logq(ctx: DraftContext, logits: torch.Tensor) -> torch.Tensor:
+        return ctx.draft_probs(logits).clamp_min(1e-30).log()
 
-    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
+    def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
         vocab, device = state.root_logits.shape[-1], state.roots.device
         rounds, widths = self.shape(state)
         rounds, widths = rounds.to(device), widths.to(device).clamp_max(vocab)
@@ -158,25 +144,25 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             ((rounds <= depth_cap) & (widths <= size)).all(),
             f"{type(self).__name__}.shape gave a (rounds, top_k) outside envelope ({depth_cap}, {size})",
         )
-        grown, front, rows = self._root_children(engine, state, rounds, widths, depth_cap, size)
+        grown, front, rows = self._root_children(ctx, state, rounds, widths, depth_cap, size)
         for r in range(1, depth_cap + 1):
-            f_hat, logits = engine.drafter_forward(front.feats, rows)
+            f_hat, logits = ctx.drafter_forward(front.feats, rows)
             if r < depth_cap:
-                layer, front, rows = self._expand(engine, state, front, f_hat, logits, r, depth_cap, size)
+                layer, front, rows = self._expand(ctx, state, front, f_hat, logits, r, depth_cap, size)
                 grown = [*grown, layer]
             else:
-                return self._last_round(engine, state, front, f_hat, logits, grown, depth_cap, size)
+                return self._last_round(ctx, state, front, f_hat, logits, grown, depth_cap, size)
         return self._select(*(torch.cat(column, 1) for column in zip(*grown, strict=True)), depth_cap, size)
 
     @step_kernel
-    def _root_children(self, engine, state: StepState, rounds, widths, depth_cap: int, size: int):
+    def _root_children(self, ctx, state: StepState, rounds, widths, depth_cap: int, size: int):
         """Depth 1 (the root's children, round 1's frontier in rank order) and round 1's drafter rows.
         Returns ([the root's layer, depth 1's], the ``Frontier``, the drafter rows: None without rounds)."""
         roots, limit = state.roots, state.depth_limit
         batch, device = len(roots), roots.device
         col = torch.arange(size, device=device)
         kid_ok = (col[None, :, None] < widths[:, None, None]) & (col[None, None, :] < widths[:, None, None])
-        front_logq, front_tok = topk_low_index_first(self._logq(engine, state.root_logits), size)
+        front_logq, front_tok = topk_low_index_first(self._logq(ctx, state.root_logits), size)
         front_score = front_logq.double()
         root = Layer(
             roots[:, None],
@@ -193,7 +179,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             (limit >= 1)[:, None] & (col < widths[:, None]),
         )
         # Drafter scratch column of frontier node j in round r: (r−1)·K + j, after any committed column.
-        n_img, base = engine.target.num_image_tokens, state.committed - 1
+        n_img, base = ctx.target.num_image_tokens, state.committed - 1
         cols = torch.arange(depth_cap * size, device=device)
         plan = BuildPlan(
             rounds,
@@ -201,8 +187,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             torch.eye(depth_cap * size, dtype=torch.bool, device=device).view(
                 depth_cap, size, depth_cap * size
             ),
-            engine.target.image_slot(base[:, None] + cols),
-            engine.image_columns(base, base, depth_cap * size, n_img - 1 + depth_cap * size),
+            ctx.target.image_slot(base[:, None] + cols),
+            image_columns(base, base, depth_cap * size, n_img - 1 + depth_cap * size),
         )
         front = Frontier(
             front_tok,
@@ -214,22 +200,22 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         )
         if depth_cap == 0:  # no expansion round
             return [root, first], front, None
-        front, rows = self._frontier_rows(engine, state, front, 1, depth_cap, size)
+        front, rows = self._frontier_rows(ctx, state, front, 1, depth_cap, size)
         return [root, first], front, rows
 
-    def _frontier_rows(self, engine, state: StepState, front: Frontier, r: int, depth_cap: int, size: int):
+    def _frontier_rows(self, ctx, state: StepState, front: Frontier, r: int, depth_cap: int, size: int):
         """Round ``r``'s drafter rows: frontier node ``j`` at its scratch column, seeing its ancestors'
         scratch columns and its own."""
         plan = front.plan
         seen = front.seen | plan.own[r - 1]
         slots = plan.slots[:, (r - 1) * size : r * size]
-        index = (state.committed - 1 + r).clamp_max(engine.target.num_image_tokens)[:, None].expand(-1, size)
+        index = (state.committed - 1 + r).clamp_max(ctx.target.num_image_tokens)[:, None].expand(-1, size)
         vis = plan.columns.rows(seen)
-        return replace(front, seen=seen), engine.drafter_inputs(front.tokens, index, slots, vis)
+        return replace(front, seen=seen), ctx.drafter_inputs(front.tokens, index, slots, vis)
 
-    def _candidates(self, engine, state: StepState, front: Frontier, logits, r: int, size: int) -> Layer:
+    def _candidates(self, ctx, state: StepState, front: Frontier, logits, r: int, size: int) -> Layer:
         """Round ``r``'s ``K·K`` candidates: frontier node ``j``'s child of rank ``c`` at ``j·K + c``."""
-        kid_logq, kid_tok = topk_low_index_first(self._logq(engine, logits), size)  # [B, K, K]
+        kid_logq, kid_tok = topk_low_index_first(self._logq(ctx, logits), size)  # [B, K, K]
         grow = (front.plan.rounds >= r) & (state.depth_limit >= r + 1)
         tokens = kid_tok.flatten(1)
         return Layer(
@@ -242,11 +228,11 @@ class DynamicTreeBuilder(DraftTreeBuilder):
 
     @step_kernel
     def _expand(
-        self, engine, state: StepState, front: Frontier, f_hat, logits, r: int, depth_cap: int, size: int
+        self, ctx, state: StepState, front: Frontier, f_hat, logits, r: int, depth_cap: int, size: int
     ):
         """Round ``r``'s candidates, the best ``K`` of them as round ``r + 1``'s frontier, and its drafter
         rows."""
-        layer = self._candidates(engine, state, front, logits, r, size)
+        layer = self._candidates(ctx, state, front, logits, r, size)
         pick = ranked(layer.scores, layer.valid, size)  # next frontier [B, K]
         src = pick // size  # its parents' frontier positions
         streams = f_hat.shape[0] // len(pick)
@@ -258,15 +244,15 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             front.seen.gather(1, src[..., None].expand(-1, -1, front.seen.shape[-1])),
             front.plan,
         )
-        nxt, rows = self._frontier_rows(engine, state, nxt, r + 1, depth_cap, size)
+        nxt, rows = self._frontier_rows(ctx, state, nxt, r + 1, depth_cap, size)
         return layer, nxt, rows
 
     @step_kernel
     def _last_round(
-        self, engine, state: StepState, front: Frontier, f_hat, logits, grown, depth_cap: int, size: int
+        self, ctx, state: StepState, front: Frontier, f_hat, logits, grown, depth_cap: int, size: int
     ):
         """The last round's candidates, then the tree."""
-        grown = [*grown, self._candidates(engine, state, front, logits, depth_cap, size)]
+        grown = [*grown, self._candidates(ctx, state, front, logits, depth_cap, size)]
         return self._select(*(torch.cat(column, 1) for column in zip(*grown, strict=True)), depth_cap, size)
 
     def _select(
@@ -327,3 +313,13 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             node = parents.gather(1, node).clamp_min(0)
         on_path[:, 0] = False
         return on_path & (deepest >= 2)
+
+
+@dataclass
+class DynamicTreeConfig(TreeConfig):
+    """EAGLE-2's dynamic tree (``DynamicTreeBuilder``)."""
+
+    kind: str = "dynamic"
+    top_k: int = 10  # children per expanded node and frontier width
+    depth: int = 5  # expansion rounds after the root's children
+    total_tokens: int = 59  # nodes kept, root included

@@ -1,52 +1,13 @@
-"""SJD: speculative Jacobi decoding (ALGORITHMS.md §6), drafter-free and lossless, as a draft-tree builder.
+"""SJD: speculative Jacobi decoding, drafter-free and lossless, as a draft-tree builder.
 
-A *window* of ``W`` draft tokens is drafted as a **chain**: the root is the last committed token, node
-``i`` (depth ``i``) the draft for the ``i``-th position after it. Each draft carries the proposal vector it
-was drawn from, ``tree.q[b, i - 1]`` (for node ``i``; ``q`` of a node is what its child was drawn from):
-
-- a freshly initialised token: the point mass on it;
-- a refined token: the target distribution computed for its position in the previous forward.
-
-With ``sampled=True`` the engine's exact walk *is* SJD's verification: at node ``i`` accept the draft
-``x`` with ``min(1, p(x)/q(x))`` (``p(x)`` for a point mass); at the first rejection draw the bonus from
-``norm(max(0, p − q))`` (for a point mass: ``p`` without ``x``) and stop. GSD (``Grouped``) changes only
-that test.
-
-After the verdict (``observe``) the positions the target computed a distribution for but that were not
-committed are *refined*: the one after the bonus up to the one after the last draft (the last node's
-distribution included, as in the published code) are each re-drawn from the distribution just computed
-for them (SJD's Eq. 3), which becomes their new ``q``. These distributions were conditioned on the old
-drafts, including the rejected one; SJD keeps them anyway — a proposal may depend on anything drawn
-before, verification stays exact because the token is a fresh draw from the ``q`` it is judged with.
-The next window starts after the bonus with the refined tokens, cut to ``W`` (and to the image), and is
-filled up to ``W`` with freshly initialised tokens (``init``):
-
-- ``random``: uniform over the image tokens;
-- ``horizontal_repeat`` / ``vertical_repeat``: the current token (committed or draft) one column left /
-  one row up;
-- ``horizontal_sample`` / ``vertical_sample``: a draw from the *stored distribution* one column left / one
-  row up. The stored distribution of a position is the latest target distribution computed for it: the
-  one it was committed under once committed (also for the bonus: ``p``, not the residual), its refined
-  ``q`` while it is a draft. A fresh draft has none; the nearest stored distribution further left in the
-  same row (further up the column) is used instead. The first image token (drawn from the prefill) has
-  none either.
-
-Fallbacks: the first column (horizontal), the first row (vertical), or no stored distribution
-(``*_sample``): ``random``. A fresh token's ``q`` is always its point mass (ALGORITHMS.md §6, and the
-published code), also for the ``*_sample`` inits. At T = 0 refinement takes the argmax (vanilla Jacobi).
-
-**Batched.** The state of all prompts is a set of device tensors of fixed shape (``_Windows``), made by
-``build`` and changed by ``observe`` with tensor ops over the whole batch, so a step reads nothing from
-the device and costs the same ops at any batch size. The fresh positions of a window are always its tail
-(after the kept refined tokens), so the walk an initialisation takes has a closed form: a repeat copies
-the first committed or refined token the walk meets (or the uniform token drawn for the fresh position it
-stops at: the first column / row, or past an unknown token), a sample draws from the stored distribution
-of the first non-fresh position on its walk. That position is never more than one row before the window,
-so only the distributions of the last committed row are kept (a ring of one slot per column, for
-``vertical_sample``; one slot, the last committed position, for ``horizontal_sample``), and the board of
-committed tokens only for ``*_repeat``. Every draw is a per-prompt ``RowRandom`` uniform, independent of
-the batch: ``Purpose.DRAFT`` [W, 2] in ``build`` (a uniform token ⌊u·V⌋; a draw from a stored
-distribution by inverse CDF), ``Purpose.REFINE`` [W] in ``observe`` (the refined tokens, by inverse CDF).
+A window of ``W`` drafts is a chain rooted at the last committed token; each draft carries the proposal
+it was drawn from (a fresh token: its point mass; a refined one: the target distribution computed for
+its position last step), so the engine's exact walk with ``sampled=True`` *is* SJD's verification (GSD
+only changes the test). ``observe`` refines the positions the forward computed but did not commit (SJD's
+Eq. 3) and refills the window with fresh tokens (``init``: random, or repeating / sampling from the
+neighbour one column left or one row up). All prompts' windows are device tensors of fixed shape, changed
+with tensor ops only; every draw is a per-prompt ``RowRandom`` uniform. docs/decoding.md, "SJD and GSD
+on SJD", has the refinement, the stored distributions the ``*_sample`` inits read, and the fallbacks.
 """
 
 from __future__ import annotations
@@ -57,13 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, write_in_place
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig, write_in_place
 from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
-    from vdtrain.decode.engine import SpeculativeEngine
+    from vdtrain.decode.builders.base import DraftContext
 
 INITS = ("random", "horizontal_repeat", "horizontal_sample", "vertical_repeat", "vertical_sample")
 
@@ -146,21 +107,19 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         return win
 
     # --- drafting ------------------------------------------------------------------------------------
-    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
+    def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
         if state.rng is None:
             raise ValueError("JacobiWindowBuilder draws from the run's RowRandom: StepState.rng is None")
-        target = engine.target
+        target = ctx.target
         batch, device = len(state.roots), state.roots.device
         win = self._windows_for(batch, target.num_image_tokens, target.vocab_size, target.grid[1], device)
-        self._rng, self._greedy = state.rng, engine.sampling.greedy
-        return self._draft(engine, state, win, self._arange(self.window + 1, device))
+        self._rng, self._greedy = state.rng, ctx.sampling.greedy
+        return self._draft(ctx, state, win, self._arange(self.window + 1, device))
 
     @step_kernel
-    def _draft(
-        self, engine: SpeculativeEngine, state: StepState, win: _Windows, chain: torch.Tensor
-    ) -> DraftTree:
+    def _draft(self, ctx: DraftContext, state: StepState, win: _Windows, chain: torch.Tensor) -> DraftTree:
         """The window as a chain tree: the kept refined drafts, then fresh ones (``chain``: arange(W + 1))."""
-        target = engine.target
+        target = ctx.target
         batch = len(state.roots)
         n_img, vocab, size = target.num_image_tokens, target.vocab_size, self.window
         width = target.grid[1]
@@ -284,3 +243,12 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         win.tokens = torch.where(verified[:, None], refined, win.tokens)
         win.q = torch.where(verified[:, None, None], p.to(win.q.dtype), win.q)
         return win
+
+
+@dataclass
+class JacobiTreeConfig(TreeConfig):
+    """SJD's Jacobi window (``JacobiWindowBuilder``); no drafter."""
+
+    kind: str = "jacobi"
+    window: int = 16  # W: draft tokens per Jacobi window
+    init: str = "random"  # fresh drafts: random | {horizontal,vertical}_{repeat,sample}

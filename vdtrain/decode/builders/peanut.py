@@ -1,61 +1,30 @@
-"""PEANUT: adjacency-adaptive dynamic draft trees (ALGORITHMS.md §5; lossless with exact acceptance).
+"""PEANUT: adjacency-adaptive dynamic draft trees (lossless with exact acceptance).
 
-EAGLE-2 dynamic trees (``vdtrain.decode.builders.dynamic``) whose depth d̂ and width (top-k) k̂ change
-per tree and per prompt. Each tree's (d̂, k̂) is chosen in two phases:
-
-1. **Initialisation** from a per-prompt grid over the image (h × w, raster order) holding the (d, k)
-   of the tree each position belongs to. The tree rooted at position (i, j) starts from
-   (d̃, k̃) = the grid at
-   - ``horizontal`` (= ``horizontal_repeat``, default): (i, j−1); in the first column (i−1, j), the
-     position above;
-   - ``vertical`` (= ``vertical_repeat``): (i−1, j); in the first row (i, j−1), the position to the left;
-   - ``random``: d̃ ~ U{d_min+1 .. d_max−1}, k̃ ~ U{k_min+1 .. k_max−1}, from the prompt's own
-     counter-based uniforms (``RowRandom``, ``Purpose.SHAPE``), so the draws follow the prompt
-     whatever the batching (a builder-owned stream seeded with ``seed + b`` when driven without an
-     engine).
-   The first tree of a prompt (rooted at position 0, no neighbour) starts from (d_init, k_init).
-2. **Bisectional adaptation** from α = the previous tree's accepted draft tokens (bonus excluded) /
-   that tree's depth: positive (α ≥ β; with β = 1 every level was used) → d̂ = d̃ + l_d, k̂ = k̃ − l_k
-   (deeper, narrower); negative → d̂ = d̃ − l_d, k̂ = k̃ + l_k (shallower, wider). The first tree is
-   not adapted (there is no previous tree).
-
-Bounds are open, as written in the paper: d_min < d̂ < d_max and k_min < k̂ < k_max, i.e. the integers
-d_min+1 .. d_max−1 and k_min+1 .. k_max−1. The depth is always clamped. The width is clamped only when
-the unclamped new depth d̃ ± l_d > 1: the drafting cost C_S = k̂²(d̂ − 1) + k̂ grows with k̂² only for
-trees of more than one level, so a tree shrinking to one level may widen past k_max. Such a width is
-still capped at the node budget ``total_tokens − 1`` (more first-level children than that could not be
-kept) — or k_max − 1 if that is larger — and at the vocabulary; the next positive tree clamps it back.
-
-Depth mapping. d̂ is the number of draft levels: the most draft tokens one tree can have accepted, so
-α ≤ 1 and α = 1 means every level was used. ``DynamicTreeBuilder.depth`` counts expansion rounds after
-the root's children, so PEANUT builds ``rounds = d̂ − 1`` (d̂ = 1: the root's k̂ children only). The
-node budget is EAGLE-2's fixed ``total_tokens`` (59 with the root by default; the paper does not scale
-it with the tree). So that a tree really has d̂ levels when that budget would prune its deepest ones,
-the best-scoring path to the deepest level is always kept; the other nodes are EAGLE-2's best by
-cumulative log q. The engine's per-step tree depth (``DecodeStats.depth_per_step``, hence d̄) is then
-d̂ — less only where the image ends first — and α's denominator is that same depth.
-
-Grid bookkeeping. After verification the tree's (d̂, k̂) is written at its root and at every position
-it committed (accepted drafts and the bonus). A root was committed by the previous tree and is
-overwritten by the tree rooted there, so each position holds the last tree it belonged to; the
-horizontal neighbour of a root inside a row is therefore always the previous tree.
+EAGLE-2 dynamic trees (``vdtrain.decode.builders.dynamic``) whose depth d̂ (draft levels) and width
+(top-k) k̂ change per tree and per prompt: initialised from a per-prompt grid over the image holding the
+(d, k) of the tree each position belongs to (the neighbour left or above, or random), then adapted
+bisectionally from α = the previous tree's accepted drafts / its depth (deeper and narrower when α ≥ β,
+else shallower and wider), within the paper's open bounds. The best path to the deepest level is always
+kept, so a tree really has d̂ levels. The grids, α and the plan are device tensors. docs/decoding.md,
+"PEANUT", has the fallbacks, the bounds and the width rule of one-level trees, and the node budget.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
-from vdtrain.decode.builders.base import StepState
+from vdtrain.decode.builders.base import StepState, TreeConfig
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
 from vdtrain.decode.graphs import DeviceLog, recording
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
-    from vdtrain.decode.engine import SpeculativeEngine
+    from vdtrain.decode.builders.base import DraftContext
 
 PEANUT_INITS = ("horizontal", "vertical", "random")
 # The paper's names ("Horizontal Repeat", ...), as TreeConfig.init spells them (shared with SJD's inits).
@@ -180,12 +149,12 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         self.log.clear()
         self._own_rng.reseed(torch.arange(self.batch, dtype=torch.long) + self.seed)
 
-    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
-        grid, device = tuple(engine.target.grid), state.roots.device
+    def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
+        grid, device = tuple(ctx.target.grid), state.roots.device
         if self.grid != grid or self.depth_grid is None or self.depth_grid.device != device:
             self.grid = grid
             self._allocate(device)
-        return super().build(engine, state)
+        return super().build(ctx, state)
 
     def shape(self, state: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         """(rounds = d̂ − 1 [B], width = k̂ [B]) for this step's trees."""
@@ -263,3 +232,29 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         """The depth and width grids as [B, h, w] (−1 where no tree has been yet)."""
         h, w = self.grid
         return self.depth_grid[:, :-1].reshape(-1, h, w), self.width_grid[:, :-1].reshape(-1, h, w)
+
+
+@dataclass
+class PeanutTreeConfig(TreeConfig):
+    """PEANUT's EAGLE-2 trees adapted per tree (``PeanutTreeBuilder``). ``d`` counts draft levels
+    (= dynamic depth + 1)."""
+
+    kind: str = "peanut"
+    init: str = "random"  # horizontal_repeat | vertical_repeat | random
+    total_tokens: int = 59  # nodes kept, root included
+    beta: float = 1.0  # positive threshold on α = accepted drafts / tree depth
+    l_d: int = 1  # depth step
+    l_k: int = 10  # width (top-k) step (paper: 10 for LlamaGen, 3 for Chameleon-family targets)
+    d_min: int = 0  # open bounds d_min < d < d_max
+    d_max: int = 10
+    k_min: int = 3  # open bounds k_min < k < k_max (paper: (3, 40) LlamaGen, (3, 14) Chameleon)
+    k_max: int = 40
+    d_init: int = 5  # the first tree's depth (draft levels) and width
+    k_init: int = 10
+    init_seed: int = 0  # random init: seed of the fallback generators (when the engine passes none)
+
+
+def peanut_builder(config: PeanutTreeConfig) -> PeanutTreeBuilder:
+    """The builder of ``config`` (its keys are the builder's arguments; ``init_seed`` is its ``seed``)."""
+    own = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("kind", "init_seed")}
+    return PeanutTreeBuilder(**own, seed=config.init_seed)

@@ -1,52 +1,14 @@
 """SJD-PAC (Kang et al., CVPR 2026): SJD with proactive drafting and adaptive continuation, lossless.
 
-A drafter-free tree builder; verification is the engine's exact walk (``acceptance.walk`` with
-``sampled=True``), so the only work here is drafting, and drafting is exact when every child is a draw from
-the ``q`` stored at its parent, siblings drawn without replacement (the walk's SpecInfer semantics).
-
-**The window** (``window`` = L tokens per forward, the root included; the release's
-``max_num_new_tokens``): a full ``width``-ary tree of ``levels`` levels, the root included (W, D), followed
-by a chain hanging off the all-rank-0 leaf, L nodes in all. The main path (ranks 0 all the way) is
-``(D − 1) + L − (W^D − 1)/(W − 1)`` drafts deep (53 for L 64, W 3, D 3; 5 for L 16). Every depth ``d`` has
-one *column*: a proposal ``q_d`` and up to W tokens drawn from it without replacement; every node at depth
-``d`` carries the column's token of its rank, and every node at depth ``d − 1`` stores ``q_d`` as the
-distribution its children were drawn from. The draws do not depend on the parent, so whichever node the
-walk reaches at depth ``d − 1``, its children are W draws without replacement from its stored ``q``.
-
-**Proactive drafting.** The rank-0 token of a column is the continued (or fresh) draft; ranks 1 .. W − 1
-are further draws from ``q_d`` without the earlier ranks, one after another by inverse CDF on the mass
-not drawn yet. Where ``q_d`` has fewer tokens than W the missing ranks (and their subtrees) stay undrafted
-(``valid`` False): a draw outside q's support would be judged with q = 0.
-
-**Adaptive continuation** (``observe``). The walk commits a accepted nodes and a bonus at depth a + 1 (from
-p at the last accepted node when nothing was rejected there: all-accepted paths included). Every later
-depth ``j`` keeps a draft: along the *continuation path* — from the last accepted node, its rank-0 child at
-each depth, or the main path's node where that path has no children (a leaf off the main path) — the
-node ``c_j`` holds the rank-0 token x of column j, the node before it on the path, ``c_{j−1}``, the
-target p just computed for depth j and ``q_j``. x is kept with probability ``min(1, p(x)/q_j(x))``, else
-replaced by a draw from ``norm(max(0, p − q_j))`` (its own node's residual): the result is a draw from p,
-so it becomes the next window's draft with ``q = p``. The position after the deepest draft has a p but no
-draft: a draw from p. p was conditioned on stale drafts; exactness does not need fresh context, only that
-each draft is a draw from the q it is judged with (as in SJD's refinement,
-``vdtrain.decode.builders.jacobi``).
-
-**Fresh positions** (past what the last forward computed): uniform over the image tokens, ``q`` uniform
-(the release's padding), so a fresh draft x is accepted with ``min(1, V·p(x))``.
-
-At T = 0 p is one-hot: continuation takes its argmax (vanilla Jacobi), a continued column has no siblings,
-a fresh one W distinct uniform tokens.
-
-**Batched.** The windows of all prompts are device tensors of fixed shape (``_Windows``: the main path's
-depth per prompt), built and continued with tensor ops over the whole batch and a host-side layout of the
-tree (which node continues which), so a step reads nothing from the device and costs the same ops at any
-batch size. Every draw is a per-prompt ``RowRandom`` uniform: ``Purpose.DRAFT`` [M, W] for the fresh
-rank-0 tokens (column, rank 0) and the siblings (column, rank r), ``Purpose.CONTINUE`` [M, 2] for the
-continuation's keep test and redraw; a prompt's draws do not depend on its batch.
-
-The release departs from this in four places, each biased (docs/decoding.md): it commits the leaf path
-with the longest accepted prefix (B1), draws the bonus uniformly when the whole main path is accepted
-(B2), judges siblings drawn from a residual as if drawn from p (B3), and continues every later position
-from the all-siblings residual (B4).
+A drafter-free tree builder on the engine's unchanged exact walk (``sampled=True``). A window of
+``window`` = L tokens per forward (the root included) is a full ``width``-ary tree of ``levels`` levels
+and a chain off the all-rank-0 leaf; each depth has one column (a proposal and up to W draws from it
+without replacement), so whichever node the walk reaches its children are draws from its stored ``q``.
+``observe`` continues every later position along the continuation path (keep a draft with
+min(1, p/q), else redraw from its own node's residual), so the next window's drafts are draws from p.
+All prompts' windows are device tensors of fixed shape; every draw is a per-prompt ``RowRandom``
+uniform. docs/decoding.md, "SJD-PAC", has the layout, the continuation path, and the four places the
+authors' release departs from the target distribution (B1–B4).
 """
 
 from __future__ import annotations
@@ -57,13 +19,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, write_in_place
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig, write_in_place
 from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree, static_tree
 
 if TYPE_CHECKING:
-    from vdtrain.decode.engine import SpeculativeEngine
+    from vdtrain.decode.builders.base import DraftContext
 
 
 def tree_nodes(width: int, levels: int) -> int:
@@ -166,14 +128,16 @@ class SjdPacBuilder(DraftTreeBuilder):
                         node = child if child >= 0 else self.main[j]
                     row.append(node)
                 onward.append(row)
-            make = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+            tables = (
+                shape.parents,
+                shape.depths,
+                path_ranks,
+                slots,
+                [min(d, self.main_depth - 1) for d in shape.depths],
+                onward,
+            )
             self._layouts[device] = _Layout(
-                make(shape.parents),
-                make(shape.depths),
-                make(path_ranks),
-                make(slots),
-                make([min(d, self.main_depth - 1) for d in shape.depths]),
-                make(onward),
+                *(torch.tensor(t, dtype=torch.long, device=device) for t in tables)
             )
         return self._layouts[device]
 
@@ -190,20 +154,20 @@ class SjdPacBuilder(DraftTreeBuilder):
         return win
 
     # --- drafting ------------------------------------------------------------------------------------
-    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
+    def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
         if state.rng is None:
             raise ValueError("SjdPacBuilder draws from the run's RowRandom: StepState.rng is None")
         batch, device = len(state.roots), state.roots.device
-        win = self._windows_for(batch, engine.target.vocab_size, device)
-        self._rng, self._greedy = state.rng, engine.sampling.greedy
-        return self._draft(engine, state, self.layout(device), win)
+        win = self._windows_for(batch, ctx.target.vocab_size, device)
+        self._rng, self._greedy = state.rng, ctx.sampling.greedy
+        return self._draft(ctx, state, self.layout(device), win)
 
     @step_kernel
-    def _draft(self, engine: SpeculativeEngine, state: StepState, lay: _Layout, win: _Windows) -> DraftTree:
+    def _draft(self, ctx: DraftContext, state: StepState, lay: _Layout, win: _Windows) -> DraftTree:
         """The tree: the continued main path, fresh columns after it, proactive siblings at the branching
         depths."""
         batch, device = len(state.roots), state.roots.device
-        vocab, width, deep = engine.target.vocab_size, self.width, self.main_depth
+        vocab, width, deep = ctx.target.vocab_size, self.width, self.main_depth
         n = state.depth_limit.clamp(0, deep)  # never draft past the last image token
         keep = torch.where(win.start == state.committed, torch.minimum(win.count, n), 0)
         continued = torch.arange(deep, device=device)[None] < keep[:, None]  # [B, M]
@@ -228,7 +192,7 @@ class SjdPacBuilder(DraftTreeBuilder):
         holders = depths < n[:, None]  # nodes with children store their children's column q
         q = cols_q.index_select(1, lay.q_column)
         q = torch.where(holders[..., None], q, 0.0)
-        depth_bound = max(1, min(deep, engine.target.num_image_tokens - 2))
+        depth_bound = max(1, min(deep, ctx.target.num_image_tokens - 2))
         return DraftTree(
             tokens,
             lay.parents.expand(batch, -1),
@@ -299,3 +263,15 @@ class SjdPacBuilder(DraftTreeBuilder):
         empty = residual.sum(-1, keepdim=True) <= 0  # p = q up to rounding: nothing to reject into, use p
         redraw = inverse_cdf(torch.where(empty, p, residual), u[..., 1])
         return torch.where(kept, drafts, redraw)
+
+
+@dataclass
+class SjdPacTreeConfig(TreeConfig):
+    """SJD-PAC's window (``SjdPacBuilder``): a full ``width``-ary tree of ``levels`` levels, then a chain;
+    no drafter. Its ``window`` is L, the tokens per forward (the release's max_num_new_tokens), not
+    SJD's W: that is ``width`` here."""
+
+    kind: str = "sjd_pac"
+    window: int = 16  # L: tokens per forward, the root included
+    width: int = 3  # W: tokens drafted per tree level (proactive drafting)
+    levels: int = 3  # D: tree levels, the root included (the release's tree_depth)

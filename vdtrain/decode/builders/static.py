@@ -13,17 +13,19 @@ node deeper than the image has tokens left.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
 from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, inverse_cdf
-from vdtrain.decode.trees import DraftTree, StaticTree, ancestor_matrix
+from vdtrain.decode.rows import visibility
+from vdtrain.decode.trees import STATIC_TREES, DraftTree, StaticTree, ancestor_matrix, static_tree
 
 if TYPE_CHECKING:
-    from vdtrain.decode.engine import SpeculativeEngine
+    from vdtrain.decode.builders.base import DraftContext
 
 
 class _Layout(NamedTuple):
@@ -73,16 +75,16 @@ class StaticTreeBuilder(DraftTreeBuilder):
             self._layout[device] = _Layout(parents, depths, ancestor_matrix(parents[None])[0], levels)
         return self._layout[device]
 
-    def build(self, engine: SpeculativeEngine, state: StepState) -> DraftTree:
+    def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
         layout = self.layout(state.roots.device)
         feats_of, logits_of = {0: state.root_feats}, {0: state.root_logits}
         drafted = None
         for depth in range(1, self.tree.depth + 1):
-            drafted, rows = self._draw(engine, state, layout, depth, drafted, feats_of, logits_of)
+            drafted, rows = self._draw(ctx, state, layout, depth, drafted, feats_of, logits_of)
             if rows is None:
                 break
             parent_feats, inputs = rows
-            f_hat, logits = engine.drafter_forward(parent_feats, inputs)
+            f_hat, logits = ctx.drafter_forward(parent_feats, inputs)
             for j, node in enumerate(self.levels[depth - 1]):
                 feats_of[node], logits_of[node] = f_hat[:, j], logits[:, j]
         batch = len(state.roots)
@@ -92,20 +94,20 @@ class StaticTreeBuilder(DraftTreeBuilder):
             layout.depths.expand(batch, -1),
             drafted.valid,
             drafted.q,
-            sampled=not engine.sampling.greedy,
+            sampled=not ctx.sampling.greedy,
             depth_bound=self.tree.depth,
             width_bound=self.width,
         )
 
     @step_kernel
-    def _draw(self, engine, state: StepState, layout: _Layout, depth: int, drafted, feats_of, logits_of):
+    def _draw(self, ctx, state: StepState, layout: _Layout, depth: int, drafted, feats_of, logits_of):
         """Level ``depth``'s children from their parents' drafter logits (``drafted`` None: the first
         level, with the tree's buffers made here); then, unless it is the deepest level, the drafter rows
         of this level's nodes (their parents' features, the inputs). Returns (``Drafted``, rows or None)."""
-        t, sampling = self.tree, engine.sampling
+        t, sampling = self.tree, ctx.sampling
         batch, device = len(state.roots), state.roots.device
         size, vocab = t.size, state.root_logits.shape[-1]
-        n_img = engine.target.num_image_tokens
+        n_img = ctx.target.num_image_tokens
         if drafted is None:
             tokens = torch.zeros(batch, size, dtype=torch.long, device=device)
             tokens[:, 0] = state.roots
@@ -119,10 +121,10 @@ class StaticTreeBuilder(DraftTreeBuilder):
         for parent, kids in self.families[depth - 1]:
             kids = kids[:vocab]  # never more children than tokens
             if sampling.greedy:
-                picks = engine.draft_logits(logits_of[parent]).topk(len(kids), dim=-1).indices
+                picks = ctx.draft_logits(logits_of[parent]).topk(len(kids), dim=-1).indices
                 drawn = [(picks[:, r], reach) for r in range(len(kids))]
             else:
-                q = engine.draft_probs(logits_of[parent])  # [B, V]
+                q = ctx.draft_probs(logits_of[parent])  # [B, V]
                 q_nodes[:, parent] = q
                 left, drawn = q.double(), []
                 for kid in kids:
@@ -140,7 +142,26 @@ class StaticTreeBuilder(DraftTreeBuilder):
         parent_feats = torch.stack([feats_of[t.parents[i]] for i in level], dim=1)  # [R, S, H]
         base = state.committed - 1
         index = (state.committed - 1 + depth).clamp_max(n_img)[:, None].expand(-1, len(level))
-        slots = engine.target.image_slot(base[:, None] + (level_t - 1)[None, :])
+        slots = ctx.target.image_slot(base[:, None] + (level_t - 1)[None, :])
         seen = layout.ancestors[level_t][:, 1:].expand(batch, -1, -1)  # [B, S, T-1] over non-root nodes
-        vis = engine._visibility(base, base, seen, n_img - 1 + size - 1)
-        return drafted, (parent_feats, engine.drafter_inputs(tokens[:, level_t], index, slots, vis))
+        vis = visibility(base, base, seen, n_img - 1 + size - 1)
+        return drafted, (parent_feats, ctx.drafter_inputs(tokens[:, level_t], index, slots, vis))
+
+
+@dataclass
+class StaticTreeConfig(TreeConfig):
+    """A fixed tree of drafter ranks: a named one (``preset``) or explicit rank ``paths``."""
+
+    kind: str = "static"
+    preset: str | None = None  # a named tree (eagle1, lantern_pp)
+    paths: list[list[int]] | None = None  # explicit rank paths instead of a preset
+
+
+def static_builder(config: StaticTreeConfig) -> StaticTreeBuilder:
+    """The builder of ``config``'s tree; exactly one of ``preset`` and ``paths`` names it."""
+    if (config.preset is None) == (config.paths is None):
+        raise ValueError("a static tree needs exactly one of tree.preset or tree.paths")
+    if config.preset is not None and config.preset not in STATIC_TREES:
+        raise ValueError(f"unknown static tree {config.preset!r}; known: {sorted(STATIC_TREES)}")
+    paths = STATIC_TREES[config.preset] if config.preset else [tuple(p) for p in config.paths]
+    return StaticTreeBuilder(static_tree(paths))

@@ -1,4 +1,5 @@
-"""docs/extending.md runs: its toy target is built from the page's own code blocks, registered and decoded."""
+"""docs/extending.md, "Adding a target": its toy target is built from the page's own code blocks,
+registered and decoded."""
 
 from __future__ import annotations
 
