@@ -20,9 +20,9 @@ DRAFTER = REPO_ROOT / "checkpoints" / "shapes" / "drafter"
 
 @pytest.fixture(scope="module")
 def shipped():
-    torch.set_grad_enabled(False)
-    target = load_target_folder()
-    return target, Drafter.from_pretrained(DRAFTER, target)
+    with torch.no_grad():  # for this module's tests only: grad mode is restored at its teardown
+        target = load_target_folder()
+        yield target, Drafter.from_pretrained(DRAFTER, target)
 
 
 @pytest.mark.parametrize(
