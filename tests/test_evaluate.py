@@ -165,7 +165,17 @@ def test_bad_inputs_are_clear_errors(target, drafter):
 
 def test_presets_know_whether_they_are_exact():
     exact = {n for n in preset_names() if load_preset(n).exact}
-    assert exact == {"ar", "eagle1", "eagle2", "peanut", "sjd", "sjd_pac"}
+    assert exact == {
+        "ar",
+        "eagle1",
+        "eagle2",
+        "peanut",
+        "sjd",
+        "scd",
+        "scd_gumbel",
+        "sjd_pac",
+        "sjd_pac_gumbel",
+    }
     assert load_preset("eagle2", {"tree": {"top_k": 4}}).tree.top_k == 4
 
 

@@ -26,7 +26,8 @@ from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 pytestmark = pytest.mark.usefixtures("one_thread")
 PEANUT = ["peanut", "peanut_lantern"]
 VVS = ["vvs", "vvs_release", "vvs_uniform"]  # recorded in two parts around the plan's read of the device
-GRAPH_SAFE = ["eagle1", "eagle2", "gsd", "gsd_tree", "lantern", "lantern_pp", *PEANUT, "sjd", "sjd_pac", *VVS]
+JACOBI = ["sjd", "scd", "scd_gumbel", "sjd_pac", "sjd_pac_gumbel"]
+GRAPH_SAFE = ["eagle1", "eagle2", "gsd", "gsd_tree", "lantern", "lantern_pp", *PEANUT, *JACOBI, *VVS]
 RECORDED = ["ar", *GRAPH_SAFE]  # AR's step is recorded the same way
 
 

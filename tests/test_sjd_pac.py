@@ -203,7 +203,7 @@ class RedrawWithoutTheDraft(SjdPacBuilder):
     p without the draft, the residual after its siblings as if q were a point mass on it, instead of from
     norm(max(0, p − q)) at its own node."""
 
-    def _continue(self, drafts, p, q, undrafted):
+    def _continue(self, drafts, p, q, undrafted, positions):
         u = self._rng.uniform(Purpose.CONTINUE, drafts.shape[1], 2)
         p, q = p.double(), torch.where(undrafted[..., None], 0.0, q.double())
         p_x = p.gather(-1, drafts[..., None]).squeeze(-1)

@@ -166,8 +166,10 @@ TREES: dict[str, Part] = {
     ),
     "peanut": Part(PeanutTreeConfig, peanut_builder, needs_drafter=True),  # per-tree depth and width
     # SJD: a window of the target's own drafts; SJD-PAC: the same with a proactive tree. No drafter.
-    "jacobi": Part(JacobiTreeConfig, lambda c: JacobiWindowBuilder(c.window, c.init)),
-    "sjd_pac": Part(SjdPacTreeConfig, lambda c: SjdPacBuilder(c.window, c.width, c.levels)),
+    "jacobi": Part(JacobiTreeConfig, lambda c: JacobiWindowBuilder(c.window, c.init, c.coupling)),
+    "sjd_pac": Part(
+        SjdPacTreeConfig, lambda c: SjdPacBuilder(c.window, c.width, c.levels, c.coupling, c.fresh_q)
+    ),
 }
 
 ACCEPTANCE: dict[str, Part] = {

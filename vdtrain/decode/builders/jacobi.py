@@ -19,6 +19,7 @@ import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig, write_in_place
+from vdtrain.decode.coupling import COUPLINGS, gumbel_max, maximal_coupling
 from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree
@@ -64,12 +65,14 @@ class JacobiWindowBuilder(DraftTreeBuilder):
     needs_drafter = False
     graph_safe = True  # the window is made at the first step and then updated in place
 
-    def __init__(self, window: int = 16, init: str = "random") -> None:
+    def __init__(self, window: int = 16, init: str = "random", coupling: str = "none") -> None:
         if window < 1:
             raise ValueError(f"the Jacobi window needs at least one draft token, got window={window}")
         if init not in INITS:
             raise ValueError(f"unknown Jacobi initialisation {init!r}; known: {list(INITS)}")
-        self.window, self.init = window, init
+        if coupling not in COUPLINGS:
+            raise ValueError(f"unknown Jacobi coupling {coupling!r}; known: {list(COUPLINGS)}")
+        self.window, self.init, self.coupling = window, init, coupling
         self._ranges: dict[tuple[torch.device, int], torch.Tensor] = {}
         self._windows: _Windows | None = None
         self.reset(0)
@@ -221,8 +224,9 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         # Refinement: entry k of the next window is position m + a + 1 + k, predicted by node a + 1 + k.
         nodes = (accepted[:, None] + 1 + entries[:, :size]).clamp_max(last)
         p = p_nodes.gather(1, nodes[..., None].expand(-1, -1, vocab))  # [B, W, V]
-        refined = p.argmax(-1) if self._greedy else inverse_cdf(p, self._rng.uniform(Purpose.REFINE, size))
         count = (tree.max_depth() - accepted).clamp_min(0)  # positions m + a + 1 .. m + n
+        start = m + accepted + 1
+        refined = self._redraw(tree, nodes, p, start[:, None] + entries[:, :size], count)
         if win.board is not None:  # committed: the a accepted drafts (positions m ..) and the bonus
             at = m[:, None] + entries
             drafts = tree.tokens.gather(1, (entries + 1).clamp_max(last).expand(len(m), -1))
@@ -238,11 +242,28 @@ class JacobiWindowBuilder(DraftTreeBuilder):
             dist = p_nodes.gather(1, node.clamp(0, last)[..., None].expand(-1, -1, vocab))
             win.stored = torch.where(new[..., None], dist.to(win.stored.dtype), win.stored)
             win.stored_at = torch.where(new, held, win.stored_at)
-        win.start = torch.where(verified, m + accepted + 1, win.start)
+        win.start = torch.where(verified, start, win.start)
         win.count = torch.where(verified, count, win.count)
         win.tokens = torch.where(verified[:, None], refined, win.tokens)
         win.q = torch.where(verified[:, None, None], p.to(win.q.dtype), win.q)
         return win
+
+    def _redraw(self, tree, nodes, p, positions, count) -> torch.Tensor:
+        """Each entry's next draft, a draw from its new ``p`` [B, W, V] (``nodes``: the node whose p it is;
+        ``positions``: its image position; ``count``: the entries the forward drafted before, plus one):
+        afresh (SJD), or coupled with the old draft (SCD); the argmax at T = 0."""
+        if self._greedy:
+            return p.argmax(-1)
+        if self.coupling == "gumbel":
+            return gumbel_max(p, self._rng.keyed(Purpose.GUMBEL, positions, p.shape[-1]))
+        if self.coupling == "maximal":
+            last, size = tree.size - 1, positions.shape[1]
+            drafted = self._arange(size, p.device)[None] < count[:, None] - 1  # the last had no draft
+            old = tree.tokens.gather(1, (nodes + 1).clamp_max(last))
+            q = tree.q.gather(1, nodes[..., None].expand(-1, -1, p.shape[-1]))
+            u = self._rng.uniform(Purpose.REFINE, size, 2)
+            return maximal_coupling(old, p, torch.where(drafted[..., None], q, 0.0), u[..., 0], u[..., 1])
+        return inverse_cdf(p, self._rng.uniform(Purpose.REFINE, positions.shape[1]))
 
 
 @dataclass
@@ -252,3 +273,4 @@ class JacobiTreeConfig(TreeConfig):
     kind: str = "jacobi"
     window: int = 16  # W: draft tokens per Jacobi window
     init: str = "random"  # fresh drafts: random | {horizontal,vertical}_{repeat,sample}
+    coupling: str = "none"  # an old draft's next one: none (a fresh draw, SJD) | maximal | gumbel (SCD)

@@ -20,12 +20,16 @@ import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig, write_in_place
+from vdtrain.decode.coupling import COUPLINGS, gumbel_max, maximal_coupling
 from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree, static_tree
 
 if TYPE_CHECKING:
     from vdtrain.decode.builders.base import DraftContext
+
+
+FRESH_Q = ("uniform", "point")  # a fresh draft's proposal: uniform over the vocabulary, or its point mass
 
 
 def tree_nodes(width: int, levels: int) -> int:
@@ -69,9 +73,21 @@ class SjdPacBuilder(DraftTreeBuilder):
     needs_drafter = False
     graph_safe = True  # the window is made at the first step and then updated in place
 
-    def __init__(self, window: int = 64, width: int = 3, levels: int = 3) -> None:
+    def __init__(
+        self,
+        window: int = 64,
+        width: int = 3,
+        levels: int = 3,
+        coupling: str = "maximal",
+        fresh_q: str = "uniform",
+    ) -> None:
         if width < 1 or levels < 1:
             raise ValueError(f"SJD-PAC needs width >= 1 and levels >= 1, got width={width}, levels={levels}")
+        if coupling not in COUPLINGS[1:]:
+            raise ValueError(f"SJD-PAC continues by coupling: maximal or gumbel, got {coupling!r}")
+        if fresh_q not in FRESH_Q:
+            raise ValueError(f"unknown fresh_q {fresh_q!r}; known: {list(FRESH_Q)}")
+        self.coupling, self.fresh_q = coupling, fresh_q
         nodes = tree_nodes(width, levels)
         if window < max(nodes, 2):
             raise ValueError(
@@ -174,7 +190,12 @@ class SjdPacBuilder(DraftTreeBuilder):
         u = state.rng.uniform(Purpose.DRAFT, deep, width)  # [B, M, W]: (column, rank)
         fresh = (u[..., 0] * vocab).long().clamp_max(vocab - 1)
         rank0 = torch.where(continued, win.tokens, fresh)
-        cols_q = torch.where(continued[..., None], win.q, 1.0 / vocab)  # [B, M, V]
+        fresh_q = (
+            1.0 / vocab
+            if self.fresh_q == "uniform"
+            else torch.zeros_like(win.q).scatter_(2, fresh[..., None], 1.0)
+        )
+        cols_q = torch.where(continued[..., None], win.q, fresh_q)  # [B, M, V]
         counts = torch.ones(batch, max(self.levels - 1, 1), dtype=torch.long, device=device)
         siblings = rank0.new_zeros(batch, deep, width - 1)
         for d in range(min(self.levels - 1, deep) if width > 1 else 0):  # the branching depths
@@ -241,8 +262,10 @@ class SjdPacBuilder(DraftTreeBuilder):
         if self._greedy:
             out = p.argmax(-1)
         else:
+            start = roots_at + accepted + 2
+            undrafted = k >= count[:, None] - 1
             out = self._continue(
-                tree.tokens.gather(1, node), p, tree.q.gather(1, spread), k >= count[:, None] - 1
+                tree.tokens.gather(1, node), p, tree.q.gather(1, spread), undrafted, start[:, None] + k
             )
         win.start = torch.where(verified, roots_at + accepted + 2, win.start)
         win.count = torch.where(verified, count, win.count)
@@ -250,19 +273,14 @@ class SjdPacBuilder(DraftTreeBuilder):
         win.q = torch.where(verified[:, None, None], p.to(win.q.dtype), win.q)
         return win
 
-    def _continue(self, drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, undrafted: torch.Tensor):
-        """Each draft kept with min(1, p(x)/q(x)), else redrawn from norm(max(0, p − q)): a draw from p.
-        ``undrafted`` entries (the position after the deepest draft) are drawn from p."""
+    def _continue(self, drafts, p, q, undrafted, positions) -> torch.Tensor:
+        """Each later position's next draft, a draw from its ``p`` [B, M, V]: the draft coupled with it
+        (maximal: kept with min(1, p(x)/q(x)), else from norm(max(0, p − q)); gumbel: argmax(log p + G)
+        with G fixed per image position). ``undrafted`` entries (past the deepest draft) are drawn from p."""
+        if self.coupling == "gumbel":
+            return gumbel_max(p, self._rng.keyed(Purpose.GUMBEL, positions, p.shape[-1]))
         u = self._rng.uniform(Purpose.CONTINUE, drafts.shape[1], 2)  # [B, M, 2]: keep test, redraw
-        p = p.double()
-        q = torch.where(undrafted[..., None], 0.0, q.double())
-        p_x = p.gather(-1, drafts[..., None]).squeeze(-1)
-        q_x = q.gather(-1, drafts[..., None]).squeeze(-1)
-        kept = ~undrafted & (u[..., 0] * q_x < p_x)
-        residual = (p - q).clamp_min(0)
-        empty = residual.sum(-1, keepdim=True) <= 0  # p = q up to rounding: nothing to reject into, use p
-        redraw = inverse_cdf(torch.where(empty, p, residual), u[..., 1])
-        return torch.where(kept, drafts, redraw)
+        return maximal_coupling(drafts, p, torch.where(undrafted[..., None], 0.0, q), u[..., 0], u[..., 1])
 
 
 @dataclass
@@ -275,3 +293,5 @@ class SjdPacTreeConfig(TreeConfig):
     window: int = 16  # L: tokens per forward, the root included
     width: int = 3  # W: tokens drafted per tree level (proactive drafting)
     levels: int = 3  # D: tree levels, the root included (the release's tree_depth)
+    coupling: str = "maximal"  # continuation: maximal (the release's, SCD's π_MC) | gumbel (SCD's π_GS)
+    fresh_q: str = "uniform"  # a fresh draft's q: uniform (the release) | point (its point mass, SCD)
