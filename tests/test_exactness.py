@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ from vdtrain.decode.builders.base import StepState
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
 from vdtrain.decode.builders.static import StaticTreeBuilder
 from vdtrain.decode.engine import SpeculativeEngine
-from vdtrain.decode.methods import ARMethod, build_method, load_preset, preset_names
+from vdtrain.decode.methods import ARMethod, build_method, decode_config, load_preset, preset_names
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree, static_tree
 from vdtrain.drafter import Drafter, DrafterConfig
@@ -54,8 +55,11 @@ def confident_drafter(target, seed: int = 4) -> Drafter:
     return drafter.attach(target).eval()
 
 
-def method(name: str, target, drafter, sampling, tmp_path: Path, **overrides):
-    config = load_preset(name, {"acceptance": {"cache_dir": str(tmp_path)}, **overrides})
+def method(name: str, target, drafter, sampling, tmp_path: Path, **sections):
+    """Preset ``name`` with ``sections`` in place of its own (a section's kind owns its keys, so a new
+    kind starts from its own defaults)."""
+    config = load_preset(name, {"acceptance": {"cache_dir": str(tmp_path)}})
+    config = replace(config, **{k: getattr(decode_config({k: node}), k) for k, node in sections.items()})
     return build_method(config, target, drafter if config.needs_drafter else None, sampling)
 
 
