@@ -226,7 +226,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         p = p_nodes.gather(1, nodes[..., None].expand(-1, -1, vocab))  # [B, W, V]
         count = (tree.max_depth() - accepted).clamp_min(0)  # positions m + a + 1 .. m + n
         start = m + accepted + 1
-        refined = self._redraw(tree, nodes, p, start[:, None] + entries[:, :size], count)
+        refined = self._redraw(tree, nodes, p, start, count)
         if win.board is not None:  # committed: the a accepted drafts (positions m ..) and the bonus
             at = m[:, None] + entries
             drafts = tree.tokens.gather(1, (entries + 1).clamp_max(last).expand(len(m), -1))
@@ -248,22 +248,24 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         win.q = torch.where(verified[:, None, None], p.to(win.q.dtype), win.q)
         return win
 
-    def _redraw(self, tree, nodes, p, positions, count) -> torch.Tensor:
+    def _redraw(self, tree, nodes, p, start, count) -> torch.Tensor:
         """Each entry's next draft, a draw from its new ``p`` [B, W, V] (``nodes``: the node whose p it is;
-        ``positions``: its image position; ``count``: the entries the forward drafted before, plus one):
-        afresh (SJD), or coupled with the old draft (SCD); the argmax at T = 0."""
+        entry k is image position ``start + k``; ``count``: the entries the forward drafted before, plus
+        one): afresh (SJD), or coupled with the old draft (SCD); the argmax at T = 0."""
+        size = p.shape[1]
         if self._greedy:
             return p.argmax(-1)
         if self.coupling == "gumbel":
+            positions = start[:, None] + self._arange(size, p.device)[None]
             return gumbel_max(p, self._rng.keyed(Purpose.GUMBEL, positions, p.shape[-1]))
         if self.coupling == "maximal":
-            last, size = tree.size - 1, positions.shape[1]
+            last = tree.size - 1
             drafted = self._arange(size, p.device)[None] < count[:, None] - 1  # the last had no draft
             old = tree.tokens.gather(1, (nodes + 1).clamp_max(last))
             q = tree.q.gather(1, nodes[..., None].expand(-1, -1, p.shape[-1]))
             u = self._rng.uniform(Purpose.REFINE, size, 2)
             return maximal_coupling(old, p, torch.where(drafted[..., None], q, 0.0), u[..., 0], u[..., 1])
-        return inverse_cdf(p, self._rng.uniform(Purpose.REFINE, positions.shape[1]))
+        return inverse_cdf(p, self._rng.uniform(Purpose.REFINE, size))
 
 
 @dataclass

@@ -262,10 +262,10 @@ class SjdPacBuilder(DraftTreeBuilder):
         if self._greedy:
             out = p.argmax(-1)
         else:
-            start = roots_at + accepted + 2
             undrafted = k >= count[:, None] - 1
+            positions = (roots_at + accepted + 2)[:, None] + k if self.coupling == "gumbel" else None
             out = self._continue(
-                tree.tokens.gather(1, node), p, tree.q.gather(1, spread), undrafted, start[:, None] + k
+                tree.tokens.gather(1, node), p, tree.q.gather(1, spread), undrafted, positions
             )
         win.start = torch.where(verified, roots_at + accepted + 2, win.start)
         win.count = torch.where(verified, count, win.count)
@@ -276,7 +276,8 @@ class SjdPacBuilder(DraftTreeBuilder):
     def _continue(self, drafts, p, q, undrafted, positions) -> torch.Tensor:
         """Each later position's next draft, a draw from its ``p`` [B, M, V]: the draft coupled with it
         (maximal: kept with min(1, p(x)/q(x)), else from norm(max(0, p − q)); gumbel: argmax(log p + G)
-        with G fixed per image position). ``undrafted`` entries (past the deepest draft) are drawn from p."""
+        with G fixed per image position, ``positions`` [B, M]). ``undrafted`` entries (past the deepest
+        draft) are drawn from p."""
         if self.coupling == "gumbel":
             return gumbel_max(p, self._rng.keyed(Purpose.GUMBEL, positions, p.shape[-1]))
         u = self._rng.uniform(Purpose.CONTINUE, drafts.shape[1], 2)  # [B, M, 2]: keep test, redraw
