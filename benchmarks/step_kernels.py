@@ -18,7 +18,10 @@ commit) are timed on the same arguments again; their values do not matter for th
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
 import time
+import types
 from collections import Counter
 from collections.abc import Callable
 from itertools import pairwise
@@ -78,13 +81,19 @@ def _recorder(label: str, method: Callable, seen: dict, calls: Counter) -> Calla
     return run
 
 
-def _kernels(engine: Any) -> dict[str, tuple[Any, str]]:
-    """``Class.name`` → (owner, attribute) of every step kernel the engine and its builder have."""
+def _kernels(engine: Any) -> dict[str, tuple[Any, str, Callable[..., Any]]]:
+    """``Owner.name`` → (owner, attribute, the kernel as a function of its call's arguments) of every step
+    kernel of the engine, its builder, and the row functions the engine's module calls (``rows.*``)."""
     found = {}
     for owner in (engine, engine.builder):
         for name in dir(type(owner)):
-            if hasattr(getattr(type(owner), name, None), "step_kernel"):
-                found[f"{type(owner).__name__}.{name}"] = (owner, name)
+            kernel = getattr(type(owner), name, None)
+            if hasattr(kernel, "step_kernel"):
+                found[f"{type(owner).__name__}.{name}"] = (owner, name, functools.partial(kernel, owner))
+    module = sys.modules[type(engine).__module__]
+    for name, kernel in vars(module).items():
+        if hasattr(kernel, "step_kernel") and not isinstance(kernel, type):
+            found[f"rows.{name}"] = (module, name, kernel)
     return found
 
 
@@ -114,14 +123,22 @@ def main() -> None:
     gens = _generators(device, args.seed, 0, args.batch)
 
     counter, seen, calls = _Ops(), {}, Counter()
-    for label, (owner, name) in _kernels(engine).items():
+    kernels = _kernels(engine)
+    for label, (owner, name, _) in kernels.items():
         setattr(owner, name, _recorder(label, getattr(owner, name), seen, calls))
     for owner, name in phase_methods(engine)["forward"]:
         setattr(owner, name, _excluded(counter, getattr(owner, name)))
     with torch.no_grad(), counter:
         engine.generate(cond, gens, on_step=counter.on_step)
-    for owner, name in [*_kernels(engine).values(), *phase_methods(engine)["forward"]]:
-        delattr(owner, name)  # the instance wrappers go: the timed calls trace the kernels as decoding does
+    # The wrappers go (the timed calls trace the kernels as decoding does): an instance's, and a module's
+    # function put back.
+    for owner, name, kernel in kernels.values():
+        if isinstance(owner, types.ModuleType):
+            setattr(owner, name, kernel)
+        else:
+            delattr(owner, name)
+    for owner, name in phase_methods(engine)["forward"]:
+        delattr(owner, name)
     steps = [b - a for a, b in pairwise(counter.marks[1:])]  # every step but the first (the prefill)
     ops = sum(steps) / len(steps)
     print(
@@ -143,18 +160,17 @@ def main() -> None:
 
     print("| kernel | calls per step | eager µs | compiled µs |")
     print("|---|---|---|---|")
-    for label, (owner, name) in sorted(_kernels(engine).items()):
+    for label, (_, _, kernel) in sorted(kernels.items()):
         if label not in seen:
             continue
         a, k = seen[label]
-        kernel = getattr(type(owner), name)
         times = []
         for enabled in (False, True):
             with torch.no_grad(), compiled_step_kernels(enabled, args.backend):
-                kernel(owner, *a, **k)  # warm-up (compiles when enabled)
+                kernel(*a, **k)  # warm-up (compiles when enabled)
                 start = _now(device)
                 for _ in range(args.calls):
-                    kernel(owner, *a, **k)
+                    kernel(*a, **k)
                 times.append((_now(device) - start) / args.calls * 1e6)
         print(f"| {label} | {calls[label] / (len(steps) + 1):.1f} | {times[0]:.0f} | {times[1]:.0f} |")
 
