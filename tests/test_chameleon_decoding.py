@@ -174,7 +174,7 @@ def test_the_distribution_test_rejects_a_lossy_method(enumerable, tmp_path):
         random_drafter(target, std=0.4),
         sampling,
         tmp_path,
-        acceptance={"lam": 10.0, "k": 2, "cache_dir": str(tmp_path)},
+        acceptance={"kind": "lantern_pp", "lam": 10.0, "k": 2, "cache_dir": str(tmp_path)},
     )
     samples = sample_images(engine, cond, 2000, seed=31)
     assert chi_square_pvalue(samples, exact) < SIGNIFICANCE
