@@ -34,7 +34,7 @@ import torch
 
 from benchmarks.step_cost import random_llamagen
 from vdtrain.config import DrafterTrainConfig, OptimConfig
-from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.drafter import Drafter
 from vdtrain.eval.runner import device_description
 from vdtrain.targets import cast_for_inference
 from vdtrain.targets.base import Target
@@ -78,11 +78,10 @@ class RandomCaptions:
 
 def build(name: str, device: torch.device, dtype: str, seed: int) -> tuple[Target, Drafter]:
     """The random-weight target (its captions random rows, cast to ``dtype``) and a fresh drafter."""
-    target, _ = random_llamagen(name, device, seed, SMALL if name == "small" else None)
+    target, drafter = random_llamagen(name, device, seed, SMALL if name == "small" else None)
     gpt = target.gpt.config
     target.caption_encoder = RandomCaptions(target.prefix_length, gpt.caption_dim, device)
-    target = cast_for_inference(target, dtype)
-    return target, Drafter(DrafterConfig.for_target(target)).to(device)
+    return cast_for_inference(target, dtype), drafter.train()  # the drafter trains in fp32 (autocast)
 
 
 def step_flops(target: Target, drafter: Drafter, batch: int) -> float:
@@ -96,7 +95,8 @@ def step_flops(target: Target, drafter: Drafter, batch: int) -> float:
     head = target.vocab_size * width
     attention = 2 * batch * seq * seq * width  # QKᵀ and AV, causal: half of 4·S²·d per layer
     target_flops = 2 * frozen * tokens + layers * attention
-    drafter_flops = 6 * trained * tokens + 3 * attention + 2 * head * image_rows + 4 * head * image_rows
+    # The head: forward for the drafter's logits and the target's, backward to its input.
+    drafter_flops = 6 * trained * tokens + 3 * attention + 6 * head * image_rows
     return float(target_flops + drafter_flops)
 
 
@@ -115,7 +115,7 @@ def measure(name: str, mode: str, dtype: str, batch: int, steps: int, warmup: in
     target, drafter = build(name, device, dtype, seed)
     module = DrafterModule(target, drafter, DrafterTrainConfig(), OptimConfig(), max_steps=steps + warmup)
     module.to(device)
-    module._place_target()
+    module.on_fit_start()  # places the target, as fit does
     if mode == "compiled":
         module.drafter.layer.compile()
     params = [p for p in module.drafter.parameters() if p.requires_grad]

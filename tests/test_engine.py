@@ -35,9 +35,9 @@ from vdtrain.targets.base import Condition
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 
-def make_target(gpt_config=TINY_GPT, vq_config=TINY_VQ, image_size=8, seed=0) -> LlamaGenTarget:
+def make_target(gpt_config=TINY_GPT, vq_config=TINY_VQ, image_size=8, seed=0, std=0.3) -> LlamaGenTarget:
     return LlamaGenTarget(
-        random_gpt(gpt_config, seed=seed),
+        random_gpt(gpt_config, seed=seed, std=std),
         VQTokenizer(random_vq(vq_config), image_size),
         None,
         "tiny",

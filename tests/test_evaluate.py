@@ -163,19 +163,7 @@ def test_bad_inputs_are_clear_errors(target, drafter):
         QualityScorer(QualityConfig(metrics=["fidelity"]))
 
 
-def test_presets_know_whether_they_are_exact():
-    exact = {n for n in preset_names() if load_preset(n).exact}
-    assert exact == {
-        "ar",
-        "eagle1",
-        "eagle2",
-        "peanut",
-        "sjd",
-        "scd",
-        "scd_gumbel",
-        "sjd_pac",
-        "sjd_pac_gumbel",
-    }
+def test_a_preset_takes_overrides():  # which presets are exact: tests/test_method_registry.py
     assert load_preset("eagle2", {"tree": {"top_k": 4}}).tree.top_k == 4
 
 

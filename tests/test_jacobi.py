@@ -62,26 +62,28 @@ GRID3_GPT = replace(TINY_GPT, vocab_size=3, block_size=9, cls_token_num=2)
 GRID3_VQ = replace(TINY_VQ, codebook_size=3)
 
 
-def _enumerable(gpt, vq, image_size):
-    target = make_target(gpt, vq, image_size=image_size, seed=3)
+def enumerable(gpt, vq, image_size, seed=3, std=0.3, cfg_scale=2.0):
+    """(target, condition, sampling at T = 1, every image's exact probability) for a target small enough
+    to enumerate its images."""
+    target = make_target(gpt, vq, image_size=image_size, seed=seed, std=std)
     cond = Condition(
         torch.randn(1, 2, gpt.caption_dim, generator=torch.Generator().manual_seed(5)),
         torch.ones(1, 2, dtype=torch.bool),
     )
-    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+    sampling = SamplingConfig(cfg_scale=cfg_scale, temperature=1.0)
     return target, cond, sampling, exact_ar_distribution(target, cond, sampling)
 
 
 @pytest.fixture(scope="module")
 def micro():
     """test_engine's 2×2 grid, 4 tokens (4⁴ images)."""
-    return _enumerable(MICRO_GPT, MICRO_VQ, 4)
+    return enumerable(MICRO_GPT, MICRO_VQ, 4)
 
 
 @pytest.fixture(scope="module")
 def grid3():
     """A 3×3 grid over 3 tokens (3⁹ images): windows carried over several steps and cut at the end."""
-    return _enumerable(GRID3_GPT, GRID3_VQ, 6)
+    return enumerable(GRID3_GPT, GRID3_VQ, 6)
 
 
 @pytest.mark.parametrize(

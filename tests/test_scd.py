@@ -70,7 +70,6 @@ class KeepTheOldQ(JacobiWindowBuilder):
 
 
 def test_the_distribution_test_rejects_the_releases_old_q(request):
-    """Bonferroni p at 6 000 samples on ``sharp3x3``: 6e-14 and 8e-10 for sample seeds 2 and 3."""
     target, cond, sampling, exact = request.getfixturevalue("sharp3x3")
     engine = SpeculativeEngine(target, None, KeepTheOldQ(6, coupling="maximal"), sampling)
     assert bonferroni_pvalue(sample_images(engine, cond, 6000, seed=2), exact) < SIGNIFICANCE

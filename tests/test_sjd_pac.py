@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import random_gpt, random_vq, tiny_condition
+from conftest import tiny_condition
 from image_statistics import bonferroni_pvalue
 from omegaconf import OmegaConf
 from reference_acceptance import Verdict, from_verdicts, residual, verify_exact
@@ -30,6 +30,7 @@ from test_engine import (
 from test_jacobi import (
     GRID3_GPT,
     GRID3_VQ,
+    enumerable,
     grid3,  # noqa: F401  (the 3×3 grid over 3 tokens, a module fixture)
 )
 
@@ -42,8 +43,6 @@ from vdtrain.decode.methods import PRESETS, build_method, load_preset, tree_buil
 from vdtrain.decode.profiling import OpCounter
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.targets.base import Condition
-from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 # --- T = 0: identical tokens --------------------------------------------------------------------------
 
@@ -75,19 +74,7 @@ def sharp():
     before (weights of std 1, no CFG): a later sibling's subtree is often accepted where the first
     sibling's is not, which is where B1 departs from the first accepted sibling (a first-step analysis put
     its total-variation distance at 0.05, the largest of 48 candidate targets)."""
-    target = LlamaGenTarget(
-        random_gpt(MICRO_GPT, seed=6, std=1.0),
-        VQTokenizer(random_vq(MICRO_VQ), 4),
-        None,
-        "tiny",
-        SamplingConfig(),
-    )
-    cond = Condition(
-        torch.randn(1, 2, MICRO_GPT.caption_dim, generator=torch.Generator().manual_seed(5)),
-        torch.ones(1, 2, dtype=torch.bool),
-    )
-    sampling = SamplingConfig(cfg_scale=1.0, temperature=1.0)
-    return target, cond, sampling, exact_ar_distribution(target, cond, sampling)
+    return enumerable(MICRO_GPT, MICRO_VQ, 4, seed=6, std=1.0, cfg_scale=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -95,19 +82,7 @@ def sharp3x3():
     """A 3×3 grid over 3 tokens (3⁹ images) with peaked, context-dependent distributions (weights of std
     1, no CFG): the (9, 2, 3) window's main path reaches depth 4, so its chain (depths 3 and 4) is drafted
     and continued. Chosen among a few seeds as the one where each of B2–B5 moves the most mass."""
-    target = LlamaGenTarget(
-        random_gpt(GRID3_GPT, seed=3, std=1.0),
-        VQTokenizer(random_vq(GRID3_VQ), 6),
-        None,
-        "tiny",
-        SamplingConfig(),
-    )
-    cond = Condition(
-        torch.randn(1, 2, GRID3_GPT.caption_dim, generator=torch.Generator().manual_seed(5)),
-        torch.ones(1, 2, dtype=torch.bool),
-    )
-    sampling = SamplingConfig(cfg_scale=1.0, temperature=1.0)
-    return target, cond, sampling, exact_ar_distribution(target, cond, sampling)
+    return enumerable(GRID3_GPT, GRID3_VQ, 6, seed=3, std=1.0, cfg_scale=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -255,8 +230,7 @@ class KeepTheDraftsQ(SjdPacBuilder):
 )
 def test_the_distribution_test_rejects_the_release_bugs(fixture, builder, accept, count, request):
     """Power: on the same fixtures and tests as the exact sampler, each error is rejected (the release's
-    B1–B4, and B5 as SCD's release has it). Bonferroni p over sample seeds 2, 3, 4 at these counts:
-    B1 ≤ 4e-14, B2 0, B3 ≤ 9e-10, B4 ≤ 7e-89, B5 ≤ 4e-7 (3e-11 for seeds 1 and 2 at 8000)."""
+    B1–B4, and B5 as SCD's release has it)."""
     target, cond, sampling, exact = request.getfixturevalue(fixture)
     shape = (8, 2, 3) if fixture == "sharp" else (9, 2, 3)
     if accept is None:

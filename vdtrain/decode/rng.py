@@ -45,6 +45,11 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _check_purpose(purpose: int) -> None:
+    if not isinstance(purpose, int) or not 0 <= purpose <= _MASK:
+        raise ValueError(f"purpose must be in [0, 2^32), got {purpose}")
+
+
 def _as_int64_seed(seed: int) -> int:
     """Generators report seeds as unsigned 64-bit integers; store them as the int64 with the same bits."""
     seed &= (1 << 64) - 1
@@ -110,8 +115,7 @@ class RowRandom:
         values as separate calls, in about half the ops for two blocks)."""
         counts = []
         for purpose, shape in blocks:
-            if not isinstance(purpose, int) or not 0 <= purpose <= _MASK:
-                raise ValueError(f"purpose must be in [0, 2^32), got {purpose}")
+            _check_purpose(purpose)
             count = 1
             for n in shape:
                 count *= n
@@ -134,8 +138,7 @@ class RowRandom:
         (say, absolute image positions) and the element's index only, not of the step. A row that asks
         again for a key gets the same numbers, in any batch: noise fixed per position until it is
         committed (SCD's Gumbel coupling)."""
-        if not isinstance(purpose, int) or not 0 <= purpose <= _MASK:
-            raise ValueError(f"purpose must be in [0, 2^32), got {purpose}")
+        _check_purpose(purpose)
         if keys.dim() != 2 or keys.shape[0] != self.batch:
             raise ValueError(f"keys must be [B={self.batch}, K], got shape {tuple(keys.shape)}")
         row = _mix(self.seed_key ^ ((purpose * _PURPOSE_SALT) & _MASK))  # [B]: no step in it

@@ -11,8 +11,7 @@ image sequence is ``h`` rows of ``w`` codes, each followed by that token, so the
 ``(h, w + 1)``; the tokenizer adds and strips the column. Forced tokens are part of the target's logits:
 a row whose next token is forced holds 0 for that token and ``FORCED_LOGIT`` elsewhere, and rows that
 must not emit the end-of-row token hold ``FORCED_LOGIT`` for it, in every guidance stream. Any guidance
-combination of such rows is the same row (no inf − inf), so the shared sampling pipeline puts
-probability exactly 1 on a forced token, at any temperature.
+combination of such rows is the same row (no inf − inf): a forced token gets probability exactly 1.
 """
 
 from __future__ import annotations
