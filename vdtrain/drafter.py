@@ -359,6 +359,15 @@ class Drafter(nn.Module):
         self._borrowed = _Borrowed(embedding, head, ident)
         return self
 
+    @torch.no_grad()
+    def start_from(self, target: Target) -> Drafter:
+        """A new drafter's initialisation from its target: an eagle3 drafter's norm starts as the target's
+        final norm (``transformer.norm``), so its first logits are on the head's scale."""
+        final_norm = getattr(target.transformer, "norm", None)
+        if self.config.kind == "eagle3" and final_norm is not None:
+            self.norm.weight.copy_(final_norm.weight.float())
+        return self
+
     @property
     def taps(self) -> tuple[int, ...]:
         """The target layers whose residual stream this drafter reads (``Target.forward_*``'s ``taps``);

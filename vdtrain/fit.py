@@ -104,9 +104,10 @@ def build_drafter(cfg: FitConfig, target) -> Drafter:
         raise ValueError(
             f"drafter.feature_layers is for eagle3 drafters; drafter.kind is {cfg.drafter.kind!r}"
         )
-    return Drafter(
-        DrafterConfig.for_target(target, cfg.drafter.kind, None if layers is None else tuple(layers), **layer)
+    config = DrafterConfig.for_target(
+        target, cfg.drafter.kind, None if layers is None else tuple(layers), **layer
     )
+    return Drafter(config).start_from(target)
 
 
 def resume_path(cfg: FitConfig, run_dir: Path) -> str | None:
