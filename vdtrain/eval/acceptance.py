@@ -81,6 +81,7 @@ def build_report(
     return AcceptanceReport(method, float(temperature), depths, simulated_tau(agreement), row.tau, row.S)
 
 
+@torch.no_grad()
 def teacher_forced_agreement(
     drafter: Drafter,
     target: Target,
@@ -115,8 +116,8 @@ def measure(
 ) -> list[AcceptanceReport]:
     """The reports for ``cfg.method`` at ``cfg.temperatures`` on ``result``'s prompts. Decodes that
     ``result`` already holds are reused; the others run through ``evaluate`` with the same seeds (no
-    warm-up: only counts are read; forwards ``compile`` wrapped stay compiled), AR from ``ar_runs`` where
-    it holds the temperature."""
+    warm-up: only counts are read, and forwards an earlier ``compile`` wrapped stay compiled), AR from
+    ``ar_runs`` where it holds the temperature."""
     missing = [float(t) for t in cfg.temperatures if (cfg.method, float(t)) not in result.decoded]
     decoded = dict(result.decoded)
     rows = {(r.method, r.temperature): r for r in result.rows}
