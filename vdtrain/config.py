@@ -55,9 +55,14 @@ class OptimConfig:
 
 @dataclass
 class DrafterTrainConfig:
+    kind: str = "eagle1"  # eagle1 | eagle3 (fused target layers, training-time test): docs/training.md
+    feature_layers: list[int] | None = None  # eagle3: target layers fused; null: the family's choice
     layer: dict[str, Any] = field(default_factory=dict)  # DrafterConfig layer overrides (n_head, ...)
-    w_cls: float = 0.1  # weight of the soft cross-entropy term
-    feature_noise: float = 0.1  # uniform input-feature noise U(-a, a)
+    w_cls: float = 0.1  # eagle1: weight of the soft cross-entropy term
+    w_feature: float = 0.0  # eagle3: weight of the optional feature loss (EAGLE-3 drops it)
+    ttt_steps: int = 7  # eagle3: drafter steps unrolled on its own outputs per sample (EAGLE-3's 7)
+    ttt_decay: float = 0.8  # eagle3: weight decay^j of unrolled step j's loss (EAGLE-3's 0.8)
+    feature_noise: float = 0.1  # uniform input-feature noise U(-a, a) (eagle3: on the fused layers)
     val_depth: int = 5  # draft depth unrolled at validation for per-depth agreement and tau_sim
     init_from: str | None = None  # a saved drafter folder to start from
 

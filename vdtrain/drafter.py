@@ -3,7 +3,9 @@
 The drafter owns ``fc = Linear(2H → H)`` and ONE decoder layer: the family's ``DraftLayer``
 (``vdtrain.targets.draft_layers()``), which also brings the family's positional encoding. The token
 embedding and the output head are *borrowed* from the frozen target (``Drafter.attach``): they are neither
-parameters of the drafter nor in its saved weights.
+parameters of the drafter nor in its saved weights. Two kinds (``DrafterConfig.kind``): ``eagle1`` reads
+the target's last hidden state; ``eagle3`` fuses low, middle and high layers (``fuse``) and normalises its
+output before the head (docs/training.md, "EAGLE-3 drafters").
 
 Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}``, with a zero embedding
 where slot ``s + 1`` is a caption row; ``drafter_inputs`` is the only place that builds it. The alignment,
@@ -48,6 +50,7 @@ LLAMAGEN_LAYER_FIELDS = (
 # are the ``drafter.``-prefixed entries of the checkpoint's state dict.
 CHECKPOINT_CONFIG_KEY = "drafter_config"
 CHECKPOINT_PREFIX = "drafter."
+KINDS = ("eagle1", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -65,11 +68,23 @@ class DrafterConfig:
     family: str = "llamagen"
     layer: dict[str, Any] = field(default_factory=dict)
     target: dict[str, Any] = field(default_factory=dict)
+    kind: str = "eagle1"  # eagle1: the target's last hidden state; eagle3: fused layers (feature_layers)
+    feature_layers: tuple[int, ...] = ()  # eagle3: the target layers fused (hidden_states[k] indices)
 
     def __post_init__(self) -> None:
         # JSON turns tuples into lists: normalise so a round trip compares equal.
         object.__setattr__(self, "grid", tuple(int(g) for g in self.grid))
         object.__setattr__(self, "layer", dict(self.layer))
+        object.__setattr__(self, "feature_layers", tuple(int(k) for k in self.feature_layers))
+        if self.kind not in KINDS:
+            raise ValueError(f"drafter kind must be one of {list(KINDS)}, got {self.kind!r}")
+        if (self.kind == "eagle3") != bool(self.feature_layers):
+            raise ValueError(
+                "an eagle3 drafter fuses target layers (feature_layers) and an eagle1 drafter none; got "
+                f"kind {self.kind!r} with feature_layers {list(self.feature_layers)}"
+            )
+        if any(k < 0 for k in self.feature_layers):
+            raise ValueError(f"feature_layers must be >= 0, got {list(self.feature_layers)}")
         if self.target:
             target = dict(self.target)
             if "grid" in target:
@@ -98,6 +113,12 @@ class DrafterConfig:
                 raise ValueError(
                     "drafter config disagrees with its recorded target identity: " + "; ".join(bad)
                 )
+            layers = self.target.get("num_layers")
+            if self.feature_layers and layers is not None and max(self.feature_layers) > layers:
+                raise ValueError(
+                    f"feature_layers {list(self.feature_layers)} outside 0 .. {layers}: the target has "
+                    f"{layers} layers"
+                )
 
     @property
     def layer_class(self) -> type[DraftLayer]:
@@ -115,13 +136,22 @@ class DrafterConfig:
         return TargetIdentity(**self.target) if self.target else None
 
     @classmethod
-    def for_target(cls, target: Target, **layer_overrides: Any) -> DrafterConfig:
+    def for_target(
+        cls,
+        target: Target,
+        kind: str = "eagle1",
+        feature_layers: tuple[int, ...] | None = None,
+        **layer_overrides: Any,
+    ) -> DrafterConfig:
         """The drafter of ``target``'s family, with the target's own layer hyper-parameters.
 
         ``layer_overrides`` may change the family layer's ``settings_fields`` (heads, FFN size, ...),
-        never the width.
+        never the width. An ``eagle3`` drafter fuses ``feature_layers``, by default the family's choice
+        (``Target.default_feature_layers``).
         """
         ident = target.identity
+        if kind == "eagle3" and feature_layers is None:
+            feature_layers = target.default_feature_layers()
         layer_class = draft_layer_class(ident.family)
         unknown = sorted(set(layer_overrides) - set(layer_class.settings_fields))
         if unknown:
@@ -137,12 +167,15 @@ class DrafterConfig:
             family=ident.family,
             layer={**layer_class.settings_of(target), **layer_overrides},
             target=dataclasses.asdict(ident),
+            kind=kind,
+            feature_layers=tuple(feature_layers or ()),
         )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (tuples become lists; ``from_dict`` restores them)."""
         out = dataclasses.asdict(self)
         out["grid"] = list(self.grid)
+        out["feature_layers"] = list(self.feature_layers)
         if "grid" in out["target"]:
             out["target"]["grid"] = list(out["target"]["grid"])
         return out
@@ -214,6 +247,55 @@ def teacher_mask(cond_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
     return full[..., :seq_len, :seq_len]
 
 
+def tree_step_mask(cond_mask: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:
+    """What row ``s`` of unrolled step ``step`` may attend to: [B, 1, S, (step + 1)·S] over the keys of
+    steps ``0 .. step`` (``S = seq_len`` rows each, in that order).
+
+    Row ``s`` at step ``j`` stands for a depth-``j + 1`` draft node whose chain left the target's features
+    at row ``s - j``: like that node in a tree step, it sees the teacher-forced (target-feature) rows up to
+    ``s - j`` and, of each later step ``i``, only its own ancestor, row ``s - j + i``. Nothing after
+    the chain's start, and no sibling chain."""
+    teacher = teacher_mask(cond_mask, seq_len)[:, 0]  # [B, S, S]
+    first = torch.zeros_like(teacher)
+    first[:, step:] = teacher[:, : seq_len - step]
+    q = torch.arange(seq_len, device=cond_mask.device)[:, None]
+    k = torch.arange(seq_len, device=cond_mask.device)[None, :]
+    ancestors = [(k - q == i - step).expand_as(teacher) for i in range(1, step + 1)]
+    return torch.cat([first, *ancestors], dim=-1)[:, None]
+
+
+def chain_rows(cond_mask_or_prefix_len: torch.Tensor | int, seq_len: int, step: int) -> torch.Tensor:
+    """Bool [S] over the rows of unrolled step ``step`` whose chain starts where decoding starts one:
+    at or after row ``L - 1`` (the first root; decoding never drafts from inside the prefix)."""
+    prefix = (
+        cond_mask_or_prefix_len.shape[1]
+        if isinstance(cond_mask_or_prefix_len, torch.Tensor)
+        else int(cond_mask_or_prefix_len)
+    )
+    return torch.arange(seq_len) - step >= prefix - 1
+
+
+class _AppendCache:
+    """A one-layer cache that appends each unrolled step's keys and values out of place, so gradients flow
+    through every step (a preallocated cache is written in place, which autograd refuses)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def layer(self, index: int) -> _AppendCache:
+        return self
+
+    def write(
+        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        if self.k.shape[2] != kv_len:
+            raise ValueError(f"unrolled step has {self.k.shape[2]} keys but its mask covers {kv_len}")
+        return self.k, self.v
+
+
 @dataclass
 class _Borrowed:
     """The target modules the drafter uses but does not own: held outside ``nn.Module`` registration
@@ -231,6 +313,9 @@ class Drafter(nn.Module):
         super().__init__()
         self.config = config
         hidden = config.hidden_size
+        if config.kind == "eagle3":  # as EAGLE-3: a bias-free fusion, a norm before the head
+            self.fuse = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
+            self.norm = nn.RMSNorm(hidden, eps=1e-6)
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layer = config.layer_class(hidden, config.prefix_length, config.grid, config.layer)
         self._borrowed: _Borrowed | None = None
@@ -257,6 +342,11 @@ class Drafter(nn.Module):
                 prefix_length=self.config.prefix_length,
             )
         problems = expected.mismatches(ident)
+        if self.taps and max(self.taps) > target.num_layers:
+            problems.append(
+                f"feature_layers {list(self.taps)} need {max(self.taps)} layers, the target has "
+                f"{target.num_layers}"
+            )
         if problems:
             raise ValueError(
                 f"drafter was trained for target {expected.name!r} and does not match target "
@@ -268,6 +358,23 @@ class Drafter(nn.Module):
         head.requires_grad_(False)
         self._borrowed = _Borrowed(embedding, head, ident)
         return self
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The target layers whose residual stream this drafter reads (``Target.forward_*``'s ``taps``);
+        empty for eagle1, which reads the final-norm hidden state."""
+        return self.config.feature_layers
+
+    def input_features(self, hidden: torch.Tensor, tapped: torch.Tensor | None) -> torch.Tensor:
+        """The target's contribution to drafter rows [.., H]: ``hidden`` (eagle1), or the fusion of the
+        ``tapped`` layers [.., k·H] (eagle3). Every target feature enters the drafter through here."""
+        if not self.taps:
+            return hidden
+        if tapped is None:
+            raise ValueError(
+                f"an eagle3 drafter reads target layers {list(self.taps)}: run the target with taps"
+            )
+        return self.fuse(tapped.to(self.fuse.weight.dtype))
 
     @property
     def attached(self) -> bool:
@@ -283,7 +390,19 @@ class Drafter(nn.Module):
         return self._require().embedding(tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target head applied to drafter features ``f̂``; fp32 image-token logits."""
+        """The target head applied to drafter features ``f̂`` (normalised first by an eagle3 drafter);
+        fp32 image-token logits."""
+        return self.head_logits(self.normed(hidden))
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafter features as the head reads them: an eagle3 drafter's own norm; eagle1's f̂ as is (it
+        regresses final-norm states)."""
+        if self.config.kind == "eagle3":
+            return self.norm(hidden.to(self.norm.weight.dtype))
+        return hidden
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The borrowed target head alone: fp32 logits of final-norm states (the target's, in training)."""
         head = self._require().head
         weight = next(head.parameters(), None)
         if weight is not None:
@@ -319,6 +438,27 @@ class Drafter(nn.Module):
         seq = features.shape[1]
         positions = torch.arange(seq, device=features.device)
         return self(features, next_embeds, positions, teacher_mask(cond_mask, seq))
+
+    def unroll(
+        self, features: torch.Tensor, tokens: torch.Tensor, cond_mask: torch.Tensor, steps: int
+    ) -> list[torch.Tensor]:
+        """Training-time test: ``f̂`` [B, L+N-1, H] of unrolled steps ``0 .. steps-1`` (draft depths
+        ``1 .. steps``), teacher-forced on the true ``tokens``.
+
+        ``features`` [B, L+N, H]: the target's, through ``input_features``. Step 0 is ``forward_teacher``;
+        step ``j`` feeds row ``s`` the drafter's own step ``j-1`` output at row ``s-1`` (its prediction of
+        ``f_s``), under ``tree_step_mask``: each row sees exactly what the matching tree node sees.
+        Only the rows of ``chain_rows`` are drafts decoding makes."""
+        seq = features.shape[1] - 1
+        embeds = after_prefix_rows(self.embed(tokens), self.config.prefix_length)
+        positions = torch.arange(seq, device=features.device)
+        cache = _AppendCache()
+        inputs, outs = features[:, :-1], []
+        for step in range(steps):
+            mask = tree_step_mask(cond_mask, seq, step)
+            outs.append(self(inputs, embeds, positions, mask, cache, positions))
+            inputs = torch.cat([outs[-1][:, :1], outs[-1][:, :-1]], dim=1)  # row s ← step output at s-1
+        return outs
 
     def forward_prefix(
         self, prefix_hidden: torch.Tensor, first_tokens: torch.Tensor, cond_mask: torch.Tensor, cache: KVCache

@@ -91,9 +91,22 @@ def build_logger(cfg: FitConfig, run_dir: Path):
 
 def build_drafter(cfg: FitConfig, target) -> Drafter:
     if cfg.drafter.init_from:
-        return Drafter.from_pretrained(cfg.drafter.init_from, target)
+        drafter = Drafter.from_pretrained(cfg.drafter.init_from, target)
+        if drafter.config.kind != cfg.drafter.kind:
+            raise ValueError(
+                f"drafter.init_from={cfg.drafter.init_from!r} is an {drafter.config.kind} drafter but "
+                f"drafter.kind={cfg.drafter.kind!r}"
+            )
+        return drafter
     layer = OmegaConf.to_container(cfg.drafter.layer) if cfg.drafter.layer else {}
-    return Drafter(DrafterConfig.for_target(target, **layer))
+    layers = cfg.drafter.feature_layers
+    if layers is not None and cfg.drafter.kind != "eagle3":
+        raise ValueError(
+            f"drafter.feature_layers is for eagle3 drafters; drafter.kind is {cfg.drafter.kind!r}"
+        )
+    return Drafter(
+        DrafterConfig.for_target(target, cfg.drafter.kind, None if layers is None else tuple(layers), **layer)
+    )
 
 
 def resume_path(cfg: FitConfig, run_dir: Path) -> str | None:

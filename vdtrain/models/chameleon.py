@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vdtrain.models.kv_cache import KVCache, LayerCache
+from vdtrain.models.taps import with_taps
 
 QK_NORM_EPS = 1e-5  # hard-coded in both official implementations
 
@@ -188,16 +189,21 @@ class ChameleonBackbone(nn.Module):
         mask: torch.Tensor,
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
+        taps: tuple[int, ...] = (),
     ) -> torch.Tensor:
         """Input embeddings ``x`` [B, S, D] at RoPE ``positions`` ([S] or [B, S]) with boolean ``mask``
-        [B, 1, S, K] (True = may attend) → final-norm hidden states [B, S, D]."""
+        [B, 1, S, K] (True = may attend) → final-norm hidden states [B, S, D], followed by the residual
+        stream after each of ``taps`` layers (``with_taps``)."""
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
         rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         h = x
+        tapped = [h] if 0 in taps else []
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask, None if cache is None else cache.layer(i), slots)
-        return self.norm(h)
+            if i + 1 in taps:
+                tapped.append(h)
+        return with_taps(self.norm(h), tapped, taps, len(self.layers))
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c, ref = self.config, self.norm.weight

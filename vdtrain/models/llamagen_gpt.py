@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vdtrain.models.kv_cache import KVCache, LayerCache
+from vdtrain.models.taps import with_taps
 
 
 def find_multiple(n: int, k: int) -> int:
@@ -285,17 +286,23 @@ class LlamaGenGPT(nn.Module):
         mask: torch.Tensor | None,
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
+        taps: tuple[int, ...] = (),
     ) -> torch.Tensor:
-        """Input embeddings ``x`` [B, S, dim] at RoPE ``positions`` ([S] or [B, S]) → final-norm hidden."""
+        """Input embeddings ``x`` [B, S, dim] at RoPE ``positions`` ([S] or [B, S]) → final-norm hidden,
+        followed along the last dim by the residual stream after each of ``taps`` layers
+        (``with_taps``)."""
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
         rope = self.rope[positions]
         if self.config.learned_pos_embedding:
             x = x + self.pos_embedding[positions].to(x.dtype)
         h = self.tok_dropout(x)
+        tapped = [h] if 0 in taps else []
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, mask, None if cache is None else cache.layer(i), slots)
-        return self.norm(h)
+            if i + 1 in taps:
+                tapped.append(h)
+        return with_taps(self.norm(h), tapped, taps, len(self.layers))
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         c = self.config

@@ -40,13 +40,18 @@ class TargetIdentity:
     grid: tuple[int, int]
     prefix_length: int
     head_fingerprint: str
+    num_layers: int | None = None  # decoder layers; None in records written before it was kept
 
     def mismatches(self, other: TargetIdentity) -> list[str]:
-        return [
+        fields = ("family", "hidden_size", "vocab_size", "grid", "prefix_length", "head_fingerprint")
+        problems = [
             f"{field}: {getattr(self, field)!r} != {getattr(other, field)!r}"
-            for field in ("family", "hidden_size", "vocab_size", "grid", "prefix_length", "head_fingerprint")
+            for field in fields
             if getattr(self, field) != getattr(other, field)
         ]
+        if None not in (self.num_layers, other.num_layers) and self.num_layers != other.num_layers:
+            problems.append(f"num_layers: {self.num_layers!r} != {other.num_layers!r}")
+        return problems
 
 
 def fingerprint(weight: torch.Tensor) -> str:
@@ -103,6 +108,14 @@ def prefix_and_image_mask(cond_mask: torch.Tensor, image_visibility: torch.Tenso
 class TargetOutput:
     hidden: torch.Tensor  # [B, S, H] after the final norm
     logits: torch.Tensor  # [B, S, V] over image tokens, fp32
+    taps: torch.Tensor | None = None  # [B, S, len(taps)·H]: the residual stream after each tapped layer
+
+
+def split_taps(states: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A transformer's output with ``taps`` → (final-norm hidden [.., H], tapped layers [.., k·H] or None)."""
+    if states.shape[-1] == hidden_size:
+        return states, None
+    return states[..., :hidden_size], states[..., hidden_size:]
 
 
 class ImageTokenizer(nn.Module, ABC):
@@ -209,6 +222,20 @@ class Target(nn.Module, ABC):
         return self.prefix_length + self.num_image_tokens
 
     @property
+    def num_layers(self) -> int:
+        """Decoder layers of the transformer (the range of ``taps``: 0 .. num_layers)."""
+        return len(self.transformer.layers)
+
+    def default_feature_layers(self) -> tuple[int, int, int]:
+        """The low, middle and high layers an EAGLE-3 drafter fuses: EAGLE-3's choice, the residual
+        stream entering layers 2, n/2 and n-3 (``hidden_states[k]`` for k = 2, n//2, n-3), spread over
+        1 .. n on a target too shallow for it. A family may choose others."""
+        n = self.num_layers
+        if n >= 6:
+            return (2, n // 2, n - 3)
+        return (1, max(1, n // 2), max(1, n - 1))
+
+    @property
     def dtype(self) -> torch.dtype:
         """The dtype the transformer runs in (``target.dtype``; fp32 unless cast for inference)."""
         return self.token_embedding.weight.dtype
@@ -289,25 +316,30 @@ class Target(nn.Module, ABC):
         positions = torch.arange(hidden.shape[1], device=hidden.device)
         return TargetOutput(hidden, self.logits(hidden, positions - (self.prefix_length - 1)))
 
-    def sequence_features(self, cond: Condition, tokens: torch.Tensor) -> torch.Tensor:
+    def sequence_features(
+        self, cond: Condition, tokens: torch.Tensor, taps: tuple[int, ...] = ()
+    ) -> torch.Tensor:
         """``forward_sequence``'s hidden states [B, L + N, H] without the head: what drafter training
-        reads (the head's [B, L + N, V] logits would cost about a sixth of LlamaGen-B's pass)."""
+        reads (the head's [B, L + N, V] logits would cost about a sixth of LlamaGen-B's pass); with
+        ``taps``, the tapped layers follow along the last dim (``split_taps`` parts them)."""
         x = torch.cat([self.prefix_inputs(cond), self.token_embedding(tokens)], dim=1)
         seq = x.shape[1]
         positions = torch.arange(seq, device=x.device)
-        return self.transformer(x, positions, prefix_causal_mask(cond.mask, seq))
+        return self.transformer(x, positions, prefix_causal_mask(cond.mask, seq), taps=taps)
 
     def new_cache(self, batch: int, extra_slots: int = 0) -> KVCache:
         """A static cache for ``max_seq_len`` slots plus ``extra_slots`` of scratch (draft trees)."""
         return self.transformer.new_cache(batch, self.max_seq_len + extra_slots)
 
-    def prefill(self, cond: Condition, cache: KVCache) -> TargetOutput:
-        """Write the condition prefix into slots ``0 .. L-1``; the last row predicts image token 0."""
+    def prefill(self, cond: Condition, cache: KVCache, taps: tuple[int, ...] = ()) -> TargetOutput:
+        """Write the condition prefix into slots ``0 .. L-1``; the last row predicts image token 0.
+        ``taps``: layers whose residual stream the output also carries (an EAGLE-3 drafter's inputs)."""
         x = self.prefix_inputs(cond)
         length = x.shape[1]
         slots = torch.arange(length, device=x.device)
-        hidden = self.transformer(x, slots, prefix_causal_mask(cond.mask, length), cache, slots)
-        return TargetOutput(hidden, self.logits(hidden, slots - (length - 1)))
+        states = self.transformer(x, slots, prefix_causal_mask(cond.mask, length), cache, slots, taps=taps)
+        hidden, tapped = split_taps(states, self.hidden_size)
+        return TargetOutput(hidden, self.logits(hidden, slots - (length - 1)), tapped)
 
     def forward_tokens(
         self,
@@ -317,15 +349,18 @@ class Target(nn.Module, ABC):
         cache: KVCache,
         slots: torch.Tensor,
         image_visibility: torch.Tensor,
+        taps: tuple[int, ...] = (),
     ) -> TargetOutput:
         """Feed image ``tokens`` [B, S] at grid cells ``image_index`` into cache ``slots``.
 
-        ``image_visibility`` [B, S, K] says which of the first K image slots each token attends to.
+        ``image_visibility`` [B, S, K] says which of the first K image slots each token attends to;
+        ``taps`` as in ``prefill``.
         """
         mask = prefix_and_image_mask(cond.mask, image_visibility)
         x = self.token_embedding(tokens)
-        hidden = self.transformer(x, self.rope_positions(image_index), mask, cache, slots)
-        return TargetOutput(hidden, self.logits(hidden, image_index + 1))
+        states = self.transformer(x, self.rope_positions(image_index), mask, cache, slots, taps=taps)
+        hidden, tapped = split_taps(states, self.hidden_size)
+        return TargetOutput(hidden, self.logits(hidden, image_index + 1), tapped)
 
     def causal_visibility(
         self, start: int, length: int, device: torch.device | str, width: int | None = None

@@ -284,6 +284,7 @@ class ChameleonTarget(Target):
                 grid=self.layout.grid,
                 prefix_length=self._prefix_length,
                 head_fingerprint=fingerprint(self.image_head.weight),
+                num_layers=len(self.lm.model.layers),
             )
         return self._identity
 

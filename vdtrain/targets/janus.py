@@ -140,6 +140,7 @@ class JanusTarget(Target):
                 grid=(side, side),
                 prefix_length=self._prefix_length,
                 head_fingerprint=fingerprint(self.generator.generation_head.vision_head.weight),
+                num_layers=len(self.generator.language_model.layers),
             )
         return self._identity
 

@@ -192,6 +192,7 @@ class LlamaGenTarget(Target):
                 grid=self.tokenizer.grid,
                 prefix_length=c.cls_token_num,
                 head_fingerprint=fingerprint(self.gpt.output.weight),
+                num_layers=len(self.gpt.layers),
             )
         return self._identity
 

@@ -95,6 +95,49 @@ def drafter_loss(
     return total, parts
 
 
+def unrolled_loss(
+    steps: Sequence[torch.Tensor],
+    target_feats: torch.Tensor,
+    normed: Callable[[torch.Tensor], torch.Tensor],
+    head: Callable[[torch.Tensor], torch.Tensor],
+    mask: torch.Tensor,
+    chains: Sequence[torch.Tensor],
+    decay: float = 0.8,
+    w_feature: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Training-time test's loss: ``Σ_j decay^j · soft_ce_j`` over the unrolled ``steps`` (f̂ [B, S, H]
+    each), plus ``w_feature ·`` the mean SmoothL1 of ``normed(f̂)`` to the target's features if asked.
+
+    Step ``j`` is scored on the ``mask``ed rows [B, S] that are also in ``chains[j]`` [S] (rows a decoding
+    chain reaches at that depth), against the target's distribution ``head(target_feats)``; ``normed``
+    maps drafter features to what ``head`` reads (``Drafter.normed``). ``parts``: ``cls`` (the weighted
+    sum), ``feature``, ``top1`` (step 0), ``top1_step{j}`` and ``total``, detached.
+    """
+    mask = mask.bool().expand(target_feats.shape[:-1])
+    with torch.no_grad():
+        target_logits = head(target_feats[mask].detach()).float()
+        target_probs = target_logits.softmax(-1)
+    cls = target_feats.new_zeros((), dtype=torch.float32)
+    feat = cls.clone()
+    parts: dict[str, torch.Tensor] = {}
+    for j, f_hat in enumerate(steps):
+        keep = chains[j].to(mask.device)[None].expand_as(mask)[mask]
+        if not keep.any():
+            break
+        drafted = normed(f_hat[mask][keep])
+        logits = head(drafted).float()
+        ce = -(target_probs[keep] * logits.log_softmax(-1)).sum(-1).mean()
+        cls = cls + decay**j * ce
+        if w_feature:
+            feat = feat + decay**j * feature_loss(drafted, target_feats[mask][keep], None)
+        with torch.no_grad():
+            parts[f"top1_step{j}"] = top_k_agreement(logits, target_logits[keep], None, 1)
+    total = cls + w_feature * feat
+    parts = {"feature": feat.detach(), "cls": cls.detach(), "top1": parts["top1_step0"], **parts}
+    parts["total"] = total.detach()
+    return total, parts
+
+
 def simulated_tau(acc_per_depth: Sequence[float] | torch.Tensor) -> float:
     """Expected tokens per verification step of a single draft chain: ``1 + Σ_k Π_{i≤k} acc_i``.
 

@@ -1,5 +1,8 @@
 """The Lightning module that trains an EAGLE drafter against a frozen target.
 
+An ``eagle1`` drafter regresses the target's next feature, teacher-forced; an ``eagle3`` drafter reads
+fused target layers and is trained on its own unrolled outputs (training-time test, ``Drafter.unroll``).
+
 The target is *not* a registered submodule: its weights never enter checkpoints, optimisers or DDP
 buckets; the module moves it to its own device. Features come from the target on the fly (``online``,
 the default) or from ``feats.npy`` in the shards (``offline``).
@@ -17,15 +20,16 @@ import lightning as L
 import torch
 
 from vdtrain.config import DrafterTrainConfig, OptimConfig
-from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter
+from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter, chain_rows
 from vdtrain.images import images_to_tensor
-from vdtrain.targets.base import Target
+from vdtrain.targets.base import Target, split_taps
+from vdtrain.train.agreement import unrolled_agreement
 from vdtrain.train.losses import (
     drafter_loss,
     image_target_mask,
     simulated_tau,
-    top_k_agreement,
     uniform_feature_noise,
+    unrolled_loss,
 )
 
 
@@ -89,7 +93,8 @@ class DrafterModule(L.LightningModule):
     def prepare(
         self, batch: dict, null_rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens [B, N], condition mask [B, L], target hidden [B, L+N, H]).
+        """(tokens [B, N], condition mask [B, L], target states [B, L+N, H]: the final-norm hidden, followed
+        by the layers an eagle3 drafter taps, ``split_taps`` parts them).
 
         Online: the target runs on the captions, with ``null_rows`` null-conditioned, so the drafter's
         inputs *and* its regression targets come from the same (possibly null) condition. Offline: the
@@ -100,6 +105,11 @@ class DrafterModule(L.LightningModule):
         else:
             tokens = target.tokenizer.encode(images_to_tensor(batch["image"].cpu().numpy()).to(self.device))
         if self.features == "offline":
+            if self.drafter.taps:
+                raise ValueError(
+                    "data.features=offline stores the target's last hidden state only; an eagle3 drafter "
+                    "reads intermediate layers: train it with data.features=online"
+                )
             if "feats" not in batch:
                 raise KeyError(
                     "data.features=offline but the shards have no feats.npy (run data_prep.features)"
@@ -108,18 +118,45 @@ class DrafterModule(L.LightningModule):
             mask = target.encode_captions(batch["caption"]).mask if mask is None else mask.bool()
             return tokens, mask.to(self.device), batch["feats"].to(self.device, torch.float32)
         cond = target.with_null(target.encode_captions(batch["caption"]), null_rows.to(self.device))
-        return tokens, cond.mask, target.sequence_features(cond, tokens).float()
+        return tokens, cond.mask, target.sequence_features(cond, tokens, self.drafter.taps).float()
 
     def _null_rows(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         return torch.rand(batch_size, generator=generator) < self.p_null
 
     def loss(self, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         size = len(batch["caption"])
-        tokens, cond_mask, hidden = self.prepare(batch, self._null_rows(size, generator))
-        noisy = uniform_feature_noise(hidden, self.train_cfg.feature_noise, generator)
-        pred = self.drafter.forward_teacher(noisy, tokens, cond_mask)
+        tokens, cond_mask, states = self.prepare(batch, self._null_rows(size, generator))
+        return self.loss_on(tokens, cond_mask, states, generator, self.train_cfg.feature_noise)
+
+    def loss_on(
+        self,
+        tokens: torch.Tensor,
+        cond_mask: torch.Tensor,
+        states: torch.Tensor,
+        generator: torch.Generator | None,
+        noise: float,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The drafter's loss on ``prepare``'s output, with input-feature noise ``U(-noise, noise)``."""
+        hidden, tapped = split_taps(states, self.target.hidden_size)
         mask = image_target_mask(cond_mask, tokens.shape[1])
-        return drafter_loss(pred, hidden[:, 1:], self.drafter.logits, mask, self.train_cfg.w_cls)
+        cfg, drafter = self.train_cfg, self.drafter
+        if tapped is None:  # eagle1: teacher-forced, feature regression + soft CE
+            noisy = uniform_feature_noise(hidden, noise, generator)
+            pred = drafter.forward_teacher(noisy, tokens, cond_mask)
+            return drafter_loss(pred, hidden[:, 1:], drafter.logits, mask, cfg.w_cls)
+        feats = drafter.input_features(hidden, uniform_feature_noise(tapped, noise, generator))
+        steps = drafter.unroll(feats, tokens, cond_mask, cfg.ttt_steps)
+        chains = [chain_rows(cond_mask, mask.shape[1], j) for j in range(len(steps))]
+        return unrolled_loss(
+            steps,
+            hidden[:, 1:],
+            drafter.normed,
+            drafter.head_logits,
+            mask,
+            chains,
+            cfg.ttt_decay,
+            cfg.w_feature,
+        )
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         micro = batch_idx % max(1, self.trainer.accumulate_grad_batches)
@@ -140,33 +177,14 @@ class DrafterModule(L.LightningModule):
         return loss
 
     # --- validation: per-depth agreement of an unrolled draft ---------------------------------------
-    @torch.no_grad()
-    def depth_agreement(
-        self, tokens: torch.Tensor, cond_mask: torch.Tensor, hidden: torch.Tensor
-    ) -> list[float]:
-        """Top-1 agreement at draft depths 1..D, unrolling the drafter on its own features.
-
-        Depth d feeds every image row the drafter's depth-(d-1) prediction of its feature (prefix rows
-        keep the target's, as after a prefill), with the true tokens: a teacher-forced stand-in for a
-        d-step draft chain. Agreement is with the target's argmax at each row.
-        """
-        prefix = self.target.prefix_length
-        mask = image_target_mask(cond_mask, tokens.shape[1])
-        target_logits = self.drafter.logits(hidden[:, 1:][mask])
-        feats, acc = hidden, []
-        for _ in range(self.train_cfg.val_depth):
-            pred = self.drafter.forward_teacher(feats, tokens, cond_mask)
-            acc.append(top_k_agreement(self.drafter.logits(pred[mask]), target_logits, None, 1).item())
-            feats = torch.cat([hidden[:, :prefix], pred[:, prefix - 1 :]], dim=1)
-        return acc
-
     def validation_step(self, batch: dict, batch_idx: int) -> None:
-        tokens, cond_mask, hidden = self.prepare(batch, torch.zeros(len(batch["caption"]), dtype=torch.bool))
-        pred = self.drafter.forward_teacher(hidden, tokens, cond_mask)
-        mask = image_target_mask(cond_mask, tokens.shape[1])
-        _, parts = drafter_loss(pred, hidden[:, 1:], self.drafter.logits, mask, self.train_cfg.w_cls)
-        acc = self.depth_agreement(tokens, cond_mask, hidden)
+        """The training loss on held-out data, and top-1 agreement at draft depths 1..``val_depth`` of the
+        drafter unrolled as a tree step runs it (``vdtrain.train.agreement``)."""
         size = len(batch["caption"])
+        tokens, cond_mask, states = self.prepare(batch, torch.zeros(size, dtype=torch.bool))
+        _, parts = self.loss_on(tokens, cond_mask, states, None, 0.0)
+        hidden, tapped = split_taps(states, self.target.hidden_size)
+        acc = unrolled_agreement(self.drafter, hidden, tapped, tokens, cond_mask, self.train_cfg.val_depth)
         for name, value in parts.items():
             self.log(f"val/{name}", value, batch_size=size, sync_dist=True)
         for d, a in enumerate(acc, start=1):

@@ -1,0 +1,198 @@
+"""EAGLE-3 drafters: tapped target layers, the fused input, and training-time test that sees only what a tree
+step sees."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
+
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafter import Drafter, DrafterConfig, chain_rows, teacher_mask, tree_step_mask
+from vdtrain.targets.base import split_taps
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+
+DEEP_GPT = replace(TINY_GPT, n_layer=6)
+
+
+def deep_target() -> LlamaGenTarget:
+    return LlamaGenTarget(
+        random_gpt(DEEP_GPT), VQTokenizer(random_vq(), image_size=8), None, "tiny", SamplingConfig()
+    )
+
+
+def eagle3(target, seed: int = 0, **kw) -> Drafter:
+    torch.manual_seed(seed)
+    drafter = Drafter(DrafterConfig.for_target(target, kind="eagle3", **kw), target)
+    with torch.no_grad():  # a drafter whose every part matters: no zero-initialised weights
+        for p in drafter.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return drafter
+
+
+def sequence(target, batch: int = 2, seed: int = 3):
+    cond = tiny_condition(batch)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, target.vocab_size, (batch, target.num_image_tokens), generator=g)
+    return cond, tokens
+
+
+# --- tapped layers ---------------------------------------------------------------------------------
+
+
+def reference_states(target, cond, tokens) -> list[torch.Tensor]:
+    """Hugging Face's ``hidden_states``: the residual stream before layer 0, after each layer."""
+    gpt = target.gpt
+    x = torch.cat([target.prefix_inputs(cond), target.token_embedding(tokens)], dim=1)
+    seq = x.shape[1]
+    positions = torch.arange(seq)
+    from vdtrain.targets.base import prefix_causal_mask
+
+    mask = prefix_causal_mask(cond.mask, seq)
+    h = x + gpt.pos_embedding[positions] if gpt.config.learned_pos_embedding else x
+    rope = gpt.rope[positions.expand(len(cond), -1)]
+    states = [h]
+    for layer in gpt.layers:
+        h = layer(h, rope, mask)
+        states.append(h)
+    return states
+
+
+def test_taps_are_the_residual_stream_after_each_layer():
+    target = deep_target()
+    cond, tokens = sequence(target)
+    with torch.no_grad():
+        states = reference_states(target, cond, tokens)
+        plain = target.sequence_features(cond, tokens)
+        hidden, tapped = split_taps(target.sequence_features(cond, tokens, taps=(0, 3, 6)), 32)
+    torch.testing.assert_close(hidden, plain)
+    for i, k in enumerate((0, 3, 6)):
+        torch.testing.assert_close(tapped[..., 32 * i : 32 * (i + 1)], states[k])
+    assert target.default_feature_layers() == (2, 3, 3)
+    with pytest.raises(ValueError, match=r"outside 0 \.\. 6"):
+        target.sequence_features(cond, tokens, taps=(7,))
+
+
+def test_cached_forwards_carry_the_same_taps():
+    """prefill + forward_tokens (what decoding runs) tap what the teacher-forced pass taps."""
+    target = deep_target()
+    cond, tokens = sequence(target, batch=1)
+    taps = target.default_feature_layers()
+    with torch.no_grad():
+        _, full = split_taps(target.sequence_features(cond, tokens, taps), 32)
+        cache = target.new_cache(1)
+        pre = target.prefill(cond, cache, taps)
+        n = target.num_image_tokens
+        index = torch.arange(n)[None]
+        out = target.forward_tokens(
+            cond, tokens, index, cache, target.image_slot(index), target.causal_visibility(0, n, "cpu"), taps
+        )
+    assert pre.taps.shape == (1, target.prefix_length, 3 * 32)
+    torch.testing.assert_close(torch.cat([pre.taps, out.taps], 1), full, atol=1e-5, rtol=1e-5)
+
+
+# --- training-time test ----------------------------------------------------------------------------
+
+
+def test_unrolled_step_zero_is_teacher_forcing():
+    target = deep_target()
+    drafter = eagle3(target)
+    cond, tokens = sequence(target)
+    with torch.no_grad():
+        hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps), 32)
+        feats = drafter.input_features(hidden, tapped)
+        first = drafter.unroll(feats, tokens, cond.mask, 1)[0]
+        teacher = drafter.forward_teacher(feats, tokens, cond.mask)
+    torch.testing.assert_close(first, teacher, atol=1e-5, rtol=1e-5)
+
+
+def chain_as_decoding_runs_it(
+    drafter, feats, tokens, cond_mask, start: int, depth: int
+) -> list[torch.Tensor]:
+    """A depth-``depth`` draft chain from row ``start`` the way the engine drafts it: the drafter's cache
+    holds rows ``0 .. start`` (target features), each deeper node is one cached row that sees those and its
+    own ancestors. Returns f̂ of depths 1 .. depth."""
+    prefix = drafter.config.prefix_length
+    cache = drafter.new_cache(feats.shape[0], feats.shape[1] + depth)
+    seq = feats.shape[1] - 1
+    embeds = torch.cat(
+        [feats.new_zeros(feats.shape[0], prefix - 1, feats.shape[-1]), drafter.embed(tokens)], 1
+    )
+    rows = torch.arange(start + 1)
+    mask = teacher_mask(cond_mask, seq)[:, :, : start + 1, : start + 1]
+    out = drafter(feats[:, : start + 1], embeds[:, : start + 1], rows, mask, cache, rows)
+    f_hat, chain = out[:, -1:], [out[:, -1]]
+    scratch = seq + 1  # node rows live after the sequence's slots, as draft nodes do
+    for d in range(1, depth):
+        row = start + d  # the node's feature slot: its RoPE position
+        visible = torch.zeros(feats.shape[0], 1, 1, scratch + d, dtype=torch.bool)
+        visible[..., : start + 1] = teacher_mask(cond_mask, seq)[:, :, start, : start + 1][:, :, None]
+        visible[..., scratch : scratch + d] = True  # the chain's earlier nodes and itself
+        out = drafter(
+            f_hat,
+            embeds[:, row : row + 1],
+            torch.tensor([row]),
+            visible,
+            cache,
+            torch.tensor([scratch + d - 1]),
+        )
+        f_hat = out
+        chain.append(out[:, 0])
+    return chain
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_unrolled_steps_see_exactly_what_a_draft_chain_sees(kind):
+    """Row s of unrolled step j equals the depth-(j+1) node of a chain drafted from row s-j with the
+    decoding cache: a leak of any later row (target features or tokens) into the unroll breaks this."""
+    target = deep_target()
+    drafter = eagle3(target) if kind == "eagle3" else Drafter(DrafterConfig.for_target(target), target)
+    cond, tokens = sequence(target)
+    prefix = target.prefix_length
+    with torch.no_grad():
+        hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps), 32)
+        feats = drafter.input_features(hidden, tapped)
+        steps = drafter.unroll(feats, tokens, cond.mask, 4)
+        for start in (prefix - 1, prefix + 3, prefix + 9):
+            chain = chain_as_decoding_runs_it(drafter, feats, tokens, cond.mask, start, 4)
+            for j, node in enumerate(chain):
+                torch.testing.assert_close(steps[j][:, start + j], node, atol=1e-5, rtol=1e-5)
+
+
+def test_unrolled_rows_do_not_read_the_future():
+    """Changing target features after a chain's start, or tokens after its node, leaves the unrolled row."""
+    target = deep_target()
+    drafter = eagle3(target)
+    cond, tokens = sequence(target, batch=1)
+    prefix = target.prefix_length
+    with torch.no_grad():
+        hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps), 32)
+        feats = drafter.input_features(hidden, tapped)
+        base = drafter.unroll(feats, tokens, cond.mask, 3)
+        start, j = prefix + 4, 2
+        row = start + j
+        bent = feats.clone()
+        bent[:, start + 1 :] += 5.0  # target features the chain never reads
+        later = tokens.clone()
+        later[:, row - prefix + 2 :] = (
+            later[:, row - prefix + 2 :] + 1
+        ) % target.vocab_size  # row r embeds token r-L+1
+        for f, t in ((bent, tokens), (feats, later)):
+            moved = drafter.unroll(f, t, cond.mask, 3)
+            torch.testing.assert_close(moved[j][:, row], base[j][:, row])
+        # ... while the chain's own start feature does matter (the test can fail)
+        start_bent = feats.clone()
+        start_bent[:, start] += 5.0
+        assert not torch.allclose(
+            drafter.unroll(start_bent, tokens, cond.mask, 3)[j][:, row], base[j][:, row]
+        )
+
+
+def test_tree_step_mask_blocks():
+    mask = tree_step_mask(torch.ones(1, 2, dtype=torch.bool), 5, 2)[0, 0]
+    assert mask.shape == (5, 15)
+    # row 4 at step 2: step-0 rows 0..2, step-1 row 3, step-2 row 4
+    assert mask[4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
+    assert chain_rows(2, 5, 2).tolist() == [False, False, False, True, True]
