@@ -1,20 +1,16 @@
 """The acceptance report (``vdtrain.eval.acceptance``): simulated against real acceptance per draft depth,
 its arithmetic on hand-made stats, the reuse of rows the evaluation already decoded, and what the
-after-epoch callback and ``python -m vdtrain.evaluate`` log and write."""
+``python -m vdtrain.evaluate`` writes (the after-epoch callback's: tests/test_eval_callback.py)."""
 
 from __future__ import annotations
 
-import csv
 import json
-import sys
-import types
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_drafter, random_gpt, random_vq
-from test_eval_callback import EVAL_ON
 from test_evaluate import PROMPTS, _config, hashed_caption_features
-from test_fit import fit_config
 
 from vdtrain.config import AcceptanceConfig
 from vdtrain.decode.engine import DecodeStats
@@ -31,28 +27,24 @@ from vdtrain.eval.acceptance import (
 from vdtrain.eval.runner import evaluate
 from vdtrain.eval.table import EvalRow
 from vdtrain.evaluate import run
-from vdtrain.fit import fit
 from vdtrain.targets import load_target_folder
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+from vdtrain.train.agreement import depth_agreement
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-AGREEMENT = [0.9, 0.5, 0.2, 0.1, 0.1, 0.1, 0.1]
-
 
 @pytest.fixture
-def agreement_calls(monkeypatch) -> list[tuple[torch.Tensor, int, int]]:
-    """A stand-in ``depth_agreement`` returning ``AGREEMENT[:depth]``; records (tokens, condition rows,
-    depth) of every call."""
-    calls: list[tuple[torch.Tensor, int, int]] = []
+def agreement_calls(monkeypatch) -> list[tuple[torch.Tensor, int, int, list[float]]]:
+    """The real ``depth_agreement``, recording (tokens, condition rows, depth, result) of every call."""
+    calls: list[tuple[torch.Tensor, int, int, list[float]]] = []
 
-    def depth_agreement(drafter, target, cond, tokens, depth):
-        calls.append((tokens, len(cond), depth))
-        return AGREEMENT[:depth]
+    def recorded(drafter, target, cond, tokens, depth):
+        out = depth_agreement(drafter, target, cond, tokens, depth)
+        calls.append((tokens, len(cond), depth, out))
+        return out
 
-    module = types.ModuleType("vdtrain.train.agreement")
-    module.depth_agreement = depth_agreement
-    monkeypatch.setitem(sys.modules, "vdtrain.train.agreement", module)
+    monkeypatch.setattr(acceptance, "depth_agreement", recorded)
     return calls
 
 
@@ -86,7 +78,7 @@ def test_the_report_chains_agreements_and_states_the_gap():
     assert metrics["eval/acceptance/p_sim_d2_T0"] == pytest.approx(0.45)
     assert metrics["eval/acceptance/p_real_d3_T0"] == pytest.approx(0.125)
     table = acceptance_markdown([report])
-    assert "| eagle2 | 0 | 2.44 | 2.75 | -0.31 | 2.50 |" in table
+    assert "| 0 | eagle2 | 2.44 | 2.75 | -0.31 | 2.50 |" in table
     assert "| 0 | 2 | 0.500 | 0.450 | 0.750 | -0.300 |" in table
 
 
@@ -117,14 +109,20 @@ def test_measure_reuses_decoded_rows_and_decodes_only_missing_temperatures(
     assert reports[0].tau_real == row0.tau and reports[0].S == row0.S
     assert [d.p_real for d in reports[0].depths] == real_acceptance(result.decoded["eagle2", 0.0].stats, 3)
     # teacher-forced on AR's own samples, in batches of 2 (3 prompts: 2 + 1), no CFG null rows
-    assert [(n, depth) for _, n, depth in agreement_calls] == [(2, 3), (1, 3)] * 2
-    assert torch.equal(torch.cat([t for t, _, _ in agreement_calls[:2]]), result.decoded["ar", 0.0].tokens)
+    assert [(n, depth) for _, n, depth, _ in agreement_calls] == [(2, 3), (1, 3)] * 2
+    assert torch.equal(torch.cat([c[0] for c in agreement_calls[:2]]), result.decoded["ar", 0.0].tokens)
     again = evaluate(target, drafter, PROMPTS, ["eagle2"], [1], batch_size=2, progress=False)
-    assert torch.equal(torch.cat([t for t, _, _ in agreement_calls[2:]]), again.decoded["ar", 1.0].tokens)
+    ar_tokens = again.decoded["ar", 1.0].tokens
+    assert torch.equal(torch.cat([c[0] for c in agreement_calls[2:]]), ar_tokens)
     assert pytest.approx(reports[1].S) == again.rows[1].S  # the same seeds decode the same draws
+    # batches weigh by their size: the same agreement as all three prompts in one batch
+    whole = depth_agreement(drafter, target, target.encode_captions(PROMPTS), ar_tokens, 3)
+    assert [d.agreement for d in reports[1].depths] == pytest.approx(whole)
+    assert [d.p_sim for d in reports[1].depths] == pytest.approx(np.cumprod(whole))
+    assert reports[1].tau_sim == pytest.approx(1 + sum(np.cumprod(whole)))
 
 
-def test_depth_defaults_to_the_deepest_drafted_tree(target, agreement_calls):
+def test_depth_defaults_to_the_deepest_drafted_tree(target):
     drafter = random_drafter(target)
     result = evaluate(target, drafter, PROMPTS, ["eagle2"], [0], batch_size=3, progress=False)
     cfg = AcceptanceConfig(temperatures=[0.0])
@@ -133,26 +131,7 @@ def test_depth_defaults_to_the_deepest_drafted_tree(target, agreement_calls):
     assert len(report.depths) == deepest > 1
 
 
-def test_the_callback_logs_the_gap_and_writes_table_and_plot(tiny_folder, tmp_path, agreement_calls):
-    run_dir = tmp_path / "run"
-    summary = fit(fit_config(tiny_folder, run_dir, *EVAL_ON))
-    with open(run_dir / "logs" / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("eval/acceptance/tau_gap_T0")]
-    assert [r["step"] for r in rows] == ["2", "4"]  # once per epoch
-    for r in rows:
-        for t in ("T0", "T1"):
-            sim, real = float(r[f"eval/acceptance/tau_sim_{t}"]), float(r[f"eval/acceptance/tau_real_{t}"])
-            assert float(r[f"eval/acceptance/tau_gap_{t}"]) == pytest.approx(sim - real, abs=1e-5)
-        assert float(r["eval/acceptance/tau_real_T0"]) == pytest.approx(float(r["eval/eagle2_T0/tau"]))
-    for folder in ("epoch000", "epoch001", "latest"):
-        assert (run_dir / "eval" / folder / "acceptance.png").stat().st_size > 1000
-        assert "τ_sim" in (run_dir / "eval" / folder / "acceptance.md").read_text()
-    data = json.loads((run_dir / "eval" / "latest" / "acceptance.json").read_text())["acceptance"]
-    assert [d["temperature"] for d in data] == [0.0, 1.0]
-    assert summary["eval/acceptance/tau_gap_T1"] == pytest.approx(data[1]["tau_gap"])
-
-
-def test_evaluate_writes_the_report_and_its_plot(tiny_folder, tmp_path, agreement_calls):
+def test_evaluate_writes_the_report_and_its_plot(tiny_folder, tmp_path):
     Drafter(DrafterConfig.for_target(load_target_folder(tiny_folder))).save_pretrained(tmp_path / "drafter")
     out = tmp_path / "out"
     cfg = _config(
@@ -168,8 +147,11 @@ def test_evaluate_writes_the_report_and_its_plot(tiny_folder, tmp_path, agreemen
     result = run(cfg)
     data = json.loads((out / "acceptance.json").read_text())["acceptance"]
     assert [(d["method"], d["temperature"]) for d in data] == [("eagle2", 0.0), ("eagle2", 1.0)]
-    assert [d["p_sim"] for d in data[0]["depths"]] == pytest.approx([0.9, 0.45, 0.09, 0.009])
+    for d in data:
+        agreement = [row["agreement"] for row in d["depths"]]
+        assert len(agreement) == 4 and all(0.0 <= a <= 1.0 for a in agreement)
+        assert [row["p_sim"] for row in d["depths"]] == pytest.approx(np.cumprod(agreement))
+        assert d["tau_gap"] == pytest.approx(1 + sum(np.cumprod(agreement)) - d["tau_real"])
     assert data[0]["tau_real"] == next(r.tau for r in result.rows if r.method == "eagle2")
-    assert data[0]["tau_gap"] == pytest.approx(1 + 0.9 + 0.45 + 0.09 + 0.009 - data[0]["tau_real"])
     assert (out / "plots" / "acceptance.png").stat().st_size > 1000
-    assert "| eagle2 | 1 |" in (out / "acceptance.md").read_text()
+    assert "| 1 | eagle2 |" in (out / "acceptance.md").read_text()

@@ -30,6 +30,7 @@ from vdtrain.drafter import Drafter
 from vdtrain.eval.runner import Decoded, EvalResult, evaluate
 from vdtrain.eval.table import EvalRow
 from vdtrain.targets.base import Target
+from vdtrain.train.agreement import depth_agreement
 from vdtrain.train.losses import simulated_tau
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,6 @@ def teacher_forced_agreement(
 ) -> list[float]:
     """``depth_agreement`` over ``prompts`` (``tokens`` [N, h·w] their image tokens), batch by batch;
     every prompt has as many image tokens, so batches weigh by their size."""
-    from vdtrain.train.agreement import depth_agreement
-
     total = np.zeros(depth)
     for start in range(0, len(prompts), batch_size):
         batch = list(prompts[start : start + batch_size])
@@ -172,9 +171,9 @@ def acceptance_metrics(reports: Sequence[AcceptanceReport]) -> dict[str, float]:
 
 def acceptance_markdown(reports: Sequence[AcceptanceReport]) -> str:
     """A summary row per temperature (τ_sim, τ_real, the gap, S), then the per-depth chain probabilities."""
-    lines = ["| method | T | τ_sim | τ_real | gap τ_sim − τ_real | S |", "|---|---|---|---|---|---|"]
+    lines = ["| T | method | τ_sim | τ_real | gap τ_sim − τ_real | S |", "|---|---|---|---|---|---|"]
     lines += [
-        f"| {r.method} | {r.temperature:g} | {r.tau_sim:.2f} | {r.tau_real:.2f} | {r.gap:+.2f} | {r.S:.2f} |"
+        f"| {r.temperature:g} | {r.method} | {r.tau_sim:.2f} | {r.tau_real:.2f} | {r.gap:+.2f} | {r.S:.2f} |"
         for r in reports
     ]
     lines += ["", "| T | d | a_d | P_sim(≥d) | P_real(≥d) | P_sim − P_real |", "|---|---|---|---|---|---|"]
