@@ -45,7 +45,7 @@ from vdtrain.decode.trees import DraftTree
 from vdtrain.decode.vvs import StepPlan, VerificationSchedule
 from vdtrain.drafter import Drafter
 from vdtrain.models.kv_cache import KVCache
-from vdtrain.targets.base import Condition, Target
+from vdtrain.targets.base import Condition, Target, TargetOutput
 
 T = TypeVar("T")
 
@@ -204,6 +204,8 @@ class SpeculativeEngine:
         self.accept = accept
         self.schedule = schedule if schedule is not None else VerificationSchedule()
         self.options = options if options is not None else DecodeOptions()
+        # The target layers the drafter reads besides the last (an eagle3 drafter's), every forward.
+        self.taps = drafter.taps if drafter is not None and builder.needs_drafter else ()
         if self.schedule.can_skip and not builder.needs_drafter:
             raise ValueError(
                 f"{type(builder).__name__} drafts without a drafter: skipping verification (VVS) needs one"
@@ -294,18 +296,19 @@ class SpeculativeEngine:
 
         # Prefill the target, sample x_0 like AR, and catch the drafter up on the prefix.
         stream = run.stream
-        pre = target.prefill(stream, run.tcache)
+        pre = target.prefill(stream, run.tcache, self.taps)
         run.out[:, 0] = next_tokens(*split_cfg(pre.logits[:, -1], sampling), sampling, generators)
-        if skipping:
-            if run.fcache is None:  # a reused run keeps its own, zeroed by ``restart``
-                run.fcache = pre.hidden.new_zeros(
-                    len(stream), target.max_seq_len + extra + chain, pre.hidden.shape[-1]
-                )
-            run.fcache[:, :prefix] = pre.hidden
         if use_drafter:
+            features = self.drafter.input_features(pre.hidden, pre.taps)
+            if skipping:
+                if run.fcache is None:  # a reused run keeps its own, zeroed by ``restart``
+                    run.fcache = features.new_zeros(
+                        len(stream), target.max_seq_len + extra + chain, features.shape[-1]
+                    )
+                run.fcache[:, :prefix] = features
             # Drafter rows 0 .. L-1: zero embeddings inside the prefix, then x_0 (as in training).
             feat = self.drafter.forward_prefix(
-                pre.hidden, run.out[:, :1].repeat(streams, 1), stream.mask, run.dcache
+                features, run.out[:, :1].repeat(streams, 1), stream.mask, run.dcache
             )
             run.draft_calls += 1
             feats = feat[:, -1]
@@ -420,21 +423,27 @@ class SpeculativeEngine:
         return out, self.run.draft_calls - before
 
     def verify(self, tree: DraftTree, lead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's target forward → (hidden [R, S, H], logits at the tree nodes [R, T, V]). ``lead``
-        [B]: unverified committed tokens fed before each tree in the same forward (VVS
-        post-verification); None where every lead is 0, the plain forward of the trees alone."""
+        """The step's target forward → (the drafter's view of its features [R, S, H]
+        (``Drafter.input_features``; the hidden states without a drafter), logits at the tree nodes
+        [R, T, V]). ``lead`` [B]: unverified committed tokens fed before each tree in the same forward
+        (VVS post-verification); None where every lead is 0, the plain forward of the trees alone."""
         run, target = self.run, self.target
         if lead is None:
             tokens, index, slots, vis = tree_rows(tree, run.committed, target, run.streams)
-            result = target.forward_tokens(run.stream, tokens, index, run.tcache, slots, vis)
-            return result.hidden, result.logits
+            result = target.forward_tokens(run.stream, tokens, index, run.tcache, slots, vis, self.taps)
+            return self._features(result), result.logits
         tokens, index, slots, vis = post_verified_rows(
             tree, lead, run.out, run.committed, run.chain, target, run.streams
         )
-        result = target.forward_tokens(run.stream, tokens, index, run.tcache, slots, vis)
+        result = target.forward_tokens(run.stream, tokens, index, run.tcache, slots, vis, self.taps)
         rows = per_stream(lead[:, None] + torch.arange(tree.size, device=lead.device)[None, :], run.streams)
         logits = result.logits.gather(1, rows[..., None].expand(-1, -1, result.logits.shape[-1]))
-        return result.hidden, logits
+        return self._features(result), logits
+
+    def _features(self, result: TargetOutput) -> torch.Tensor:
+        if self.drafter is None or not self.builder.needs_drafter:
+            return result.hidden
+        return self.drafter.input_features(result.hidden, result.taps)
 
     @step_kernel
     def judge(self, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, BatchVerdict]:
