@@ -1,9 +1,11 @@
 """``EvalAfterEpoch`` inside ``vdtrain.fit``: real decoding after every epoch, printed, logged to CSV,
-written under ``<run>/eval``, able to pick ``best.ckpt``, and carried into the exported model card."""
+written under ``<run>/eval`` with the acceptance report, able to pick ``best.ckpt``, and carried into the
+exported model card."""
 
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 import torch
@@ -54,6 +56,25 @@ def test_metrics_reach_the_csv_log_and_the_run_folder(eval_run):
     assert (run / "eval" / "epoch000" / "results.md").is_file()
     assert (run / "eval" / "latest" / "samples.png").stat().st_size > 0
     assert summary["eval/eagle2_T0/S"] == pytest.approx(results[1].S)
+
+
+def test_the_acceptance_gap_is_logged_and_its_table_and_plot_written(eval_run):
+    """eagle2 at T = 0 reused from the table, at T = 1 decoded for the report (docs/evaluation.md)."""
+    run_dir, summary = eval_run
+    with open(run_dir / "logs" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("eval/acceptance/tau_gap_T0")]
+    assert [r["step"] for r in rows] == ["2", "4"]  # once per epoch
+    for r in rows:
+        for t in ("T0", "T1"):
+            sim, real = float(r[f"eval/acceptance/tau_sim_{t}"]), float(r[f"eval/acceptance/tau_real_{t}"])
+            assert float(r[f"eval/acceptance/tau_gap_{t}"]) == pytest.approx(sim - real, abs=1e-5)
+        assert float(r["eval/acceptance/tau_real_T0"]) == pytest.approx(float(r["eval/eagle2_T0/tau"]))
+    for folder in ("epoch000", "epoch001", "latest"):
+        assert (run_dir / "eval" / folder / "acceptance.png").stat().st_size > 1000
+        assert "τ_sim" in (run_dir / "eval" / folder / "acceptance.md").read_text()
+    data = json.loads((run_dir / "eval" / "latest" / "acceptance.json").read_text())["acceptance"]
+    assert [d["temperature"] for d in data] == [0.0, 1.0]
+    assert summary["eval/acceptance/tau_gap_T1"] == pytest.approx(data[1]["tau_gap"])
 
 
 def test_the_measured_speed_picks_the_best_checkpoint(eval_run):

@@ -96,6 +96,16 @@ class LoggerConfig:
 
 
 @dataclass
+class AcceptanceConfig:
+    """The acceptance report (vdtrain/eval/acceptance.py): simulated vs real acceptance per draft depth."""
+
+    enabled: bool = True
+    method: str = "eagle2"  # the conf/decode preset whose real decode is compared with the simulation
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])  # decoded even if eval's are not
+    depth: int | None = None  # draft depths 1..depth; null: the deepest tree the real decode drafted
+
+
+@dataclass
 class EvalCallbackConfig:
     """EvalAfterEpoch (vdtrain/eval/callback.py): real decoding with the drafter being trained."""
 
@@ -109,6 +119,7 @@ class EvalCallbackConfig:
     seed: int = 0  # prompt i uses seed + i, so epochs are compared on identical draws
     log_images: bool = True  # AR-vs-method sample grid to TensorBoard / wandb (always saved as PNG)
     at_fit_end: bool = True  # also measure the final drafter when training stops mid-epoch
+    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)  # simulated vs real, per depth
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """``python -m vdtrain.evaluate``: every method against AR on the same prompts, seeds and device.
 
 Writes ``results.md`` / ``.csv`` / ``.json`` (one row per method and temperature, with the settings that
-made them), ``plots/`` and ``images/`` to ``out_dir``, and prints the Markdown table.
+made them), ``acceptance.md`` / ``.json`` (simulated vs real acceptance per draft depth), ``plots/`` and
+``images/`` to ``out_dir``, and prints the Markdown tables.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import user_errors
+from vdtrain.config import AcceptanceConfig
 from vdtrain.drafter import Drafter
-from vdtrain.eval.plots import write_plots
+from vdtrain.eval.acceptance import acceptance_markdown, measure, write_report
+from vdtrain.eval.plots import plot_acceptance, write_plots
 from vdtrain.eval.quality import QualityConfig
 from vdtrain.eval.runner import EvalResult, device_description, evaluate, method_configs
 from vdtrain.eval.table import to_markdown, write_tables
@@ -43,10 +46,12 @@ def run(cfg: DictConfig) -> EvalResult:
     if needy and not cfg.drafter:
         raise ValueError(f"methods {needy} need a drafter: set drafter=<export folder, .ckpt or Hub repo id>")
     quality = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QualityConfig), cfg.quality))
+    acceptance = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AcceptanceConfig), cfg.acceptance))
     prompts = prompts_for_run(cfg.prompts, cfg.num_prompts)
     target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device
-    drafter = load_drafter(cfg.drafter, target) if needy else None
+    # the acceptance report compares the drafter's simulation with its decode: it loads the drafter too
+    drafter = load_drafter(cfg.drafter, target) if needy or (acceptance.enabled and cfg.drafter) else None
     out = Path(cfg.out_dir)
     log.info(
         "%s against AR at T = %s on %d prompts, %s",
@@ -84,6 +89,20 @@ def run(cfg: DictConfig) -> EvalResult:
     write_tables(result.rows, out, settings)
     if cfg.plots:
         write_plots(result, out / "plots")
+    if acceptance.enabled and drafter is not None:
+        reports = measure(
+            target,
+            drafter,
+            result,
+            acceptance,
+            seed=cfg.seed,
+            batch_size=cfg.batch_size,
+            cuda_graphs=cfg.get("cuda_graphs", "auto"),
+        )
+        write_report(reports, out)
+        log.info("simulated vs real acceptance:\n%s", acceptance_markdown(reports))
+        if cfg.plots:
+            plot_acceptance(reports, out / "plots" / "acceptance.png")
     log.info("wrote results, plots and images to %s", out)
     return result
 

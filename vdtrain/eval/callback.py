@@ -5,6 +5,8 @@ disagree with the simulated τ of validation, so every run measures it. The call
 rank zero, broadcasts the numbers to every rank (so they can drive ``best`` checkpoint selection under
 DDP), logs them to the configured logger as ``eval/<method>_T<t>/<metric>``, prints the table and
 writes it under ``<run_dir>/eval/`` (``latest/`` is the newest, which export puts in the model card).
+With ``acceptance.enabled`` it also sets simulated against real acceptance per draft depth
+(``vdtrain.eval.acceptance``): ``eval/acceptance/*`` metrics, ``acceptance.{md,json,png}`` in the folder.
 """
 
 from __future__ import annotations
@@ -21,7 +23,14 @@ import torch
 from PIL import Image
 
 from vdtrain.config import EvalCallbackConfig
-from vdtrain.eval.plots import plot_samples
+from vdtrain.eval.acceptance import (
+    AcceptanceReport,
+    acceptance_markdown,
+    acceptance_metrics,
+    measure,
+    write_report,
+)
+from vdtrain.eval.plots import plot_acceptance, plot_samples
 from vdtrain.eval.runner import EvalResult, evaluate
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
 
@@ -76,21 +85,21 @@ class EvalAfterEpoch(L.Callback):
     def run(self, trainer: L.Trainer, pl_module: L.LightningModule, tag: str) -> dict[str, float]:
         metrics: dict[str, float] = {}
         if trainer.is_global_zero:
-            result = self._evaluate(pl_module)
-            metrics = row_metrics(result.rows)
-            self._report(trainer, result, metrics, tag)
+            result, reports = self._evaluate(pl_module)
+            metrics = row_metrics(result.rows) | acceptance_metrics(reports)
+            self._report(trainer, result, reports, metrics, tag)
         metrics = trainer.strategy.broadcast(metrics, src=0)
         self.last_step = trainer.global_step
         for name, value in metrics.items():
             trainer.callback_metrics[name] = _tensor(value, pl_module)
         return metrics
 
-    def _evaluate(self, pl_module: L.LightningModule) -> EvalResult:
+    def _evaluate(self, pl_module: L.LightningModule) -> tuple[EvalResult, list[AcceptanceReport]]:
         was_training = pl_module.training
         pl_module.eval()
         try:
             with torch.no_grad():
-                return evaluate(
+                result = evaluate(
                     pl_module.target,
                     pl_module.drafter,
                     self.prompts,
@@ -101,14 +110,37 @@ class EvalAfterEpoch(L.Callback):
                     progress=False,
                     ar_runs=self.ar_runs,
                 )
+                if not self.cfg.acceptance.enabled:
+                    return result, []
+                reports = measure(
+                    pl_module.target,
+                    pl_module.drafter,
+                    result,
+                    self.cfg.acceptance,
+                    seed=self.cfg.seed,
+                    batch_size=self.cfg.batch_size,
+                    ar_runs=self.ar_runs,
+                )
+                return result, reports
         finally:
             pl_module.train(was_training)
 
-    def _report(self, trainer: L.Trainer, result: EvalResult, metrics: dict[str, float], tag: str) -> None:
+    def _report(
+        self,
+        trainer: L.Trainer,
+        result: EvalResult,
+        reports: list[AcceptanceReport],
+        metrics: dict[str, float],
+        tag: str,
+    ) -> None:
         table = to_markdown(result.rows)
         print(f"\nEvalAfterEpoch ({tag}, step {trainer.global_step}, {len(self.prompts)} prompts)\n{table}")
         settings: dict[str, Any] = {**asdict(self.cfg), "step": trainer.global_step, "tag": tag}
         folder = write_tables(result.rows, self.run_dir / "eval" / tag, settings)
+        if reports:
+            print(f"Simulated vs real acceptance\n{acceptance_markdown(reports)}")
+            write_report(reports, folder)
+            plot_acceptance(reports, folder / "acceptance.png")
         grid = _sample_grid(result, folder)
         latest = self.run_dir / "eval" / "latest"
         shutil.rmtree(latest, ignore_errors=True)

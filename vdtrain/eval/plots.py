@@ -1,4 +1,5 @@
-"""Figures of an evaluation: the speed–quality trade-off, per-position heatmaps, sample grids (PNG).
+"""Figures of an evaluation: the speed–quality trade-off, per-position heatmaps, sample grids, simulated
+vs real acceptance per depth (PNG).
 
 Figures are built with matplotlib's object API, not pyplot, and rendered by Agg: no display, no global
 backend switch and no figure registry, so plotting is safe from servers and training callbacks.
@@ -15,6 +16,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 
+from vdtrain.eval.acceptance import AcceptanceReport
 from vdtrain.eval.runner import EvalResult
 from vdtrain.eval.table import EvalRow, quality_names
 
@@ -131,3 +133,25 @@ def write_plots(result: EvalResult, folder: str | os.PathLike[str], num_samples:
         paths.append(plot_position_maps(result.position_maps, t, out / f"position_maps_T{t:g}.png"))
         paths.append(plot_samples(result, t, out / f"samples_T{t:g}.png", num_samples))
     return [p for p in paths if p is not None]
+
+
+def plot_acceptance(reports: list[AcceptanceReport], path: str | os.PathLike[str]) -> Path | None:
+    """P_sim(≥d) (teacher-forced chain) and P_real(≥d) (real decode) against draft depth d, a panel per
+    temperature, τ_sim and τ_real in the title. None when there is no report."""
+    if not reports:
+        return None
+    fig = Figure(figsize=(4.5 * len(reports), 3.6), layout="constrained")
+    axes = fig.subplots(1, len(reports), sharey=True, squeeze=False)[0]
+    for ax, r in zip(axes, reports, strict=True):
+        depths = [d.depth for d in r.depths]
+        ax.plot(depths, [d.p_sim for d in r.depths], "o--", label="simulated P_sim(≥d)")
+        ax.plot(depths, [d.p_real for d in r.depths], "s-", label="real P_real(≥d)")
+        title = f"{r.method} T={r.temperature:g}: τ_sim {r.tau_sim:.2f}, τ_real {r.tau_real:.2f}"
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("draft depth d")
+        ax.set_xticks(depths)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("P(accept ≥ d drafts)")
+    axes[0].legend(fontsize=8)
+    return _save(fig, Path(path))

@@ -14,7 +14,7 @@ import os
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,19 +36,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class EvalResult:
-    rows: list[EvalRow]  # one per (method, temperature); "ar" rows included (speedup 1.0)
-    position_maps: dict[tuple[str, float], dict[str, np.ndarray]]  # (method, T) -> {name: [h, w]}
-    images: dict[tuple[str, float], np.ndarray]  # (method, T) -> uint8 [N, H, W, 3], prompt order
-    prompts: list[str]
-
-
-@dataclass
 class Decoded:
     tokens: torch.Tensor  # [N, h·w]
     stats: list[DecodeStats]
     seconds: float  # decoding only
     batch_seconds: list[float]  # per batch, in order
+
+
+@dataclass
+class EvalResult:
+    rows: list[EvalRow]  # one per (method, temperature); "ar" rows included (speedup 1.0)
+    position_maps: dict[tuple[str, float], dict[str, np.ndarray]]  # (method, T) -> {name: [h, w]}
+    images: dict[tuple[str, float], np.ndarray]  # (method, T) -> uint8 [N, H, W, 3], prompt order
+    prompts: list[str]
+    # (method, T) -> tokens and per-prompt stats: the acceptance report (vdtrain/eval/acceptance.py)
+    # teacher-forces the drafter on AR's tokens and counts accepted lengths step by step
+    decoded: dict[tuple[str, float], Decoded] = field(default_factory=dict)
 
 
 def device_description(device: torch.device) -> str:
@@ -232,6 +235,7 @@ def evaluate(
             key = (config.name, float(temperature))
             result.position_maps[key] = stats_position_maps(decoded.stats, target.grid)
             result.images[key] = images
+            result.decoded[key] = decoded
             if image_dir is not None:
                 folder = image_folder(image_dir, config.name, temperature)
                 for index, image in enumerate(images):
