@@ -24,6 +24,7 @@ from vdtrain.models.chameleon_io import load_vqgan_meta, vqgan_config_hf
 from vdtrain.models.chameleon_vocab import image_code_of_name, image_token_ids, image_token_name
 from vdtrain.models.chameleon_vqgan import ChameleonVQGAN
 from vdtrain.targets import load_target
+from vdtrain.targets.base import split_taps
 from vdtrain.targets.chameleon import FORCED_LOGIT, ChameleonTarget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -588,3 +589,26 @@ def test_bf16_inference_keeps_identity_and_fp32_logits(lumina_files):
     assert out.hidden.dtype == torch.bfloat16 and out.logits.dtype == torch.float32
     tokens = generate_ar(target, cond, SamplingConfig(cfg_scale=3.0, temperature=0.0), [None])
     assert (tokens.view(4, 5)[:, -1] == CODEBOOK).all()
+
+
+def test_taps_are_transformers_hidden_states(anole_files):
+    """What an EAGLE-3 drafter reads: the residual stream after k layers is transformers'
+    ``hidden_states[k]``, for every k."""
+    folder, hf = anole_files
+    target = anole_target(folder)
+    prompt = target.prompt_ids("a red circle")
+    tokens = torch.randint(
+        0, CODEBOOK, (1, target.num_image_tokens), generator=torch.Generator().manual_seed(0)
+    )
+    taps = tuple(range(target.num_layers + 1))
+    with torch.no_grad():
+        states = target.sequence_features(target.encode_captions(["a red circle"]), tokens, taps)
+        pad = pad_of(target, prompt)
+        ids = torch.tensor([prompt + bpe_ids(newline=False)[tokens[0]].tolist()])
+        positions = torch.arange(pad, pad + ids.shape[1])[None]
+        ref = hf.model(input_ids=ids, position_ids=positions, output_hidden_states=True).hidden_states
+    _, tapped = split_taps(states, target.hidden_size)
+    assert len(ref) == len(taps)
+    for k in taps:
+        got = tapped[0, pad:, k * target.hidden_size : (k + 1) * target.hidden_size]
+        torch.testing.assert_close(got, ref[k][0], rtol=0, atol=1e-5, msg=f"layer {k}")

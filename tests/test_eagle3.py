@@ -3,6 +3,7 @@ step sees."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
 
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig, chain_rows, teacher_mask, tree_step_mask
+from vdtrain.hub import export_drafter, push_to_hub
 from vdtrain.targets.base import split_taps
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
@@ -43,7 +45,8 @@ def sequence(target, batch: int = 2, seed: int = 3):
 
 
 def reference_states(target, cond, tokens) -> list[torch.Tensor]:
-    """Hugging Face's ``hidden_states``: the residual stream before layer 0, after each layer."""
+    """Hugging Face's ``hidden_states``: the residual stream before layer 0 and after each layer, the last
+    one normalised."""
     gpt = target.gpt
     x = torch.cat([target.prefix_inputs(cond), target.token_embedding(tokens)], dim=1)
     seq = x.shape[1]
@@ -57,6 +60,7 @@ def reference_states(target, cond, tokens) -> list[torch.Tensor]:
     for layer in gpt.layers:
         h = layer(h, rope, mask)
         states.append(h)
+    states[-1] = gpt.norm(h)  # the last entry is after the final norm
     return states
 
 
@@ -196,3 +200,66 @@ def test_tree_step_mask_blocks():
     # row 4 at step 2: step-0 rows 0..2, step-1 row 3, step-2 row 4
     assert mask[4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
     assert chain_rows(2, 5, 2).tolist() == [False, False, False, True, True]
+
+
+# --- saving, loading, refusing ---------------------------------------------------------------------
+
+
+def test_eagle3_export_reloads_exactly_and_records_its_layers(tmp_path):
+    target = deep_target()
+    drafter = eagle3(target).eval()
+    folder = export_drafter(drafter, tmp_path / "export", target=target, metadata={})
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["kind"], config["feature_layers"]) == ("eagle3", [2, 3, 3])
+    assert config["target"]["num_layers"] == 6
+    assert "EAGLE-3 drafter" in (folder / "README.md").read_text()
+    loaded = Drafter.from_pretrained(folder, target)
+    assert loaded.config == drafter.config
+    state = drafter.state_dict()
+    assert {"fuse.weight", "norm.weight"} <= set(state)
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in state.items())
+    cond, tokens = sequence(target)
+    with torch.no_grad():
+        hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps), 32)
+        a = drafter.unroll(drafter.input_features(hidden, tapped), tokens, cond.mask, 2)
+        b = loaded.unroll(loaded.input_features(hidden, tapped), tokens, cond.mask, 2)
+    assert all(
+        torch.equal(x, y) and torch.equal(drafter.logits(x), loaded.logits(y))
+        for x, y in zip(a, b, strict=True)
+    )
+    plan = push_to_hub(folder, "someone/eagle3-drafter", dry_run=True)
+    assert plan.dry_run and "model.safetensors" in [name for name, _ in plan.files]
+
+
+def test_a_target_with_other_layers_is_refused(tmp_path):
+    target = deep_target()
+    folder = eagle3(target).save_pretrained(tmp_path / "drafter")
+    shallow = LlamaGenTarget(
+        random_gpt(replace(DEEP_GPT, n_layer=4)),
+        VQTokenizer(random_vq(), image_size=8),
+        None,
+        "tiny",
+        SamplingConfig(),
+    )
+    with pytest.raises(ValueError, match="num_layers: 6 != 4"):
+        Drafter.from_pretrained(folder, shallow)
+
+
+def test_feature_layers_past_the_target_are_refused():
+    target = deep_target()
+    with pytest.raises(ValueError, match=r"outside 0 \.\. 6"):
+        DrafterConfig.for_target(target, kind="eagle3", feature_layers=(2, 7))
+    with pytest.raises(ValueError, match="fuses target layers"):
+        DrafterConfig.for_target(target, kind="eagle1", feature_layers=(2,))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        DrafterConfig.for_target(target, kind="eagle2")
+
+
+def test_an_eagle1_config_written_before_kinds_still_loads():
+    target = deep_target()
+    config = DrafterConfig.for_target(target).to_dict()
+    for key in ("kind", "feature_layers"):
+        config.pop(key)
+    config["target"].pop("num_layers")
+    assert DrafterConfig.from_dict(config).kind == "eagle1"
+    Drafter(DrafterConfig.from_dict(config)).attach(target)

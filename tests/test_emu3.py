@@ -21,6 +21,7 @@ from vdtrain.config import TargetConfig
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig, combine_cfg
 from vdtrain.targets import load_target
+from vdtrain.targets.base import split_taps
 from vdtrain.targets.chameleon import FORCED_LOGIT, ChameleonTarget
 from vdtrain.targets.emu3 import BOI, BOS, END_OF_ROW, IMAGE_WRAPPER, Emu3DraftLayer
 
@@ -316,3 +317,22 @@ def test_caption_overflow(emu3_files):
         emu3_target(emu3_files[0]).encode_captions([long])
     ids = emu3_target(emu3_files[0], caption_overflow="truncate").prompt_ids(long)
     assert len(ids) == 24 and ids[0] == VOCAB[BOS] and ids[-1] == VOCAB[IMAGE_WRAPPER]
+
+
+def test_taps_are_transformers_hidden_states(emu3_files):
+    """What an EAGLE-3 drafter reads: the residual stream after k layers is transformers'
+    ``hidden_states[k]``, for every k."""
+    folder, hf = emu3_files
+    target = emu3_target(folder)
+    tokens = image_tokens(1, seed=2)
+    prompt = target.prompt_ids(CAPTIONS[0])
+    taps = tuple(range(target.num_layers + 1))
+    with torch.no_grad():
+        states = target.sequence_features(target.encode_captions(CAPTIONS[:1]), tokens, taps)
+        ids = torch.tensor([prompt + target.vocab_ids[tokens[0]].tolist()])
+        ref = hf.model(input_ids=ids, output_hidden_states=True).hidden_states
+    _, tapped = split_taps(states, target.hidden_size)
+    start, width = target.prefix_length - len(prompt), target.hidden_size
+    assert len(ref) == len(taps)
+    for k in taps:
+        assert (tapped[0, start:, k * width : (k + 1) * width] - ref[k][0]).abs().max() <= 1e-5

@@ -22,6 +22,7 @@ from vdtrain.config import TargetConfig
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig, combine_cfg
 from vdtrain.targets import load_target
+from vdtrain.targets.base import split_taps
 from vdtrain.targets.janus import BOI, BOS, PAD, JanusDraftLayer, JanusTarget
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -301,3 +302,23 @@ def test_bf16_inference_keeps_identity_and_fp32_logits(janus_files):
     assert out.hidden.dtype == torch.bfloat16 and out.logits.dtype == torch.float32
     tokens = generate_ar(target, cond, SamplingConfig(cfg_scale=CFG, temperature=0.0), [None])
     assert tokens.shape == (1, 16)
+
+
+def test_taps_are_transformers_hidden_states(janus_files):
+    """What an EAGLE-3 drafter reads: the residual stream after k layers is transformers'
+    ``hidden_states[k]``, for every k."""
+    folder, hf = janus_files
+    target = janus_target(folder)
+    tokens = torch.randint(0, CODEBOOK, (1, 16), generator=torch.Generator().manual_seed(1))
+    ids = target.prompt_ids(CAPTIONS[0])
+    taps = tuple(range(target.num_layers + 1))
+    with torch.no_grad():
+        states = target.sequence_features(target.encode_captions(CAPTIONS[:1]), tokens, taps)
+        x = hf.get_input_embeddings()(torch.tensor([ids]))
+        x = torch.cat([x, hf.prepare_embeddings_for_image_generation(tokens)], dim=1)
+        ref = hf.model.language_model(inputs_embeds=x, output_hidden_states=True).hidden_states
+    _, tapped = split_taps(states, target.hidden_size)
+    start, width = target.prefix_length - len(ids), target.hidden_size
+    assert len(ref) == len(taps)
+    for k in taps:
+        assert (tapped[0, start:, k * width : (k + 1) * width] - ref[k][0]).abs().max() <= 1e-5

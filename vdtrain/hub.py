@@ -224,11 +224,22 @@ def _front_matter(ident: TargetIdentity) -> str:
 def _intro(drafter: Drafter, ident: TargetIdentity) -> str:
     c = drafter.config
     params = sum(p.numel() for p in drafter.parameters())
+    if c.kind == "eagle3":
+        design = (
+            f"An EAGLE-3 drafter trained with vdtrain: the target's layers {list(c.feature_layers)} "
+            "(residual stream after that many decoder layers) are fused into `g_t = fuse([h_low; h_mid; "
+            f"h_high])`, `fc([embed(x_{{t+1}}); g_t])` followed by one {c.family} decoder layer and a norm "
+            "drafts the next token, trained on its own unrolled outputs (training-time test), and "
+        )
+    else:
+        design = (
+            "A speculative-decoding drafter trained with vdtrain: `fc([embed(x_{t+1}); f_t])` followed"
+            f" by one {c.family} decoder layer predicts the target's next hidden state, and "
+        )
     return (
         f"# EAGLE drafter for `{ident.name}`\n\n"
-        "A speculative-decoding drafter trained with vdtrain: `fc([embed(x_{t+1}); f_t])` followed"
-        f" by one {c.family} decoder layer predicts the target's next hidden state, and "
-        "the target's own head turns it into draft tokens that the target then verifies (with exact "
+        + design
+        + "the target's own head turns it into draft tokens that the target then verifies (with exact "
         "acceptance the images are the target's own samples). The target's token embedding and output "
         f"head are borrowed when the drafter is loaded, so `{WEIGHTS_FILE}` holds only the drafter's "
         f"{params:,} parameters.\n\n"
