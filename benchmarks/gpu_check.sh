@@ -30,10 +30,10 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 
 if [[ $device == cuda ]]; then
   xl="llamagen-xl --dtype bf16" big=16 prompts=16 graphs=graphs compiled=compiled presets=all
-  train="--targets llamagen-xl --modes eager compiled zero2 --batch 8 --steps 5 --warmup 2"
+  train="--targets llamagen-xl --drafters eagle1 eagle3 --modes eager compiled zero2 --batch 8 --steps 4 --warmup 2"
 else  # the script's own test: the same steps on a CPU, eager, at sizes it decodes in seconds
   xl="shapes --dtype fp32" big=2 prompts=2 graphs=eager compiled=steps presets="eagle2 sjd"
-  train="--targets small --modes eager --batch 2 --steps 2 --warmup 1"
+  train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 2 --steps 2 --warmup 1"
 fi
 step_cost="python -m benchmarks.step_cost --device $device"
 

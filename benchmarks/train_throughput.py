@@ -1,10 +1,11 @@
 """What one drafter-training step costs: samples/s, image tokens/s, the frozen target's share, and model
 FLOP utilisation, for ``fit``'s own step (``DrafterModule``: online features with 10% null rows, feature
-noise, the drafter's teacher-forced pass, its loss, backward and AdamW) on random-weight targets.
+noise, the drafter's pass, its loss, backward and AdamW) on random-weight targets, for ``eagle1`` drafters
+(one teacher-forced pass) and ``eagle3`` drafters (``--ttt-steps`` unrolled passes over fused layers).
 
     python -m benchmarks.train_throughput                              # CPU: a small LlamaGen-shaped target
     python -m benchmarks.train_throughput --device cuda --targets llamagen-b llamagen-xl \\
-        --modes eager compiled zero2 --batch 8 --out train_throughput.json
+        --drafters eagle1 eagle3 --modes eager compiled zero2 --batch 8 --out train_throughput.json
 
 Modes: ``eager``; ``compiled`` (the drafter's decoder layer under ``torch.compile``); ``zero2`` (DeepSpeed
 ZeRO stage 2 in one process, as ``trainer=deepspeed_stage_2`` runs each rank; GPU only). ``--dtype bf16``
@@ -34,7 +35,7 @@ import torch
 
 from benchmarks.step_cost import random_llamagen
 from vdtrain.config import DrafterTrainConfig, OptimConfig
-from vdtrain.drafter import Drafter
+from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.eval.runner import device_description
 from vdtrain.targets import cast_for_inference
 from vdtrain.targets.base import Target
@@ -76,27 +77,34 @@ class RandomCaptions:
         return features, torch.ones(len(captions), self.rows, dtype=torch.bool, device=self.device)
 
 
-def build(name: str, device: torch.device, dtype: str, seed: int) -> tuple[Target, Drafter]:
-    """The random-weight target (its captions random rows, cast to ``dtype``) and a fresh drafter."""
+def build(
+    name: str, device: torch.device, dtype: str, seed: int, kind: str = "eagle1"
+) -> tuple[Target, Drafter]:
+    """The random-weight target (its captions random rows, cast to ``dtype``) and a fresh ``kind`` drafter."""
     target, drafter = random_llamagen(name, device, seed, SMALL if name == "small" else None)
     gpt = target.gpt.config
     target.caption_encoder = RandomCaptions(target.prefix_length, gpt.caption_dim, device)
-    return cast_for_inference(target, dtype), drafter.train()  # the drafter trains in fp32 (autocast)
+    if kind != "eagle1":
+        drafter = Drafter(DrafterConfig.for_target(target, kind=kind)).to(device).start_from(target)
+    return cast_for_inference(target, dtype), drafter.attach(target).train()  # fp32 drafter (autocast)
 
 
-def step_flops(target: Target, drafter: Drafter, batch: int) -> float:
-    """Matmul FLOPs of one training step (see the module docstring)."""
+def step_flops(target: Target, drafter: Drafter, batch: int, unrolled: int = 1) -> float:
+    """Matmul FLOPs of one training step (see the module docstring); ``unrolled``: the drafter passes a
+    step makes (an eagle3 drafter's ``ttt_steps``; pass ``j`` attends to ``j + 1`` passes' keys)."""
     seq = target.prefix_length + target.num_image_tokens
     tokens = batch * seq
     image_rows = batch * target.num_image_tokens
     width, layers = target.gpt.config.dim, target.gpt.config.n_layer
     frozen = sum(p.numel() for n, p in target.gpt.named_parameters() if "layers" in n)
-    trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    fused = drafter.fuse.weight.numel() if drafter.taps else 0
+    trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad) - fused
     head = target.vocab_size * width
     attention = 2 * batch * seq * seq * width  # QKᵀ and AV, causal: half of 4·S²·d per layer
     target_flops = 2 * frozen * tokens + layers * attention
     # The head: forward for the drafter's logits and the target's, backward to its input.
-    drafter_flops = 6 * trained * tokens + 3 * attention + 6 * head * image_rows
+    per_pass = 6 * trained * tokens + 6 * head * image_rows
+    drafter_flops = 6 * fused * tokens + unrolled * per_pass + 3 * attention * unrolled * (unrolled + 1) // 2
     return float(target_flops + drafter_flops)
 
 
@@ -111,9 +119,21 @@ def timed(clock: list[float], device: torch.device) -> Iterator[None]:
     clock.append(time.perf_counter() - start)
 
 
-def measure(name: str, mode: str, dtype: str, batch: int, steps: int, warmup: int, device, seed: int) -> Row:
-    target, drafter = build(name, device, dtype, seed)
-    module = DrafterModule(target, drafter, DrafterTrainConfig(), OptimConfig(), max_steps=steps + warmup)
+def measure(
+    name: str,
+    mode: str,
+    dtype: str,
+    batch: int,
+    steps: int,
+    warmup: int,
+    device,
+    seed: int,
+    kind: str = "eagle1",
+    ttt_steps: int = DrafterTrainConfig.ttt_steps,
+) -> Row:
+    target, drafter = build(name, device, dtype, seed, kind)
+    train = DrafterTrainConfig(kind=kind, ttt_steps=ttt_steps)
+    module = DrafterModule(target, drafter, train, OptimConfig(), max_steps=steps + warmup)
     module.to(device)
     module.on_fit_start()  # places the target, as fit does
     if mode == "compiled":
@@ -165,11 +185,11 @@ def measure(name: str, mode: str, dtype: str, batch: int, steps: int, warmup: in
             step()
     step_s = sum(step_clock[warmup:]) / steps
     target_s = sum(feature_clock[warmup:]) / steps
-    flops = step_flops(target, module.drafter, batch) / step_s
+    flops = step_flops(target, module.drafter, batch, ttt_steps if kind == "eagle3" else 1) / step_s
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_description(device)), None)
     return Row(
         name,
-        "eagle1",
+        kind if kind == "eagle1" else f"{kind} k={ttt_steps}",
         mode,
         dtype,
         batch,
@@ -209,6 +229,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser.add_argument(
         "--targets", nargs="+", default=["small"], choices=["small", "llamagen-b", "llamagen-xl"]
     )
+    parser.add_argument("--drafters", nargs="+", default=["eagle1"], choices=["eagle1", "eagle3"])
+    parser.add_argument("--ttt-steps", type=int, default=DrafterTrainConfig.ttt_steps, help="eagle3's unroll")
     parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES)
     parser.add_argument("--dtype", nargs="+", default=None, choices=["fp32", "bf16"])
     parser.add_argument("--batch", type=int, default=4)
@@ -227,12 +249,25 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 print(f"{name} zero2: skipped (DeepSpeed ZeRO needs a GPU and the deepspeed package)")
                 continue
             for dtype in dtypes:
-                row = measure(name, mode, dtype, args.batch, args.steps, args.warmup, device, args.seed)
-                rows.append(row)
-                print(
-                    f"{name} {mode} {dtype}: {row.step_ms:.1f} ms/step, drafter {row.drafter_share:.0%}",
-                    flush=True,
-                )
+                for kind in args.drafters:
+                    row = measure(
+                        name,
+                        mode,
+                        dtype,
+                        args.batch,
+                        args.steps,
+                        args.warmup,
+                        device,
+                        args.seed,
+                        kind,
+                        args.ttt_steps,
+                    )
+                    rows.append(row)
+                    print(
+                        f"{name} {row.drafter} {mode} {dtype}: {row.step_ms:.1f} ms/step, "
+                        f"drafter {row.drafter_share:.0%}",
+                        flush=True,
+                    )
     print(table(rows, device))
     if args.out:
         with open(args.out, "w") as f:

@@ -29,13 +29,14 @@ from safetensors.torch import load_file
 from vdtrain.config import DrafterTrainConfig, FitConfig, OptimConfig, UnknownConfigKeyError, check_known_keys
 from vdtrain.data.streams import ShapesStream, collate
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.drafter import Drafter, DrafterConfig, chain_rows
 from vdtrain.fit import build_strategy, fit
 from vdtrain.images import images_to_tensor
 from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, generate
 from vdtrain.targets import load_target
+from vdtrain.targets.base import split_taps
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
-from vdtrain.train.losses import drafter_loss, image_target_mask
+from vdtrain.train.losses import drafter_loss, image_target_mask, unrolled_loss
 from vdtrain.train.module import DrafterModule, NonFiniteLossError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,10 +87,12 @@ def target(tiny_folder):
     return load_target({"kind": "folder", "folder": str(tiny_folder)})
 
 
-def make_module(target, p_null: float = 0.1, features: str = "online", noise: float = 0.1, seed: int = 0):
+def make_module(
+    target, p_null: float = 0.1, features: str = "online", noise: float = 0.1, seed: int = 0, kind="eagle1"
+):
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(target))
-    train = DrafterTrainConfig(feature_noise=noise)
+    drafter = Drafter(DrafterConfig.for_target(target, kind=kind))
+    train = DrafterTrainConfig(kind=kind, feature_noise=noise, ttt_steps=3)
     return DrafterModule(target, drafter, train, OptimConfig(), features, p_null, seed, 100)
 
 
@@ -221,6 +224,52 @@ def test_null_conditioned_loss_regresses_null_features(target):
         cond_loss, _ = drafter_loss(pred_c, cond_hidden[:, 1:], module.drafter.logits, mask, 0.1)
     torch.testing.assert_close(loss.detach(), expected, rtol=1e-6, atol=1e-7)
     assert not torch.isclose(loss.detach(), cond_loss, rtol=1e-3)
+
+
+def test_eagle3_loss_unrolls_on_null_conditioned_taps(target):
+    """An eagle3 drafter keeps null conditioning: with p_null = 1 its fused inputs and its targets come from
+    the null-conditioned target, and its loss is the unrolled one."""
+    module = make_module(target, p_null=1.0, noise=0.0, kind="eagle3")
+    batch = shapes_batch(2)
+    loss, parts = module.loss(batch, torch.Generator().manual_seed(0))
+    drafter = module.drafter
+    tokens = target.tokenizer.encode(images_to_tensor(batch["image"].numpy()))
+    null = target.null_condition(target.encode_captions(batch["caption"]))
+    with torch.no_grad():
+        states = target.sequence_features(null, tokens, drafter.taps).float()
+        hidden, tapped = split_taps(states, target.hidden_size)
+        steps = drafter.unroll(drafter.input_features(hidden, tapped), tokens, null.mask, 3)
+        mask = image_target_mask(null.mask, tokens.shape[1])
+        chains = [chain_rows(null.mask, mask.shape[1], j) for j in range(3)]
+        expected, _ = unrolled_loss(steps, hidden[:, 1:], drafter.normed, drafter.head_logits, mask, chains)
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+    assert {"top1_step0", "top1_step2", "cls"} <= set(parts)
+
+
+def test_fit_trains_evaluates_and_exports_an_eagle3_drafter(tiny_folder, tmp_path):
+    run = tmp_path / "run"
+    result = run_cli(
+        [
+            sys.executable,
+            "-m",
+            "vdtrain.fit",
+            f"target.folder={tiny_folder}",
+            *(s for s in SMALL if not s.startswith("eval.")),
+            "drafter.kind=eagle3",
+            "drafter.ttt_steps=2",
+            "trainer.max_steps=2",
+            "eval.num_prompts=2",
+            "eval.batch_size=2",
+            f"hydra.run.dir={run}",
+        ],
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = json.loads((run / "drafter" / "config.json").read_text())
+    assert (config["kind"], config["feature_layers"]) == ("eagle3", [1, 1, 1])
+    summary = json.loads((run / "summary.json").read_text())
+    assert {"eval/eagle2_T0/S", "eval/acceptance/tau_gap_T0", "eval/acceptance/tau_gap_T1"} <= set(summary)
 
 
 # --- 3. offline features = online features -------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The shipped shapes target and drafter: they load, match, and speculative decoding is lossless on them."""
+"""The shipped shapes target and drafters (eagle1, eagle3): they load, match, and speculative decoding is
+lossless on them."""
 
 from __future__ import annotations
 
@@ -15,14 +16,19 @@ from vdtrain.drafter import Drafter
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.targets.shapes import REPO_ROOT, load_target_folder
 
-DRAFTER = REPO_ROOT / "checkpoints" / "shapes" / "drafter"
+DRAFTERS = {
+    "eagle1": REPO_ROOT / "checkpoints" / "shapes" / "drafter",
+    "eagle3": REPO_ROOT / "checkpoints" / "shapes" / "drafter_eagle3",
+}
 
 
-@pytest.fixture(scope="module")
-def shipped():
+@pytest.fixture(scope="module", params=sorted(DRAFTERS))
+def shipped(request):
     with torch.no_grad():  # for this module's tests only: grad mode is restored at its teardown
         target = load_target_folder()
-        yield target, Drafter.from_pretrained(DRAFTER, target)
+        drafter = Drafter.from_pretrained(DRAFTERS[request.param], target)
+        assert drafter.config.kind == request.param
+        yield target, drafter
 
 
 @pytest.mark.parametrize(

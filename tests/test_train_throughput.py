@@ -27,3 +27,27 @@ def test_the_flop_count_grows_with_the_batch_and_counts_the_target_pass():
     assert two == pytest.approx(2 * one)
     layers = sum(p.numel() for n, p in target.gpt.named_parameters() if "layers" in n)
     assert one > 2 * layers * (target.prefix_length + target.num_image_tokens)
+
+
+def test_eagle3_rows_unroll_and_count_every_pass(capsys):
+    (one, three) = main(
+        [
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--batch",
+            "1",
+            "--drafters",
+            "eagle1",
+            "eagle3",
+            "--ttt-steps",
+            "3",
+        ]
+    )
+    assert (one.drafter, three.drafter) == ("eagle1", "eagle3 k=3")
+    assert "| small | eagle3 k=3 | eager | fp32 | 1 |" in capsys.readouterr().out
+    target, drafter = build("small", torch.device("cpu"), "fp32", seed=0, kind="eagle3")
+    assert drafter.taps == target.default_feature_layers()
+    once, thrice = step_flops(target, drafter, 1, 1), step_flops(target, drafter, 1, 3)
+    assert thrice > 2.5 * (once - step_flops(target, drafter, 1, 0))  # each pass counted, attention growing
