@@ -12,7 +12,8 @@ from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
 from torch import nn
 
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter, DrafterConfig, drafter_inputs, feature_targets, teacher_mask
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.drafter_rows import drafter_inputs, feature_targets, teacher_mask
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 from vdtrain.train.losses import (
     drafter_loss,

@@ -11,7 +11,8 @@ import torch
 from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
 
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter, DrafterConfig, chain_rows, teacher_mask, tree_step_mask
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.drafter_rows import chain_rows, teacher_mask, tree_step_mask
 from vdtrain.hub import export_drafter, push_to_hub
 from vdtrain.targets.base import split_taps
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer

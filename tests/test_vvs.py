@@ -42,7 +42,7 @@ from vdtrain.decode.vvs import (
     path_similarity,
     unverified_paths,
 )
-from vdtrain.drafter import teacher_mask
+from vdtrain.drafter_rows import teacher_mask
 from vdtrain.generate import decode_config
 from vdtrain.targets.base import Condition
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer

@@ -20,7 +20,8 @@ import lightning as L
 import torch
 
 from vdtrain.config import DrafterTrainConfig, OptimConfig
-from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter, chain_rows
+from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter
+from vdtrain.drafter_rows import chain_rows
 from vdtrain.images import images_to_tensor
 from vdtrain.targets.base import Target, split_taps
 from vdtrain.train.agreement import unrolled_agreement

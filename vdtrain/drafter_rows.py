@@ -1,0 +1,106 @@
+"""How drafter rows line up with the target's slots: teacher forcing and its unrolled tree steps.
+
+Row ``s`` of a drafter sequence pairs the target's feature at slot ``s`` with the embedding of the token at
+slot ``s + 1`` and predicts ``f_{s+1}`` (docs/training.md, "The drafter's sequence alignment"); unrolled
+step ``j`` of training-time test stands for the depth-``j + 1`` nodes of the draft trees decoding builds
+(docs/training.md, "EAGLE-3 drafters").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from vdtrain.targets.base import prefix_causal_mask
+
+
+def drafter_inputs(
+    target_hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    prefix_length: int,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair ``f_s`` with ``e_{s+1}`` for ``s = 0 .. L+N-2``: the drafter's teacher-forced inputs.
+
+    ``target_hidden`` [B, L+N, H] (final-norm states at every slot), ``tokens`` [B, N] image tokens,
+    ``embed`` the target token embedding. Returns ``features`` = ``target_hidden[:, :-1]`` and
+    ``next_embeds`` [B, L+N-1, H]: zeros for rows ``0 .. L-2`` (no token follows inside the prefix), then
+    ``embed(tokens)`` (row ``L-1+i`` carries image token ``i``). The regression targets of those rows
+    are ``target_hidden[:, 1:]`` (``feature_targets``).
+    """
+    seq = target_hidden.shape[1]
+    n_tokens = tokens.shape[1]
+    if seq != prefix_length + n_tokens:
+        raise ValueError(
+            f"target_hidden has {seq} slots but prefix {prefix_length} + {n_tokens} tokens = "
+            f"{prefix_length + n_tokens}"
+        )
+    return target_hidden[:, :-1], after_prefix_rows(embed(tokens), prefix_length)
+
+
+def after_prefix_rows(token_embeds: torch.Tensor, prefix_length: int) -> torch.Tensor:
+    """The ``next_embeds`` of drafter rows ``0 ..``: zeros for the ``prefix_length - 1`` rows inside the
+    prefix, then ``token_embeds`` [B, N, H] (row ``L - 1`` carries image token 0)."""
+    batch, _, hidden = token_embeds.shape
+    return torch.cat([token_embeds.new_zeros(batch, prefix_length - 1, hidden), token_embeds], dim=1)
+
+
+def feature_targets(target_hidden: torch.Tensor) -> torch.Tensor:
+    """What drafter row ``s`` regresses: ``f_{s+1}``, i.e. ``target_hidden[:, 1:]``."""
+    return target_hidden[:, 1:]
+
+
+def teacher_mask(cond_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``prefix_causal_mask`` over ``seq_len`` drafter slots, also when ``seq_len`` < the prefix length."""
+    full = prefix_causal_mask(cond_mask, max(seq_len, cond_mask.shape[1]))
+    return full[..., :seq_len, :seq_len]
+
+
+def tree_step_mask(cond_mask: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:
+    """What row ``s`` of unrolled step ``step`` may attend to: [B, 1, S, (step + 1)·S] over the keys of
+    steps ``0 .. step`` (``S = seq_len`` rows each, in that order).
+
+    Row ``s`` at step ``j`` stands for a depth-``j + 1`` draft node whose chain left the target's features
+    at row ``s - j``: like that node in a tree step, it sees the teacher-forced (target-feature) rows up to
+    ``s - j`` and, of each later step ``i``, only its own ancestor, row ``s - j + i``. Nothing after
+    the chain's start, and no sibling chain."""
+    teacher = teacher_mask(cond_mask, seq_len)[:, 0]  # [B, S, S]
+    first = torch.zeros_like(teacher)
+    first[:, step:] = teacher[:, : seq_len - step]
+    q = torch.arange(seq_len, device=cond_mask.device)[:, None]
+    k = torch.arange(seq_len, device=cond_mask.device)[None, :]
+    ancestors = [(k - q == i - step).expand_as(teacher) for i in range(1, step + 1)]
+    return torch.cat([first, *ancestors], dim=-1)[:, None]
+
+
+def chain_rows(cond_mask_or_prefix_len: torch.Tensor | int, seq_len: int, step: int) -> torch.Tensor:
+    """Bool [S] over the rows of unrolled step ``step`` whose chain starts where decoding starts one:
+    at or after row ``L - 1`` (the first root; decoding never drafts from inside the prefix)."""
+    prefix = (
+        cond_mask_or_prefix_len.shape[1]
+        if isinstance(cond_mask_or_prefix_len, torch.Tensor)
+        else int(cond_mask_or_prefix_len)
+    )
+    return torch.arange(seq_len) - step >= prefix - 1
+
+
+class AppendCache:
+    """A one-layer cache that appends each unrolled step's keys and values out of place, so gradients flow
+    through every step (a preallocated cache is written in place, which autograd refuses)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def layer(self, index: int) -> AppendCache:
+        return self
+
+    def write(
+        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        if self.k.shape[2] != kv_len:
+            raise ValueError(f"unrolled step has {self.k.shape[2]} keys but its mask covers {kv_len}")
+        return self.k, self.v
