@@ -7,12 +7,11 @@ import pytest
 import torch
 from conftest import tiny_condition
 from test_engine import (
-    MICRO_GPT,
-    MICRO_VQ,
     SIGNIFICANCE,
     chi_square_pvalue,
     exact_ar_distribution,
     make_target,
+    micro_problem,
     sample_images,
 )
 from test_exactness import method
@@ -21,7 +20,6 @@ from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.methods import load_preset, preset_names
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.targets.base import Condition
 
 TREE_PRESETS = [n for n in preset_names() if load_preset(n).needs_drafter]
 
@@ -60,11 +58,7 @@ def test_eagle3_drafts_decode_the_ar_tokens_at_t0(name, tmp_path):
 
 @pytest.fixture(scope="module")
 def micro():
-    target = make_target(MICRO_GPT, MICRO_VQ, image_size=4, seed=3)
-    cond = Condition(
-        torch.randn(1, 2, MICRO_GPT.caption_dim, generator=torch.Generator().manual_seed(5)),
-        torch.ones(1, 2, dtype=torch.bool),
-    )
+    target, cond = micro_problem()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
     return (
         target,

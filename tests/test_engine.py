@@ -287,13 +287,19 @@ def chi_square_pvalue(samples, exact) -> float:
 SIGNIFICANCE = 1e-3  # a correct method fails this test once in a thousand seeds
 
 
-@pytest.fixture(scope="module")
-def micro():
+def micro_problem() -> tuple[LlamaGenTarget, Condition]:
+    """The enumerable problem: 4 image tokens over a 4-token vocabulary, one fixed caption."""
     target = make_target(MICRO_GPT, MICRO_VQ, image_size=4, seed=3)
     cond = Condition(
         torch.randn(1, 2, MICRO_GPT.caption_dim, generator=torch.Generator().manual_seed(5)),
         torch.ones(1, 2, dtype=torch.bool),
     )
+    return target, cond
+
+
+@pytest.fixture(scope="module")
+def micro():
+    target, cond = micro_problem()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
     return (
         target,

@@ -22,6 +22,7 @@ from test_engine import (
     chi_square_pvalue,
     exact_ar_distribution,
     make_target,
+    micro_problem,
     sample_images,
 )
 
@@ -73,11 +74,7 @@ EXACT_PRESETS = [n for n in preset_names() if load_preset(n).exact]
 
 @pytest.fixture(scope="module")
 def truncated_micro():
-    target = make_target(MICRO_GPT, MICRO_VQ, image_size=4, seed=3)
-    cond = Condition(
-        torch.randn(1, 2, MICRO_GPT.caption_dim, generator=torch.Generator().manual_seed(5)),
-        torch.ones(1, 2, dtype=torch.bool),
-    )
+    target, cond = micro_problem()
     return target, confident_drafter(target), cond, exact_ar_distribution(target, cond, TRUNCATED)
 
 

@@ -22,25 +22,32 @@ DRAFTERS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(DRAFTERS))
-def shipped(request):
+SAMPLING = SamplingConfig(cfg_scale=3.0, temperature=0.0)
+PROMPTS = 20
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped target, 20 held-out captions and their AR tokens, decoded once for the module."""
     with torch.no_grad():  # for this module's tests only: grad mode is restored at its teardown
         target = load_target_folder()
-        drafter = Drafter.from_pretrained(DRAFTERS[request.param], target)
-        assert drafter.config.kind == request.param
-        yield target, drafter
+        cond = target.encode_captions(shapes_heldout_captions(PROMPTS))
+        yield target, cond, generate_ar(target, cond, SAMPLING, [None] * PROMPTS)
 
 
 @pytest.mark.parametrize(
-    "builder",
-    [StaticTreeBuilder(static_tree(EAGLE1_PATHS)), DynamicTreeBuilder(top_k=10, depth=5, total_tokens=59)],
-    ids=["eagle1", "eagle2"],
+    ("kind", "builder"),
+    [
+        ("eagle1", StaticTreeBuilder(static_tree(EAGLE1_PATHS))),
+        ("eagle1", DynamicTreeBuilder(top_k=10, depth=5, total_tokens=59)),
+        ("eagle3", DynamicTreeBuilder(top_k=10, depth=5, total_tokens=59)),
+    ],
+    ids=["eagle1-drafter-eagle1", "eagle1-drafter-eagle2", "eagle3-drafter-eagle2"],
 )
-def test_greedy_speculative_decoding_matches_ar_on_20_shapes_prompts(shipped, builder):
-    target, drafter = shipped
-    cond = target.encode_captions(shapes_heldout_captions(20))
-    sampling = SamplingConfig(cfg_scale=3.0, temperature=0.0)
-    ar = generate_ar(target, cond, sampling, [None] * 20)
-    result = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None] * 20)
+def test_greedy_speculative_decoding_matches_ar_on_20_shapes_prompts(shipped, kind, builder):
+    target, cond, ar = shipped
+    drafter = Drafter.from_pretrained(DRAFTERS[kind], target)
+    assert drafter.config.kind == kind
+    result = SpeculativeEngine(target, drafter, builder, SAMPLING).generate(cond, [None] * PROMPTS)
     assert torch.equal(result.tokens, ar)
-    assert sum(s.tau for s in result.stats) / 20 > 1.5  # the trained drafter really drafts
+    assert sum(s.tau for s in result.stats) / PROMPTS > 1.5  # the trained drafter really drafts
