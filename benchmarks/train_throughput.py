@@ -15,8 +15,9 @@ random condition rows (a real run adds the text encoder's pass, not counted here
 
 Columns: step time; ``target``: the feature pass; ``drafter``: the rest (drafter forward, loss, backward,
 optimizer); samples/s and image tokens/s; model TFLOP/s (matmul FLOPs: 2 per weight per token for the
-target's pass, 6 for the drafter's trained layers, 4 for its frozen head, whose input gradient is needed,
-plus attention) and MFU against the device's dense bf16 peak (known GPUs only: H100 / H200 989 TFLOP/s,
+target's pass, 6 for the drafter's trained layers, 4 for its frozen head per drafter pass, whose input
+gradient is needed, 2 for the head on the target's features, 4 for an eagle3 fusion, plus attention)
+and MFU against the device's dense bf16 peak (known GPUs only: H100 / H200 989 TFLOP/s,
 A100 312). Goal on an H100 / H200 at XL shape: the drafter ≤ 35% of the step, MFU ≥ 35%.
 """
 
@@ -102,9 +103,11 @@ def step_flops(target: Target, drafter: Drafter, batch: int, unrolled: int = 1) 
     head = target.vocab_size * width
     attention = 2 * batch * seq * seq * width  # QKᵀ and AV, causal: half of 4·S²·d per layer
     target_flops = 2 * frozen * tokens + layers * attention
-    # The head: forward for the drafter's logits and the target's, backward to its input.
-    per_pass = 6 * trained * tokens + 6 * head * image_rows
-    drafter_flops = 6 * fused * tokens + unrolled * per_pass + 3 * attention * unrolled * (unrolled + 1) // 2
+    # The head: forward for the target's logits once, for each pass's logits and backward to their input.
+    per_pass = 6 * trained * tokens + 4 * head * image_rows
+    fusion = 4 * fused * tokens  # forward and weight gradient: the tapped layers need none
+    drafter_flops = fusion + 2 * head * image_rows + unrolled * per_pass
+    drafter_flops += 3 * attention * unrolled * (unrolled + 1) // 2
     return float(target_flops + drafter_flops)
 
 

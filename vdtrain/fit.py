@@ -92,6 +92,12 @@ def build_logger(cfg: FitConfig, run_dir: Path):
 def build_drafter(cfg: FitConfig, target) -> Drafter:
     if cfg.drafter.init_from:
         drafter = Drafter.from_pretrained(cfg.drafter.init_from, target)
+        layers = cfg.drafter.feature_layers
+        if layers is not None and tuple(layers) != drafter.config.feature_layers:
+            raise ValueError(
+                f"drafter.init_from={cfg.drafter.init_from!r} fuses layers "
+                f"{list(drafter.config.feature_layers)} but drafter.feature_layers={list(layers)}"
+            )
         if drafter.config.kind != cfg.drafter.kind:
             raise ValueError(
                 f"drafter.init_from={cfg.drafter.init_from!r} is an {drafter.config.kind} drafter but "

@@ -227,8 +227,8 @@ def _intro(drafter: Drafter, ident: TargetIdentity) -> str:
     if c.kind == "eagle3":
         design = (
             f"An EAGLE-3 drafter trained with vdtrain: the target's layers {list(c.feature_layers)} "
-            "(residual stream after that many decoder layers) are fused into `g_t = fuse([h_low; h_mid; "
-            f"h_high])`, `fc([embed(x_{{t+1}}); g_t])` followed by one {c.family} decoder layer and a norm "
+            "(residual stream after that many decoder layers) are fused into `g_t = fuse([h_k; ...])`, "
+            f"`fc([embed(x_{{t+1}}); g_t])` followed by one {c.family} decoder layer and a norm "
             "drafts the next token, trained on its own unrolled outputs (training-time test), and "
         )
     else:

@@ -111,6 +111,12 @@ class TargetOutput:
     taps: torch.Tensor | None = None  # [B, S, len(taps)·H]: the residual stream after each tapped layer
 
 
+def tap_kwargs(taps: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """``taps`` for a transformer's ``forward`` only when some are asked for: a decoder written before taps
+    existed still serves AR and eagle1 drafters."""
+    return {"taps": taps} if taps else {}
+
+
 def split_taps(states: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A transformer's output with ``taps`` → (final-norm hidden [.., H], tapped layers [.., k·H] or None)."""
     if states.shape[-1] == hidden_size:
@@ -325,7 +331,7 @@ class Target(nn.Module, ABC):
         x = torch.cat([self.prefix_inputs(cond), self.token_embedding(tokens)], dim=1)
         seq = x.shape[1]
         positions = torch.arange(seq, device=x.device)
-        return self.transformer(x, positions, prefix_causal_mask(cond.mask, seq), taps=taps)
+        return self.transformer(x, positions, prefix_causal_mask(cond.mask, seq), **tap_kwargs(taps))
 
     def new_cache(self, batch: int, extra_slots: int = 0) -> KVCache:
         """A static cache for ``max_seq_len`` slots plus ``extra_slots`` of scratch (draft trees)."""
@@ -337,7 +343,8 @@ class Target(nn.Module, ABC):
         x = self.prefix_inputs(cond)
         length = x.shape[1]
         slots = torch.arange(length, device=x.device)
-        states = self.transformer(x, slots, prefix_causal_mask(cond.mask, length), cache, slots, taps=taps)
+        mask = prefix_causal_mask(cond.mask, length)
+        states = self.transformer(x, slots, mask, cache, slots, **tap_kwargs(taps))
         hidden, tapped = split_taps(states, self.hidden_size)
         return TargetOutput(hidden, self.logits(hidden, slots - (length - 1)), tapped)
 
@@ -358,7 +365,7 @@ class Target(nn.Module, ABC):
         """
         mask = prefix_and_image_mask(cond.mask, image_visibility)
         x = self.token_embedding(tokens)
-        states = self.transformer(x, self.rope_positions(image_index), mask, cache, slots, taps=taps)
+        states = self.transformer(x, self.rope_positions(image_index), mask, cache, slots, **tap_kwargs(taps))
         hidden, tapped = split_taps(states, self.hidden_size)
         return TargetOutput(hidden, self.logits(hidden, image_index + 1), tapped)
 

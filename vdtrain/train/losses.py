@@ -133,7 +133,8 @@ def unrolled_loss(
         with torch.no_grad():
             parts[f"top1_step{j}"] = top_k_agreement(logits, target_logits[keep], None, 1)
     total = cls + w_feature * feat
-    parts = {"feature": feat.detach(), "cls": cls.detach(), "top1": parts["top1_step0"], **parts}
+    top1 = parts.get("top1_step0", cls.new_zeros(()))
+    parts = {"feature": feat.detach(), "cls": cls.detach(), "top1": top1, **parts}
     parts["total"] = total.detach()
     return total, parts
 
