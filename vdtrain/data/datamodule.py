@@ -33,7 +33,9 @@ class PositionedLoader(DataLoader):
 
 
 class DrafterDataModule(L.LightningDataModule):
-    def __init__(self, config: DataConfig, target_identity: TargetIdentity | None = None) -> None:
+    def __init__(
+        self, config: DataConfig, target_identity: TargetIdentity | None = None, world: str | None = None
+    ) -> None:
         super().__init__()
         if config.source not in ("shapes", "shards"):
             raise ValueError(f"data.source must be 'shapes' or 'shards', got {config.source!r}")
@@ -41,6 +43,7 @@ class DrafterDataModule(L.LightningDataModule):
             raise ValueError("data.features=offline needs source=shards with feats.npy (data_prep.features)")
         self.config = config
         self.target_identity = target_identity  # shard sets are checked against it
+        self.world = world or "shapes"  # source=shapes renders the target's embedded world
         self.train_stream: ResumableStream | None = None
         self._resume_consumed = 0
 
@@ -56,7 +59,9 @@ class DrafterDataModule(L.LightningDataModule):
         if c.num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {c.num_workers}")
         if c.source == "shapes":
-            self.train_stream = ShapesStream(c.samples_per_epoch, TRAIN_SEED, rank, world, c.batch_size)
+            self.train_stream = ShapesStream(
+                c.samples_per_epoch, TRAIN_SEED, rank, world, c.batch_size, self.world
+            )
         else:
             from vdtrain.data.shard_stream import ShardStream
 
@@ -71,7 +76,8 @@ class DrafterDataModule(L.LightningDataModule):
             return []
         if c.source == "shapes":
             samples = [
-                {"caption": s.caption, "image": s.image} for s in generate(c.val_samples, HELDOUT_SEED)
+                {"caption": s.caption, "image": s.image}
+                for s in generate(c.val_samples, HELDOUT_SEED, world=self.world)
             ]
         elif c.val_shards:
             from vdtrain.data.shard_stream import read_all

@@ -75,13 +75,20 @@ class ShapesStream(ResumableStream):
     training seed stream, so no pair is ever repeated."""
 
     def __init__(
-        self, samples_per_epoch: int, seed: int = 0, rank: int = 0, world: int = 1, batch_size: int = 1
+        self,
+        samples_per_epoch: int,
+        seed: int = 0,
+        rank: int = 0,
+        world: int = 1,
+        batch_size: int = 1,
+        scene_world: str = "shapes",
     ) -> None:
         super().__init__(samples_per_epoch, rank, world, batch_size)
         self.seed = seed
+        self.scene_world = scene_world  # the embedded world rendered (``world`` is the process count)
 
     def sample(self, epoch: int, index: int) -> dict:
-        s = generate_one(self.seed, epoch * self.samples_per_epoch + index)
+        s = generate_one(self.seed, epoch * self.samples_per_epoch + index, self.scene_world)
         return {"caption": s.caption, "image": torch.from_numpy(np.ascontiguousarray(s.image))}
 
 

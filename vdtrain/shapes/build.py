@@ -66,12 +66,22 @@ def _set_lr(
 
 
 def train_tokenizer(
-    config: VQConfig, opt: OptimConfig, n_images: int, commit_beta: float = 0.25, restart_every: int = 50
+    config: VQConfig,
+    opt: OptimConfig,
+    n_images: int,
+    world: str = "shapes",
+    init: VQModel | None = None,
+    commit_beta: float = 0.25,
+    restart_every: int = 50,
 ) -> VQModel:
     """Reconstruction (L1 + MSE) with a straight-through quantiser; codes unused for ``restart_every``
-    steps are re-seeded from current encoder outputs so the small codebook stays in use."""
-    images = images_to_tensor([s.image for s in generate(n_images, TRAIN_SEED)])
-    vq = VQModel(config).train()
+    steps are re-seeded from current encoder outputs so the whole codebook stays in use (a large one
+    then spends its codes on near-copies of common patches, as 16k-entry VQGAN codebooks do)."""
+    images = images_to_tensor([s.image for s in generate(n_images, TRAIN_SEED, world=world)])
+    vq = init if init is not None else VQModel(config)
+    if vq.config != config:
+        raise ValueError(f"init tokenizer has config {vq.config}, expected {config}")
+    vq.train()
     optimizer = _optimizer(list(vq.parameters()), opt)
     usage = torch.zeros(config.codebook_size)
     gen = torch.Generator().manual_seed(0)
@@ -103,8 +113,8 @@ def train_tokenizer(
 
 
 @torch.no_grad()
-def tokenizer_report(vq: VQModel, n_images: int) -> dict[str, float]:
-    images = images_to_tensor([s.image for s in generate(n_images, HELDOUT_SEED)])
+def tokenizer_report(vq: VQModel, n_images: int, world: str = "shapes") -> dict[str, float]:
+    images = images_to_tensor([s.image for s in generate(n_images, HELDOUT_SEED, world=world)])
     tokens = vq.encode(images)
     rec = vq.decode(tokens)
     return {
@@ -179,6 +189,7 @@ def train_target(
     device: str = "cpu",
     bf16: bool = False,
     workers: int = 1,
+    world: str = "shapes",
 ) -> tuple[LlamaGenGPT, dict[str, float]]:
     """Teacher-forced next-token training with class dropout (the null caption for ``class_dropout_prob``
     of the samples), as LlamaGen trains.
@@ -191,7 +202,7 @@ def train_target(
     """
     if max_minutes is not None and max_minutes <= 0:
         raise ValueError(f"target.max_minutes must be positive (or null for no budget), got {max_minutes}")
-    samples = generate(n_samples, TRAIN_SEED, workers)
+    samples = generate(n_samples, TRAIN_SEED, workers, world)
     vq.to(device)
     encoder = HFTextEncoder(minilm_path(), "bert", max_length=config.cls_token_num).to(device)
     tokens, feats, masks = encode_dataset(samples, vq, encoder)
@@ -244,12 +255,14 @@ def train_target(
 
 
 @torch.no_grad()
-def target_report(gpt: LlamaGenGPT, vq: VQModel, n_samples: int, device: str = "cpu") -> dict[str, float]:
+def target_report(
+    gpt: LlamaGenGPT, vq: VQModel, n_samples: int, device: str = "cpu", world: str = "shapes"
+) -> dict[str, float]:
     """Held-out per-token NLL (nats) of the ground-truth tokens, conditional and unconditional (fp32)."""
     vq.to(device)
     gpt.to(device)
     encoder = HFTextEncoder(minilm_path(), "bert", max_length=gpt.config.cls_token_num).to(device)
-    tokens, feats, masks = encode_dataset(generate(n_samples, HELDOUT_SEED), vq, encoder)
+    tokens, feats, masks = encode_dataset(generate(n_samples, HELDOUT_SEED, world=world), vq, encoder)
     target = _target(gpt, vq)
     cond = Condition(feats.float(), masks)
     nll, nll_null = [], []
@@ -279,6 +292,7 @@ def write_target_folder(
     sampling: dict[str, float],
     metrics: dict[str, object],
     cached_captions: int = 32,
+    world: str = "shapes",
 ) -> None:
     """``gpt.pt`` and ``vq.pt`` in the official format, ``config.json`` describing both, and the first
     ``cached_captions`` held-out captions encoded (``captions.safetensors``: the target runs where the
@@ -286,7 +300,8 @@ def write_target_folder(
     save_llamagen_checkpoint(gpt, folder / "gpt.pt")
     save_llamagen_checkpoint(vq, folder / "vq.pt")
     config = {
-        "name": "shapes-llamagen",
+        "name": f"{world}-llamagen",
+        "world": world,
         "gpt": asdict(gpt.config),
         "vq": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(vq.config).items()},
         "image_size": IMAGE_SIZE,

@@ -69,7 +69,7 @@ def consistency_report(
     batch_size: int = 16,
     top_k: int | None = None,
 ) -> tuple[dict[str, dict[str, float]], dict[float, np.ndarray], list[str]]:
-    samples = generate(n_captions, HELDOUT_SEED)
+    samples = generate(n_captions, HELDOUT_SEED, world=target.world or "shapes")
     captions = [s.caption for s in samples]
     truth = images_to_tensor([s.image for s in samples])
     gen = torch.Generator().manual_seed(seed)
@@ -132,7 +132,8 @@ def caption_sensitivity(
     share of images that the true caption explains better. A target that reads an attribute from its
     caption pays many nats for each wrong one; one that ignores it pays nothing.
     """
-    samples = [s for s in generate(8 * n_scenes, HELDOUT_SEED) if len(s.scene.objects) == 1][:n_scenes]
+    held_out = generate(8 * n_scenes, HELDOUT_SEED, world=target.world or "shapes")
+    samples = [s for s in held_out if len(s.scene.objects) == 1][:n_scenes]
     if len(samples) < n_scenes:
         raise ValueError(f"only {len(samples)} one-object held-out scenes among the first {8 * n_scenes}")
     scenes = [s.scene for s in samples]

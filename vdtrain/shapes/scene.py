@@ -76,8 +76,39 @@ MAX_OBJECTS = 3
 MAX_CAPTION_WORDS = 35  # keeps captions short for a small text encoder
 
 # Dataset split seeds: sample i of a split is generated from default_rng([seed, i]).
+
 TRAIN_SEED = 0
 HELDOUT_SEED = 1
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """What a world adds to a scene's pixels beyond what its caption states.
+
+    The grain world's target is uncertain for the reasons a real VQ model is: content the caption
+    leaves open (per-pixel grain, a random light falling across the image) is what its redundant
+    codebook spends codes on. Zero everywhere is the shapes world, rendered exactly as before.
+    """
+
+    grain: float = 0.0  # std (RGB levels) of Gaussian noise on every pixel and channel
+    shading: float = 0.0  # relative brightness change across the image of a light from a random side
+
+    def __post_init__(self) -> None:
+        if self.grain < 0 or not 0 <= self.shading < 1:
+            raise ValueError(f"a rendering needs grain >= 0 and 0 <= shading < 1, got {self}")
+
+
+# Each embedded world's rendering, by the name its target's config.json records ("world").
+RENDERINGS: dict[str, Rendering] = {
+    "shapes": Rendering(),
+    "grain": Rendering(grain=10.0, shading=0.25),
+}
+
+
+def rendering_of(world: str) -> Rendering:
+    if world not in RENDERINGS:
+        raise ValueError(f"unknown world {world!r}; known: {sorted(RENDERINGS)}")
+    return RENDERINGS[world]
 
 
 @dataclass(frozen=True)
@@ -237,8 +268,22 @@ def shape_mask(shape: str, half: int, centre_y: int, centre_x: int) -> np.ndarra
     raise ValueError(f"unknown shape {shape!r}")
 
 
-def render(scene: Scene) -> np.ndarray:
-    """Render a scene to uint8 [64, 64, 3]; deterministic given the scene."""
+def _apply_rendering(image: np.ndarray, rendering: Rendering, texture_seed: int) -> np.ndarray:
+    """A light across the image (brightness 1 ± shading/2 from one side to the other), then grain."""
+    if rendering.shading:
+        light_rng = np.random.default_rng([texture_seed, 2])
+        angle = light_rng.uniform(0, 2 * np.pi)
+        ys, xs = (np.mgrid[0:IMAGE_SIZE, 0:IMAGE_SIZE] + 0.5) / IMAGE_SIZE - 0.5
+        ramp = (np.cos(angle) * xs + np.sin(angle) * ys) / np.sqrt(0.5)  # in [-1, 1] over the image
+        image = image * (1.0 + 0.5 * rendering.shading * ramp)[..., None]
+    if rendering.grain:
+        grain_rng = np.random.default_rng([texture_seed, 3])
+        image = image + grain_rng.normal(0.0, rendering.grain, size=image.shape)
+    return np.clip(image, 0, 255)
+
+
+def render(scene: Scene, rendering: Rendering = RENDERINGS["shapes"]) -> np.ndarray:
+    """Render a scene to uint8 [64, 64, 3]; deterministic given the scene and the rendering."""
     noise_rng = np.random.default_rng([scene.texture_seed, 0])
     jitter_rng = np.random.default_rng([scene.texture_seed, 1])
     image = _render_background(scene.background, noise_rng)
@@ -249,7 +294,7 @@ def render(scene: Scene) -> np.ndarray:
             obj.shape, SIZES[obj.size], CELL_CENTRES[row] + int(dy), CELL_CENTRES[col] + int(dx)
         )
         image[mask] = _rgb(obj.colour)
-    return np.round(image).astype(np.uint8)
+    return np.round(_apply_rendering(image, rendering, scene.texture_seed)).astype(np.uint8)
 
 
 # ---------------------------------------------------------------------------
@@ -462,20 +507,21 @@ def parse_caption(caption: str) -> ParsedCaption:
 # ---------------------------------------------------------------------------
 
 
-def generate_one(seed: int, index: int) -> Sample:
-    """Sample ``index`` of the split ``seed``; independent of every other index."""
+def generate_one(seed: int, index: int, world: str = "shapes") -> Sample:
+    """Sample ``index`` of the split ``seed``; independent of every other index. Every world draws the
+    same scenes and captions; only the rendering differs."""
     rng = np.random.default_rng([seed, index])
     scene = sample_scene(rng)
-    return Sample(caption=describe(scene, rng), image=render(scene), scene=scene)
+    return Sample(caption=describe(scene, rng), image=render(scene, rendering_of(world)), scene=scene)
 
 
-def generate(n: int, seed: int, workers: int = 1) -> list[Sample]:
+def generate(n: int, seed: int, workers: int = 1, world: str = "shapes") -> list[Sample]:
     """The first ``n`` samples of split ``seed``; shards may be made in any order.
 
     ``workers`` > 1 renders in that many processes (the same samples: each index has its own seed),
     which keeps a GPU fed when a target trains on hundreds of thousands of scenes.
     """
     if workers <= 1:
-        return [generate_one(seed, i) for i in range(n)]
+        return [generate_one(seed, i, world) for i in range(n)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
-        return pool.starmap(generate_one, ((seed, i) for i in range(n)), chunksize=512)
+        return pool.starmap(generate_one, ((seed, i, world) for i in range(n)), chunksize=512)

@@ -196,6 +196,7 @@ class Target(nn.Module, ABC):
 
     tokenizer: ImageTokenizer
     sampling_defaults: SamplingConfig
+    world: str | None = None  # the embedded world whose scenes it was trained on; None: a released model
 
     # --- shape of the problem -------------------------------------------------------------------
     @property

@@ -60,6 +60,7 @@ def load_target_folder(
         sampling=config.get("sampling", {}),
     )
     target = build_llamagen_target(spec, device)
+    target.world = config.get("world", "shapes")  # folders written before the grain world are shapes
     rows, dim = target.gpt.config.cls_token_num, target.gpt.config.caption_dim
 
     def load_encoder() -> HFTextEncoder:
