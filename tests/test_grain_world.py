@@ -161,3 +161,15 @@ def test_exact_presets_keep_ar_in_the_grain_regime(grain, name, tmp_path):
         load_preset(name, {"acceptance": {"cache_dir": str(tmp_path)}}), target, drafter, greedy
     )
     assert torch.equal(engine.generate(many, gens).tokens, ar)
+
+
+def test_a_targets_own_knobs_set_its_presets():
+    from vdtrain.eval.runner import method_configs
+    from vdtrain.targets.registry import parse_target_config
+
+    overrides = {"lantern": {"acceptance": {"delta": 0.3}}, "eagle2": {"tree": {"total_tokens": 30}}}
+    shared, _, _ = parse_target_config({"kind": "folder", "decode": overrides})
+    lantern, eagle2, sjd = method_configs(["lantern", "eagle2", "sjd"], shared.decode)
+    assert lantern.acceptance.delta == 0.3 and lantern.acceptance.k == load_preset("lantern").acceptance.k
+    assert eagle2.tree.total_tokens == 30
+    assert sjd == load_preset("sjd")

@@ -26,6 +26,9 @@ class TargetConfig:
     kind: str = "folder"  # a key of TARGET_KINDS: folder (the shapes world), llamagen, chameleon, janus, emu3
     quality: str | None = None  # per-image quality metric (shapes_consistency) or null
     dtype: str = "fp32"  # fp32 | bf16 | fp16: weights and KV cache when decoding (generate, evaluate)
+    # this target's own decoding knobs: preset name -> keys merged over conf/decode/<preset>.yaml (a
+    # world's relaxed thresholds and tree sizes; docs/grain_world.md)
+    decode: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -41,7 +41,8 @@ def load_drafter(source: str | os.PathLike[str], target: Target) -> Drafter:
 
 
 def run(cfg: DictConfig) -> EvalResult:
-    configs = method_configs(list(cfg.methods))
+    decode_overrides = OmegaConf.to_container(cfg.target.get("decode") or {})
+    configs = method_configs(list(cfg.methods), decode_overrides)
     needy = [c.name for c in configs if c.needs_drafter]
     if needy and not cfg.drafter:
         raise ValueError(f"methods {needy} need a drafter: set drafter=<export folder, .ckpt or Hub repo id>")
@@ -98,6 +99,7 @@ def run(cfg: DictConfig) -> EvalResult:
             seed=cfg.seed,
             batch_size=cfg.batch_size,
             cuda_graphs=cfg.get("cuda_graphs", "auto"),
+            decode_overrides=decode_overrides,
         )
         write_report(reports, out)
         log.info("simulated vs real acceptance:\n%s", acceptance_markdown(reports))

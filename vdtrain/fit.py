@@ -213,7 +213,8 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
 
         eval_cfg = OmegaConf.to_object(cfg.eval) if isinstance(cfg.eval, DictConfig) else cfg.eval
         prompts = prompts_for_run(eval_cfg.prompts, eval_cfg.num_prompts)
-        hooks.append(EvalAfterEpoch(eval_cfg, run_dir, prompts))
+        decode_overrides = OmegaConf.to_container(OmegaConf.create(cfg.target.get("decode") or {}))
+        hooks.append(EvalAfterEpoch(eval_cfg, run_dir, prompts, decode_overrides))
     trainer = L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vdtrain.shapes.scene import HELDOUT_SEED, generate
+from vdtrain.shapes.scene import HELDOUT_SEED, VALIDATION_SEED, generate
 
 PROMPT_SETS_DIR = Path(__file__).resolve().parent / "eval" / "prompt_sets"
 # Vendored prompt sets by name (sources, licences and derivation: eval/prompt_sets/README.md).
@@ -23,6 +23,11 @@ def shapes_heldout_captions(n: int) -> list[str]:
     return [s.caption for s in generate(n, HELDOUT_SEED)]
 
 
+def shapes_validation_captions(n: int) -> list[str]:
+    """Captions for choosing decoding knobs (the embedded worlds share them); never the held-out ones."""
+    return [s.caption for s in generate(n, VALIDATION_SEED)]
+
+
 def prompt_set(name: str) -> list[str]:
     """A vendored prompt set by name: ``partiprompts`` (1632) or ``coco2017_val`` (5000)."""
     if name not in PROMPT_SETS:
@@ -31,12 +36,15 @@ def prompt_set(name: str) -> list[str]:
 
 
 def prompts_for_run(source: str | os.PathLike[str] | None, n: int) -> list[str]:
-    """The first ``n`` prompts of ``source``: held-out shapes captions (None), a vendored set's name, or a
+    """The first ``n`` prompts of ``source``: held-out shapes captions (None), the validation ones
+    (``shapes_validation``), a vendored set's name, or a
     caption file (``read_captions``). ``n`` < 1 is refused before anything is read."""
     if n < 1:
         raise ValueError(f"num_prompts must be at least 1, got {n}")
     if source is None:
         captions = shapes_heldout_captions(n)
+    elif str(source) == "shapes_validation":
+        captions = shapes_validation_captions(n)
     elif str(source) in PROMPT_SETS:
         captions = prompt_set(str(source))
     else:

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,6 +113,7 @@ def measure(
     batch_size: int,
     ar_runs: dict[float, tuple[Decoded, np.ndarray, float]] | None = None,
     cuda_graphs: bool | str | None = "auto",
+    decode_overrides: Mapping[str, Any] | None = None,
 ) -> list[AcceptanceReport]:
     """The reports for ``cfg.method`` at ``cfg.temperatures`` on ``result``'s prompts. Decodes that
     ``result`` already holds are reused; the others run through ``evaluate`` with the same seeds (no
@@ -133,6 +135,7 @@ def measure(
             warmup=False,
             cuda_graphs=cuda_graphs,
             ar_runs=ar_runs,
+            decode_overrides=decode_overrides,
         )
         decoded.update(extra.decoded)
         rows.update({(r.method, r.temperature): r for r in extra.rows})

@@ -54,13 +54,21 @@ def row_metrics(rows: list[EvalRow]) -> dict[str, float]:
 
 
 class EvalAfterEpoch(L.Callback):
-    def __init__(self, cfg: EvalCallbackConfig, run_dir: str | Path, prompts: list[str]) -> None:
-        """``prompts``: ``vdtrain.prompts.prompts_for_run(cfg.prompts, cfg.num_prompts)`` in ``fit``."""
+    def __init__(
+        self,
+        cfg: EvalCallbackConfig,
+        run_dir: str | Path,
+        prompts: list[str],
+        decode_overrides: dict[str, Any] | None = None,
+    ) -> None:
+        """``prompts``: ``vdtrain.prompts.prompts_for_run(cfg.prompts, cfg.num_prompts)`` in ``fit``;
+        ``decode_overrides``: the target config's own preset knobs (``target.decode``)."""
         if cfg.every_n_epochs < 1:
             raise ValueError(f"eval.every_n_epochs must be >= 1, got {cfg.every_n_epochs}")
         if not prompts:
             raise ValueError("eval: the prompt set is empty")
         self.cfg, self.run_dir, self.prompts = cfg, Path(run_dir), prompts
+        self.decode_overrides = decode_overrides or {}
         self.last_step: int | None = None
         # AR per temperature, decoded at the first evaluation: the target is frozen, so later ones reuse
         # its tokens and time instead of decoding it again.
@@ -109,6 +117,7 @@ class EvalAfterEpoch(L.Callback):
                     batch_size=self.cfg.batch_size,
                     progress=False,
                     ar_runs=self.ar_runs,
+                    decode_overrides=self.decode_overrides,
                 )
                 if not self.cfg.acceptance.enabled:
                     return result, []
@@ -120,6 +129,7 @@ class EvalAfterEpoch(L.Callback):
                     seed=self.cfg.seed,
                     batch_size=self.cfg.batch_size,
                     ar_runs=self.ar_runs,
+                    decode_overrides=self.decode_overrides,
                 )
                 return result, reports
         finally:

@@ -13,9 +13,10 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -134,9 +135,13 @@ def vq_decode(target: Target, tokens: torch.Tensor, batch_size: int) -> tuple[np
     return tensor_to_images(torch.cat(images)), seconds
 
 
-def method_configs(methods: Sequence[str | DecodeConfig]) -> list[DecodeConfig]:
-    """Typed configs for preset names and configs, AR left out (it always runs as the baseline)."""
-    configs = [load_preset(m) if isinstance(m, str) else m for m in methods]
+def method_configs(
+    methods: Sequence[str | DecodeConfig], overrides: Mapping[str, Any] | None = None
+) -> list[DecodeConfig]:
+    """Typed configs for preset names and configs, AR left out (it always runs as the baseline). A name
+    gets the target's own knobs for it (``overrides``: ``target.decode``) over its preset."""
+    overrides = overrides or {}
+    configs = [load_preset(m, overrides.get(m)) if isinstance(m, str) else m for m in methods]
     configs = [c for c in configs if c.tree.kind != "none"]
     names = [c.name for c in configs]
     repeated = sorted({n for n in names if names.count(n) > 1})
@@ -166,6 +171,7 @@ def evaluate(
     compile: bool = False,
     cuda_graphs: bool | str | None = "auto",
     ar_runs: dict[float, tuple[Decoded, np.ndarray, float]] | None = None,
+    decode_overrides: Mapping[str, Any] | None = None,
 ) -> EvalResult:
     """Rows, per-position maps and images for AR and every method at every temperature.
 
@@ -180,10 +186,11 @@ def evaluate(
     ``torch.compile`` (in place, ``vdtrain.decode.compiled.prepare_decoding``). ``ar_runs`` (per
     temperature: AR's decode, images and VQ seconds) is filled on first use and reused after: a caller
     evaluating the same frozen target on the same prompts again (``EvalAfterEpoch``) decodes AR once.
+    ``decode_overrides`` (the target config's ``decode``) sets the target's own knobs of named presets.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate (the prompt set is empty)")
-    configs = method_configs(methods)
+    configs = method_configs(methods, decode_overrides)
     needy = [c.name for c in configs if c.needs_drafter]
     if needy and drafter is None:
         raise ValueError(f"methods {needy} need a drafter; none was given")
