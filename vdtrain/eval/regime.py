@@ -41,19 +41,33 @@ def token_confidence(
     distribution, for the conditional stream and after CFG, at ``temperature`` under the target's
     default sampling (caption ``i`` is sampled with seed ``seed + i``)."""
     sampling = replace(target.sampling_defaults, temperature=temperature)
-    cond_rows, cfg_rows = [], []
+    samples = []
     for start in range(0, len(captions), batch_size):
         batch = captions[start : start + batch_size]
-        cond = target.encode_captions(batch)
         gens = [torch.Generator().manual_seed(seed + start + i) for i in range(len(batch))]
-        tokens = generate_ar(target, cond, sampling, gens)
-        span = slice(target.prefix_length - 1, -1)  # the rows that predict image tokens 0..N-1
-        logits = target.forward_sequence(cond, tokens).logits[:, span]
-        uncond = target.forward_sequence(target.null_condition(cond), tokens).logits[:, span]
+        samples.append(generate_ar(target, target.encode_captions(batch), sampling, gens))
+    result = confidence_on(target, captions, torch.cat(samples), temperature, batch_size)
+    return {**result, "settings": {"captions": len(captions), "seed": seed, "sampling": vars(sampling)}}
+
+
+@torch.no_grad()
+def confidence_on(
+    target: Target, captions: list[str], tokens: torch.Tensor, temperature: float = 1.0, batch_size: int = 8
+) -> dict[str, dict[str, object]]:
+    """``token_confidence`` on given images ``tokens`` [len(captions), N] (e.g. an evaluation's AR rows)."""
+    sampling = replace(target.sampling_defaults, temperature=temperature)
+    cond_rows, cfg_rows = [], []
+    span = slice(target.prefix_length - 1, -1)  # the rows that predict image tokens 0..N-1
+    for start in range(0, len(captions), batch_size):
+        cond = target.encode_captions(captions[start : start + batch_size])
+        batch = tokens[start : start + batch_size].to(target.token_embedding.weight.device)
+        logits = target.forward_sequence(cond, batch).logits[:, span]
         cond_rows.append(logits)
-        cfg_rows.append(combine_cfg(logits, uncond, sampling.cfg_scale) if sampling.uses_cfg else logits)
+        if sampling.uses_cfg:
+            uncond = target.forward_sequence(target.null_condition(cond), batch).logits[:, span]
+            logits = combine_cfg(logits, uncond, sampling.cfg_scale)
+        cfg_rows.append(logits)
     return {
         "conditional": _summary(torch.cat(cond_rows), temperature),
         "after_cfg": _summary(torch.cat(cfg_rows), temperature),
-        "settings": {"captions": len(captions), "seed": seed, "sampling": vars(sampling)},
     }
