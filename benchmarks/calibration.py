@@ -81,14 +81,14 @@ def criteria(rows: dict[str, EvalRow], regime: dict) -> list[tuple[str, str, str
         ),
         (
             "LANTERN++ λ 2 / EAGLE-1",
-            "+20 to +23 % (k 10, λ 2–3; LANTERN++ Table 2)",
+            "+8 / +10 % (Lumina-mGPT / Anole, k 10; LANTERN++ Table 2)",
             "≥ 1.1×",
             f"{s['lantern_pp'] / s['eagle1']:.2f}×",
             s["lantern_pp"] >= 1.1 * s["eagle1"],
         ),
         (
             "LANTERN++ λ 3 / EAGLE-1",
-            "+20 to +23 %",
+            "+23 / +27 / +19 / +20 % (Lumina-mGPT / Anole / LlamaGen-XL I / II)",
             "≥ 1.2×",
             f"{s['lantern_pp_lam3'] / s['eagle1']:.2f}×",
             s["lantern_pp_lam3"] >= 1.2 * s["eagle1"],
