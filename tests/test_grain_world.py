@@ -53,7 +53,7 @@ def test_the_grain_world_draws_the_same_scenes_with_content_the_caption_leaves_o
     assert [s.scene for s in shapes] == [s.scene for s in grain]
     diff = np.stack([g.image for g in grain]).astype(float) - np.stack([s.image for s in shapes])
     rendering = RENDERINGS["grain"]
-    # Inside a 2x2 texture block neighbours differ by grain alone (std grain·√2; the light is smooth);
+    # Inside a 2x2 texture block neighbours differ by grain alone (std grain·√2);
     # across blocks the texture adds its own. Clipping at black and white takes some of each away.
     inside = diff[:, :, 0::2] - diff[:, :, 1::2]
     across = diff[:, :, 1:-1:2] - diff[:, :, 2::2]
@@ -63,8 +63,8 @@ def test_the_grain_world_draws_the_same_scenes_with_content_the_caption_leaves_o
     assert np.array_equal(generate(4, HELDOUT_SEED, world="grain")[3].image, grain[3].image)
     with pytest.raises(ValueError, match="unknown world"):
         generate(1, HELDOUT_SEED, world="fog")
-    with pytest.raises(ValueError, match="shading"):
-        Rendering(shading=1.5)
+    with pytest.raises(ValueError, match="texture"):
+        Rendering(texture=-1.0)
 
 
 # --- growing from a parent world ---------------------------------------------------------------------

@@ -87,23 +87,22 @@ class Rendering:
     """What a world adds to a scene's pixels beyond what its caption states.
 
     The grain world's target is uncertain for the reasons a real VQ model is: content the caption
-    leaves open (per-pixel grain, a random light falling across the image) is what its redundant
-    codebook spends codes on. Zero everywhere is the shapes world, rendered exactly as before.
+    leaves open (a fine texture, grain) is what its redundant codebook spends codes on. Zero everywhere
+    is the shapes world, rendered exactly as before.
     """
 
     grain: float = 0.0  # std (RGB levels) of Gaussian noise on every pixel and channel
     texture: float = 0.0  # std (RGB levels) of a brightness pattern drawn per 2x2-pixel block
-    shading: float = 0.0  # relative brightness change across the image of a light from a random side
 
     def __post_init__(self) -> None:
-        if self.grain < 0 or self.texture < 0 or not 0 <= self.shading < 1:
-            raise ValueError(f"a rendering needs grain, texture >= 0 and 0 <= shading < 1, got {self}")
+        if self.grain < 0 or self.texture < 0:
+            raise ValueError(f"a rendering needs grain >= 0 and texture >= 0, got {self}")
 
 
 # Each embedded world's rendering, by the name its target's config.json records ("world").
 RENDERINGS: dict[str, Rendering] = {
     "shapes": Rendering(),
-    "grain": Rendering(grain=4.0, texture=14.0, shading=0.25),
+    "grain": Rendering(grain=4.0, texture=16.0),
 }
 
 
@@ -271,15 +270,9 @@ def shape_mask(shape: str, half: int, centre_y: int, centre_x: int) -> np.ndarra
 
 
 def _apply_rendering(image: np.ndarray, rendering: Rendering, texture_seed: int) -> np.ndarray:
-    """A light across the image (brightness 1 ± shading/2 from one side to the other), then texture
-    (a brightness pattern of 2x2-pixel blocks: finer than a token's 4x4 patch, so which of a code's
-    copies encodes a patch is left to chance) and grain."""
-    if rendering.shading:
-        light_rng = np.random.default_rng([texture_seed, 2])
-        angle = light_rng.uniform(0, 2 * np.pi)
-        ys, xs = (np.mgrid[0:IMAGE_SIZE, 0:IMAGE_SIZE] + 0.5) / IMAGE_SIZE - 0.5
-        ramp = (np.cos(angle) * xs + np.sin(angle) * ys) / np.sqrt(0.5)  # in [-1, 1] over the image
-        image = image * (1.0 + 0.5 * rendering.shading * ramp)[..., None]
+    """A texture (a brightness pattern of 2x2-pixel blocks: finer than a token's 4x4 patch and
+    independent between patches, so which of a code's copies encodes a patch is left to chance), then
+    grain."""
     if rendering.texture:
         texture_rng = np.random.default_rng([texture_seed, 4])
         blocks = texture_rng.normal(0.0, rendering.texture, size=(IMAGE_SIZE // 2, IMAGE_SIZE // 2, 1))
