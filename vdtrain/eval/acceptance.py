@@ -27,6 +27,7 @@ import torch
 from vdtrain.config import AcceptanceConfig
 from vdtrain.decode.engine import DecodeStats
 from vdtrain.drafter import Drafter
+from vdtrain.eval.quality import QualityConfig
 from vdtrain.eval.runner import Decoded, EvalResult, evaluate
 from vdtrain.eval.table import EvalRow
 from vdtrain.targets.base import Target
@@ -110,7 +111,7 @@ def measure(
     *,
     seed: int,
     batch_size: int,
-    ar_runs: dict[float, tuple[Decoded, np.ndarray, float]] | None = None,
+    ar_runs: dict[float, tuple[Decoded, np.ndarray, float, np.ndarray | None]] | None = None,
     cuda_graphs: bool | str | None = "auto",
 ) -> list[AcceptanceReport]:
     """The reports for ``cfg.method`` at ``cfg.temperatures`` on ``result``'s prompts. Decodes that
@@ -133,6 +134,7 @@ def measure(
             warmup=False,
             cuda_graphs=cuda_graphs,
             ar_runs=ar_runs,
+            quality=QualityConfig(metrics=[]),  # only counts are read: no scoring, no noise-floor decode
         )
         decoded.update(extra.decoded)
         rows.update({(r.method, r.temperature): r for r in extra.rows})
