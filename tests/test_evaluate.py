@@ -18,9 +18,10 @@ from PIL import Image
 from vdtrain.decode.methods import load_preset, preset_names
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.eval.frechet import encoder_features, frechet_distance
 from vdtrain.eval.plots import plot_tradeoff, write_plots
-from vdtrain.eval.quality import REAL_IMAGE_METRICS, QualityConfig, QualityScorer
-from vdtrain.eval.runner import evaluate
+from vdtrain.eval.quality import REAL_IMAGE_METRICS, SHAPES_METRICS, QualityConfig, QualityScorer
+from vdtrain.eval.runner import FLOOR_SEED_OFFSET, evaluate
 from vdtrain.eval.table import QualityValue, read_results, to_markdown, write_tables
 from vdtrain.evaluate import run
 from vdtrain.prompts import prompt_set, prompts_for_run, shapes_heldout_captions
@@ -110,6 +111,27 @@ def test_consistency_is_not_available_for_images_outside_the_shapes_world(evalua
     assert "not available" in to_markdown(result.rows)
 
 
+def test_every_row_has_its_frechet_distance_to_ar_and_ar_its_noise_floor(target, evaluated):
+    result, _ = evaluated
+    rows = rows_by_key(result)
+    fd = {key: row.quality["frechet_ar"].value for key, row in rows.items()}
+    assert all(v is not None and np.isfinite(v) and v >= 0 for v in fd.values())
+    assert fd["ar", 0.0] == fd["eagle2", 0.0] == 0.0  # greedy: other seeds and exact methods give AR's images
+
+    def features(images: np.ndarray) -> np.ndarray:
+        return encoder_features(target.tokenizer, images)
+
+    ar = features(result.images["ar", 1.0])
+    for method in ("eagle2", "gsd"):  # against AR's images of the same prompts, seeds and temperature
+        assert fd[method, 1.0] == pytest.approx(frechet_distance(features(result.images[method, 1.0]), ar))
+    # AR's row: against AR once more with seeds offset by FLOOR_SEED_OFFSET (3 prompts, tiny target)
+    other = evaluate(target, None, PROMPTS, [], [1], seed=FLOOR_SEED_OFFSET, batch_size=2, progress=False,
+                     quality=QualityConfig(metrics=[]))  # fmt: skip
+    assert fd["ar", 1.0] == pytest.approx(frechet_distance(ar, features(other.images["ar", 1.0])))
+    assert fd["ar", 1.0] > 0 and other.rows[0].quality == {}
+    assert "frechet_ar" in to_markdown(result.rows)
+
+
 def test_images_are_saved_per_method_and_temperature(evaluated):
     result, image_dir = evaluated
     assert sorted(p.name for p in image_dir.iterdir()) == [
@@ -136,7 +158,8 @@ def test_tables_are_written_and_read_back(evaluated, tmp_path):
 
 def test_plots_are_written_as_png(evaluated, tmp_path):
     result, _ = evaluated
-    assert plot_tradeoff(result.rows, tmp_path / "none.png") is None  # no measured quality: no plot
+    unscored = [replace(r, quality={}) for r in result.rows]
+    assert plot_tradeoff(unscored, tmp_path / "none.png") is None  # no measured quality: no plot
     scored = [replace(r, quality={"clip_score": QualityValue(20.0 + i)}) for i, r in enumerate(result.rows)]
     paths = write_plots(replace(result, rows=scored), tmp_path)
     names = ["tradeoff", "position_maps_T0", "samples_T0", "position_maps_T1", "samples_T1"]
@@ -193,7 +216,10 @@ def test_missing_weights_and_packages_are_not_available_with_the_reason(tmp_path
 
 def test_default_metrics_follow_the_prompts():
     scorer = QualityScorer()
-    assert scorer.metrics_for(PROMPTS) == ["shapes_consistency"]
+    assert scorer.metrics_for(PROMPTS) == SHAPES_METRICS == ["shapes_consistency", "frechet_ar"]
+    assert QualityScorer(QualityConfig(metrics=["shapes_consistency"])).metrics_for(PROMPTS) == [
+        "shapes_consistency"
+    ]  # frechet_ar switched off
     assert scorer.metrics_for(["a photo of a cat"]) == REAL_IMAGE_METRICS
     values = scorer.score(np.zeros((1, 64, 64, 3), np.uint8), ["a photo of a cat"])
     assert list(values) == REAL_IMAGE_METRICS and values["clip_score"].note.endswith(

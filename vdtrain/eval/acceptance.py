@@ -28,6 +28,7 @@ import torch
 from vdtrain.config import AcceptanceConfig
 from vdtrain.decode.engine import DecodeStats
 from vdtrain.drafter import Drafter
+from vdtrain.eval.quality import QualityConfig
 from vdtrain.eval.runner import Decoded, EvalResult, evaluate
 from vdtrain.eval.table import EvalRow
 from vdtrain.targets.base import Target
@@ -111,7 +112,7 @@ def measure(
     *,
     seed: int,
     batch_size: int,
-    ar_runs: dict[float, tuple[Decoded, np.ndarray, float]] | None = None,
+    ar_runs: dict[float, tuple[Decoded, np.ndarray, float, np.ndarray | None]] | None = None,
     cuda_graphs: bool | str | None = "auto",
     decode_overrides: Mapping[str, Any] | None = None,
 ) -> list[AcceptanceReport]:
@@ -136,6 +137,7 @@ def measure(
             cuda_graphs=cuda_graphs,
             ar_runs=ar_runs,
             decode_overrides=decode_overrides,
+            quality=QualityConfig(metrics=[]),  # only counts are read: no scoring, no noise-floor decode
         )
         decoded.update(extra.decoded)
         rows.update({(r.method, r.temperature): r for r in extra.rows})

@@ -1,4 +1,5 @@
-"""Image quality of evaluation rows: shapes-world caption consistency, CLIP score, FID and HPSv2.
+"""Image quality of evaluation rows: shapes-world caption consistency, CLIP score, FID, HPSv2 and the
+Fréchet distance to AR's images in the target's own VQ-encoder features (``frechet_ar``).
 
 Real-image metrics are computed by their standard libraries from weights the user keeps locally (paths
 in ``QualityConfig``, ``quality.*`` in ``conf/evaluate.yaml``); nothing is downloaded. A metric that
@@ -19,8 +20,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vdtrain.eval.frechet import encoder_features, frechet_distance, has_encoder_latents
 from vdtrain.eval.table import QualityValue
 from vdtrain.shapes.scene import IMAGE_SIZE, parse_caption
+from vdtrain.targets.base import ImageTokenizer
 
 Scorer = Callable[[np.ndarray, str], float]
 
@@ -51,7 +54,8 @@ def quality_scorer(name: str | None) -> Scorer | None:
 class QualityConfig:
     """Which metrics, and where their weights are (nothing is downloaded)."""
 
-    # null: shapes_consistency when every prompt is a shapes-world caption, else clip_score, fid, hpsv2
+    # null: shapes_consistency and frechet_ar when every prompt is a shapes-world caption, else
+    # clip_score, fid, hpsv2
     metrics: list[str] | None = None
     clip_model: str | None = None  # a local transformers CLIP folder (CLIPModel + CLIPProcessor)
     fid_reference: str | None = None  # a folder of reference images (png/jpg), e.g. COCO val2017
@@ -220,6 +224,31 @@ class Hpsv2:
         return float(torch.cat(scores).mean())
 
 
+class FrechetToAR:
+    """``frechet_ar``: the Fréchet distance between a row's images and a reference set of the same
+    prompts, AR's images at the same temperature and seeds (``vdtrain.eval.frechet`` for the features).
+    The runner passes the reference; the reference's features are kept while it is the same array."""
+
+    def __init__(self, tokenizer: ImageTokenizer | None, batch_size: int) -> None:
+        if tokenizer is None or not has_encoder_latents(tokenizer):
+            name = "no tokenizer" if tokenizer is None else type(tokenizer).__name__
+            raise Unavailable(f"needs a LlamaGen-family VQ tokenizer's encoder latents ({name} has none)")
+        self.tokenizer, self.batch_size = tokenizer, batch_size
+        self._reference: tuple[np.ndarray, np.ndarray] | None = None  # (images, their features)
+
+    def features(self, images: np.ndarray) -> np.ndarray:
+        return encoder_features(self.tokenizer, images, self.batch_size)
+
+    def __call__(self, images: np.ndarray, reference: np.ndarray | None) -> float:
+        if reference is None:
+            raise Unavailable("needs AR's images on the same prompts and seeds (computed by the runner)")
+        if len(images) < 2:
+            raise Unavailable("a Fréchet distance needs at least 2 images per row")
+        if self._reference is None or self._reference[0] is not reference:
+            self._reference = (reference, self.features(reference))
+        return frechet_distance(self.features(images), self._reference[1])
+
+
 Metric = Callable[[np.ndarray, Sequence[str]], float]
 METRICS: dict[str, Callable[[QualityConfig, torch.device], Metric]] = {
     "shapes_consistency": lambda config, device: shapes_consistency,
@@ -228,28 +257,45 @@ METRICS: dict[str, Callable[[QualityConfig, torch.device], Metric]] = {
     "hpsv2": Hpsv2,
 }
 REAL_IMAGE_METRICS = ["clip_score", "fid", "hpsv2"]
+SHAPES_METRICS = ["shapes_consistency", "frechet_ar"]
+REFERENCE_METRICS = ["frechet_ar"]  # scored against AR's images of the same prompts and seeds
 
 
 class QualityScorer:
     """Scores one evaluation row's images; each metric's model is loaded once, on first use."""
 
-    def __init__(self, config: QualityConfig | None = None, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        config: QualityConfig | None = None,
+        device: str | torch.device = "cpu",
+        tokenizer: ImageTokenizer | None = None,
+    ) -> None:
         self.config = config or QualityConfig()
-        unknown = sorted(set(self.config.metrics or []) - set(METRICS))
+        known = sorted([*METRICS, *REFERENCE_METRICS])
+        unknown = sorted(set(self.config.metrics or []) - set(known))
         if unknown:
-            raise ValueError(f"unknown quality metrics {unknown}; known: {sorted(METRICS)}")
+            raise ValueError(f"unknown quality metrics {unknown}; known: {known}")
         self.device = torch.device(device)
-        self._loaded: dict[str, Metric | str] = {}  # a metric, or why it is not available
+        self.tokenizer = tokenizer  # the target's, for frechet_ar's features
+        self._loaded: dict[str, Metric | FrechetToAR | str] = {}  # a metric, or why it is not available
 
     def metrics_for(self, prompts: Sequence[str]) -> list[str]:
         if self.config.metrics is not None:
             return list(self.config.metrics)
-        return ["shapes_consistency"] if all(map(is_shapes_caption, prompts)) else REAL_IMAGE_METRICS
+        return SHAPES_METRICS if all(map(is_shapes_caption, prompts)) else REAL_IMAGE_METRICS
 
-    def _metric(self, name: str) -> Metric:
+    def wants_reference(self, prompts: Sequence[str]) -> bool:
+        """Whether a metric for these prompts compares with AR's images (the runner then decodes AR's
+        noise floor too)."""
+        return any(name in REFERENCE_METRICS for name in self.metrics_for(prompts))
+
+    def _metric(self, name: str) -> Metric | FrechetToAR:
         if name not in self._loaded:
             try:
-                self._loaded[name] = METRICS[name](self.config, self.device)
+                if name == "frechet_ar":
+                    self._loaded[name] = FrechetToAR(self.tokenizer, self.config.batch_size)
+                else:
+                    self._loaded[name] = METRICS[name](self.config, self.device)
             except Unavailable as why:
                 self._loaded[name] = str(why)
         loaded = self._loaded[name]
@@ -257,12 +303,19 @@ class QualityScorer:
             raise Unavailable(loaded)
         return loaded
 
-    def score(self, images: np.ndarray, prompts: Sequence[str]) -> dict[str, QualityValue]:
-        """``{metric: QualityValue}`` for uint8 ``images`` [N, H, W, 3] and their ``prompts``."""
+    def score(
+        self, images: np.ndarray, prompts: Sequence[str], reference: np.ndarray | None = None
+    ) -> dict[str, QualityValue]:
+        """``{metric: QualityValue}`` for uint8 ``images`` [N, H, W, 3] and their ``prompts``;
+        ``reference``: the images ``frechet_ar`` compares with (AR's, same prompts and seeds)."""
         values = {}
         for name in self.metrics_for(prompts):
             try:
-                values[name] = QualityValue(self._metric(name)(images, prompts))
+                metric = self._metric(name)
+                if isinstance(metric, FrechetToAR):
+                    values[name] = QualityValue(metric(images, reference))
+                else:
+                    values[name] = QualityValue(metric(images, prompts))
             except Unavailable as why:
                 values[name] = QualityValue(None, str(why))
         return values

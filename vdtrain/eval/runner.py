@@ -5,6 +5,11 @@ its tokens the T = 0 reference), then each method. Only decoding is timed: capti
 the timer starts, and on a GPU the device is synchronised at both ends. The VQ decode, which AR and every
 method pay alike, is timed once per temperature and reported as a second speedup. Prompt ``i`` is always
 sampled with seed ``seed + i``, whatever its batch, so rows compare the same samples.
+
+Where a metric compares with AR's images (``frechet_ar``), every row is scored against AR's images at
+its temperature, and AR's own row against AR decoded once more, untimed, with seeds ``seed +
+FLOOR_SEED_OFFSET + i``: the distance two independent AR draws of the same prompts have, the metric's
+noise floor. At T = 0 that second decode is skipped: greedy decoding ignores the seeds.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from vdtrain.images import save_png, tensor_to_images
 from vdtrain.targets.base import Target
 
 log = logging.getLogger(__name__)
+
+FLOOR_SEED_OFFSET = 10_000  # AR's noise-floor decode: prompt i with seed + FLOOR_SEED_OFFSET + i
 
 
 @dataclass
@@ -135,6 +142,24 @@ def vq_decode(target: Target, tokens: torch.Tensor, batch_size: int) -> tuple[np
     return tensor_to_images(torch.cat(images)), seconds
 
 
+def noise_floor_images(
+    method: ARMethod,
+    temperature: float,
+    target: Target,
+    prompts: Sequence[str],
+    seed: int,
+    batch_size: int,
+    ar_images: np.ndarray,
+) -> np.ndarray:
+    """AR's images of the same prompts with seeds ``seed + FLOOR_SEED_OFFSET + i`` (untimed): what
+    ``frechet_ar`` of AR's own row compares with. Greedy decoding ignores the seeds, so at T = 0 they
+    are AR's images themselves, and no second decode is run."""
+    if temperature == 0:
+        return ar_images
+    decoded = decode_prompts(method, target, prompts, seed + FLOOR_SEED_OFFSET, batch_size)
+    return vq_decode(target, decoded.tokens, batch_size)[0]
+
+
 def method_configs(
     methods: Sequence[str | DecodeConfig], overrides: Mapping[str, Any] | None = None
 ) -> list[DecodeConfig]:
@@ -170,7 +195,7 @@ def evaluate(
     warmup: bool = True,
     compile: bool = False,
     cuda_graphs: bool | str | None = "auto",
-    ar_runs: dict[float, tuple[Decoded, np.ndarray, float]] | None = None,
+    ar_runs: dict[float, tuple[Decoded, np.ndarray, float, np.ndarray | None]] | None = None,
     decode_overrides: Mapping[str, Any] | None = None,
 ) -> EvalResult:
     """Rows, per-position maps and images for AR and every method at every temperature.
@@ -184,8 +209,9 @@ def evaluate(
     the timings, and the row's ``startup_seconds`` says what they cost. ``cuda_graphs`` (``auto``: on a GPU)
     records every method's step, AR's too; ``compile`` wraps the target's and the drafter's forwards in
     ``torch.compile`` (in place, ``vdtrain.decode.compiled.prepare_decoding``). ``ar_runs`` (per
-    temperature: AR's decode, images and VQ seconds) is filled on first use and reused after: a caller
-    evaluating the same frozen target on the same prompts again (``EvalAfterEpoch``) decodes AR once.
+    temperature: AR's decode, images, VQ seconds and noise-floor images or None) is filled on first use
+    and reused after: a caller evaluating the same frozen target on the same prompts again
+    (``EvalAfterEpoch``) decodes AR, and its noise floor, once.
     ``decode_overrides`` (the target config's ``decode``) sets the target's own knobs of named presets.
     """
     if not prompts:
@@ -195,7 +221,8 @@ def evaluate(
     if needy and drafter is None:
         raise ValueError(f"methods {needy} need a drafter; none was given")
     options = prepare_decoding(target, drafter, compile=compile, cuda_graphs=cuda_graphs)
-    scorer = QualityScorer(quality, target.token_embedding.weight.device)
+    scorer = QualityScorer(quality, target.token_embedding.weight.device, target.tokenizer)
+    wants_floor = scorer.wants_reference(prompts)
     baseline = load_preset("ar")
     runs = [(t, c) for t in temperatures for c in [baseline, *configs]]
     if exact_only_at_zero:
@@ -209,9 +236,10 @@ def evaluate(
         for temperature, config in runs:
             bar.set_description(f"{config.name} T={temperature:g}")
             sampling = replace(target.sampling_defaults, temperature=temperature)
-            cold = None
+            cold, floor, method = None, None, None
             if config is baseline and ar_runs is not None and temperature in ar_runs:
-                decoded, images, vq_seconds = ar_runs[temperature]  # the same frozen target and prompts
+                # the same frozen target and prompts
+                decoded, images, vq_seconds, floor = ar_runs[temperature]
                 bar.update(len(prompts))
             else:
                 method = build_method(config, target, drafter, sampling, options)
@@ -219,9 +247,12 @@ def evaluate(
                 decoded = decode_prompts(method, target, prompts, seed, batch_size, bar)
                 images, vq_seconds = vq_decode(target, decoded.tokens, batch_size)
             if config is baseline:  # runs first at every temperature
-                ar, ar_vq_seconds = decoded, vq_seconds
+                ar, ar_vq_seconds, ar_images = decoded, vq_seconds, images
+                if wants_floor and floor is None:
+                    method = method or build_method(config, target, drafter, sampling, options)
+                    floor = noise_floor_images(method, temperature, target, prompts, seed, batch_size, images)
                 if ar_runs is not None:
-                    ar_runs[temperature] = (decoded, images, vq_seconds)
+                    ar_runs[temperature] = (decoded, images, vq_seconds, floor)
             result.rows.append(
                 EvalRow(
                     method=config.name,
@@ -236,7 +267,7 @@ def evaluate(
                     identical_to_ar=bool(torch.equal(decoded.tokens, ar.tokens))
                     if temperature == 0
                     else None,
-                    quality=scorer.score(images, prompts),
+                    quality=scorer.score(images, prompts, floor if config is baseline else ar_images),
                 )
             )
             key = (config.name, float(temperature))
