@@ -49,6 +49,7 @@ def criteria(rows: dict[str, EvalRow], regime: dict) -> list[tuple[str, str, str
     s = {name: row.S for name, row in rows.items()}
     cfg = regime["after_cfg"]
     vvs = rows["vvs"]
+    fd = {name: _frechet(row) for name, row in rows.items()}
     skip_share = vvs.skipped_steps / max(vvs.skipped_steps + vvs.verified_steps, 1e-9)
     return [
         (
@@ -121,7 +122,19 @@ def criteria(rows: dict[str, EvalRow], regime: dict) -> list[tuple[str, str, str
             f"{skip_share:.0%} of steps ({vvs.skipped_steps:.1f} per image), TPF {vvs.TPF:.2f}",
             True,
         ),
+        (
+            "Fréchet to AR: floor / LANTERN++ λ 2 / λ 3",
+            "FID 28.93 / 30.11 / 33.91 (Lumina-mGPT; AR / λ 2 / λ 3, LANTERN++ Table 2)",
+            "rises with λ, above the floor",
+            f"{fd['ar']:.4f} / {fd['lantern_pp']:.4f} / {fd['lantern_pp_lam3']:.4f}",
+            fd["ar"] < fd["lantern_pp"] < fd["lantern_pp_lam3"],
+        ),
     ]
+
+
+def _frechet(row: EvalRow) -> float:
+    value = row.quality.get("frechet_ar")
+    return float("nan") if value is None or value.value is None else value.value
 
 
 def calibration_markdown(rows: list[tuple[str, str, str, str, bool]]) -> str:
