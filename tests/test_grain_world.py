@@ -215,3 +215,10 @@ def test_the_shipped_grain_drafter_decodes_ars_tokens(shipped_grain):
         result = engine.generate(cond, [None] * 4)
     assert torch.equal(result.tokens, ar)
     assert sum(s.tau for s in result.stats) / 4 > 1.3  # the trained drafter really drafts
+
+
+def test_knobs_are_chosen_on_validation_captions_not_held_out_ones():
+    from vdtrain.prompts import prompts_for_run
+
+    validation = prompts_for_run("shapes_validation", 16)
+    assert len(validation) == 16 and not set(validation) & set(shapes_heldout_captions(256))
