@@ -212,13 +212,13 @@ def test_the_shipped_grain_drafter_decodes_ars_tokens(shipped_grain):
     target = shipped_grain
     drafter = Drafter.from_pretrained(GRAIN / "drafter", target)
     greedy = SamplingConfig(cfg_scale=3.0, temperature=0.0)
-    cond = target.encode_captions(shapes_heldout_captions(4))
+    cond = target.encode_captions(shapes_heldout_captions(2))
     with torch.no_grad():
-        ar = generate_ar(target, cond, greedy, [None] * 4)
+        ar = generate_ar(target, cond, greedy, [None] * 2)
         engine = build_method(load_preset("eagle2"), target, drafter, greedy)
-        result = engine.generate(cond, [None] * 4)
+        result = engine.generate(cond, [None] * 2)
     assert torch.equal(result.tokens, ar)
-    assert sum(s.tau for s in result.stats) / 4 > 1.3  # the trained drafter really drafts
+    assert sum(s.tau for s in result.stats) / 2 > 1.3  # the trained drafter really drafts
 
 
 def test_knobs_are_chosen_on_validation_captions_not_held_out_ones():
