@@ -41,7 +41,7 @@ def load_drafter(source: str | os.PathLike[str], target: Target) -> Drafter:
 
 
 def run(cfg: DictConfig) -> EvalResult:
-    decode_overrides = OmegaConf.to_container(cfg.target.get("decode") or {})
+    decode_overrides = OmegaConf.to_container(OmegaConf.create(cfg.target.get("decode") or {}))
     configs = method_configs(list(cfg.methods), decode_overrides)
     needy = [c.name for c in configs if c.needs_drafter]
     if needy and not cfg.drafter:
