@@ -1,19 +1,13 @@
 """Fréchet distance between two image sets in a target's own VQ-encoder feature space.
 
 Caption consistency scores each image alone, so it cannot see a relaxed method that keeps every image
-plausible but collapses their diversity. The Fréchet distance between Gaussians fitted to two sets'
-features sees it: a narrower covariance, or a moved mean, both add to it.
+plausible but collapses their diversity; the Fréchet distance between Gaussians fitted to two sets'
+features sees it (a narrower covariance or a moved mean both add to it).
 
-Features: the tokenizer encoder's continuous latents before quantisation ([h, w, d] per image, d the
-codebook's embedding width, 8 for LlamaGen's VQs), normalised per position as the quantiser compares them
-where the codebook is L2-normalised, then pooled over the grid into their mean and standard deviation:
-2·d numbers per image (16 for LlamaGen). Why these: they are what the target itself was trained to
-produce, for any LlamaGen-family tokenizer, with no external network and no weights to fetch; the mean
-says which codes an image uses overall (colours, shapes, background), the standard deviation how varied
-the image is within itself. Why so few: a covariance of D features needs well over D images to be
-well conditioned, and evaluations run on a few hundred prompts or fewer; 16 features are well
-determined from ~100 images, whereas the encoder's 64- to 256-channel pre-projection activations (or
-the unpooled grid) are not.
+Features: the tokenizer encoder's latents before quantisation, normalised per position as the quantiser
+compares them, pooled over the grid into mean and standard deviation: 2·d numbers per image (16 for
+LlamaGen's VQs). They need no external network or weights, and 16 features are well determined from ~100
+images where the encoder's wider activations are not (docs/evaluation.md, "Distribution shift").
 """
 
 from __future__ import annotations
