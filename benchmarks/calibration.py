@@ -164,7 +164,9 @@ def main() -> None:
     )
     config["decode"] = decode_overrides
     target = load_target(config)
-    drafter = load_drafter(args.drafter, target)
+    methods = method_list(args.methods, decode_overrides)
+    needs_drafter = any(m.needs_drafter for m in methods)  # SJD and GSD calibrate without one
+    drafter = load_drafter(args.drafter, target) if needs_drafter else None
     captions = (shapes_heldout_captions if args.split == "heldout" else shapes_validation_captions)(
         args.num_prompts
     )
@@ -172,7 +174,7 @@ def main() -> None:
         target,
         drafter,
         captions,
-        method_list(args.methods, decode_overrides),
+        methods,
         [args.temperature],
         seed=args.seed,
         batch_size=args.batch_size,
@@ -197,7 +199,7 @@ def main() -> None:
                     if v is not None and k != "out"
                 ),
                 "target": args.target,
-                "drafter": args.drafter,
+                "drafter": args.drafter if needs_drafter else None,
                 "split": args.split,
                 "decode": decode_overrides,
             },

@@ -81,10 +81,11 @@ def build_world(cfg: DictConfig) -> None:
         )
         earlier = _training_history(metrics.get("target")) if init is not None else []
         sampling = OmegaConf.to_container(cfg.target.sampling)
+        stored = getattr(torch, cfg.target.stored_dtype)
 
         def checkpoint(gpt: LlamaGenGPT, info: dict) -> None:
             partial = {**metrics, "target": {**info, "partial": True}}
-            write_target_folder(out, gpt, vq, sampling, partial, world=cfg.world)
+            write_target_folder(out, gpt, vq, sampling, partial, world=cfg.world, gpt_dtype=stored)
             log.info("target checkpoint written at step %d", info["train_steps"])
 
         gpt, train_info = train_target(
@@ -106,6 +107,8 @@ def build_world(cfg: DictConfig) -> None:
             {
                 **train_info,
                 "init_from": cfg.target.init_from,
+                "grown_from": cfg.parent if parent and not cfg.target.init_from else None,
+                "max_minutes": cfg.target.max_minutes,
                 "optim": dict(cfg.target.optim),
                 "n_samples": cfg.target.n_samples,
                 "device": cfg.target.device,
@@ -116,10 +119,11 @@ def build_world(cfg: DictConfig) -> None:
             "train_steps": sum(run["train_steps"] for run in history),
             "train_minutes": sum(run["train_minutes"] for run in history),
             "train_history": history,
+            "stored_dtype": cfg.target.stored_dtype,
             **target_report(gpt, vq, cfg.target.report_samples, cfg.target.device, cfg.world),
         }
         log.info("target: %s", metrics["target"])
-        write_target_folder(out, gpt, vq, sampling, metrics, world=cfg.world)
+        write_target_folder(out, gpt, vq, sampling, metrics, world=cfg.world, gpt_dtype=stored)
         metrics_path.write_text(json.dumps(metrics, indent=2) + "\n")
     if "report" in cfg.stages:
         write_report(out, cfg.report, metrics)

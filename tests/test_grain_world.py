@@ -26,8 +26,9 @@ from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter
 from vdtrain.eval.regime import token_confidence
 from vdtrain.prompts import shapes_heldout_captions
+from vdtrain.shapes.build import save_llamagen_checkpoint
 from vdtrain.shapes.grow import code_parents, grow_target, split_codebook
-from vdtrain.shapes.scene import HELDOUT_SEED, RENDERINGS, Rendering, generate
+from vdtrain.shapes.scene import HELDOUT_SEED, RENDERINGS, SHADING_SMOOTHING, Rendering, generate
 from vdtrain.targets.base import Condition
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 from vdtrain.targets.shapes import REPO_ROOT, load_target_folder
@@ -53,18 +54,33 @@ def test_the_grain_world_draws_the_same_scenes_with_content_the_caption_leaves_o
     assert [s.scene for s in shapes] == [s.scene for s in grain]
     diff = np.stack([g.image for g in grain]).astype(float) - np.stack([s.image for s in shapes])
     rendering = RENDERINGS["grain"]
-    # Inside a 2x2 texture block neighbours differ by grain alone (std grain·√2);
-    # across blocks the texture adds its own. Clipping at black and white takes some of each away.
+    # Inside a 2x2 texture block neighbours differ by grain alone (std grain·√2); across blocks inside
+    # a token's 4x4 patch the texture adds its own; across patches the shading adds what neighbouring
+    # patches do not share (correlation exp(-1/(4 s²)) for a blur of s patches). Clipping at black and
+    # white takes some of each away.
     inside = diff[:, :, 0::2] - diff[:, :, 1::2]
-    across = diff[:, :, 1:-1:2] - diff[:, :, 2::2]
+    across_blocks = diff[:, :, 1::4] - diff[:, :, 2::4]
+    across_patches = diff[:, :, 3:-1:4] - diff[:, :, 4::4]
     assert abs(_unclipped(inside).std() / np.sqrt(2) - rendering.grain) < 1.5
-    expected_across = np.sqrt(2 * (rendering.grain**2 + rendering.texture**2))
-    assert abs(_unclipped(across).std() - expected_across) < 0.25 * expected_across
+    expected_blocks = np.sqrt(2 * (rendering.grain**2 + rendering.texture**2))
+    assert abs(_unclipped(across_blocks).std() - expected_blocks) < 0.25 * expected_blocks
+    shared = np.exp(-1 / (4 * SHADING_SMOOTHING**2))
+    expected_patches = np.sqrt(expected_blocks**2 + 2 * rendering.shading**2 * (1 - shared))
+    assert abs(_unclipped(across_patches).std() - expected_patches) < 0.25 * expected_patches
     assert np.array_equal(generate(4, HELDOUT_SEED, world="grain")[3].image, grain[3].image)
     with pytest.raises(ValueError, match="unknown world"):
         generate(1, HELDOUT_SEED, world="fog")
-    with pytest.raises(ValueError, match="texture"):
-        Rendering(texture=-1.0)
+    with pytest.raises(ValueError, match="shading"):
+        Rendering(shading=-1.0)
+
+
+def test_a_checkpoint_stored_as_bf16_loads_as_the_rounded_weights(tmp_path):
+    gpt = random_gpt()
+    save_llamagen_checkpoint(gpt, tmp_path / "gpt.pt", torch.bfloat16)
+    stored = torch.load(tmp_path / "gpt.pt", weights_only=True)["model"]
+    for name, value in gpt.state_dict().items():
+        assert stored[name].dtype == (torch.bfloat16 if value.is_floating_point() else value.dtype)
+        assert torch.equal(stored[name], value.to(stored[name].dtype))
 
 
 # --- growing from a parent world ---------------------------------------------------------------------
@@ -197,15 +213,16 @@ def shipped_grain():
         yield load_target_folder(GRAIN / "target")
 
 
-def test_the_shipped_grain_target_is_far_less_sure_than_the_shapes_one(shipped_grain):
-    """Pins the regime the shipped grain target has (docs/grain_world.md): median top-1 about 0.38
-    conditional and 0.51 after CFG on these 8 captions, against the shapes target's 1.0. The issue's
-    goal (median <= 0.3 after CFG, >= 30 % of tokens below 0.2) is not reached yet."""
+def test_the_shipped_grain_target_is_as_unsure_as_a_real_visual_ar_model(shipped_grain):
+    """The issue's regime on 8 held-out captions (docs/grain_world.md): median top-1 after CFG 0.26
+    (goal <= 0.3), 26 % of tokens below 0.2 (goal 30 %) and 43 % in the conditional stream, against the
+    shapes target's 1.0."""
     regime = token_confidence(shipped_grain, shapes_heldout_captions(8), seed=5000)
     assert shipped_grain.world == "grain" and shipped_grain.identity.num_layers >= 8
     conditional, guided = regime["conditional"], regime["after_cfg"]
-    assert conditional["top1_median"] < 0.45 and conditional["share_top1_below_0.2"] >= 0.1
-    assert guided["top1_median"] < 0.6 and conditional["mean_entropy_nats"] > 1.5
+    assert guided["top1_median"] < 0.3 and guided["share_top1_below_0.2"] >= 0.2
+    assert conditional["top1_median"] < 0.25 and conditional["share_top1_below_0.2"] >= 0.35
+    assert conditional["mean_entropy_nats"] > 2.5
 
 
 def test_the_shipped_grain_drafter_decodes_ars_tokens(shipped_grain):

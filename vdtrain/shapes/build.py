@@ -280,9 +280,13 @@ def target_report(
     }
 
 
-def save_llamagen_checkpoint(module: torch.nn.Module, path: Path) -> None:
+def save_llamagen_checkpoint(module: torch.nn.Module, path: Path, dtype: torch.dtype | None = None) -> None:
+    """``dtype`` casts the floating-point weights as stored (the loader computes in fp32 again)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": {k: v.cpu() for k, v in module.state_dict().items()}}, path)
+    state = {k: v.cpu() for k, v in module.state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    torch.save({"model": state}, path)
 
 
 def write_target_folder(
@@ -293,11 +297,12 @@ def write_target_folder(
     metrics: dict[str, object],
     cached_captions: int = 32,
     world: str = "shapes",
+    gpt_dtype: torch.dtype | None = None,
 ) -> None:
     """``gpt.pt`` and ``vq.pt`` in the official format, ``config.json`` describing both, and the first
     ``cached_captions`` held-out captions encoded (``captions.safetensors``: the target runs where the
     encoder package is missing, ``vdtrain.targets.caption_cache``)."""
-    save_llamagen_checkpoint(gpt, folder / "gpt.pt")
+    save_llamagen_checkpoint(gpt, folder / "gpt.pt", gpt_dtype)
     save_llamagen_checkpoint(vq, folder / "vq.pt")
     config = {
         "name": f"{world}-llamagen",

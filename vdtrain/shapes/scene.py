@@ -87,22 +87,23 @@ class Rendering:
     """What a world adds to a scene's pixels beyond what its caption states.
 
     The grain world's target is uncertain for the reasons a real VQ model is: content the caption
-    leaves open (a fine texture, grain) is what its redundant codebook spends codes on. Zero everywhere
-    is the shapes world, rendered exactly as before.
+    leaves open (a smooth shading, a fine texture, grain) is what its redundant codebook spends codes
+    on. Zero everywhere is the shapes world, rendered exactly as before.
     """
 
     grain: float = 0.0  # std (RGB levels) of Gaussian noise on every pixel and channel
     texture: float = 0.0  # std (RGB levels) of a brightness pattern drawn per 2x2-pixel block
+    shading: float = 0.0  # std (RGB levels) of a smooth brightness field, one value per 4x4-pixel patch
 
     def __post_init__(self) -> None:
-        if self.grain < 0 or self.texture < 0:
-            raise ValueError(f"a rendering needs grain >= 0 and texture >= 0, got {self}")
+        if min(self.grain, self.texture, self.shading) < 0:
+            raise ValueError(f"a rendering needs grain, texture and shading >= 0, got {self}")
 
 
 # Each embedded world's rendering, by the name its target's config.json records ("world").
 RENDERINGS: dict[str, Rendering] = {
     "shapes": Rendering(),
-    "grain": Rendering(grain=4.0, texture=16.0),
+    "grain": Rendering(grain=4.0, texture=12.0, shading=24.0),
 }
 
 
@@ -269,10 +270,31 @@ def shape_mask(shape: str, half: int, centre_y: int, centre_x: int) -> np.ndarra
     raise ValueError(f"unknown shape {shape!r}")
 
 
+SHADING_PATCH = 4  # pixels per side of a shading value: one VQ token's patch
+SHADING_SMOOTHING = 1.0  # std, in patches, of the Gaussian that correlates neighbouring patches
+
+
+def _shading_field(rng: np.random.Generator, std: float) -> np.ndarray:
+    """White noise on the token grid blurred over about one patch: a patch's brightness follows its
+    neighbours' (so the next token's distribution moves with the tokens before it) yet keeps an
+    innovation no caption or context determines."""
+    side = IMAGE_SIZE // SHADING_PATCH
+    radius = int(np.ceil(3 * SHADING_SMOOTHING))
+    taps = np.exp(-0.5 * (np.arange(-radius, radius + 1) / SHADING_SMOOTHING) ** 2)
+    taps /= np.sqrt(np.sum(taps**2))  # unit variance out for unit-variance white noise in
+    noise = rng.normal(0.0, 1.0, size=(side + 2 * radius, side + 2 * radius))
+    rows = np.stack([np.convolve(r, taps, mode="valid") for r in noise])
+    field = np.stack([np.convolve(c, taps, mode="valid") for c in rows.T]).T
+    return std * field
+
+
 def _apply_rendering(image: np.ndarray, rendering: Rendering, texture_seed: int) -> np.ndarray:
-    """A texture (a brightness pattern of 2x2-pixel blocks: finer than a token's 4x4 patch and
-    independent between patches, so which of a code's copies encodes a patch is left to chance), then
-    grain."""
+    """A smooth shading per token patch, a texture (a brightness pattern of 2x2-pixel blocks: finer
+    than a token's 4x4 patch and independent between patches, so which of a code's copies encodes a
+    patch is left to chance), then grain."""
+    if rendering.shading:
+        field = _shading_field(np.random.default_rng([texture_seed, 5]), rendering.shading)
+        image = image + field[..., None].repeat(SHADING_PATCH, axis=0).repeat(SHADING_PATCH, axis=1)
     if rendering.texture:
         texture_rng = np.random.default_rng([texture_seed, 4])
         blocks = texture_rng.normal(0.0, rendering.texture, size=(IMAGE_SIZE // 2, IMAGE_SIZE // 2, 1))
