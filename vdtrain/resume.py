@@ -22,8 +22,9 @@ from omegaconf import DictConfig, OmegaConf
 log = logging.getLogger("vdtrain.fit")
 RECORD = ".hydra"
 # Keys a resume may change (a prefix covers its sub-keys): how long the run goes on (max_steps only
-# upwards), how it logs, checkpoints, evaluates, exports and pushes, and how many CPU threads and
-# DataLoader workers it uses (batches are the same for any worker count, docs/training.md).
+# upwards), how it logs, checkpoints, evaluates, exports and pushes, how many CPU threads and DataLoader
+# workers it uses (batches are the same for any worker count, docs/training.md), and the learning rate
+# and clipping a recovery from a non-finite loss lowers (docs/training.md, Faults).
 MAY_CHANGE = (
     "resume",
     "run_dir",
@@ -39,6 +40,8 @@ MAY_CHANGE = (
     "eval",
     "push",
     "export_dir",
+    "optim.lr",
+    "optim.grad_clip",
 )
 
 

@@ -63,7 +63,7 @@ class ProgressLog(L.Callback):
     on_train_epoch_start = _resume
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._started_at = time.monotonic()
+        self._started_at, self._paused, self._pause_from = time.monotonic(), 0.0, None
         self._start = self._mark = (0.0, trainer.global_step)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
