@@ -86,8 +86,7 @@ def debug_requested(args: list[str]) -> bool:
 
 
 def fail(app: str, err: BaseException) -> None:
-    print(f"{app}: error: {one_line(err)}", file=sys.stderr)
-    print(f"{app}: (debug=true or HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+    print(f"{app}: error: {one_line(err)} (debug=true shows the traceback)", file=sys.stderr)
     sys.exit(USER_ERROR_EXIT)
 
 
