@@ -13,6 +13,7 @@ are reported in about a second. This module imports neither.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import shutil
@@ -133,6 +134,11 @@ def user_errors(app: str) -> Callable[[Callable[[DictConfig], R]], Callable[[Dic
     return wrap
 
 
+def _made_now(folder: Path) -> bool:
+    """Every entry is newer than the launch (stops at the first older one: ``folder`` may be the cwd)."""
+    return all(p.stat().st_mtime >= LAUNCHED for p in itertools.chain([folder], folder.rglob("*")))
+
+
 def settle_output(message: str) -> None:
     """Remove Hydra's output folder if this launch made it and it holds only records and logs; else
     write ``message`` to the app's log file there."""
@@ -141,9 +147,8 @@ def settle_output(message: str) -> None:
     if not HydraConfig.initialized():
         return
     folder = Path(HydraConfig.get().runtime.output_dir)
-    entries = [folder, *folder.rglob("*")] if folder.is_dir() else []
-    made_now = entries and all(p.stat().st_mtime >= LAUNCHED for p in entries)
-    if made_now and all(p.is_dir() or p.suffix in (".log", ".yaml") for p in entries):
+    records_only = folder.is_dir() and _made_now(folder)
+    if records_only and all(p.is_dir() or p.suffix in (".log", ".yaml") for p in folder.rglob("*")):
         logging.shutdown()
         shutil.rmtree(folder)
         return

@@ -300,15 +300,16 @@ def push_at_end(export: Path, cfg: FitConfig) -> None:
 
 def resume_run(cfg: DictConfig) -> DictConfig:
     """The configuration ``resume=`` continues with (``vdtrain.resume``), written to this launch's record
-    (``resumes/<time>/config.yaml``) in place of the composed one it did not run."""
+    (``resumes/<time>/config.yaml``, or ``.hydra/`` of a new folder resuming another run's checkpoint) in
+    place of the composed one it did not run."""
     from hydra.core.hydra_config import HydraConfig
 
-    from vdtrain.resume import RECORD, resumed_config
+    from vdtrain.resume import resumed_config
 
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     effective = resumed_config(cfg, list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), run_dir)
-    if hydra_cfg.output_subdir not in (None, RECORD):
+    if hydra_cfg.output_subdir is not None:  # never the resumed run's own .hydra (run_record)
         OmegaConf.save(effective, run_dir / hydra_cfg.output_subdir / "config.yaml")
     return effective
 

@@ -3,8 +3,8 @@ configuration the run saved in ``<run>/.hydra/config.yaml``, not with today's de
 
 Only the keys in ``MAY_CHANGE`` may differ on the command line of a resume (they do not change what the
 run computes, or extend it); any other override that differs from the saved value is refused with the
-saved value named. The run's ``.hydra`` record is never rewritten: a launch into a folder that holds one
-records itself under ``resumes/<time>/`` (``run_record``). Light imports only: this runs before Lightning
+saved value named. A resume never rewrites the run's ``.hydra`` record: it records itself under
+``resumes/<time>/`` (``run_record``). Light imports only: this runs before Lightning
 is imported.
 """
 
@@ -46,10 +46,11 @@ MAY_CHANGE = (
 
 
 @functools.cache
-def run_record(run_dir: str) -> str:
-    """Hydra's ``output_subdir`` for a launch into ``run_dir``: ``.hydra`` for a new run, else
-    ``resumes/<time>`` beside the run's own record (cached: Hydra asks more than once)."""
-    if (Path(run_dir) / RECORD / "config.yaml").is_file():
+def run_record(run_dir: str, resume: str | None) -> str:
+    """Hydra's ``output_subdir`` for a launch into ``run_dir``: ``.hydra`` for a new run (every rank of
+    one writes the same record), ``resumes/<time>`` for a resume of a run that has its record (cached:
+    Hydra asks more than once)."""
+    if resume is not None and (Path(run_dir) / RECORD / "config.yaml").is_file():
         return f"resumes/{datetime.now():%Y-%m-%d_%H-%M-%S}"
     return RECORD
 
