@@ -247,7 +247,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     except SIGTERMException as stop:
         raise Preempted(
             f"stopped by SIGTERM at step {trainer.global_step}; {last.last_finite_hint()}, "
-            f"or resume=last with run_dir={str(run_dir)!r}"
+            f"or resume=last hydra.run.dir={str(run_dir)!r}"
         ) from stop
     except NonFiniteLossError as err:
         raise NonFiniteLossError(f"{err}; {last.last_finite_hint()}") from err
