@@ -12,7 +12,7 @@ CASES = {
     "vdtrain.fit": (["target.folder=/nonexistent"], "no target at '/nonexistent'"),
     "vdtrain.generate": (["num_prompts=0"], "num_prompts must be at least 1, got 0"),
     "vdtrain.evaluate": (["methods=[nope]"], "unknown method preset 'nope'"),
-    "vdtrain.export": (["source=/nonexistent"], "belongs to no known run folder"),
+    "vdtrain.export": (["source=/nonexistent"], "source='/nonexistent' does not exist"),
     "data_prep.features": (["in_dir=/nonexistent", "out_dir=out"], "is not a shard set"),
 }
 

@@ -171,12 +171,12 @@ def test_vvs_presets_decode_and_report_skipped_steps(method, kind, extra, tiny_f
 
 @pytest.mark.parametrize("count", [0, -2])
 def test_no_prompts_is_refused_before_the_target_loads(count, tmp_path, monkeypatch):
-    import vdtrain.generate
+    import vdtrain.targets
 
     def never(*_, **__):
         raise AssertionError("the target was loaded")
 
-    monkeypatch.setattr(vdtrain.generate, "target_for_run", never)
+    monkeypatch.setattr(vdtrain.targets, "target_for_run", never)  # generate imports it when it runs
     with pytest.raises(ValueError, match=f"num_prompts must be at least 1, got {count}"):
         run(_config(tmp_path / "no_target", tmp_path / "run", f"num_prompts={count}"))
     assert not (tmp_path / "run").exists()

@@ -6,8 +6,10 @@ from __future__ import annotations
 import lightning as L
 import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
+from omegaconf import OmegaConf
 
-from vdtrain.train.progress import ProgressLog, StepProgressBar, duration
+from vdtrain.preflight import FIT_MINIMUMS, at_least
+from vdtrain.train.progress import StepProgressBar, duration, progress_interval
 
 
 def test_the_terminal_bar_counts_steps_out_of_max_steps(tmp_path):
@@ -31,6 +33,13 @@ def test_durations_print_compactly(seconds, text):
     assert duration(seconds) == text
 
 
-def test_the_log_refuses_a_bad_interval():
-    with pytest.raises(ValueError, match="progress_every_n_steps must be >= 1"):
-        ProgressLog(0, 8)
+def test_a_bad_interval_is_refused():
+    cfg = OmegaConf.create({"trainer": {"progress_every_n_steps": 0}})
+    with pytest.raises(ValueError, match="progress_every_n_steps must be at least 1"):
+        at_least(cfg, FIT_MINIMUMS)
+
+
+@pytest.mark.parametrize(("max_steps", "every"), [(20, 2), (5, 1), (400, 25), (60, 6)])
+def test_the_default_interval_gives_at_least_ten_lines(max_steps, every):
+    assert progress_interval(None, max_steps) == every and max_steps // every >= 5
+    assert max_steps // every >= min(max_steps, 10)

@@ -25,7 +25,13 @@ from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
 from vdtrain.decode.builders.static import StaticTreeBuilder
 from vdtrain.decode.engine import SpeculativeEngine
-from vdtrain.decode.methods import ScheduleConfig, build_method, load_preset, verification_schedule
+from vdtrain.decode.methods import (
+    ScheduleConfig,
+    build_method,
+    decode_config,
+    load_preset,
+    verification_schedule,
+)
 from vdtrain.decode.metrics import summarize
 from vdtrain.decode.neighbours import latent_neighbours
 from vdtrain.decode.profiling import OpCounter
@@ -43,7 +49,6 @@ from vdtrain.decode.vvs import (
     unverified_paths,
 )
 from vdtrain.drafter_rows import teacher_mask
-from vdtrain.generate import decode_config
 from vdtrain.targets.base import Condition
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 

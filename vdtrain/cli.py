@@ -1,26 +1,36 @@
-"""How the Hydra apps end on a user's mistake: one line naming the problem, exit status 2.
+"""How the apps end on a user's mistake: one line naming the problem, exit status 2.
 
-A bad config value, a missing or mismatched checkpoint, a bad prompt file or shard, a refused option or
-a missing optional package is the user's to fix, and the message says how; a traceback with Hydra's
-footer buries that line. ``HYDRA_FULL_ERROR=1`` or ``debug=true`` keeps the full traceback. Anything
-else (a bug) still raises with its traceback.
+A bad config value, an unknown config group or key, a missing or mismatched checkpoint, a bad prompt
+file or shard, a refused option or a missing optional package is the user's to fix, and the message says
+how; a traceback with Hydra's footer buries that line. ``HYDRA_FULL_ERROR=1`` or ``debug=true`` keeps the
+full traceback. Anything else (a bug) still raises with its traceback.
+
+``run_app`` composes the configuration as Hydra will and runs the app's cheap checks (``vdtrain.preflight``)
+before Hydra makes an output folder and before the app imports torch or Lightning: the common mistakes
+are reported in about a second. This module imports neither.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import logging
 import os
+import shutil
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from vdtrain.checkpoint_io import CheckpointError
-from vdtrain.data.shards import ShardError
-
 USER_ERROR_EXIT = 2
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# When the app started: an output folder whose every entry is newer was made by this launch.
+LAUNCHED = time.time()
 # Errors raised for what a user gave: values, files, checkpoints, shards, packages, config types.
 USER_ERRORS: tuple[type[BaseException], ...] = (
     ValueError,
@@ -29,31 +39,120 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     IsADirectoryError,
     PermissionError,
     ImportError,
-    CheckpointError,
-    ShardError,
     OmegaConfBaseException,
+    HydraException,  # an unknown config group option or key, found while composing
     FloatingPointError,  # a non-finite loss or weights: the message names the step and what to change
 )
+# The same, from modules too heavy to import here; one that was never imported raised nothing.
+LAZY_USER_ERRORS = {
+    "vdtrain.checkpoint_io": "CheckpointError",
+    "vdtrain.data.shards": "ShardError",
+    "lightning.fabric.utilities.exceptions": "MisconfigurationException",
+}
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
+
+
+def is_user_error(err: BaseException) -> bool:
+    lazy = tuple(getattr(sys.modules[m], name) for m, name in LAZY_USER_ERRORS.items() if m in sys.modules)
+    return isinstance(err, USER_ERRORS + lazy)
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on one line: a DataLoader worker's copy keeps only the original message, a
+    Hydra composition error adds OmegaConf's reason, and a list under a ``...:`` line is comma-joined."""
+    text = str(err)
+    if "Original Traceback" in text:  # torch re-raises a worker's error with the worker's traceback
+        last = [line for line in text.splitlines() if line.strip()][-1]
+        text = "in a DataLoader worker: " + last.split(": ", 1)[-1]
+    if isinstance(err, HydraException) and err.__cause__ is not None:
+        text += "\n" + str(err.__cause__).splitlines()[0]
+    text = text.split("Config search path:")[0]  # Hydra's where-I-looked footer
+    parts: list[str] = []
+    listing = False  # the lines after one ending in ":" are its items
+    for line in (line.strip() for line in text.splitlines()):
+        if not line:
+            continue
+        if listing:
+            parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line
+        else:
+            parts.append(line)
+            listing = line.endswith(":")
+    return "; ".join(p.rstrip(".") for p in parts)
+
+
+def debug_requested(args: list[str]) -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or "debug=true" in args
+
+
+def fail(app: str, err: BaseException) -> None:
+    print(f"{app}: error: {one_line(err)} (debug=true shows the traceback)", file=sys.stderr)
+    sys.exit(USER_ERROR_EXIT)
+
+
+def run_app(
+    app: str, config_name: str, entry: Callable[[], object], check: Callable[[DictConfig], None]
+) -> None:
+    """Compose ``conf/<config_name>.yaml`` with the command line's overrides, ``check`` it (cheap checks
+    only: no model, no heavy import), then run the ``@hydra.main`` ``entry``. Hydra's own flags (``--help``,
+    ``-m``, ``--cfg``) go straight to Hydra."""
+    args = sys.argv[1:]
+    if not any(a.startswith("-") for a in args):
+        from hydra import compose, initialize_config_dir
+
+        try:
+            with initialize_config_dir(str(CONF_DIR), version_base=None):
+                cfg = compose(config_name, overrides=args, return_hydra_config=True)
+            check(cfg)
+        except Exception as err:
+            if not is_user_error(err) or debug_requested(args):
+                raise
+            fail(app, err)
+    entry()
 
 
 def user_errors(app: str) -> Callable[[Callable[[DictConfig], R]], Callable[[DictConfig], R]]:
     """Decorate a Hydra task function (under ``@hydra.main``): a user error prints
-    ``<app>: error: <message>`` to stderr and exits with status 2."""
+    ``<app>: error: <message>`` to stderr and exits with status 2. An output folder this launch made and
+    left with nothing but Hydra's records is removed; one that stays gets the error in its log."""
 
     def wrap(task: Callable[[DictConfig], R]) -> Callable[[DictConfig], R]:
         @functools.wraps(task)
         def run(cfg: DictConfig) -> R:
             try:
                 return task(cfg)
-            except USER_ERRORS as err:
-                if os.environ.get("HYDRA_FULL_ERROR") == "1" or cfg.get("debug", False):
+            except BaseException as err:
+                if not is_user_error(err) or os.environ.get("HYDRA_FULL_ERROR") == "1" or cfg.get("debug"):
                     raise
-                print(f"{app}: error: {err}", file=sys.stderr)
-                print(f"{app}: (debug=true or HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
-                sys.exit(USER_ERROR_EXIT)
+                settle_output(f"{app}: error: {one_line(err)}")
+                fail(app, err)
+                raise  # unreachable: fail exits
 
         return run
 
     return wrap
+
+
+def _made_now(folder: Path) -> bool:
+    """Every entry is newer than the launch (stops at the first older one: ``folder`` may be the cwd)."""
+    return all(p.stat().st_mtime >= LAUNCHED for p in itertools.chain([folder], folder.rglob("*")))
+
+
+def settle_output(message: str) -> None:
+    """Remove Hydra's output folder if this launch made it and it holds only records and logs; else
+    write ``message`` to the app's log file there."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return
+    folder = Path(HydraConfig.get().runtime.output_dir)
+    records_only = folder.is_dir() and _made_now(folder)
+    if records_only and all(p.is_dir() or p.suffix in (".log", ".yaml") for p in folder.rglob("*")):
+        logging.shutdown()
+        shutil.rmtree(folder)
+        return
+    record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)

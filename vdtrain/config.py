@@ -82,7 +82,9 @@ class TrainerConfig:
     max_minutes: float | None = None  # stop after this wall-clock time (checkpoints are still written)
     accumulate_grad_batches: int = 1
     log_every_n_steps: int = 10
-    progress_every_n_steps: int = 25  # a plain progress line (step, loss, top-1, samples/s, ETA) this often
+    # a plain progress line (step, loss, top-1, samples/s, ETA) this often; null: every max_steps // 10
+    # steps, at most 25 (at least ten lines a run)
+    progress_every_n_steps: int | None = None
     val_every_n_epochs: int = 1
     checkpoint_every_n_steps: int = 100
     deterministic: bool = False
@@ -117,6 +119,7 @@ class EvalCallbackConfig:
     methods: list[str] = field(default_factory=lambda: ["eagle2"])  # conf/decode presets; AR always runs too
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     prompts: str | None = None  # null: held-out shapes captions | a caption file | a vendored set name
+    caption_column: str | None = None  # a .csv/.tsv prompts file: its caption column (null: a known name)
     num_prompts: int = 8
     batch_size: int = 8
     seed: int = 0  # prompt i uses seed + i, so epochs are compared on identical draws
@@ -155,10 +158,14 @@ class FitConfig:
 
 
 def register_configs() -> None:
-    """Make ``fit_schema`` available to ``conf/fit.yaml``'s defaults list (it types every group), and
-    the ``run_name`` resolver its ``hydra.run.dir`` uses."""
+    """Make ``fit_schema`` available to ``conf/fit.yaml``'s defaults list (it types every group), the
+    ``run_name`` resolver its ``hydra.run.dir`` uses and the ``run_record`` one its ``hydra.output_subdir``
+    uses."""
+    from vdtrain.resume import run_record
+
     ConfigStore.instance().store(name="fit_schema", node=FitConfig)
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+    OmegaConf.register_new_resolver("run_record", run_record, replace=True)
 
 
 def run_name() -> str:

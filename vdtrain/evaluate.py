@@ -12,23 +12,18 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from vdtrain.cli import user_errors
-from vdtrain.config import AcceptanceConfig
-from vdtrain.drafter import Drafter
-from vdtrain.eval.acceptance import acceptance_markdown, measure, write_report
-from vdtrain.eval.plots import plot_acceptance, write_plots
-from vdtrain.eval.quality import QualityConfig
-from vdtrain.eval.runner import EvalResult, device_description, evaluate, method_configs
-from vdtrain.eval.table import to_markdown, write_tables
-from vdtrain.prompts import prompts_for_run
-from vdtrain.targets import Target, target_for_run
-from vdtrain.targets.shapes import resolve_folder
+from vdtrain.cli import run_app, user_errors
+from vdtrain.preflight import check_decoding
+
+if TYPE_CHECKING:
+    from vdtrain.drafter import Drafter
+    from vdtrain.eval.runner import EvalResult
+    from vdtrain.targets import Target
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +31,25 @@ log = logging.getLogger(__name__)
 def load_drafter(source: str | os.PathLike[str], target: Target) -> Drafter:
     """A drafter from an export folder, a ``.ckpt`` or a Hub repo id; relative paths are tried from the
     working directory, then the repository root."""
+    from vdtrain.drafter import Drafter
+    from vdtrain.targets.shapes import resolve_folder
+
     path = resolve_folder(source)
     return Drafter.from_pretrained(path if path.exists() else source, target)
 
 
 def run(cfg: DictConfig) -> EvalResult:
+    import torch
+
+    from vdtrain.config import AcceptanceConfig
+    from vdtrain.eval.acceptance import acceptance_markdown, measure, write_report
+    from vdtrain.eval.plots import plot_acceptance, write_plots
+    from vdtrain.eval.quality import QualityConfig
+    from vdtrain.eval.runner import device_description, evaluate, method_configs
+    from vdtrain.eval.table import write_tables
+    from vdtrain.prompts import prompts_for_run
+    from vdtrain.targets import target_for_run
+
     decode_overrides = OmegaConf.to_container(OmegaConf.create(cfg.target.get("decode") or {}))
     configs = method_configs(list(cfg.methods), decode_overrides)
     needy = [c.name for c in configs if c.needs_drafter]
@@ -48,7 +57,7 @@ def run(cfg: DictConfig) -> EvalResult:
         raise ValueError(f"methods {needy} need a drafter: set drafter=<export folder, .ckpt or Hub repo id>")
     quality = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QualityConfig), cfg.quality))
     acceptance = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AcceptanceConfig), cfg.acceptance))
-    prompts = prompts_for_run(cfg.prompts, cfg.num_prompts)
+    prompts = prompts_for_run(cfg.prompts, cfg.num_prompts, cfg.caption_column)
     target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device
     # the acceptance report compares the drafter's simulation with its decode: it loads the drafter too
@@ -111,9 +120,15 @@ def run(cfg: DictConfig) -> EvalResult:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="evaluate")
 @user_errors("vdtrain.evaluate")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
+    from vdtrain.eval.table import to_markdown
+
     result = run(cfg)
     print(to_markdown(result.rows))
+
+
+def main() -> None:
+    run_app("vdtrain.evaluate", "evaluate", _main, check_decoding)
 
 
 if __name__ == "__main__":

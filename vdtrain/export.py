@@ -4,16 +4,16 @@ model card), check it, and optionally push it (a dry run by default). See docs/h
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 from omegaconf import DictConfig
 
-from vdtrain.cli import user_errors
-from vdtrain.drafter import Drafter
-from vdtrain.export_format import CONFIG_FILE
-from vdtrain.hub import PushPlan, export_drafter, find_results, push_to_hub, run_metadata
-from vdtrain.targets import target_for_run
-from vdtrain.targets.shapes import resolve_folder
+from vdtrain.cli import run_app, user_errors
+from vdtrain.preflight import check_export
+
+if TYPE_CHECKING:
+    from vdtrain.hub import PushPlan
 
 
 def is_run(folder: Path) -> bool:
@@ -28,6 +28,10 @@ def resolve_source(source: str) -> tuple[str | Path, Path | None]:
     stopped early); a drafter folder names its run in the saved fit summary or lies in it; a ``.ckpt`` lies in
     ``<run>/checkpoints``. Anything else (a Hub repo id) goes to ``Drafter.from_pretrained`` as given.
     """
+    from vdtrain.drafter import Drafter
+    from vdtrain.export_format import CONFIG_FILE
+    from vdtrain.targets.shapes import resolve_folder
+
     path = resolve_folder(source)
     if path.is_file():
         run = path.parent.parent
@@ -45,6 +49,10 @@ def resolve_source(source: str) -> tuple[str | Path, Path | None]:
 
 def export(cfg: DictConfig) -> tuple[Path, PushPlan | None]:
     """Export ``cfg.source`` for ``cfg.target``; push (or plan the push) when ``push.repo_id`` is set."""
+    from vdtrain.drafter import Drafter
+    from vdtrain.hub import export_drafter, find_results, push_to_hub, run_metadata
+    from vdtrain.targets import target_for_run
+
     source, run = resolve_source(str(cfg.source))
     if cfg.out_dir is None and run is None:
         raise ValueError(f"source={cfg.source!r} belongs to no known run folder: set out_dir=<folder>")
@@ -74,8 +82,12 @@ def export(cfg: DictConfig) -> tuple[Path, PushPlan | None]:
 
 @hydra.main(version_base=None, config_path="../conf", config_name="export")
 @user_errors("vdtrain.export")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     export(cfg)
+
+
+def main() -> None:
+    run_app("vdtrain.export", "export", _main, check_export)
 
 
 if __name__ == "__main__":

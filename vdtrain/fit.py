@@ -17,23 +17,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import lightning as L
-import torch
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from vdtrain.cli import user_errors
+from vdtrain.cli import run_app, user_errors
 from vdtrain.config import FitConfig, check_known_keys, register_configs
-from vdtrain.data.datamodule import DrafterDataModule
-from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.hub import export_drafter, find_results, push_to_hub, training_command
-from vdtrain.prompts import prompts_for_run
-from vdtrain.targets import load_target
-from vdtrain.train.checkpointing import AtomicCheckpointIO, FiniteCheckpoint, Preempted
-from vdtrain.train.module import DrafterModule, NonFiniteLossError
-from vdtrain.train.progress import ProgressLog, StepProgressBar, duration
+from vdtrain.preflight import FIT_MINIMUMS, at_least, check_fit
+
+if TYPE_CHECKING:  # the training stack is imported when training starts, after the checks
+    import lightning as L
+
+    from vdtrain.drafter import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +69,9 @@ def build_logger(cfg: FitConfig, run_dir: Path):
     kind, name = cfg.logger.kind, cfg.logger.name or run_dir.name
     save_dir = run_dir / "logs"
     if kind == "csv":
-        from lightning.pytorch.loggers import CSVLogger
+        from vdtrain.train.csv_log import AppendingCSVLogger
 
-        return CSVLogger(save_dir, name="", version="")
+        return AppendingCSVLogger(save_dir)
     if kind == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -90,6 +86,8 @@ def build_logger(cfg: FitConfig, run_dir: Path):
 
 
 def build_drafter(cfg: FitConfig, target) -> Drafter:
+    from vdtrain.drafter import Drafter, DrafterConfig
+
     if cfg.drafter.init_from:
         drafter = Drafter.from_pretrained(cfg.drafter.init_from, target)
         layers = cfg.drafter.feature_layers
@@ -114,15 +112,6 @@ def build_drafter(cfg: FitConfig, target) -> Drafter:
         target, cfg.drafter.kind, None if layers is None else tuple(layers), **layer
     )
     return Drafter(config).start_from(target)
-
-
-def resume_path(cfg: FitConfig, run_dir: Path) -> str | None:
-    if cfg.resume is None:
-        return None
-    path = run_dir / "checkpoints" / "last.ckpt" if cfg.resume == "last" else Path(cfg.resume)
-    if not path.is_file():
-        raise FileNotFoundError(f"resume={cfg.resume!r}: no checkpoint at {str(path)!r}")
-    return str(path)
 
 
 # Lightning's warnings that the training stream (vdtrain.data.streams) makes false, silenced around fit
@@ -160,8 +149,22 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
 
     Raises ``Preempted`` after SIGTERM (``last.ckpt`` then holds the step reached) and
     ``NonFiniteLossError`` / ``NonFiniteWeightsError`` naming the last checkpoint with finite weights."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from vdtrain.data.datamodule import DrafterDataModule
+    from vdtrain.hub import export_drafter, find_results, training_command
+    from vdtrain.prompts import prompts_for_run
+    from vdtrain.resume import checkpoint
+    from vdtrain.targets import load_target
+    from vdtrain.train.checkpointing import AtomicCheckpointIO, FiniteCheckpoint, Preempted
+    from vdtrain.train.module import DrafterModule, NonFiniteLossError
+    from vdtrain.train.progress import ProgressLog, StepProgressBar, progress_interval
+
     if isinstance(cfg, DictConfig):
         check_known_keys(cfg)
+        at_least(cfg, FIT_MINIMUMS)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -179,7 +182,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         cfg.trainer.max_steps,
     )
     data = DrafterDataModule(cfg.data, target.identity, target.world)
-    ckpt_path = resume_path(cfg, run_dir)
+    ckpt_path = None if cfg.resume is None else str(checkpoint(cfg.resume, run_dir))
     last = FiniteCheckpoint(
         dirpath=run_dir / "checkpoints",
         filename="step{step}",
@@ -204,7 +207,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     ]
     t = cfg.trainer
     samples_per_step = cfg.data.batch_size * t.accumulate_grad_batches
-    hooks.append(ProgressLog(t.progress_every_n_steps, samples_per_step))
+    hooks.append(ProgressLog(progress_interval(t.progress_every_n_steps, t.max_steps), samples_per_step))
     terminal = sys.stderr.isatty()
     if terminal:
         hooks.append(StepProgressBar())
@@ -212,7 +215,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         from vdtrain.eval.callback import EvalAfterEpoch  # the eval stack loads only when used
 
         eval_cfg = OmegaConf.to_object(cfg.eval) if isinstance(cfg.eval, DictConfig) else cfg.eval
-        prompts = prompts_for_run(eval_cfg.prompts, eval_cfg.num_prompts)
+        prompts = prompts_for_run(eval_cfg.prompts, eval_cfg.num_prompts, eval_cfg.caption_column)
         decode_overrides = OmegaConf.to_container(OmegaConf.create(cfg.target.get("decode") or {}))
         hooks.append(EvalAfterEpoch(eval_cfg, run_dir, prompts, decode_overrides))
     trainer = L.Trainer(
@@ -244,7 +247,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     except SIGTERMException as stop:
         raise Preempted(
             f"stopped by SIGTERM at step {trainer.global_step}; {last.last_finite_hint()}, "
-            f"or resume=last with run_dir={str(run_dir)!r}"
+            f"or resume=last hydra.run.dir={str(run_dir)!r}"
         ) from stop
     except NonFiniteLossError as err:
         raise NonFiniteLossError(f"{err}; {last.last_finite_hint()}") from err
@@ -285,6 +288,8 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
 def push_at_end(export: Path, cfg: FitConfig) -> None:
     """The end-of-training Hub push. A failure is logged, not raised: the export is on disk and
     ``python -m vdtrain.export source=<run> push.repo_id=... push.dry_run=false`` retries it."""
+    from vdtrain.hub import push_to_hub
+
     try:
         plan = push_to_hub(export, cfg.push.repo_id, private=cfg.push.private, dry_run=cfg.push.dry_run)
     except Exception:
@@ -293,10 +298,31 @@ def push_at_end(export: Path, cfg: FitConfig) -> None:
     log.info("%s", plan.describe())
 
 
+def resume_run(cfg: DictConfig) -> DictConfig:
+    """The configuration ``resume=`` continues with (``vdtrain.resume``), written to this launch's record
+    (``resumes/<time>/config.yaml``, or ``.hydra/`` of a new folder resuming another run's checkpoint) in
+    place of the composed one it did not run."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from vdtrain.resume import resumed_config
+
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
+    effective = resumed_config(cfg, list(hydra_cfg.overrides.task), dict(hydra_cfg.runtime.choices), run_dir)
+    if hydra_cfg.output_subdir is not None:  # never the resumed run's own .hydra (run_record)
+        OmegaConf.save(effective, run_dir / hydra_cfg.output_subdir / "config.yaml")
+    return effective
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="fit")
 @user_errors("vdtrain.fit")
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
+    from vdtrain.durations import duration
+    from vdtrain.train.checkpointing import Preempted
+
     started = time.monotonic()
+    if cfg.resume is not None:
+        cfg = resume_run(cfg)
     try:
         summary = fit(cfg)
     except Preempted as stop:
@@ -312,6 +338,10 @@ def main(cfg: DictConfig) -> None:
             f"-> {summary['drafter']}"
         )
         print(f"wall time {duration(time.monotonic() - started)} (loading, training, validation, export)")
+
+
+def main() -> None:
+    run_app("vdtrain.fit", "fit", _main, check_fit)
 
 
 if __name__ == "__main__":

@@ -14,27 +14,29 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import numpy as np
-import torch
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
-from vdtrain.cli import user_errors
-from vdtrain.decode.compiled import prepare_decoding
-from vdtrain.decode.methods import build_method, decode_config
-from vdtrain.decode.metrics import summarize
-from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter
-from vdtrain.eval.quality import Scorer, Unavailable, quality_scorer
-from vdtrain.eval.runner import synchronize
-from vdtrain.images import captioned_grid, save_png, tensor_to_images
-from vdtrain.prompts import prompts_for_run
-from vdtrain.targets import Target, target_for_run
-from vdtrain.targets.shapes import resolve_folder
+from vdtrain.cli import run_app, user_errors
+from vdtrain.preflight import check_decoding
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from vdtrain.decode.sampling import SamplingConfig
+    from vdtrain.eval.quality import Scorer
+    from vdtrain.targets import Target
 
 log = logging.getLogger(__name__)
+# Why a speculative method can be slower than AR here (README.md and docs/decoding.md say the same).
+CPU_SPEED_NOTE = (
+    "on a CPU: {method}'s S (image tokens per target step, in stats.json) is the gain a GPU step would see; "
+    "the wall-clock here can be slower than AR's, because a CPU's target step costs in proportion to the "
+    "tokens it verifies and the drafter's passes add to it, where a GPU's step costs about the same for one "
+    "token or many"
+)
 
 
 def sampling_config(target: Target, overrides: DictConfig | dict) -> SamplingConfig:
@@ -45,6 +47,8 @@ def sampling_config(target: Target, overrides: DictConfig | dict) -> SamplingCon
 def quality_record(scorer: Scorer, image: np.ndarray, prompt: str) -> dict:
     """``{"quality": score}``, or ``{"quality": None, "quality_unavailable": why}`` when the metric is not
     defined for this prompt."""
+    from vdtrain.eval.quality import Unavailable
+
     try:
         return {"quality": scorer(image, prompt)}
     except Unavailable as why:
@@ -62,8 +66,22 @@ def quality_summary(samples: list[dict]) -> dict:
 
 
 def run(cfg: DictConfig) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    from vdtrain.decode.compiled import prepare_decoding
+    from vdtrain.decode.methods import build_method, decode_config
+    from vdtrain.decode.metrics import summarize
+    from vdtrain.drafter import Drafter
+    from vdtrain.eval.quality import quality_scorer
+    from vdtrain.eval.runner import synchronize
+    from vdtrain.images import captioned_grid, save_png, tensor_to_images
+    from vdtrain.prompts import prompts_for_run
+    from vdtrain.targets import target_for_run
+    from vdtrain.targets.shapes import resolve_folder
+
     method_cfg = decode_config(cfg.decode)
-    prompts = prompts_for_run(cfg.prompts, cfg.num_prompts)  # a bad prompt setting fails before loading
+    prompts = prompts_for_run(cfg.prompts, cfg.num_prompts, cfg.caption_column)
     target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device
     sampling = sampling_config(target, cfg.sampling)
@@ -80,6 +98,8 @@ def run(cfg: DictConfig) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log.info("%s on %s: %d prompts, %s", method_cfg.name, device, len(prompts), sampling)
+    if device.type == "cpu" and method_cfg.name != "ar":
+        log.info("%s", CPU_SPEED_NOTE.format(method=method_cfg.name))
 
     samples, images_all, all_stats = [], [], []
     bar = tqdm(total=len(prompts), desc=method_cfg.name, unit="image")
@@ -158,7 +178,7 @@ def method_alias(argv: list[str]) -> list[str]:
 
 def main() -> None:
     sys.argv = [sys.argv[0], *method_alias(sys.argv[1:])]
-    _main()
+    run_app("vdtrain.generate", "generate", _main, check_decoding)
 
 
 if __name__ == "__main__":

@@ -35,10 +35,10 @@ def prompt_set(name: str) -> list[str]:
     return read_captions(PROMPT_SETS_DIR / PROMPT_SETS[name])
 
 
-def prompts_for_run(source: str | os.PathLike[str] | None, n: int) -> list[str]:
+def prompts_for_run(source: str | os.PathLike[str] | None, n: int, column: str | None = None) -> list[str]:
     """The first ``n`` prompts of ``source``: held-out shapes captions (None), the validation ones
-    (``shapes_validation``), a vendored set's name, or a
-    caption file (``read_captions``). ``n`` < 1 is refused before anything is read."""
+    (``shapes_validation``), a vendored set's name, or a caption file (``read_captions``; ``column``
+    names a table's caption column). ``n`` < 1 is refused before anything is read."""
     if n < 1:
         raise ValueError(f"num_prompts must be at least 1, got {n}")
     if source is None:
@@ -48,7 +48,7 @@ def prompts_for_run(source: str | os.PathLike[str] | None, n: int) -> list[str]:
     elif str(source) in PROMPT_SETS:
         captions = prompt_set(str(source))
     else:
-        captions = read_captions(source)
+        captions = read_captions(source, column)
     return captions[:n]
 
 
@@ -78,21 +78,24 @@ def _json_captions(path: Path) -> list[str]:
     return [c.strip() for c in data]
 
 
-def _table_captions(path: Path, delimiter: str) -> list[str]:
+def _table_captions(path: Path, delimiter: str, column: str | None) -> list[str]:
+    """The caption column of a table with a header row: ``column``, else the first of
+    ``CAPTION_COLUMNS`` (a header without one is refused rather than read as a caption)."""
     rows = [row for row in csv.reader(io.StringIO(_read_text(path), newline=""), delimiter=delimiter) if row]
     if not rows:
         return []
-    header = [h.strip().lower() for h in rows[0]]
-    column = next((header.index(n) for n in ("prompt", "caption", "text") if n in header), None)
-    index = column or 0
-    body = rows[1:] if column is not None else rows
-    return [row[index].strip() for row in body if len(row) > index]
+    header = [h.strip() for h in rows[0]]
+    try:
+        index = header.index(caption_column(header, column))
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
+    return [row[index].strip() for row in rows[1:] if len(row) > index]
 
 
-def read_captions(path: str | os.PathLike[str]) -> list[str]:
+def read_captions(path: str | os.PathLike[str], column: str | None = None) -> list[str]:
     """Captions from ``.txt`` (one per line), ``.json`` (a list of strings, or COCO ``annotations``),
-    ``.csv``/``.tsv`` (the ``Prompt``/``caption`` column, else the first). Files are UTF-8; a file that is
-    not, or does not parse, is a ``ValueError`` naming it."""
+    ``.csv``/``.tsv`` (a header row, and the ``column`` named, else a caption/top_caption/text/prompt
+    column). Files are UTF-8; a file that is not, or does not parse, is a ``ValueError`` naming it."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"caption file not found: {str(path)!r}")
@@ -102,7 +105,7 @@ def read_captions(path: str | os.PathLike[str]) -> list[str]:
     elif suffix == ".json":
         captions = _json_captions(path)
     elif suffix in (".csv", ".tsv"):
-        captions = _table_captions(path, "\t" if suffix == ".tsv" else ",")
+        captions = _table_captions(path, "\t" if suffix == ".tsv" else ",", column)
     else:
         raise ValueError(f"{path}: unsupported caption file type {suffix!r} (use .txt, .json, .csv or .tsv)")
     captions = [c for c in captions if c]
@@ -174,12 +177,15 @@ def caption_column(columns: list[str], column: str | None = None) -> str:
     """``column`` if given (it must exist), else the first of ``CAPTION_COLUMNS`` present."""
     if column is not None:
         if column not in columns:
-            raise ValueError(f"no column {column!r}; the table has {columns}")
+            raise ValueError(f"no column caption_column={column!r}; the table has columns {columns}")
         return column
     lower = {c.lower(): c for c in columns}
     found = next((lower[n] for n in CAPTION_COLUMNS if n in lower), None)
     if found is None:
-        raise ValueError(f"no caption column among {columns}; name one with caption_column=...")
+        raise ValueError(
+            f"no caption column ({', '.join(CAPTION_COLUMNS)}) among the columns {columns}; "
+            "name the one that holds captions with caption_column=<name>"
+        )
     return found
 
 

@@ -153,6 +153,8 @@ class SampleSpec:
                 else:
                     sample[name] = data.decode("utf-8")
             except Exception as exc:  # any decoding failure is a corrupt member
+                if "pickle" in str(exc):  # numpy's advice to load it unsafely is not for shards
+                    raise ValueError(f"{suffix} holds pickled (object) data, which shards never do") from exc
                 raise ValueError(f"cannot decode {suffix}: {type(exc).__name__}: {exc}") from exc
         self.check_arrays(sample)
         return sample

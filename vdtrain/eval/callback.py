@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import shutil
 from dataclasses import asdict
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,9 @@ class EvalAfterEpoch(L.Callback):
         tag: str,
     ) -> None:
         table = to_markdown(result.rows)
-        print(f"\nEvalAfterEpoch ({tag}, step {trainer.global_step}, {len(self.prompts)} prompts)\n{table}")
+        stamp = f"{datetime.now():%Y-%m-%d %H:%M:%S}"  # a redirected log's tables say when they were made
+        head = f"EvalAfterEpoch ({tag}, step {trainer.global_step}, {len(self.prompts)} prompts)"
+        print(f"\n{head} {stamp}\n{table}")
         settings: dict[str, Any] = {**asdict(self.cfg), "step": trainer.global_step, "tag": tag}
         folder = write_tables(result.rows, self.run_dir / "eval" / tag, settings)
         if reports:

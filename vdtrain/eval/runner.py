@@ -33,6 +33,8 @@ from vdtrain.decode.methods import ARMethod, DecodeConfig, build_method, load_pr
 from vdtrain.decode.metrics import position_maps as stats_position_maps
 from vdtrain.decode.metrics import summarize
 from vdtrain.drafter import Drafter
+from vdtrain.durations import duration
+from vdtrain.eval.heartbeat import Heartbeat
 from vdtrain.eval.quality import QualityConfig, QualityScorer
 from vdtrain.eval.table import EvalRow
 from vdtrain.images import save_png, tensor_to_images
@@ -81,9 +83,10 @@ def decode_prompts(
     prompts: Sequence[str],
     seed: int,
     batch_size: int,
-    progress: tqdm | None = None,
+    progress: tqdm | Heartbeat | None = None,
 ) -> Decoded:
-    """Decode ``prompts`` in batches with ``method`` (prompt ``i`` with seed ``seed + i``)."""
+    """Decode ``prompts`` in batches with ``method`` (prompt ``i`` with seed ``seed + i``); ``progress``
+    is told of every batch done."""
     device = target.token_embedding.weight.device
     tokens, stats, seconds = [], [], []
     for start in range(0, len(prompts), batch_size):
@@ -231,6 +234,13 @@ def evaluate(
             log.info("T = 0: leaving out the relaxed methods %s (meaningless under greedy decoding)", skipped)
         runs = [(t, c) for t, c in runs if t != 0 or c.exact]
     result = EvalResult([], {}, {}, list(prompts))
+    started = time.monotonic()
+    log.info(
+        "evaluation: %s at T = %s on %d prompts",
+        ", ".join(dict.fromkeys(c.name for _, c in runs)),
+        ", ".join(f"{t:g}" for t in temperatures),
+        len(prompts),
+    )
     bar = tqdm(total=len(runs) * len(prompts), desc="evaluate", unit="image", disable=not progress)
     with torch.no_grad(), bar:
         for temperature, config in runs:
@@ -243,14 +253,18 @@ def evaluate(
                 bar.update(len(prompts))
             else:
                 method = build_method(config, target, drafter, sampling, options)
-                cold = warm_up(method, target, prompts, seed, batch_size) if warmup else None
-                decoded = decode_prompts(method, target, prompts, seed, batch_size, bar)
+                with Heartbeat(f"{config.name} T={temperature:g}", len(prompts), bar) as beat:
+                    cold = warm_up(method, target, prompts, seed, batch_size) if warmup else None
+                    decoded = decode_prompts(method, target, prompts, seed, batch_size, beat)
                 images, vq_seconds = vq_decode(target, decoded.tokens, batch_size)
             if config is baseline:  # runs first at every temperature
                 ar, ar_vq_seconds, ar_images = decoded, vq_seconds, images
                 if wants_floor and floor is None:
                     method = method or build_method(config, target, drafter, sampling, options)
-                    floor = noise_floor_images(method, temperature, target, prompts, seed, batch_size, images)
+                    with Heartbeat(f"AR noise floor T={temperature:g}", len(prompts)):
+                        floor = noise_floor_images(
+                            method, temperature, target, prompts, seed, batch_size, images
+                        )
                 if ar_runs is not None:
                     ar_runs[temperature] = (decoded, images, vq_seconds, floor)
             result.rows.append(
@@ -278,4 +292,5 @@ def evaluate(
                 folder = image_folder(image_dir, config.name, temperature)
                 for index, image in enumerate(images):
                     save_png(image, folder / f"{index:04d}.png")
+    log.info("evaluation done in %s", duration(time.monotonic() - started))
     return result

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vdtrain.config import TargetConfig, UnknownConfigKeyError
+from vdtrain.devices import pick_device
 from vdtrain.targets.base import DraftLayer, Target
 from vdtrain.targets.chameleon import FAMILIES as CHAMELEON_FAMILIES
 from vdtrain.targets.chameleon import ChameleonDraftLayer, ChameleonSpec, build_chameleon_target
@@ -108,13 +109,6 @@ def load_target(config: Mapping[str, object], device: str | torch.device = "cpu"
     shared, entry, spec = parse_target_config(config)
     inference_dtype(shared.dtype)
     return entry.build(spec, device)
-
-
-def pick_device(name: str) -> torch.device:
-    """``auto`` → the first GPU when there is one, else the CPU; anything else as torch spells it."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 # ``target.dtype`` spellings: the short names conf/target uses, and torch's own.

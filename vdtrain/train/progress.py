@@ -11,39 +11,68 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.callbacks import Timer, TQDMProgressBar
 
+from vdtrain.durations import duration
+
 log = logging.getLogger("vdtrain.fit")
 
 
-def duration(seconds: float) -> str:
-    """``1h02m``, ``5m12s``, ``40s``."""
-    seconds = max(0, round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    if hours:
-        return f"{hours}h{minutes:02d}m"
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+LINES_PER_RUN = 10
+DEFAULT_EVERY = 25
+
+
+def progress_interval(every: int | None, max_steps: int) -> int:
+    """``trainer.progress_every_n_steps``, or for null one that gives at least ``LINES_PER_RUN`` lines
+    (never sparser than every ``DEFAULT_EVERY`` steps). Its range is checked with the other settings'
+    (``vdtrain.preflight.FIT_MINIMUMS``)."""
+    if every is not None:
+        return every
+    return max(1, min(DEFAULT_EVERY, max_steps // LINES_PER_RUN))
 
 
 class ProgressLog(L.Callback):
     """``step 120/400 | loss 0.512 | top-1 0.731 | 14.3 samples/s | ETA 5m12s`` every ``every`` optimizer
-    steps (rank 0), and the validation metrics after each validation."""
+    steps (rank 0), and the validation metrics after each validation.
+
+    Pace and ETA count training time only: validation and the after-epoch evaluation (which runs
+    between ``on_train_epoch_end`` and the next epoch's start) are left out, and the line says how long
+    they took so far."""
 
     def __init__(self, every: int, samples_per_step: int) -> None:
-        if every < 1:
-            raise ValueError(f"trainer.progress_every_n_steps must be >= 1, got {every}")
         self.every, self.samples_per_step = every, samples_per_step
-        self._mark: tuple[float, int] | None = None  # (time, step) of the last line
+        self._mark: tuple[float, int] | None = None  # (training seconds, step) at the last line
         self._start: tuple[float, int] | None = None
+        self._started_at = 0.0
+        self._paused = 0.0  # seconds spent outside training (validation, evaluation)
+        self._pause_from: float | None = None
+
+    def training_seconds(self, now: float) -> float:
+        pausing = now - self._pause_from if self._pause_from is not None else 0.0
+        return now - self._started_at - self._paused - pausing
+
+    def _pause(self, *_: Any) -> None:
+        if self._pause_from is None:
+            self._pause_from = time.monotonic()
+
+    def _resume(self, *_: Any) -> None:
+        if self._pause_from is not None:
+            self._paused += time.monotonic() - self._pause_from
+            self._pause_from = None
+
+    on_validation_start = _pause
+    on_train_epoch_end = _pause
+    on_train_epoch_start = _resume
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start = self._mark = (time.monotonic(), trainer.global_step)
+        self._started_at, self._paused, self._pause_from = time.monotonic(), 0.0, None
+        self._start = self._mark = (0.0, trainer.global_step)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
         step = trainer.global_step
         if not trainer.is_global_zero or self._mark is None or step == self._mark[1] or step % self.every:
             return
-        now = time.monotonic()
-        rate = (step - self._mark[1]) * self.samples_per_step * trainer.world_size / (now - self._mark[0])
+        now = self.training_seconds(time.monotonic())
+        samples = (step - self._mark[1]) * self.samples_per_step * trainer.world_size
+        rate = samples / max(1e-9, now - self._mark[0])
         self._mark = (now, step)
         log.info("%s", self.line(trainer, step, rate, now))
 
@@ -56,11 +85,14 @@ class ProgressLog(L.Callback):
         parts.append(f"{rate:.1f} samples/s")
         eta = self.eta(trainer, step, now)
         if eta is not None:
-            parts.append(f"ETA {duration(eta)}")
+            parts.append(f"ETA {duration(eta)} of training")
+        if self._paused >= 1:
+            parts.append(f"validation and evaluation so far {duration(self._paused)}")
         return " | ".join(parts)
 
     def eta(self, trainer: L.Trainer, step: int, now: float) -> float | None:
-        """Seconds left at the run's mean pace: to ``max_steps`` or ``max_time``, whichever is sooner."""
+        """Seconds of training left at the run's mean training pace (``now``: training seconds so far):
+        to ``max_steps`` or ``max_time``, whichever is sooner."""
         started, first = self._start
         if step <= first:
             return None
@@ -73,6 +105,7 @@ class ProgressLog(L.Callback):
         return min(left) if left else None
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._resume()
         if not trainer.is_global_zero or trainer.sanity_checking:
             return
         metrics = trainer.callback_metrics

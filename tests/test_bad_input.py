@@ -1,0 +1,84 @@
+"""The bad-input table (issue 37; docs/bad_input.md): each case runs as a user would, in a subprocess, and
+ends with one ``<app>: error:`` line, exit status 2, no traceback, within 5 s (checked before torch or
+Lightning load, and before Hydra makes an output folder)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_fit import run_cli
+
+from vdtrain.cli import LAZY_USER_ERRORS, is_user_error, one_line
+from vdtrain.devices import torch_built_with_cuda
+
+SECONDS = 5.0
+NO_CUDA = pytest.mark.skipif(torch_built_with_cuda(), reason="this torch has CUDA: the case is no error")
+# (app, arguments, a part of the message); {tmp} is the test's folder, the working directory.
+CASES = [
+    ("vdtrain.fit", ["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
+    ("vdtrain.fit", ["+trainer.max_stepz=3"], "did you mean trainer.max_steps"),
+    ("vdtrain.fit", ["trainer.max_steps=-5"], "trainer.max_steps must be at least 1, got -5"),
+    ("vdtrain.fit", ["data.batch_size=0"], "data.batch_size must be at least 1, got 0"),
+    ("vdtrain.fit", ["target=nope"], "Available options in 'target': anole"),
+    ("vdtrain.fit", ["resume=last"], "name the run to continue with hydra.run.dir=<run folder>"),
+    pytest.param("vdtrain.fit", ["trainer=gpu"], "built without CUDA", marks=NO_CUDA),
+    ("vdtrain.generate", ["batch_size=0"], "batch_size must be at least 1, got 0"),
+    ("vdtrain.generate", ["num_prompts=0"], "num_prompts must be at least 1, got 0"),
+    pytest.param("vdtrain.generate", ["device=cuda"], "device='cuda', but this torch", marks=NO_CUDA),
+    ("vdtrain.generate", ["out_dir={tmp}/a_file/x"], "a_file' is a file"),
+    ("vdtrain.generate", ["method=nope"], "Available options in 'decode': ar, eagle1"),
+    ("vdtrain.generate", ["target=nope"], "Could not find 'target/nope'"),
+    ("vdtrain.generate", ["prompts={tmp}/links.csv"], "among the columns ['id', 'url']; name the one"),
+    ("vdtrain.evaluate", ["methods=[nope]"], "unknown method preset 'nope'"),
+    ("vdtrain.evaluate", ["batch_size=0"], "batch_size must be at least 1, got 0"),
+    ("vdtrain.export", ["source=/nonexistent"], "source='/nonexistent' does not exist"),
+]
+
+
+def _inputs(tmp: Path) -> None:
+    (tmp / "a_file").write_text("")
+    (tmp / "links.csv").write_text("id,url\n1,http://example.com/1.jpg\n")
+
+
+@pytest.mark.parametrize(("app", "args", "message"), CASES)
+def test_bad_input_is_one_line_status_2_and_fast(app, args, message, tmp_path):
+    _inputs(tmp_path)
+    args = [a.format(tmp=tmp_path) for a in args]
+    before = sorted(tmp_path.iterdir())
+    started = time.monotonic()
+    done = run_cli([sys.executable, "-m", app, *args], tmp_path)
+    seconds = time.monotonic() - started
+    assert done.returncode == 2, done.stderr[-2000:]
+    (line,) = done.stderr.splitlines()  # one line, nothing else
+    assert line.startswith(f"{app}: error: ") and message in line, done.stderr[-2000:]
+    assert sorted(tmp_path.iterdir()) == before  # no output or run folder left behind
+    assert seconds <= SECONDS, f"{seconds:.1f} s to the error"
+
+
+def test_a_failure_after_loading_leaves_no_empty_output_folder(tmp_path):
+    out = tmp_path / "out"
+    done = run_cli([sys.executable, "-m", "vdtrain.generate", "method=eagle2", "drafter=/nonexistent",
+                    "num_prompts=1", f"out_dir={out}"], tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and "no drafter at '/nonexistent'" in done.stderr, done.stderr[-2000:]
+    assert not out.exists()
+
+
+def test_a_dataloader_workers_error_keeps_only_the_original_message():
+    worker = RuntimeError(
+        "Caught ShardError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\n    raise ShardError(...)\n'
+        "vdtrain.data.shards.ShardError: shard 'a.tar', sample 'k': tokens.npy is not a numpy array"
+    )
+    expected = "in a DataLoader worker: shard 'a.tar', sample 'k': tokens.npy is not a numpy array"
+    assert one_line(worker) == expected
+
+
+def test_lightnings_configuration_errors_are_user_errors():
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    assert "lightning.fabric.utilities.exceptions" in LAZY_USER_ERRORS
+    assert is_user_error(MisconfigurationException("`max_steps` must be a non-negative integer"))
+    assert not is_user_error(RuntimeError("a bug"))

@@ -1,0 +1,88 @@
+"""A resume is the run's own (issue 37, item 1 and 2): ``resume=last hydra.run.dir=<run>`` continues
+with the run's saved configuration, keeps its record and every row of its metrics, and refuses an
+override that would change the run; ``resume=last`` without a run folder names the runs it could mean."""
+
+from __future__ import annotations
+
+import csv
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from test_fit import SMALL, fit_config, read_ckpt, run_cli, sub_env
+
+from vdtrain.fit import fit
+
+RUN = ("trainer.max_steps=24", "trainer.checkpoint_every_n_steps=4", "trainer.threads=1", "data.p_null=0.5")
+
+
+def rows(run: Path) -> list[dict[str, str]]:
+    with open(run / "logs" / "metrics.csv", newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def losses(table: list[dict[str, str]]) -> dict[int, str]:
+    """step -> train/total as written; a step logged twice keeps its later row."""
+    return {int(r["step"]): r["train/total"] for r in table if r.get("train/total")}
+
+
+def kill_after_first_checkpoint(args: list[str], cwd: Path, run: Path) -> None:
+    proc = subprocess.Popen(args, cwd=cwd, env=sub_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    last, deadline = run / "checkpoints" / "last.ckpt", time.monotonic() + 120
+    while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+
+@pytest.mark.slow  # three fit processes: about 60 s on a loaded 2-core machine
+def test_sigkill_then_resume_with_only_the_run_folder_is_the_uninterrupted_run(tiny_folder, tmp_path):
+    run = tmp_path / "run"
+    start = [sys.executable, "-m", "vdtrain.fit", f"target.folder={tiny_folder}", *SMALL, *RUN]
+    kill_after_first_checkpoint([*start, f"hydra.run.dir={run}"], tmp_path, run)
+    stopped = read_ckpt(run / "checkpoints" / "last.ckpt")["global_step"]
+    before = rows(run)
+    record = {f: (run / ".hydra" / f).read_text() for f in ("config.yaml", "overrides.yaml")}
+    assert 4 <= stopped < 24 and before
+
+    resume = [sys.executable, "-m", "vdtrain.fit", "resume=last", f"hydra.run.dir={run}"]
+    # An override that would change the run is refused before anything loads, naming the saved value.
+    refused = run_cli([*resume, "data.batch_size=4", "trainer.max_steps=20"], tmp_path)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "data.batch_size=4 (the run has data.batch_size=2)" in refused.stderr
+    assert "trainer.max_steps=20 (the run has trainer.max_steps=24)" in refused.stderr
+
+    done = run_cli(resume, tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_ckpt(run / "checkpoints" / "last.ckpt")["global_step"] == 24  # not the default 400
+    after = rows(run)
+    assert after[: len(before)] == before  # every row written before the kill is kept
+    assert {f: (run / ".hydra" / f).read_text() for f in record} == record
+    (resumed,) = (run / "resumes").iterdir()
+    assert OmegaConf.load(resumed / "config.yaml").trainer.max_steps == 24
+    assert OmegaConf.load(resumed / "overrides.yaml") == ["resume=last"]
+
+    whole = tmp_path / "whole"
+    fit(fit_config(tiny_folder, whole, *RUN))
+    expected, got = losses(rows(whole)), losses(after)
+    later = [step for step in expected if step >= stopped]
+    assert later and all(got[step] == expected[step] for step in later), (expected, got)
+
+
+def test_resume_last_without_a_run_folder_names_the_runs_and_leaves_nothing(tmp_path):
+    runs = tmp_path / "checkpoints" / "runs"
+    (runs / "2020-01-01_00-00-00" / "checkpoints").mkdir(parents=True)
+    (runs / "2020-01-01_00-00-00" / "checkpoints" / "last.ckpt").write_bytes(b"")
+    started = time.monotonic()
+    done = run_cli([sys.executable, "-m", "vdtrain.fit", "resume=last"], tmp_path)
+    seconds = time.monotonic() - started
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "hydra.run.dir=<run folder>" in done.stderr
+    assert "checkpoints/runs/2020-01-01_00-00-00" in done.stderr
+    assert [p.name for p in runs.iterdir()] == ["2020-01-01_00-00-00"]  # no new empty run folder
+    assert seconds < 30, seconds  # no Lightning import: about 2 s on a quiet machine

@@ -1,0 +1,137 @@
+"""A resumed run is the run's own: ``resume=last`` (or a ``.ckpt`` of a run) continues with the
+configuration the run saved in ``<run>/.hydra/config.yaml``, not with today's defaults.
+
+Only the keys in ``MAY_CHANGE`` may differ on the command line of a resume (they do not change what the
+run computes, or extend it); any other override that differs from the saved value is refused with the
+saved value named. A resume never rewrites the run's ``.hydra`` record: it records itself under
+``resumes/<time>/`` (``run_record``). Light imports only: this runs before Lightning
+is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger("vdtrain.fit")
+RECORD = ".hydra"
+# Keys a resume may change (a prefix covers its sub-keys): how long the run goes on (max_steps only
+# upwards), how it logs, checkpoints, evaluates, exports and pushes, how many CPU threads and DataLoader
+# workers it uses (batches are the same for any worker count, docs/training.md), and the learning rate
+# and clipping a recovery from a non-finite loss lowers (docs/training.md, Faults).
+MAY_CHANGE = (
+    "resume",
+    "run_dir",
+    "debug",
+    "trainer.max_steps",
+    "trainer.max_minutes",
+    "trainer.log_every_n_steps",
+    "trainer.progress_every_n_steps",
+    "trainer.checkpoint_every_n_steps",
+    "trainer.threads",
+    "data.num_workers",
+    "logger",
+    "eval",
+    "push",
+    "export_dir",
+    "optim.lr",
+    "optim.grad_clip",
+)
+
+
+@functools.cache
+def run_record(run_dir: str, resume: str | None) -> str:
+    """Hydra's ``output_subdir`` for a launch into ``run_dir``: ``.hydra`` for a new run (every rank of
+    one writes the same record), ``resumes/<time>`` for a resume of a run that has its record (cached:
+    Hydra asks more than once)."""
+    if resume is not None and (Path(run_dir) / RECORD / "config.yaml").is_file():
+        return f"resumes/{datetime.now():%Y-%m-%d_%H-%M-%S}"
+    return RECORD
+
+
+def may_change(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in MAY_CHANGE)
+
+
+def checkpoint(resume: str, run_dir: Path) -> Path:
+    """The checkpoint ``resume`` names; a missing one is an error that says how to name the run."""
+    path = run_dir / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
+    if path.is_file():
+        return path
+    if resume != "last":
+        raise FileNotFoundError(f"resume={resume!r}: no checkpoint at {str(path)!r}")
+    runs = recent_runs(run_dir.parent)
+    known = f"; runs with a checkpoint, newest first: {', '.join(runs)}" if runs else ""
+    raise FileNotFoundError(
+        f"resume=last: no checkpoint at {str(path)!r}; name the run to continue with "
+        f"hydra.run.dir=<run folder>{known}"
+    )
+
+
+def recent_runs(folder: Path, count: int = 3) -> list[str]:
+    """Up to ``count`` run folders under ``folder`` with a ``last.ckpt``, newest first."""
+    ckpts = sorted(folder.glob("*/checkpoints/last.ckpt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return [str(p.parent.parent) for p in ckpts[:count]]
+
+
+def saved_run(ckpt: Path, resume: str, run_dir: Path) -> Path | None:
+    """The run folder whose record configures the resume: ``run_dir`` for ``last``, else the folder the
+    checkpoint lies in (``<run>/checkpoints/x.ckpt``); None when it has no record."""
+    run = run_dir if resume == "last" else ckpt.resolve().parent.parent
+    return run if (run / RECORD / "config.yaml").is_file() else None
+
+
+def resumed_config(
+    cfg: DictConfig, overrides: list[str], choices: dict[str, Any], run_dir: Path
+) -> DictConfig:
+    """The configuration a resume runs with: the run's saved one, with the command line's ``overrides``
+    applied where ``MAY_CHANGE`` allows. ``cfg`` is the composed configuration (``choices`` its config
+    group options); a run without a record (one started from Python) resumes with ``cfg`` as given."""
+    from vdtrain.config import FitConfig
+
+    ckpt = checkpoint(str(cfg.resume), run_dir)
+    run = saved_run(ckpt, str(cfg.resume), run_dir)
+    if run is None:
+        return cfg
+    saved = OmegaConf.load(run / RECORD / "config.yaml")
+    saved_choices = OmegaConf.load(run / RECORD / "hydra.yaml").hydra.runtime.choices
+    changed, refused = [], []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.is_hydra_override():
+            continue
+        key = override.key_or_group
+        if key in saved_choices:  # a config group: compare the options chosen
+            new, old = choices.get(key), saved_choices.get(key)
+        else:
+            new, old = _value(cfg, key), _value(saved, key)
+        if new == old:
+            continue
+        if not may_change(key) or (key == "trainer.max_steps" and new < old):
+            refused.append(f"{key}={new} (the run has {key}={old})")
+        elif key not in saved_choices:
+            changed.append(key)
+    if refused:
+        raise ValueError(
+            f"resume: {'; '.join(refused)} would change the run {str(run)!r}; on resume only "
+            f"{', '.join(MAY_CHANGE[3:])} may change (max_steps only upwards): docs/training.md, Resuming"
+        )
+    effective = OmegaConf.merge(OmegaConf.structured(FitConfig), saved)
+    for key in ["resume", *changed]:
+        OmegaConf.update(effective, key, OmegaConf.select(cfg, key), merge=False)
+    kept = f"; changed here: {', '.join(changed)}" if changed else ""
+    log.info("resuming %s from %s with the run's saved configuration%s", run, ckpt, kept)
+    return effective
+
+
+def _value(cfg: DictConfig, key: str) -> Any:
+    """``key``'s value in ``cfg`` as plain data (None where absent), interpolations left unresolved."""
+    node = OmegaConf.select(cfg, key, default=None, throw_on_resolution_failure=False)
+    if isinstance(node, DictConfig) or OmegaConf.is_list(node):
+        return OmegaConf.to_container(node)
+    return node
