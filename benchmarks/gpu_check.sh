@@ -38,13 +38,13 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 
 if [[ $device == cuda ]]; then
-  xl="llamagen-xl --dtype bf16" big=16 prompts=8 eval_prompts=16 graphs=graphs compiled=compiled presets=all
+  xl="llamagen-xl --dtype bf16" pair="eagle2 sjd" big=16 prompts=8 eval_prompts=16 eval= graphs=graphs compiled=compiled presets=all
   profile="--target llamagen-xl --dtype bf16 --steps 4"
   train="--targets llamagen-xl --drafters eagle1 eagle3 --modes eager zero2 compiled --batch 8 --steps 3 --warmup 2"
 else  # the script's own test: the same steps on a CPU, eager, at sizes it decodes in seconds
-  xl="shapes --dtype fp32" big=2 prompts=2 eval_prompts=2 graphs=eager compiled=steps presets="eagle2 scd"
+  xl="shapes --dtype fp32" pair=sjd big=2 prompts=2 eval_prompts=2 eval="eval=fast acceptance.enabled=false" graphs=eager compiled=steps presets=scd
   profile="--target shapes --steps 1 --skip 1"
-  train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 2 --steps 2 --warmup 1"
+  train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 1 --steps 1 --warmup 1"
 fi
 step_cost="python -m benchmarks.step_cost --device $device"
 
@@ -53,14 +53,14 @@ step_cost="python -m benchmarks.step_cost --device $device"
 # --presets all includes the SCD presets (scd, scd_gumbel, sjd_pac_gumbel).
 steps=(
   "tests|45|python -m pytest -q -p no:cacheprovider -m 'gpu and not slow' tests/test_graphs.py tests/test_rng.py"
-  "xl_graphs|75|$step_cost --targets $xl --modes $graphs --batch 1 $big --presets eagle2 sjd --out $stage/xl_graphs.json"
-  "profile|60|python -m benchmarks.step_profile --device $device $profile --presets eagle2 sjd --out $stage/profile.json"
-  "xl_compiled|160|$step_cost --targets $xl --modes $compiled --batch 1 --presets eagle2 sjd --out $stage/xl_compiled.json"
+  "xl_graphs|75|$step_cost --targets $xl --modes $graphs --batch 1 $big --presets $pair --out $stage/xl_graphs.json"
+  "profile|60|python -m benchmarks.step_profile --device $device $profile --presets $pair --out $stage/profile.json"
+  "xl_compiled|160|$step_cost --targets $xl --modes $compiled --batch 1 --presets $pair --out $stage/xl_compiled.json"
   "shapes|100|$step_cost --targets shapes --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $stage/shapes.json"
-  "shapes_compiled|110|$step_cost --targets shapes --modes $compiled --batch 1 --prompts $prompts --presets eagle2 sjd --out $stage/shapes_compiled.json"
+  "shapes_compiled|110|$step_cost --targets shapes --modes $compiled --batch 1 --prompts $prompts --presets $pair --out $stage/shapes_compiled.json"
   "train|90|python -m benchmarks.train_throughput --device $device $train --out $stage/train.json"
-  "evaluate|60|python -m vdtrain.evaluate device=$device num_prompts=$eval_prompts batch_size=$big plots=false save_images=false out_dir=$stage/evaluate && cp $stage/evaluate/results.json $stage/evaluate.json"
-  "xl_eager|80|$step_cost --targets $xl --modes eager --batch 1 --presets eagle2 sjd --out $stage/xl_eager.json"
+  "evaluate|60|python -m vdtrain.evaluate $eval device=$device num_prompts=$eval_prompts batch_size=$big plots=false save_images=false out_dir=$stage/evaluate && cp $stage/evaluate/results.json $stage/evaluate.json"
+  "xl_eager|80|$step_cost --targets $xl --modes eager --batch 1 --presets $pair --out $stage/xl_eager.json"
 )
 
 if [[ -n $only ]]; then

@@ -117,8 +117,8 @@ def trace(method: Any, cond, generators, skip: int, steps: int, device: torch.de
 def _units(prof, device: torch.device) -> list:
     """What a step launches: device activities (kernels, copies, sets) on a GPU; leaf ATen ops on a CPU."""
     events = prof.events()
-    if device.type == "cuda":
-        return [e for e in events if e.device_type == DeviceType.CUDA]
+    if device.type == "cuda":  # the GPU-side spans of this script's ranges are no work
+        return [e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(RANGE)]
     return [
         e
         for e in events
@@ -133,7 +133,7 @@ def _duration(e) -> float:
 def summarise(prof, device: torch.device, steps: int, wall_s: float, top: int) -> dict[str, Any]:
     """Per step: units, their µs (device time on a GPU, host time on a CPU), the window's wall µs; units
     and µs by phase (innermost range holding the unit's start) and by name (the ``top`` costliest)."""
-    ranges = [e for e in prof.events() if e.name.startswith(RANGE)]
+    ranges = [e for e in prof.events() if e.name.startswith(RANGE) and e.device_type == DeviceType.CPU]
     units = _units(prof, device)
     phase = defaultdict(lambda: [0, 0.0])
     names = defaultdict(lambda: [0, 0.0])
