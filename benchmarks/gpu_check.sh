@@ -1,52 +1,74 @@
 #!/usr/bin/env bash
 # One command for a bare GPU machine (torch, lightning and transformers installed; no network): the GPU
-# checks in priority order, each row printed as it is measured, within a deadline.
+# checks in priority order, each row printed as it is measured, within a deadline that fits one device call.
 #
-#   bash benchmarks/gpu_check.sh [--dry-run] [--wheels DIR] [--device cuda|cpu] DEADLINE_S OUT_DIR
+#   bash benchmarks/gpu_check.sh [--dry-run] [--wheels DIR] [--device cuda|cpu] [--steps A,B] [DEADLINE_S] OUT_DIR
 #
+# DEADLINE_S: default 540 (one device command may run 600 s; the loan is 15 minutes with the start).
 # --wheels: the project's missing pure-Python dependencies as wheels (default .whl; benchmarks/README.md,
-#   "GPU check", says how to fill it here). --device cpu runs the same steps on small shapes, to test the
-#   script without a GPU. At most 9 files are left in OUT_DIR.
+#   "GPU check", says how to fill it here). --steps: only these steps (a rerun), in priority order.
+# --device cpu runs the same steps on small shapes, to test the script without a GPU.
+# OUT_DIR gets two files, each rewritten as soon as a step ends: gpu_check.log and gpu_check.json (per
+# step: exit code, seconds, budget, command and the JSON the step wrote).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-dry=0 wheels=.whl device=cuda
+dry=0 wheels=.whl device=cuda only=
 while [[ $# -gt 0 && $1 == --* ]]; do
   case $1 in
     --dry-run) dry=1; shift ;;
     --wheels) wheels=$2; shift 2 ;;
     --device) device=$2; shift 2 ;;
+    --steps) only=",$2,"; shift 2 ;;
     *) echo "gpu_check: unknown option $1" >&2; exit 2 ;;
   esac
 done
-if [[ $# -ne 2 ]]; then
-  echo "usage: bash benchmarks/gpu_check.sh [--dry-run] [--wheels DIR] [--device cuda|cpu] DEADLINE_S OUT_DIR" >&2
+if [[ $# -eq 1 || $# -eq 2 ]] && [[ $# -eq 1 || $1 =~ ^[0-9]+$ ]]; then
+  deadline=540
+  [[ $# -eq 2 ]] && { deadline=$1; shift; }
+  out=$1
+else
+  echo "usage: bash benchmarks/gpu_check.sh [--dry-run] [--wheels DIR] [--device cuda|cpu] [--steps A,B] [DEADLINE_S] OUT_DIR" >&2
   exit 2
 fi
-deadline=$1 out=$2
 start=$SECONDS
-mkdir -p "$out"
+stage=${TMPDIR:-/tmp}/vdtrain_gpu_check.$$  # what each step writes, before it is merged into OUT_DIR
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The image's pytest plugins may not match a carried pytest; the tests need none.
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 
 if [[ $device == cuda ]]; then
-  xl="llamagen-xl --dtype bf16" big=16 prompts=16 graphs=graphs compiled=compiled presets=all
-  train="--targets llamagen-xl --drafters eagle1 eagle3 --modes eager compiled zero2 --batch 8 --steps 4 --warmup 2"
+  xl="llamagen-xl --dtype bf16" pair="eagle2 sjd" big=16 prompts=8 eval_prompts=16 eval= graphs=graphs compiled=compiled presets=all
+  profile="--target llamagen-xl --dtype bf16 --steps 4"
+  train="--targets llamagen-xl --drafters eagle1 eagle3 --modes eager zero2 compiled --batch 8 --steps 3 --warmup 2"
 else  # the script's own test: the same steps on a CPU, eager, at sizes it decodes in seconds
-  xl="shapes --dtype fp32" big=2 prompts=2 graphs=eager compiled=steps presets="eagle2 sjd"
-  train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 2 --steps 2 --warmup 1"
+  xl="shapes --dtype fp32" pair=sjd big=2 prompts=2 eval_prompts=2 eval="eval=fast acceptance.enabled=false" graphs=eager compiled=steps presets=scd
+  profile="--target shapes --steps 1 --skip 1"
+  train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 1 --steps 1 --warmup 1"
 fi
 step_cost="python -m benchmarks.step_cost --device $device"
 
-# name | seconds it may take at most | command (run from the repository root)
+# name | seconds it may take at most | command (run from the repository root; it writes $stage/NAME.json).
+# Budgets: estimated from the H200 run's JSON (docs/evaluation/gpu_h200; benchmarks/README.md, "GPU check").
+# --presets all includes the SCD presets (scd, scd_gumbel, sjd_pac_gumbel).
 steps=(
-  "tests|120|python -m pytest -q -p no:cacheprovider -m 'gpu and not slow' tests/test_graphs.py tests/test_rng.py"
-  "xl_graphs|90|$step_cost --targets $xl --modes $graphs --batch 1 $big --presets eagle2 sjd --out $out/xl_graphs.json"
-  "shapes|150|$step_cost --targets shapes --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $out/shapes.json"
-  "xl_compiled|180|$step_cost --targets $xl --modes $compiled --batch 1 --presets eagle2 sjd --out $out/xl_compiled.json"
-  "evaluate|120|python -m vdtrain.evaluate device=$device num_prompts=$prompts batch_size=$big plots=false save_images=false out_dir=/tmp/vdtrain_gpu_eval"
-  "train|60|python -m benchmarks.train_throughput --device $device $train --out $out/train.json"
-  "xl_eager|90|$step_cost --targets $xl --modes eager --batch 1 --presets eagle2 sjd --out $out/xl_eager.json"
+  "tests|45|python -m pytest -q -p no:cacheprovider -m 'gpu and not slow' tests/test_graphs.py tests/test_rng.py"
+  "xl_graphs|75|$step_cost --targets $xl --modes $graphs --batch 1 $big --presets $pair --out $stage/xl_graphs.json"
+  "profile|60|python -m benchmarks.step_profile --device $device $profile --presets $pair --out $stage/profile.json"
+  "xl_compiled|160|$step_cost --targets $xl --modes $compiled --batch 1 --presets $pair --out $stage/xl_compiled.json"
+  "shapes|100|$step_cost --targets shapes --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $stage/shapes.json"
+  "shapes_compiled|110|$step_cost --targets shapes --modes $compiled --batch 1 --prompts $prompts --presets $pair --out $stage/shapes_compiled.json"
+  "train|90|python -m benchmarks.train_throughput --device $device $train --out $stage/train.json"
+  "evaluate|60|python -m vdtrain.evaluate $eval device=$device num_prompts=$eval_prompts batch_size=$big plots=false save_images=false out_dir=$stage/evaluate && cp $stage/evaluate/results.json $stage/evaluate.json"
+  "xl_eager|80|$step_cost --targets $xl --modes eager --batch 1 --presets $pair --out $stage/xl_eager.json"
 )
+
+if [[ -n $only ]]; then
+  chosen=()
+  for s in "${steps[@]}"; do [[ $only == *",${s%%|*},"* ]] && chosen+=("$s"); done
+  if [[ ${#chosen[@]} -eq 0 ]]; then echo "gpu_check: no step named in --steps ${only:1:-1}" >&2; exit 2; fi
+  steps=("${chosen[@]}")
+fi
 
 if [[ $dry -eq 1 ]]; then
   echo "gpu_check dry run: deadline ${deadline}s, output $out, wheels $wheels, device $device"
@@ -59,6 +81,8 @@ if [[ $dry -eq 1 ]]; then
   exit 0
 fi
 
+mkdir -p "$out"
+mkdir -p "$stage"
 log=$out/gpu_check.log
 exec > >(tee -a "$log") 2>&1
 
@@ -71,10 +95,26 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 python - <<'EOF'
-import torch
+import importlib.util, torch
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}",
       torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
+names = ["hydra", "omegaconf", "pytest", "pluggy", "iniconfig", "deepspeed", "scipy", "matplotlib"]
+print("packages:", ", ".join(f"{n} {'yes' if importlib.util.find_spec(n) else 'no'}" for n in names))
 EOF
+
+# Merges one step's outcome (and its JSON, if it wrote one) into OUT_DIR/gpu_check.json.
+record() {
+  python - "$out/gpu_check.json" "$stage" "$device" "$deadline" "$@" <<'EOF'
+import json, sys
+from pathlib import Path
+path, stage, device, deadline, name, rc, seconds, budget, cmd = sys.argv[1:]
+summary = json.loads(Path(path).read_text()) if Path(path).exists() else {"device": device, "deadline_s": int(deadline), "steps": {}}
+result = Path(stage) / f"{name}.json"
+summary["steps"][name] = {"rc": int(rc), "seconds": int(seconds), "budget_s": int(budget), "command": cmd,
+                          "result": json.loads(result.read_text()) if result.exists() else None}
+Path(path).write_text(json.dumps(summary, indent=1) + "\n")
+EOF
+}
 
 failed=0
 for s in "${steps[@]}"; do
@@ -91,9 +131,7 @@ for s in "${steps[@]}"; do
   rc=$?
   echo "== $name: exit $rc after $((SECONDS - t0))s$([[ $rc -eq 124 ]] && echo ' (time limit)')"
   ((rc == 0)) || failed=$((failed + 1))
+  record "$name" "$rc" "$((SECONDS - t0))" "$budget" "$cmd"
 done
-if [[ -f /tmp/vdtrain_gpu_eval/results.json ]]; then
-  cp /tmp/vdtrain_gpu_eval/results.json "$out/evaluate.json"
-fi
 echo "gpu_check: $failed step(s) failed, $((SECONDS - start))s in all; files in $out: $(ls "$out" | tr '\n' ' ')"
 exit $((failed > 0))

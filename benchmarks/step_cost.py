@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.step_cost_guard import check as check_references
 from vdtrain.decode.compiled import DecodeOptions, cuda_graph_recorder, prepare_decoding
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import build_method, load_preset, preset_names
@@ -484,6 +485,7 @@ def main() -> None:
         }
         rows_json = [_no_nan(asdict(w)) for w in rows]
         Path(args.out).write_text(json.dumps({"settings": settings, "rows": rows_json}, indent=1) + "\n")
+    sys.exit(check_references(rows, vars(args)))  # conf/benchmarks/step_cost_reference.yaml
 
 
 if __name__ == "__main__":

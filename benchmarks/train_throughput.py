@@ -154,9 +154,11 @@ def measure(
             "train_micro_batch_size_per_gpu": batch,
             "zero_optimization": {"stage": 2},
             "bf16": {"enabled": dtype == "bf16"},
-            "optimizer": {"type": "AdamW", "params": {"lr": OptimConfig().lr}},
         }
-        engine, *_ = deepspeed.initialize(model=module.drafter, model_parameters=params, config=config)
+        # torch's AdamW handed over, as Lightning's strategy hands fit's: DeepSpeed's own AdamW is a CUDA
+        # op that a wheel built without ops would compile at first use.
+        optimizer = torch.optim.AdamW(params, lr=OptimConfig().lr)
+        engine, *_ = deepspeed.initialize(model=module.drafter, optimizer=optimizer, config=config)
         backward, step = engine.backward, engine.step
     else:
         optimizer = torch.optim.AdamW(params, lr=OptimConfig().lr)

@@ -1,28 +1,117 @@
-"""``benchmarks/gpu_check.sh``: the GPU checks in priority order, listed without running them."""
+"""``benchmarks/gpu_check.sh``: the GPU checks in priority order, listed without running them, and what its
+steps import on a machine without matplotlib or scipy."""
 
 from __future__ import annotations
 
+import re
 import subprocess
+import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+ORDER = [
+    "tests",
+    "xl_graphs",
+    "profile",
+    "xl_compiled",
+    "shapes",
+    "shapes_compiled",
+    "train",
+    "evaluate",
+    "xl_eager",
+]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
 
 
+def _steps(stdout: str) -> list[tuple[str, int]]:
+    """(name, budget s) of each listed step."""
+    return [(m[1], int(m[2])) for m in re.finditer(r"^\d+\. (\w+) \(≤ (\d+)s\)", stdout, re.M)]
+
+
 def test_dry_run_lists_the_steps_in_priority_order(tmp_path):
-    done = _run("--dry-run", "480", str(tmp_path))
+    out = tmp_path / "out"
+    done = _run("--dry-run", str(out))
     assert done.returncode == 0, done.stderr
-    steps = [line.split(" ")[1] for line in done.stdout.splitlines()[1:]]
-    assert steps == ["tests", "xl_graphs", "shapes", "xl_compiled", "evaluate", "train", "xl_eager"]
+    assert "deadline 540s" in done.stdout.splitlines()[0]
+    steps = _steps(done.stdout)
+    assert [name for name, _ in steps] == ORDER
+    # The first four fit 400 s on an H100 (budgets sized from the H200 run, benchmarks/README.md).
+    assert sum(budget for _, budget in steps[:4]) <= 400
     assert "-m 'gpu and not slow'" in done.stdout and "--modes graphs" in done.stdout
     assert "--dtype bf16" in done.stdout and "device=cuda" in done.stdout
-    assert not any(tmp_path.iterdir())  # a dry run writes nothing
+    assert "--presets all" in done.stdout  # the SCD presets among them
+    assert "benchmarks.step_profile --device cuda --target llamagen-xl" in done.stdout
+    assert "--targets shapes --modes compiled" in done.stdout and "zero2" in done.stdout
+    assert not out.exists()  # a dry run writes nothing
+
+
+def test_a_rerun_takes_chosen_steps_in_priority_order(tmp_path):
+    done = _run("--dry-run", "--steps", "evaluate,profile", "300", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "deadline 300s" in done.stdout
+    assert [name for name, _ in _steps(done.stdout)] == ["profile", "evaluate"]
+    assert _run("--dry-run", "--steps", "nothing", str(tmp_path)).returncode == 2
+
+
+def test_the_cpu_mode_lists_small_steps(tmp_path):
+    done = _run("--dry-run", "--device", "cpu", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert [name for name, _ in _steps(done.stdout)] == ORDER
+    assert "llamagen-xl" not in done.stdout and "device=cpu" in done.stdout
 
 
 def test_it_refuses_missing_arguments_and_unknown_options(tmp_path):
     assert _run("--dry-run").returncode == 2
+    assert _run("--dry-run", "soon", str(tmp_path)).returncode == 2
     refused = _run("--fast", "10", str(tmp_path))
     assert refused.returncode == 2 and "unknown option --fast" in refused.stderr
+
+
+BLOCK = """
+import importlib.metadata as md
+import sys
+
+HIDDEN = {"matplotlib", "scipy"}
+
+
+class Missing:  # the modules cannot be imported ...
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"no {name} here", name=name)
+
+
+sys.meta_path.insert(0, Missing())
+
+
+def hide(real):  # ... and their distributions are not installed
+    def lookup(name):
+        if name.lower() in HIDDEN:
+            raise md.PackageNotFoundError(name)
+        return real(name)
+
+    return lookup
+
+
+for attr in ("version", "distribution", "metadata", "requires"):
+    setattr(md, attr, hide(getattr(md, attr)))
+"""
+
+
+def test_the_steps_import_without_matplotlib_or_scipy():
+    """A GPU machine may lack both: the step scripts import neither at module level, and the GPU test
+    selection collects."""
+    code = BLOCK + (
+        "import benchmarks.step_cost, benchmarks.step_profile, benchmarks.train_throughput\n"
+        "import vdtrain.evaluate\n"
+        "import pytest\n"
+        "rc = pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', '-m', 'gpu and not slow',\n"
+        "                  'tests/test_graphs.py', 'tests/test_rng.py'])\n"
+        "sys.exit(int(rc))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "test_uniforms_are_the_same_on_a_gpu" in done.stdout

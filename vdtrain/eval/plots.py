@@ -11,18 +11,29 @@ import logging
 import os
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib import colormaps
-from matplotlib.figure import Figure
 
 from vdtrain.eval.acceptance import AcceptanceReport
 from vdtrain.eval.runner import EvalResult
 from vdtrain.eval.table import EvalRow, quality_names
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 log = logging.getLogger(__name__)
 
 MAP_TITLES = {"accepted_length": "accepted length", "tree_depth": "tree depth"}
+
+
+def _matplotlib() -> tuple[Any, type[Figure]]:
+    """matplotlib's colormaps and Figure, imported when a figure is drawn: ``benchmarks.step_cost`` imports
+    this module (through ``vdtrain.evaluate``) on GPU machines that have no matplotlib."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    return colormaps, Figure
 
 
 def first_quality_metric(rows: list[EvalRow]) -> str | None:
@@ -42,6 +53,7 @@ def _save(fig: Figure, path: Path) -> Path:
 def plot_tradeoff(rows: list[EvalRow], path: str | os.PathLike[str]) -> Path | None:
     """Quality against step compression S (left) and latency speedup (right), a labelled point per
     (method, T). None (and no file) when no quality metric was measured."""
+    colormaps, Figure = _matplotlib()
     metric = first_quality_metric(rows)
     if metric is None:
         log.info("no speed-quality plot: no quality metric was measured")
@@ -76,6 +88,7 @@ def plot_position_maps(
     """Accepted length and tree depth per image position (the step's root), averaged over prompts: a row
     per method at ``temperature`` (AR left out: it drafts nothing), one colour scale per column; cells
     where no step was rooted are blank. None when no speculative method ran at ``temperature``."""
+    colormaps, Figure = _matplotlib()
     keys = [k for k in maps if k[1] == temperature and k[0] != "ar"]
     if not keys:
         return None
@@ -102,6 +115,7 @@ def plot_samples(
 ) -> Path | None:
     """The first ``num_prompts`` prompts (rows) as AR and every method decoded them at ``temperature``
     with the same seeds (columns), each row's caption underneath. None when nothing ran at it."""
+    Figure = _matplotlib()[1]
     methods = [m for m, t in result.images if t == temperature]
     n = min(num_prompts, len(result.prompts))
     if not methods or n == 0:
@@ -138,6 +152,7 @@ def write_plots(result: EvalResult, folder: str | os.PathLike[str], num_samples:
 def plot_acceptance(reports: list[AcceptanceReport], path: str | os.PathLike[str]) -> Path | None:
     """P_sim(≥d) (teacher-forced chain) and P_real(≥d) (real decode) against draft depth d, a panel per
     temperature, τ_sim and τ_real in the title. None when there is no report."""
+    Figure = _matplotlib()[1]
     if not reports:
         return None
     fig = Figure(figsize=(4.5 * len(reports), 3.6), layout="constrained")
