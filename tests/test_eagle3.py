@@ -9,13 +9,16 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
+from reference_unroll import dense_unroll, tree_step_mask
 
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.drafter_rows import chain_rows, teacher_mask, tree_step_mask
+from vdtrain.drafter_rows import chain_rows, teacher_mask
 from vdtrain.hub import export_drafter, push_to_hub
 from vdtrain.targets.base import split_taps
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+from vdtrain.train.losses import image_target_mask, unrolled_loss
+from vdtrain.unroll_cache import UnrollCache
 
 DEEP_GPT = replace(TINY_GPT, n_layer=6)
 
@@ -193,6 +196,49 @@ def test_unrolled_rows_do_not_read_the_future():
         assert not torch.allclose(
             drafter.unroll(start_bent, tokens, cond.mask, 3)[j][:, row], base[j][:, row]
         )
+
+
+def test_the_o_k_unroll_equals_the_dense_one_rows_loss_and_gradients():
+    """UnrollCache (teacher keys + one ancestor diagonal per step) computes what the dense (j+1)·S mask
+    computes, with a left-padded caption: every row of every step, the loss and the drafter's gradients."""
+    target = deep_target()
+    drafter = eagle3(target)
+    cond, tokens = sequence(target)
+    hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps).detach(), 32)
+    rows = image_target_mask(cond.mask, tokens.shape[1])
+    chains = [chain_rows(cond.mask, rows.shape[1], j) for j in range(4)]
+    results = []
+    for unroll in (drafter.unroll, lambda *a: dense_unroll(drafter, *a)):
+        drafter.zero_grad()
+        steps = unroll(drafter.input_features(hidden, tapped), tokens, cond.mask, 4)
+        loss, _ = unrolled_loss(steps, hidden[:, 1:], drafter.normed, drafter.head_logits, rows, chains)
+        loss.backward()
+        results.append((steps, loss, {n: p.grad.clone() for n, p in drafter.named_parameters()}))
+    (fast, fast_loss, fast_grads), (dense, dense_loss, dense_grads) = results
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast_loss, dense_loss)
+    for name, grad in fast_grads.items():
+        torch.testing.assert_close(grad, dense_grads[name], atol=1e-5, rtol=1e-4)
+
+
+def test_unroll_cache_attention_equals_dense_sdpa_with_grouped_heads():
+    """The attention alone, on random queries/keys with 2 KV heads shared by 4 query heads (repeated as
+    the layers repeat them) and a padded teacher mask: step j equals SDPA over all steps' keys."""
+    g = torch.Generator().manual_seed(0)
+    cond_mask = torch.tensor([[False, True, True], [True, True, True]])
+    seq, steps = 7, 4
+    teacher = teacher_mask(cond_mask, seq)
+    cache, keys, values = UnrollCache(), [], []
+    for j in range(steps):
+        q = torch.randn(2, 4, seq, 8, generator=g)
+        k, v = (torch.randn(2, 2, seq, 8, generator=g).repeat_interleave(2, dim=1) for _ in range(2))
+        keys.append(k)
+        values.append(v)
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=tree_step_mask(cond_mask, seq, j)
+        )
+        torch.testing.assert_close(cache.attend(q, k, v, teacher), dense, atol=1e-6, rtol=1e-5)
 
 
 def test_tree_step_mask_blocks():

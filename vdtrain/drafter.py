@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
-from vdtrain.drafter_rows import AppendCache, after_prefix_rows, drafter_inputs, teacher_mask, tree_step_mask
+from vdtrain.drafter_rows import after_prefix_rows, drafter_inputs, teacher_mask
 from vdtrain.export_format import CONFIG_FILE, REPO_ID, WEIGHTS_FILE, download
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets import draft_layer_class
@@ -35,6 +35,7 @@ from vdtrain.targets.base import (
     Target,
     TargetIdentity,
 )
+from vdtrain.unroll_cache import UnrollCache
 
 # Top-level keys of LlamaGen drafter configs written before ``DrafterConfig.layer`` (still read).
 LLAMAGEN_LAYER_FIELDS = (
@@ -365,15 +366,15 @@ class Drafter(nn.Module):
 
         ``features`` [B, L+N, H]: the target's, through ``input_features``. Step 0 is ``forward_teacher``;
         step ``j`` feeds row ``s`` the drafter's own step ``j-1`` output at row ``s-1`` (its prediction of
-        ``f_s``), under ``tree_step_mask``: each row sees exactly what the matching tree node sees.
+        ``f_s``), and ``UnrollCache`` lets it see exactly what the matching tree node sees: the teacher
+        keys of the chain's start and one ancestor per earlier step, O(k) in the unroll depth.
         Only the rows of ``chain_rows`` are drafts decoding makes."""
         seq = features.shape[1] - 1
         embeds = after_prefix_rows(self.embed(tokens), self.config.prefix_length)
         positions = torch.arange(seq, device=features.device)
-        cache = AppendCache()
+        mask, cache = teacher_mask(cond_mask, seq), UnrollCache()
         inputs, outs = features[:, :-1], []
-        for step in range(steps):
-            mask = tree_step_mask(cond_mask, seq, step)
+        for _ in range(steps):
             outs.append(self(inputs, embeds, positions, mask, cache, positions))
             inputs = torch.cat([outs[-1][:, :1], outs[-1][:, :-1]], dim=1)  # row s ← step output at s-1
         return outs
