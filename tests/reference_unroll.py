@@ -27,7 +27,6 @@ def tree_step_mask(cond_mask: torch.Tensor, seq_len: int, step: int) -> torch.Te
     return torch.cat([first, *ancestors], dim=-1)[:, None]
 
 
-
 class AppendCache:
     """A one-layer cache that appends each unrolled step's keys and values out of place, so gradients flow
     through every step (a preallocated cache is written in place, which autograd refuses)."""

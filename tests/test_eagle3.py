@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
 from reference_unroll import dense_unroll, tree_step_mask
@@ -78,7 +80,7 @@ def test_taps_are_the_residual_stream_after_each_layer():
     torch.testing.assert_close(hidden, plain)
     for i, k in enumerate((0, 3, 6)):
         torch.testing.assert_close(tapped[..., 32 * i : 32 * (i + 1)], states[k])
-    assert target.default_feature_layers() == (2, 3, 3)
+    assert target.default_feature_layers() == (2, 3, 6)  # under 8 layers: the final state on top
     with pytest.raises(ValueError, match=r"outside 0 \.\. 6"):
         target.sequence_features(cond, tokens, taps=(7,))
 
@@ -151,12 +153,15 @@ def chain_as_decoding_runs_it(
     return chain
 
 
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "eagle3-tap-norm"])
 def test_unrolled_steps_see_exactly_what_a_draft_chain_sees(kind):
     """Row s of unrolled step j equals the depth-(j+1) node of a chain drafted from row s-j with the
     decoding cache: a leak of any later row (target features or tokens) into the unroll breaks this."""
     target = deep_target()
-    drafter = eagle3(target) if kind == "eagle3" else Drafter(DrafterConfig.for_target(target), target)
+    if kind == "eagle1":
+        drafter = Drafter(DrafterConfig.for_target(target), target)
+    else:
+        drafter = eagle3(target, tap_norm=kind == "eagle3-tap-norm")
     cond, tokens = sequence(target)
     prefix = target.prefix_length
     with torch.no_grad():
@@ -257,13 +262,14 @@ def test_eagle3_export_reloads_exactly_and_records_its_layers(tmp_path):
     drafter = eagle3(target).eval()
     folder = export_drafter(drafter, tmp_path / "export", target=target, metadata={})
     config = json.loads((folder / "config.json").read_text())
-    assert (config["kind"], config["feature_layers"]) == ("eagle3", [2, 3, 3])
+    assert (config["kind"], config["feature_layers"]) == ("eagle3", [2, 3, 6])
+    assert (config["input_norm"], config["tap_norm"]) == (True, False)
     assert config["target"]["num_layers"] == 6
     assert "EAGLE-3 drafter" in (folder / "README.md").read_text()
     loaded = Drafter.from_pretrained(folder, target)
     assert loaded.config == drafter.config
     state = drafter.state_dict()
-    assert {"fuse.weight", "norm.weight"} <= set(state)
+    assert {"fuse.weight", "norm.weight", "embed_norm.weight", "feature_norm.weight"} <= set(state)
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in state.items())
     cond, tokens = sequence(target)
     with torch.no_grad():
@@ -310,3 +316,36 @@ def test_an_eagle1_config_written_before_kinds_still_loads():
     config["target"].pop("num_layers")
     assert DrafterConfig.from_dict(config).kind == "eagle1"
     Drafter(DrafterConfig.from_dict(config)).attach(target)
+
+
+def test_the_input_norms_make_the_drafter_blind_to_the_scale_of_its_inputs():
+    """EAGLE-3 normalises the embedding and the features before fc, EAGLE-3.1 also each tap: scaling
+    a tapped layer, or the features, by any factor then changes no drafter row."""
+    target = deep_target()
+    drafter = eagle3(target, tap_norm=True)
+    cond, tokens = sequence(target)
+    with torch.no_grad():
+        hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps), 32)
+        scaled = tapped.clone()
+        scaled[..., 32:64] *= 7.0  # the second tap only
+        fused = drafter.input_features(hidden, tapped)
+        torch.testing.assert_close(drafter.input_features(hidden, scaled), fused)
+        rows = drafter.forward_teacher(fused, tokens, cond.mask)
+        torch.testing.assert_close(drafter.forward_teacher(10.0 * fused, tokens, cond.mask), rows)
+
+
+def test_a_drafter_config_written_before_the_norms_reloads_unchanged():
+    """The shipped eagle3 drafter (its config predates input_norm and tap_norm) builds the architecture it
+    was trained as: no norms, the same weights, rows = layer(fc([e; f]))."""
+    folder = Path(__file__).resolve().parents[1] / "checkpoints" / "shapes" / "drafter_eagle3"
+    assert "input_norm" not in json.loads((folder / "config.json").read_text())
+    drafter = Drafter.from_pretrained(folder)
+    config = drafter.config
+    assert (config.input_norm, config.tap_norm, config.feature_layers) == (False, False, (1, 2, 3))
+    assert set(drafter.state_dict()) == set(safetensors.torch.load_file(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    feats, embeds = torch.randn(2, 5, 256, generator=g), torch.randn(2, 5, 256, generator=g)
+    positions = torch.arange(5)
+    with torch.no_grad():
+        old = drafter.layer(drafter.fc(torch.cat([embeds, feats], -1)), positions.expand(2, -1), None)
+        torch.testing.assert_close(drafter(feats, embeds, positions, None), old)

@@ -247,6 +247,20 @@ def test_eagle3_loss_unrolls_on_null_conditioned_taps(target):
     assert {"top1_step0", "top1_step2", "cls"} <= set(parts)
 
 
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_the_acceptance_loss_option_trains_both_kinds(target, kind):
+    """drafter.cls_loss=acceptance replaces the soft CE by 1 − Σ min(p, q), with a gradient; an unknown
+    name is refused before training."""
+    module = make_module(target, kind=kind)
+    module.train_cfg = replace(module.train_cfg, cls_loss="acceptance")
+    loss, parts = module.loss(shapes_batch(2), torch.Generator().manual_seed(0))
+    loss.backward()
+    bound = 1.0 if kind == "eagle1" else 1 + 0.8 + 0.8**2  # Σ_j 0.8^j (1 − α_j) over 3 steps
+    assert 0 < parts["cls"] < bound and module.drafter.fc.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="cls_loss"):
+        DrafterModule(target, module.drafter, DrafterTrainConfig(cls_loss="tv"), OptimConfig())
+
+
 def test_fit_trains_evaluates_and_exports_an_eagle3_drafter(tiny_folder, tmp_path):
     run = tmp_path / "run"
     result = run_cli(

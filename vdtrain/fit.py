@@ -111,7 +111,12 @@ def build_drafter(cfg: FitConfig, target) -> Drafter:
             f"drafter.feature_layers is for eagle3 drafters; drafter.kind is {cfg.drafter.kind!r}"
         )
     config = DrafterConfig.for_target(
-        target, cfg.drafter.kind, None if layers is None else tuple(layers), **layer
+        target,
+        cfg.drafter.kind,
+        None if layers is None else tuple(layers),
+        cfg.drafter.input_norm,
+        cfg.drafter.tap_norm,
+        **layer,
     )
     return Drafter(config).start_from(target)
 

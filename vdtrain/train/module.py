@@ -26,6 +26,7 @@ from vdtrain.images import images_to_tensor
 from vdtrain.targets.base import Target, split_taps
 from vdtrain.train.agreement import unrolled_agreement
 from vdtrain.train.losses import (
+    CLS_LOSSES,
     drafter_loss,
     image_target_mask,
     simulated_tau,
@@ -60,6 +61,8 @@ class DrafterModule(L.LightningModule):
         super().__init__()
         if features not in ("online", "offline"):
             raise ValueError(f"data.features must be 'online' or 'offline', got {features!r}")
+        if train.cls_loss not in CLS_LOSSES:
+            raise ValueError(f"drafter.cls_loss must be one of {list(CLS_LOSSES)}, got {train.cls_loss!r}")
         if not 0.0 <= p_null <= 1.0:
             raise ValueError(f"p_null must be in [0, 1], got {p_null}")
         self._frozen = _Frozen(target.eval().requires_grad_(False))
@@ -144,7 +147,7 @@ class DrafterModule(L.LightningModule):
         if tapped is None:  # eagle1: teacher-forced, feature regression + soft CE
             noisy = uniform_feature_noise(hidden, noise, generator)
             pred = drafter.forward_teacher(noisy, tokens, cond_mask)
-            return drafter_loss(pred, hidden[:, 1:], drafter.logits, mask, cfg.w_cls)
+            return drafter_loss(pred, hidden[:, 1:], drafter.logits, mask, cfg.w_cls, cfg.cls_loss)
         feats = drafter.input_features(hidden, uniform_feature_noise(tapped, noise, generator))
         steps = drafter.unroll(feats, tokens, cond_mask, cfg.ttt_steps)
         chains = [chain_rows(cond_mask, mask.shape[1], j) for j in range(len(steps))]
@@ -157,6 +160,7 @@ class DrafterModule(L.LightningModule):
             chains,
             cfg.ttt_decay,
             cfg.w_feature,
+            cfg.cls_loss,
         )
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
