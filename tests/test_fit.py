@@ -137,6 +137,8 @@ def test_fit_cli_writes_checkpoints_logs_summary_and_drafter(tiny_folder, tmp_pa
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["run_dir"] == str(run)
     assert 0.0 <= summary["val/top1"] <= 1.0 and 1.0 <= summary["val/tau_sim"] <= 6.0
+    # the null stream, which every CFG step also drafts, measured beside the conditional one
+    assert 0.0 <= summary["val/null_top1_depth1"] <= 1.0 and 1.0 <= summary["val/null_tau_sim"] <= 6.0
     assert "train/total" in summary  # the final validation does not drop the training metrics
     assert summary["drafter"] == str(run / "drafter")
     line = re.search(r"^trained 4 steps .*top-1 ([0-9.]+), tau_sim ([0-9.]+) -> (.+)$", result.stdout, re.M)

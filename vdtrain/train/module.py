@@ -184,17 +184,32 @@ class DrafterModule(L.LightningModule):
     # --- validation: per-depth agreement of an unrolled draft ---------------------------------------
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """The training loss on held-out data, and top-1 agreement at draft depths 1..``val_depth`` of the
-        drafter unrolled as a tree step runs it (``vdtrain.train.agreement``)."""
+        drafter unrolled as a tree step runs it (``vdtrain.train.agreement``), for the conditional stream
+        and (online features) the null stream every CFG step also drafts: ``val/null_*``."""
         size = len(batch["caption"])
         tokens, cond_mask, states = self.prepare(batch, torch.zeros(size, dtype=torch.bool))
         _, parts = self.loss_on(tokens, cond_mask, states, None, 0.0)
-        hidden, tapped = split_taps(states, self.target.hidden_size)
-        acc = unrolled_agreement(self.drafter, hidden, tapped, tokens, cond_mask, self.train_cfg.val_depth)
         for name, value in parts.items():
             self.log(f"val/{name}", value, batch_size=size, sync_dist=True)
+        self._log_agreement("val/", tokens, cond_mask, states, size, prog_bar=True)
+        if self.features == "online":  # stored features hold one stream, decided by data_prep.features
+            _, null_mask, null_states = self.prepare(batch, torch.ones(size, dtype=torch.bool))
+            self._log_agreement("val/null_", tokens, null_mask, null_states, size)
+
+    def _log_agreement(
+        self,
+        prefix: str,
+        tokens: torch.Tensor,
+        cond_mask: torch.Tensor,
+        states: torch.Tensor,
+        size: int,
+        prog_bar: bool = False,
+    ) -> None:
+        hidden, tapped = split_taps(states, self.target.hidden_size)
+        acc = unrolled_agreement(self.drafter, hidden, tapped, tokens, cond_mask, self.train_cfg.val_depth)
         for d, a in enumerate(acc, start=1):
-            self.log(f"val/top1_depth{d}", a, batch_size=size, sync_dist=True)
-        self.log("val/tau_sim", simulated_tau(acc), prog_bar=True, batch_size=size, sync_dist=True)
+            self.log(f"{prefix}top1_depth{d}", a, batch_size=size, sync_dist=True)
+        self.log(f"{prefix}tau_sim", simulated_tau(acc), prog_bar=prog_bar, batch_size=size, sync_dist=True)
 
     # --- optimisation ------------------------------------------------------------------------------
     def configure_optimizers(self):
