@@ -16,7 +16,9 @@ from reference_unroll import dense_unroll, tree_step_mask
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.drafter_rows import chain_rows, teacher_mask
+from vdtrain.eval.logit_lens import logit_lens
 from vdtrain.hub import export_drafter, push_to_hub
+from vdtrain.targets import load_target_folder
 from vdtrain.targets.base import split_taps
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 from vdtrain.train.losses import image_target_mask, unrolled_loss
@@ -349,3 +351,12 @@ def test_a_drafter_config_written_before_the_norms_reloads_unchanged():
     with torch.no_grad():
         old = drafter.layer(drafter.fc(torch.cat([embeds, feats], -1)), positions.expand(2, -1), None)
         torch.testing.assert_close(drafter(feats, embeds, positions, None), old)
+
+
+def test_the_logit_lens_reads_every_layer_and_ends_at_the_target_itself(tiny_folder):
+    """What the default taps are chosen by (benchmarks.logit_lens): one agreement per hidden_states[k],
+    k = 0 .. n; the final state is the target's own decision."""
+    target = load_target_folder(tiny_folder)
+    lens = logit_lens(target, ["a red circle", "a blue square"], seed=0, batch_size=2)
+    assert len(lens) == target.num_layers + 1 and lens[-1] == 1.0
+    assert all(0.0 <= a <= 1.0 for a in lens)

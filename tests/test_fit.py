@@ -284,12 +284,32 @@ def test_fit_trains_evaluates_and_exports_an_eagle3_drafter(tiny_folder, tmp_pat
     )
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((run / "drafter" / "config.json").read_text())
-    assert (config["kind"], config["feature_layers"]) == ("eagle3", [1, 1, 1])
+    assert (config["kind"], config["feature_layers"]) == ("eagle3", [1, 1, 2])  # the final state on top
     summary = json.loads((run / "summary.json").read_text())
     assert {"eval/eagle2_T0/S", "eval/acceptance/tau_gap_T0", "eval/acceptance/tau_gap_T1"} <= set(summary)
 
 
 # --- 3. offline features = online features -------------------------------------------------------------
+def test_offline_eagle3_loss_equals_online_loss(target):
+    """Stored eagle3 features (the last state and the tapped layers, data_prep.features feature_layers=…)
+    give the online loss exactly; features without the taps are refused naming the fix."""
+    online = make_module(target, p_null=0.5, kind="eagle3")
+    offline = make_module(target, p_null=0.5, features="offline", kind="eagle3")
+    offline.drafter.load_state_dict(online.drafter.state_dict())
+    batch = shapes_batch(2)
+    tokens = target.tokenizer.encode(images_to_tensor(batch["image"].numpy()))
+    rows = online._null_rows(2, torch.Generator().manual_seed(7))
+    _, cond_mask, states = online.prepare(batch, rows)
+    assert states.shape[-1] == (1 + len(online.drafter.taps)) * target.hidden_size
+    ref, _ = online.loss(batch, torch.Generator().manual_seed(7))
+    base = {"caption": batch["caption"], "tokens": tokens.to(torch.int32), "cond_mask": cond_mask}
+    exact, _ = offline.loss({**base, "feats": states.clone()}, torch.Generator().manual_seed(7))
+    assert torch.equal(exact, ref)
+    last_only = states[..., : target.hidden_size]
+    with pytest.raises(ValueError, match="feature_layers="):
+        offline.loss({**base, "feats": last_only}, torch.Generator().manual_seed(7))
+
+
 def test_offline_loss_equals_online_loss(target):
     online = make_module(target, p_null=0.5)
     offline = make_module(target, p_null=0.5, features="offline")

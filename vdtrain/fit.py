@@ -183,7 +183,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         cfg.seed,
         cfg.trainer.max_steps,
     )
-    data = DrafterDataModule(cfg.data, target.identity, target.world)
+    data = DrafterDataModule(cfg.data, target.identity, target.world, drafter.taps)
     ckpt_path = resume_path(cfg, run_dir)
     last = FiniteCheckpoint(
         dirpath=run_dir / "checkpoints",

@@ -109,14 +109,16 @@ class DrafterModule(L.LightningModule):
         else:
             tokens = target.tokenizer.encode(images_to_tensor(batch["image"].cpu().numpy()).to(self.device))
         if self.features == "offline":
-            if self.drafter.taps:
-                raise ValueError(
-                    "data.features=offline stores the target's last hidden state only; an eagle3 drafter "
-                    "reads intermediate layers: train it with data.features=online"
-                )
             if "feats" not in batch:
                 raise KeyError(
                     "data.features=offline but the shards have no feats.npy (run data_prep.features)"
+                )
+            parts = batch["feats"].shape[-1] // target.hidden_size
+            if parts != 1 + len(self.drafter.taps):
+                raise ValueError(
+                    f"data.features=offline: the shards store {parts - 1} tapped layers beside the last "
+                    f"state, the drafter reads {list(self.drafter.taps)}: run data_prep.features "
+                    f"feature_layers={list(self.drafter.taps)}"
                 )
             mask = batch.get("cond_mask")
             mask = target.encode_captions(batch["caption"]).mask if mask is None else mask.bool()
