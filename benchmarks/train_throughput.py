@@ -14,11 +14,13 @@ random condition rows (a real run adds the text encoder's pass, not counted here
 ``--warmup`` steps (compilation included) are left out.
 
 Columns: step time; ``target``: the feature pass; ``drafter``: the rest (drafter forward, loss, backward,
-optimizer); samples/s and image tokens/s; model TFLOP/s (matmul FLOPs: 2 per weight per token for the
-target's pass, 6 for the drafter's trained layers, 4 for its frozen head per drafter pass, whose input
-gradient is needed, 2 for the head on the target's features, 4 for an eagle3 fusion, plus attention)
-and MFU against the device's dense bf16 peak (known GPUs only: H100 / H200 989 TFLOP/s,
-A100 312). Goal on an H100 / H200 at XL shape: the drafter ≤ 35% of the step, MFU ≥ 35%.
+optimizer); samples/s and image tokens/s; model TFLOP/s (``step_flops``: 2 per weight per row for the
+target's pass, 6 for the drafter's trained weights per pass, 4 for its frozen head per scored row of each
+pass, whose input gradient is needed, 2 for the head on the target's features, 4 for an eagle3 fusion,
+plus attention at 4·d per visible query-key pair, three times for the drafter's backward; an eagle3 step
+makes ``ttt_steps`` passes, each as costly as a teacher-forced one) and MFU against the device's dense
+bf16 peak (known GPUs only: H100 / H200 989 TFLOP/s, A100 312). Goal on an H100 / H200 at XL shape: the
+drafter ≤ 35% of the step, MFU ≥ 35%.
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ import torch
 from benchmarks.step_cost import random_llamagen
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.drafter_rows import chain_rows
 from vdtrain.eval.runner import device_description
 from vdtrain.targets import cast_for_inference
 from vdtrain.targets.base import Target
+from vdtrain.train.losses import image_target_mask
 from vdtrain.train.module import DrafterModule
 
 # A LlamaGen-shaped target small enough for a CPU: GPT-B's vocabulary and caption rows, 4 layers of 256.
@@ -90,25 +94,47 @@ def build(
     return cast_for_inference(target, dtype), drafter.attach(target).train()  # fp32 drafter (autocast)
 
 
+def matmul_weights(module: torch.nn.Module) -> int:
+    """The weights a row is multiplied by: 2-D parameters (norm scales and biases are not matmuls)."""
+    return sum(p.numel() for p in module.parameters() if p.dim() == 2)
+
+
+def causal_pairs(rows: int) -> int:
+    """Query-key pairs of causal attention over ``rows``: row ``s`` sees ``s + 1`` keys. Every unrolled
+    step sees as many (``UnrollCache``: ``s - j + 1`` teacher keys and ``j`` ancestors)."""
+    return rows * (rows + 1) // 2
+
+
+def scored_rows(target: Target, unrolled: int) -> list[int]:
+    """Rows per sample whose logits each drafter pass scores: eagle1 (``unrolled`` 0) the ``N`` image rows;
+    eagle3 step ``j`` those whose chain starts at or after the prefix (``unrolled_loss``)."""
+    prefix, image = target.prefix_length, target.num_image_tokens
+    rows = image_target_mask(prefix, image)
+    if not unrolled:
+        return [int(rows.sum())]
+    return [int((rows & chain_rows(prefix, rows.shape[0], j)).sum()) for j in range(unrolled)]
+
+
 def step_flops(target: Target, drafter: Drafter, batch: int, unrolled: int = 1) -> float:
-    """Matmul FLOPs of one training step (see the module docstring); ``unrolled``: the drafter passes a
-    step makes (an eagle3 drafter's ``ttt_steps``; pass ``j`` attends to ``j + 1`` passes' keys)."""
-    seq = target.prefix_length + target.num_image_tokens
-    tokens = batch * seq
-    image_rows = batch * target.num_image_tokens
-    width, layers = target.gpt.config.dim, target.gpt.config.n_layer
-    frozen = sum(p.numel() for n, p in target.gpt.named_parameters() if "layers" in n)
-    fused = drafter.fuse.weight.numel() if drafter.taps else 0
-    trained = sum(p.numel() for p in drafter.parameters() if p.requires_grad) - fused
+    """Model FLOPs of one training step (see the module docstring): what the model computes, 2 per
+    multiply-add. ``unrolled``: an eagle3 drafter's ``ttt_steps`` (ignored for eagle1, one pass)."""
+    gpt = target.gpt
+    prefix, seq = target.prefix_length, target.prefix_length + target.num_image_tokens
+    rows = seq - 1  # drafter rows: slot s pairs f_s with the token at s + 1
+    width = gpt.config.dim
+    # Attention: QKᵀ and AV, 2·d each per visible query-key pair.
+    target_flops = 2 * matmul_weights(gpt.layers) * seq + 2 * matmul_weights(gpt.cls_embedding) * prefix
+    target_flops += len(gpt.layers) * 4 * width * causal_pairs(seq)
     head = target.vocab_size * width
-    attention = 2 * batch * seq * seq * width  # QKᵀ and AV, causal: half of 4·S²·d per layer
-    target_flops = 2 * frozen * tokens + layers * attention
-    # The head: forward for the target's logits once, for each pass's logits and backward to their input.
-    per_pass = 6 * trained * tokens + 4 * head * image_rows
-    fusion = 4 * fused * tokens  # forward and weight gradient: the tapped layers need none
-    drafter_flops = fusion + 2 * head * image_rows + unrolled * per_pass
-    drafter_flops += 3 * attention * unrolled * (unrolled + 1) // 2
-    return float(target_flops + drafter_flops)
+    fused = drafter.fuse.weight.numel() if drafter.taps else 0
+    trained = matmul_weights(drafter) - fused
+    passes = scored_rows(target, unrolled if drafter.taps else 0)
+    # Per pass: the trained layer forward and backward; the head forward and its input gradient.
+    per_pass = 6 * trained * rows + 3 * 4 * width * causal_pairs(rows)
+    drafter_flops = sum(per_pass + 4 * head * n for n in passes)
+    drafter_flops += 4 * fused * seq  # fusion: forward and weight gradient (the tapped layers need none)
+    drafter_flops += 2 * head * target.num_image_tokens  # the target's logits, once
+    return float(batch * (target_flops + drafter_flops))
 
 
 @contextlib.contextmanager

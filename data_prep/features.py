@@ -30,6 +30,7 @@ def run(cfg: DictConfig) -> dict:
         batch_size=cfg.batch_size,
         on_corrupt=cfg.on_corrupt,
         overwrite=cfg.overwrite,
+        taps=tuple(cfg.feature_layers),
     )
     return {"out_dir": cfg.out_dir, "num_samples": manifest["num_samples"], "shards": len(manifest["shards"])}
 

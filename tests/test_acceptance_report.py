@@ -108,18 +108,41 @@ def test_measure_reuses_decoded_rows_and_decodes_only_missing_temperatures(
     row0 = next(r for r in result.rows if r.method == "eagle2")
     assert reports[0].tau_real == row0.tau and reports[0].S == row0.S
     assert [d.p_real for d in reports[0].depths] == real_acceptance(result.decoded["eagle2", 0.0].stats, 3)
-    # teacher-forced on AR's own samples, in batches of 2 (3 prompts: 2 + 1), no CFG null rows
-    assert [(n, depth) for _, n, depth, _ in agreement_calls] == [(2, 3), (1, 3)] * 2
+    # teacher-forced on AR's own samples, in batches of 2 (3 prompts: 2 + 1), no CFG rows: the captions,
+    # then the null condition, per temperature
+    assert [(n, depth) for _, n, depth, _ in agreement_calls] == [(2, 3), (1, 3)] * 4
     assert torch.equal(torch.cat([c[0] for c in agreement_calls[:2]]), result.decoded["ar", 0.0].tokens)
+    assert torch.equal(torch.cat([c[0] for c in agreement_calls[2:4]]), result.decoded["ar", 0.0].tokens)
     again = evaluate(target, drafter, PROMPTS, ["eagle2"], [1], batch_size=2, progress=False)
     ar_tokens = again.decoded["ar", 1.0].tokens
-    assert torch.equal(torch.cat([c[0] for c in agreement_calls[2:]]), ar_tokens)
+    assert torch.equal(torch.cat([c[0] for c in agreement_calls[4:6]]), ar_tokens)
     assert pytest.approx(reports[1].S) == again.rows[1].S  # the same seeds decode the same draws
     # batches weigh by their size: the same agreement as all three prompts in one batch
     whole = depth_agreement(drafter, target, target.encode_captions(PROMPTS), ar_tokens, 3)
     assert [d.agreement for d in reports[1].depths] == pytest.approx(whole)
     assert [d.p_sim for d in reports[1].depths] == pytest.approx(np.cumprod(whole))
     assert reports[1].tau_sim == pytest.approx(1 + sum(np.cumprod(whole)))
+
+
+def test_the_report_measures_the_null_stream_beside_the_conditional_one(target):
+    """a_d and τ_sim of the null stream: the same AR samples teacher-forced under the null condition, in
+    the report, its metrics and its table."""
+    drafter = random_drafter(target)
+    result = evaluate(target, drafter, PROMPTS, ["eagle2"], [0], batch_size=3, progress=False)
+    (report,) = measure(
+        target, drafter, result, AcceptanceConfig(temperatures=[0.0], depth=2), seed=0, batch_size=3
+    )
+    tokens = result.decoded["ar", 0.0].tokens
+    null = target.null_condition(target.encode_captions(PROMPTS))
+    expected = depth_agreement(drafter, target, null, tokens, 2)
+    assert [d.null_agreement for d in report.depths] == pytest.approx(expected)
+    assert report.tau_sim_null == pytest.approx(1 + sum(np.cumprod(expected)))
+    assert expected != [d.agreement for d in report.depths]  # a different stream, not a copy
+    metrics = acceptance_metrics([report])
+    assert metrics["eval/acceptance/tau_sim_null_T0"] == pytest.approx(report.tau_sim_null)
+    assert metrics["eval/acceptance/a_null_d2_T0"] == pytest.approx(expected[1])
+    table = acceptance_markdown([report])
+    assert f"| {report.tau_sim_null:.2f} |" in table and "a_d, null stream" in table
 
 
 def test_depth_defaults_to_the_deepest_drafted_tree(target):

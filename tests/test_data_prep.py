@@ -22,6 +22,7 @@ from PIL import Image
 
 from data_prep import self_generate as self_generate_cli
 from data_prep import validate as validate_cli
+from vdtrain.config import DataConfig
 from vdtrain.data.prepare import (
     center_crop_arr,
     null_decision,
@@ -29,6 +30,7 @@ from vdtrain.data.prepare import (
     prepare_laion_coco,
     prepare_self_generate,
 )
+from vdtrain.data.shard_stream import ShardStream
 from vdtrain.data.shards import (
     MANIFEST,
     SCHEMA_VERSION,
@@ -36,6 +38,7 @@ from vdtrain.data.shards import (
     ShardError,
     ShardReader,
     ShardWriter,
+    feature_taps,
     read_manifest,
     read_shards,
     validate_shards,
@@ -361,6 +364,28 @@ def test_features_without_stored_cond_encode_the_caption(target, tmp_path):
         np.testing.assert_allclose(s["feats"].astype(np.float32), hidden.numpy(), atol=1e-2, rtol=1e-2)
     with pytest.raises(ShardError, match="already has features"):
         prepare_features(target, tmp_path / "feats", tmp_path / "again", progress=False)
+
+
+def test_offline_eagle3_features_equal_the_online_ones(target, tmp_path):
+    """With ``taps`` the stored features are what online training computes for an eagle3 drafter: the
+    final-norm state followed by the tapped layers (fp16), recorded in the manifest; a training stream for
+    a drafter that reads other layers is refused."""
+    taps = (0, 1)
+    prepare_self_generate(target, ["a red circle", "a blue square"], tmp_path / "gen", progress=False)
+    manifest = prepare_features(
+        target, tmp_path / "gen", tmp_path / "feats", p_null=0.0, progress=False, taps=taps
+    )
+    assert manifest["source"]["taps"] == [0, 1] and feature_taps(manifest) == [0, 1]
+    assert manifest["shapes"]["feats"] == [target.prefix_length + N_TOKENS, 3 * target.hidden_size]
+    for s in read_shards(tmp_path / "feats"):
+        cond = target.encode_captions([s["caption"]])
+        online = target.sequence_features(cond, torch.from_numpy(s["tokens"])[None], taps)[0]
+        np.testing.assert_allclose(s["feats"].astype(np.float32), online.numpy(), atol=1e-2, rtol=1e-2)
+    assert validate_shards(tmp_path / "feats", target.identity).ok
+    config = DataConfig(source="shards", shards=str(tmp_path / "feats"), features="offline", batch_size=2)
+    ShardStream(config, 0, 1, target.identity, taps)
+    with pytest.raises(ValueError, match=r"stores target layers \[0, 1\] but the drafter reads \[1\]"):
+        ShardStream(config, 0, 1, target.identity, (1,))
 
 
 def test_null_decision_is_seeded_per_key():

@@ -16,6 +16,7 @@ from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.drafter_rows import drafter_inputs, feature_targets, teacher_mask
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 from vdtrain.train.losses import (
+    cls_per_row,
     drafter_loss,
     feature_loss,
     image_target_mask,
@@ -235,6 +236,24 @@ def test_soft_ce_equals_ce_for_a_one_hot_target():
     mask = torch.tensor([True, False, False])
     ce_first = F.cross_entropy(pred[:, 0], labels[:, 0])
     torch.testing.assert_close(soft_ce(one_hot, pred, mask), ce_first)
+
+
+def test_the_acceptance_loss_is_the_rejection_chance_of_speculative_sampling():
+    """α = Σ min(p, q) is the chance speculative sampling at T = 1 accepts a token drawn from q: here 0.5
+    by hand and the empirical rate of accept-with-prob-min(1, p/q) draws; the loss is 1 − α (or −log α)."""
+    p = torch.tensor([[0.5, 0.5, 0.0]])
+    q_logits = torch.tensor([[2.0, 0.0, 1.0]])
+    q = q_logits.softmax(-1)
+    alpha = torch.minimum(p, q).sum()
+    torch.testing.assert_close(cls_per_row(p, q_logits, "acceptance"), 1 - alpha[None])
+    torch.testing.assert_close(cls_per_row(p, q_logits, "log_acceptance"), -alpha.log()[None])
+    g = torch.Generator().manual_seed(0)
+    drawn = torch.multinomial(q[0], 200_000, replacement=True, generator=g)
+    accepted = torch.rand(200_000, generator=g) < (p[0] / q[0]).clamp(max=1)[drawn]
+    assert abs(accepted.float().mean() - alpha) < 0.005
+    assert cls_per_row(p, torch.tensor([[0.0, 0.0, -1e4]]), "acceptance").item() == pytest.approx(0, abs=1e-6)
+    with pytest.raises(ValueError, match="soft_ce"):
+        cls_per_row(p, q_logits, "kl")
 
 
 def test_top_k_agreement_and_simulated_tau():

@@ -5,17 +5,24 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
+from reference_unroll import dense_unroll, tree_step_mask
 
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.drafter_rows import chain_rows, teacher_mask, tree_step_mask
+from vdtrain.drafter_rows import chain_rows, teacher_mask
+from vdtrain.eval.logit_lens import logit_lens
 from vdtrain.hub import export_drafter, push_to_hub
+from vdtrain.targets import load_target_folder
 from vdtrain.targets.base import split_taps
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+from vdtrain.train.losses import image_target_mask, unrolled_loss
+from vdtrain.unroll_cache import UnrollCache
 
 DEEP_GPT = replace(TINY_GPT, n_layer=6)
 
@@ -75,7 +82,7 @@ def test_taps_are_the_residual_stream_after_each_layer():
     torch.testing.assert_close(hidden, plain)
     for i, k in enumerate((0, 3, 6)):
         torch.testing.assert_close(tapped[..., 32 * i : 32 * (i + 1)], states[k])
-    assert target.default_feature_layers() == (2, 3, 3)
+    assert target.default_feature_layers() == (2, 3, 6)  # under 8 layers: the final state on top
     with pytest.raises(ValueError, match=r"outside 0 \.\. 6"):
         target.sequence_features(cond, tokens, taps=(7,))
 
@@ -148,12 +155,15 @@ def chain_as_decoding_runs_it(
     return chain
 
 
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "eagle3-tap-norm"])
 def test_unrolled_steps_see_exactly_what_a_draft_chain_sees(kind):
     """Row s of unrolled step j equals the depth-(j+1) node of a chain drafted from row s-j with the
     decoding cache: a leak of any later row (target features or tokens) into the unroll breaks this."""
     target = deep_target()
-    drafter = eagle3(target) if kind == "eagle3" else Drafter(DrafterConfig.for_target(target), target)
+    if kind == "eagle1":
+        drafter = Drafter(DrafterConfig.for_target(target), target)
+    else:
+        drafter = eagle3(target, tap_norm=kind == "eagle3-tap-norm")
     cond, tokens = sequence(target)
     prefix = target.prefix_length
     with torch.no_grad():
@@ -195,6 +205,49 @@ def test_unrolled_rows_do_not_read_the_future():
         )
 
 
+def test_the_o_k_unroll_equals_the_dense_one_rows_loss_and_gradients():
+    """UnrollCache (teacher keys + one ancestor diagonal per step) computes what the dense (j+1)·S mask
+    computes, with a left-padded caption: every row of every step, the loss and the drafter's gradients."""
+    target = deep_target()
+    drafter = eagle3(target)
+    cond, tokens = sequence(target)
+    hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps).detach(), 32)
+    rows = image_target_mask(cond.mask, tokens.shape[1])
+    chains = [chain_rows(cond.mask, rows.shape[1], j) for j in range(4)]
+    results = []
+    for unroll in (drafter.unroll, lambda *a: dense_unroll(drafter, *a)):
+        drafter.zero_grad()
+        steps = unroll(drafter.input_features(hidden, tapped), tokens, cond.mask, 4)
+        loss, _ = unrolled_loss(steps, hidden[:, 1:], drafter.normed, drafter.head_logits, rows, chains)
+        loss.backward()
+        results.append((steps, loss, {n: p.grad.clone() for n, p in drafter.named_parameters()}))
+    (fast, fast_loss, fast_grads), (dense, dense_loss, dense_grads) = results
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast_loss, dense_loss)
+    for name, grad in fast_grads.items():
+        torch.testing.assert_close(grad, dense_grads[name], atol=1e-5, rtol=1e-4)
+
+
+def test_unroll_cache_attention_equals_dense_sdpa_with_grouped_heads():
+    """The attention alone, on random queries/keys with 2 KV heads shared by 4 query heads (repeated as
+    the layers repeat them) and a padded teacher mask: step j equals SDPA over all steps' keys."""
+    g = torch.Generator().manual_seed(0)
+    cond_mask = torch.tensor([[False, True, True], [True, True, True]])
+    seq, steps = 7, 4
+    teacher = teacher_mask(cond_mask, seq)
+    cache, keys, values = UnrollCache(), [], []
+    for j in range(steps):
+        q = torch.randn(2, 4, seq, 8, generator=g)
+        k, v = (torch.randn(2, 2, seq, 8, generator=g).repeat_interleave(2, dim=1) for _ in range(2))
+        keys.append(k)
+        values.append(v)
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=tree_step_mask(cond_mask, seq, j)
+        )
+        torch.testing.assert_close(cache.attend(q, k, v, teacher), dense, atol=1e-6, rtol=1e-5)
+
+
 def test_tree_step_mask_blocks():
     mask = tree_step_mask(torch.ones(1, 2, dtype=torch.bool), 5, 2)[0, 0]
     assert mask.shape == (5, 15)
@@ -211,13 +264,14 @@ def test_eagle3_export_reloads_exactly_and_records_its_layers(tmp_path):
     drafter = eagle3(target).eval()
     folder = export_drafter(drafter, tmp_path / "export", target=target, metadata={})
     config = json.loads((folder / "config.json").read_text())
-    assert (config["kind"], config["feature_layers"]) == ("eagle3", [2, 3, 3])
+    assert (config["kind"], config["feature_layers"]) == ("eagle3", [2, 3, 6])
+    assert (config["input_norm"], config["tap_norm"]) == (True, False)
     assert config["target"]["num_layers"] == 6
     assert "EAGLE-3 drafter" in (folder / "README.md").read_text()
     loaded = Drafter.from_pretrained(folder, target)
     assert loaded.config == drafter.config
     state = drafter.state_dict()
-    assert {"fuse.weight", "norm.weight"} <= set(state)
+    assert {"fuse.weight", "norm.weight", "embed_norm.weight", "feature_norm.weight"} <= set(state)
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in state.items())
     cond, tokens = sequence(target)
     with torch.no_grad():
@@ -264,3 +318,45 @@ def test_an_eagle1_config_written_before_kinds_still_loads():
     config["target"].pop("num_layers")
     assert DrafterConfig.from_dict(config).kind == "eagle1"
     Drafter(DrafterConfig.from_dict(config)).attach(target)
+
+
+def test_the_input_norms_make_the_drafter_blind_to_the_scale_of_its_inputs():
+    """EAGLE-3 normalises the embedding and the features before fc, EAGLE-3.1 also each tap: scaling
+    a tapped layer, or the features, by any factor then changes no drafter row."""
+    target = deep_target()
+    drafter = eagle3(target, tap_norm=True)
+    cond, tokens = sequence(target)
+    with torch.no_grad():
+        hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps), 32)
+        scaled = tapped.clone()
+        scaled[..., 32:64] *= 7.0  # the second tap only
+        fused = drafter.input_features(hidden, tapped)
+        torch.testing.assert_close(drafter.input_features(hidden, scaled), fused)
+        rows = drafter.forward_teacher(fused, tokens, cond.mask)
+        torch.testing.assert_close(drafter.forward_teacher(10.0 * fused, tokens, cond.mask), rows)
+
+
+def test_a_drafter_config_written_before_the_norms_reloads_unchanged():
+    """The shipped eagle3 drafter (its config predates input_norm and tap_norm) builds the architecture it
+    was trained as: no norms, the same weights, rows = layer(fc([e; f]))."""
+    folder = Path(__file__).resolve().parents[1] / "checkpoints" / "shapes" / "drafter_eagle3"
+    assert "input_norm" not in json.loads((folder / "config.json").read_text())
+    drafter = Drafter.from_pretrained(folder)
+    config = drafter.config
+    assert (config.input_norm, config.tap_norm, config.feature_layers) == (False, False, (1, 2, 3))
+    assert set(drafter.state_dict()) == set(safetensors.torch.load_file(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    feats, embeds = torch.randn(2, 5, 256, generator=g), torch.randn(2, 5, 256, generator=g)
+    positions = torch.arange(5)
+    with torch.no_grad():
+        old = drafter.layer(drafter.fc(torch.cat([embeds, feats], -1)), positions.expand(2, -1), None)
+        torch.testing.assert_close(drafter(feats, embeds, positions, None), old)
+
+
+def test_the_logit_lens_reads_every_layer_and_ends_at_the_target_itself(tiny_folder):
+    """What the default taps are chosen by (benchmarks.logit_lens): one agreement per hidden_states[k],
+    k = 0 .. n; the final state is the target's own decision."""
+    target = load_target_folder(tiny_folder)
+    lens = logit_lens(target, ["a red circle", "a blue square"], seed=0, batch_size=2)
+    assert len(lens) == target.num_layers + 1 and lens[-1] == 1.0
+    assert all(0.0 <= a <= 1.0 for a in lens)

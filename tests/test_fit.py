@@ -137,6 +137,8 @@ def test_fit_cli_writes_checkpoints_logs_summary_and_drafter(tiny_folder, tmp_pa
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["run_dir"] == str(run)
     assert 0.0 <= summary["val/top1"] <= 1.0 and 1.0 <= summary["val/tau_sim"] <= 6.0
+    # the null stream, which every CFG step also drafts, measured beside the conditional one
+    assert 0.0 <= summary["val/null_top1_depth1"] <= 1.0 and 1.0 <= summary["val/null_tau_sim"] <= 6.0
     assert "train/total" in summary  # the final validation does not drop the training metrics
     assert summary["drafter"] == str(run / "drafter")
     line = re.search(r"^trained 4 steps .*top-1 ([0-9.]+), tau_sim ([0-9.]+) -> (.+)$", result.stdout, re.M)
@@ -247,6 +249,20 @@ def test_eagle3_loss_unrolls_on_null_conditioned_taps(target):
     assert {"top1_step0", "top1_step2", "cls"} <= set(parts)
 
 
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_the_acceptance_loss_option_trains_both_kinds(target, kind):
+    """drafter.cls_loss=acceptance replaces the soft CE by 1 − Σ min(p, q), with a gradient; an unknown
+    name is refused before training."""
+    module = make_module(target, kind=kind)
+    module.train_cfg = replace(module.train_cfg, cls_loss="acceptance")
+    loss, parts = module.loss(shapes_batch(2), torch.Generator().manual_seed(0))
+    loss.backward()
+    bound = 1.0 if kind == "eagle1" else 1 + 0.8 + 0.8**2  # Σ_j 0.8^j (1 − α_j) over 3 steps
+    assert 0 < parts["cls"] < bound and module.drafter.fc.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="cls_loss"):
+        DrafterModule(target, module.drafter, DrafterTrainConfig(cls_loss="tv"), OptimConfig())
+
+
 def test_fit_trains_evaluates_and_exports_an_eagle3_drafter(tiny_folder, tmp_path):
     run = tmp_path / "run"
     result = run_cli(
@@ -268,12 +284,32 @@ def test_fit_trains_evaluates_and_exports_an_eagle3_drafter(tiny_folder, tmp_pat
     )
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((run / "drafter" / "config.json").read_text())
-    assert (config["kind"], config["feature_layers"]) == ("eagle3", [1, 1, 1])
+    assert (config["kind"], config["feature_layers"]) == ("eagle3", [1, 1, 2])  # the final state on top
     summary = json.loads((run / "summary.json").read_text())
     assert {"eval/eagle2_T0/S", "eval/acceptance/tau_gap_T0", "eval/acceptance/tau_gap_T1"} <= set(summary)
 
 
 # --- 3. offline features = online features -------------------------------------------------------------
+def test_offline_eagle3_loss_equals_online_loss(target):
+    """Stored eagle3 features (the last state and the tapped layers, data_prep.features feature_layers=…)
+    give the online loss exactly; features without the taps are refused naming the fix."""
+    online = make_module(target, p_null=0.5, kind="eagle3")
+    offline = make_module(target, p_null=0.5, features="offline", kind="eagle3")
+    offline.drafter.load_state_dict(online.drafter.state_dict())
+    batch = shapes_batch(2)
+    tokens = target.tokenizer.encode(images_to_tensor(batch["image"].numpy()))
+    rows = online._null_rows(2, torch.Generator().manual_seed(7))
+    _, cond_mask, states = online.prepare(batch, rows)
+    assert states.shape[-1] == (1 + len(online.drafter.taps)) * target.hidden_size
+    ref, _ = online.loss(batch, torch.Generator().manual_seed(7))
+    base = {"caption": batch["caption"], "tokens": tokens.to(torch.int32), "cond_mask": cond_mask}
+    exact, _ = offline.loss({**base, "feats": states.clone()}, torch.Generator().manual_seed(7))
+    assert torch.equal(exact, ref)
+    last_only = states[..., : target.hidden_size]
+    with pytest.raises(ValueError, match="feature_layers="):
+        offline.loss({**base, "feats": last_only}, torch.Generator().manual_seed(7))
+
+
 def test_offline_loss_equals_online_loss(target):
     online = make_module(target, p_null=0.5)
     offline = make_module(target, p_null=0.5, features="offline")

@@ -7,8 +7,12 @@ import json
 
 import pytest
 import torch
+from conftest import random_gpt, random_vq
 
 from benchmarks.train_throughput import build, main, step_flops
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 
 def test_a_small_cpu_run_reports_every_column(tmp_path, capsys):
@@ -49,5 +53,24 @@ def test_eagle3_rows_unroll_and_count_every_pass(capsys):
     assert "| small | eagle3 k=3 | eager | fp32 | 1 |" in capsys.readouterr().out
     target, drafter = build("small", torch.device("cpu"), "fp32", seed=0, kind="eagle3")
     assert drafter.taps == target.default_feature_layers()
-    once, thrice = step_flops(target, drafter, 1, 1), step_flops(target, drafter, 1, 3)
-    assert thrice > 2.5 * (once - step_flops(target, drafter, 1, 0))  # each pass counted, attention growing
+
+
+def test_the_flop_count_equals_a_hand_count_on_a_tiny_shape():
+    """TINY_GPT: width 32, 2 layers (FFN 96), caption 12 → 32, L = 5 caption rows, N = 16 image tokens,
+    vocabulary 24. Every unrolled step costs one teacher-forced pass: no k(k+1)/2 growth."""
+    vq = VQTokenizer(random_vq(), image_size=8)
+    target = LlamaGenTarget(random_gpt(), vq, None, "tiny", SamplingConfig())
+    layer = 3 * 32 * 32 + 32 * 32 + 3 * 32 * 96  # wqkv, wo, w1 w3 w2
+    seq, rows, head = 5 + 16, 5 + 16 - 1, 24 * 32
+    target_flops = 2 * 2 * layer * seq + 2 * (12 * 32 + 32 * 32) * 5 + 2 * 4 * 32 * (seq * (seq + 1) // 2)
+    # fc and the layer, forward and backward; attention 4·d per causal pair, forward and backward
+    drafter = 6 * (2 * 32 * 32 + layer) * rows + 3 * 4 * 32 * (rows * (rows + 1) // 2)
+    eagle1 = Drafter(DrafterConfig.for_target(target), target)
+    hand = target_flops + drafter + 4 * head * 16 + 2 * head * 16
+    assert step_flops(target, eagle1, 1) == hand
+    assert step_flops(target, eagle1, 3) == 3 * hand
+    # eagle3, 3 steps: step j scores rows s >= L - 1 + j of the 16 trained rows 3 .. 18: 15, 14, 13
+    eagle3 = Drafter(DrafterConfig.for_target(target, kind="eagle3", feature_layers=(0, 1, 2)), target)
+    fused = 3 * 32 * 32
+    hand3 = target_flops + 3 * drafter + 4 * head * (15 + 14 + 13) + 4 * fused * seq + 2 * head * 16
+    assert step_flops(target, eagle3, 1, 3) == hand3

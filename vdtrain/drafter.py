@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
-from vdtrain.drafter_rows import AppendCache, after_prefix_rows, drafter_inputs, teacher_mask, tree_step_mask
+from vdtrain.drafter_rows import after_prefix_rows, drafter_inputs, teacher_mask
 from vdtrain.export_format import CONFIG_FILE, REPO_ID, WEIGHTS_FILE, download
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets import draft_layer_class
@@ -35,6 +35,7 @@ from vdtrain.targets.base import (
     Target,
     TargetIdentity,
 )
+from vdtrain.unroll_cache import UnrollCache
 
 # Top-level keys of LlamaGen drafter configs written before ``DrafterConfig.layer`` (still read).
 LLAMAGEN_LAYER_FIELDS = (
@@ -70,6 +71,9 @@ class DrafterConfig:
     target: dict[str, Any] = field(default_factory=dict)
     kind: str = "eagle1"  # eagle1: the target's last hidden state; eagle3: fused layers (feature_layers)
     feature_layers: tuple[int, ...] = ()  # eagle3: the target layers fused (hidden_states[k] indices)
+    # eagle3 architecture choices; the defaults are what configs written before them built
+    input_norm: bool = False  # RMSNorm on the token embedding and on the features before fc (EAGLE-3)
+    tap_norm: bool = False  # RMSNorm on each tapped layer before the fusion (EAGLE-3.1)
 
     def __post_init__(self) -> None:
         # JSON turns tuples into lists: normalise so a round trip compares equal.
@@ -83,6 +87,8 @@ class DrafterConfig:
                 "an eagle3 drafter fuses target layers (feature_layers) and an eagle1 drafter none; got "
                 f"kind {self.kind!r} with feature_layers {list(self.feature_layers)}"
             )
+        if self.kind != "eagle3" and (self.input_norm or self.tap_norm):
+            raise ValueError(f"input_norm and tap_norm are eagle3 choices; this drafter is {self.kind!r}")
         if any(k < 0 for k in self.feature_layers):
             raise ValueError(f"feature_layers must be >= 0, got {list(self.feature_layers)}")
         if self.target:
@@ -141,13 +147,16 @@ class DrafterConfig:
         target: Target,
         kind: str = "eagle1",
         feature_layers: tuple[int, ...] | None = None,
+        input_norm: bool = True,
+        tap_norm: bool = False,
         **layer_overrides: Any,
     ) -> DrafterConfig:
         """The drafter of ``target``'s family, with the target's own layer hyper-parameters.
 
         ``layer_overrides`` may change the family layer's ``settings_fields`` (heads, FFN size, ...),
         never the width. An ``eagle3`` drafter fuses ``feature_layers``, by default the family's choice
-        (``Target.default_feature_layers``).
+        (``Target.default_feature_layers``), and normalises its inputs as ``input_norm`` and ``tap_norm``
+        say (an eagle1 drafter ignores them: it reads final-norm states).
         """
         ident = target.identity
         if kind == "eagle3" and feature_layers is None:
@@ -169,6 +178,8 @@ class DrafterConfig:
             target=dataclasses.asdict(ident),
             kind=kind,
             feature_layers=tuple(feature_layers or ()),
+            input_norm=input_norm and kind == "eagle3",
+            tap_norm=tap_norm and kind == "eagle3",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -225,6 +236,11 @@ class Drafter(nn.Module):
         if config.kind == "eagle3":  # as EAGLE-3: a bias-free fusion, a norm before the head
             self.fuse = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
             self.norm = nn.RMSNorm(hidden, eps=1e-6)
+        if config.tap_norm:
+            self.tap_norms = nn.ModuleList(nn.RMSNorm(hidden, eps=1e-6) for _ in config.feature_layers)
+        if config.input_norm:  # the embedding (~0.08) and the features (~1.7) put on one scale
+            self.embed_norm = nn.RMSNorm(hidden, eps=1e-6)
+            self.feature_norm = nn.RMSNorm(hidden, eps=1e-6)
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.layer = config.layer_class(hidden, config.prefix_length, config.grid, config.layer)
         self._borrowed: _Borrowed | None = None
@@ -292,7 +308,11 @@ class Drafter(nn.Module):
             raise ValueError(
                 f"an eagle3 drafter reads target layers {list(self.taps)}: run the target with taps"
             )
-        return self.fuse(tapped.to(self.fuse.weight.dtype))
+        tapped = tapped.to(self.fuse.weight.dtype)
+        if self.config.tap_norm:
+            parts = tapped.split(self.config.hidden_size, dim=-1)
+            tapped = torch.cat([norm(part) for norm, part in zip(self.tap_norms, parts, strict=True)], -1)
+        return self.fuse(tapped)
 
     @property
     def attached(self) -> bool:
@@ -343,7 +363,10 @@ class Drafter(nn.Module):
         [B, 1, S, kv_len] covers the first ``kv_len`` cache slots.
         """
         dtype = self.fc.weight.dtype
-        x = self.fc(torch.cat([next_embeds.to(dtype), features.to(dtype)], dim=-1))
+        next_embeds, features = next_embeds.to(dtype), features.to(dtype)
+        if self.config.input_norm:  # a zero embedding (prefix rows) stays zero
+            next_embeds, features = self.embed_norm(next_embeds), self.feature_norm(features)
+        x = self.fc(torch.cat([next_embeds, features], dim=-1))
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
         return self.layer(x, positions, mask, cache, slots)
@@ -365,15 +388,15 @@ class Drafter(nn.Module):
 
         ``features`` [B, L+N, H]: the target's, through ``input_features``. Step 0 is ``forward_teacher``;
         step ``j`` feeds row ``s`` the drafter's own step ``j-1`` output at row ``s-1`` (its prediction of
-        ``f_s``), under ``tree_step_mask``: each row sees exactly what the matching tree node sees.
+        ``f_s``), and ``UnrollCache`` lets it see exactly what the matching tree node sees: the teacher
+        keys of the chain's start and one ancestor per earlier step, O(k) in the unroll depth.
         Only the rows of ``chain_rows`` are drafts decoding makes."""
         seq = features.shape[1] - 1
         embeds = after_prefix_rows(self.embed(tokens), self.config.prefix_length)
         positions = torch.arange(seq, device=features.device)
-        cache = AppendCache()
+        mask, cache = teacher_mask(cond_mask, seq), UnrollCache()
         inputs, outs = features[:, :-1], []
-        for step in range(steps):
-            mask = tree_step_mask(cond_mask, seq, step)
+        for _ in range(steps):
             outs.append(self(inputs, embeds, positions, mask, cache, positions))
             inputs = torch.cat([outs[-1][:, :1], outs[-1][:, :-1]], dim=1)  # row s ← step output at s-1
         return outs

@@ -57,23 +57,6 @@ def teacher_mask(cond_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
     return full[..., :seq_len, :seq_len]
 
 
-def tree_step_mask(cond_mask: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:
-    """What row ``s`` of unrolled step ``step`` may attend to: [B, 1, S, (step + 1)·S] over the keys of
-    steps ``0 .. step`` (``S = seq_len`` rows each, in that order).
-
-    Row ``s`` at step ``j`` stands for a depth-``j + 1`` draft node whose chain left the target's features
-    at row ``s - j``: like that node in a tree step, it sees the teacher-forced (target-feature) rows up to
-    ``s - j`` and, of each later step ``i``, only its own ancestor, row ``s - j + i``. Nothing after
-    the chain's start, and no sibling chain."""
-    teacher = teacher_mask(cond_mask, seq_len)[:, 0]  # [B, S, S]
-    first = torch.zeros_like(teacher)
-    first[:, step:] = teacher[:, : seq_len - step]
-    q = torch.arange(seq_len, device=cond_mask.device)[:, None]
-    k = torch.arange(seq_len, device=cond_mask.device)[None, :]
-    ancestors = [(k - q == i - step).expand_as(teacher) for i in range(1, step + 1)]
-    return torch.cat([first, *ancestors], dim=-1)[:, None]
-
-
 def chain_rows(cond_mask_or_prefix_len: torch.Tensor | int, seq_len: int, step: int) -> torch.Tensor:
     """Bool [S] over the rows of unrolled step ``step`` whose chain starts where decoding starts one:
     at or after row ``L - 1`` (the first root; decoding never drafts from inside the prefix)."""
@@ -83,24 +66,3 @@ def chain_rows(cond_mask_or_prefix_len: torch.Tensor | int, seq_len: int, step: 
         else int(cond_mask_or_prefix_len)
     )
     return torch.arange(seq_len) - step >= prefix - 1
-
-
-class AppendCache:
-    """A one-layer cache that appends each unrolled step's keys and values out of place, so gradients flow
-    through every step (a preallocated cache is written in place, which autograd refuses)."""
-
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def layer(self, index: int) -> AppendCache:
-        return self
-
-    def write(
-        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        if self.k.shape[2] != kv_len:
-            raise ValueError(f"unrolled step has {self.k.shape[2]} keys but its mask covers {kv_len}")
-        return self.k, self.v

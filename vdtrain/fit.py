@@ -109,7 +109,12 @@ def build_drafter(cfg: FitConfig, target) -> Drafter:
             f"drafter.feature_layers is for eagle3 drafters; drafter.kind is {cfg.drafter.kind!r}"
         )
     config = DrafterConfig.for_target(
-        target, cfg.drafter.kind, None if layers is None else tuple(layers), **layer
+        target,
+        cfg.drafter.kind,
+        None if layers is None else tuple(layers),
+        cfg.drafter.input_norm,
+        cfg.drafter.tap_norm,
+        **layer,
     )
     return Drafter(config).start_from(target)
 
@@ -181,7 +186,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         cfg.seed,
         cfg.trainer.max_steps,
     )
-    data = DrafterDataModule(cfg.data, target.identity, target.world)
+    data = DrafterDataModule(cfg.data, target.identity, target.world, drafter.taps)
     ckpt_path = None if cfg.resume is None else str(checkpoint(cfg.resume, run_dir))
     last = FiniteCheckpoint(
         dirpath=run_dir / "checkpoints",

@@ -225,10 +225,18 @@ def _intro(drafter: Drafter, ident: TargetIdentity) -> str:
     c = drafter.config
     params = sum(p.numel() for p in drafter.parameters())
     if c.kind == "eagle3":
+        norms = "".join(
+            note
+            for on, note in (
+                (c.tap_norm, "each layer RMS-normalised, "),
+                (c.input_norm, "the embedding and `g_t` RMS-normalised before `fc`, "),
+            )
+            if on
+        )
         design = (
             f"An EAGLE-3 drafter trained with vdtrain: the target's layers {list(c.feature_layers)} "
             "(residual stream after that many decoder layers) are fused into `g_t = fuse([h_k; ...])`, "
-            f"`fc([embed(x_{{t+1}}); g_t])` followed by one {c.family} decoder layer and a norm "
+            f"{norms}`fc([embed(x_{{t+1}}); g_t])` followed by one {c.family} decoder layer and a norm "
             "drafts the next token, trained on its own unrolled outputs (training-time test), and "
         )
     else:

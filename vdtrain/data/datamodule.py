@@ -34,7 +34,11 @@ class PositionedLoader(DataLoader):
 
 class DrafterDataModule(L.LightningDataModule):
     def __init__(
-        self, config: DataConfig, target_identity: TargetIdentity | None = None, world: str | None = None
+        self,
+        config: DataConfig,
+        target_identity: TargetIdentity | None = None,
+        world: str | None = None,
+        taps: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         if config.source not in ("shapes", "shards"):
@@ -44,6 +48,7 @@ class DrafterDataModule(L.LightningDataModule):
         self.config = config
         self.target_identity = target_identity  # shard sets are checked against it
         self.world = world or "shapes"  # source=shapes renders the target's embedded world
+        self.taps = taps  # offline shards must store the layers the drafter reads
         self.train_stream: ResumableStream | None = None
         self._resume_consumed = 0
 
@@ -65,7 +70,7 @@ class DrafterDataModule(L.LightningDataModule):
         else:
             from vdtrain.data.shard_stream import ShardStream
 
-            self.train_stream = ShardStream(c, rank, world, self.target_identity)
+            self.train_stream = ShardStream(c, rank, world, self.target_identity, self.taps)
 
     def train_dataloader(self) -> DataLoader:
         return PositionedLoader(self.train_stream, self.consumed, self.config.num_workers)

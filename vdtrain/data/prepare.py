@@ -497,9 +497,12 @@ def prepare_features(
     on_corrupt: str = "error",
     overwrite: bool = False,
     progress: bool = True,
+    taps: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     """A copy of shard set ``in_dir`` with ``feats.npy`` per sample: the fp16 target hidden states
-    [L+N, H] = ``target.sequence_features(cond, tokens)`` (final norm applied).
+    [L+N, H] = ``target.sequence_features(cond, tokens)`` (final norm applied), followed by the ``taps``
+    layers an eagle3 drafter fuses ([L+N, (1 + k)·H], as online training reads them; the manifest's
+    ``source.taps`` records them).
 
     ``cond`` is the stored condition when the input has one, else the encoded caption. With probability
     ``p_null`` (per sample, seeded by ``seed`` and the key) the sample is null-conditioned: its features
@@ -528,12 +531,14 @@ def prepare_features(
             "input_source": in_manifest.get("source"),
             "p_null": p_null,
             "seed": seed,
-            "features": "forward_sequence(cond, tokens).hidden, fp16",
+            "features": "sequence_features(cond, tokens, taps), fp16",
+            "taps": list(taps),
         },
         optional_fields=(*(("cond",) if has_cond else ()), "feats"),
         cond_dim=in_manifest["shapes"]["cond"][1] if has_cond else None,
         samples_per_shard=in_manifest["samples_per_shard"],
         overwrite=overwrite,
+        feature_parts=1 + len(taps),
     )
     planned = []
     bar = tqdm(total=in_manifest["num_samples"], desc="features", unit="sample", disable=not progress)
@@ -557,7 +562,7 @@ def prepare_features(
                 null = torch.tensor([null_decision(seed, s["key"], p_null) for s in batch], device=device)
                 if null.any():
                     cond = target.with_null(cond, null)
-                hidden = target.sequence_features(cond, tokens).to("cpu", torch.float16).numpy()
+                hidden = target.sequence_features(cond, tokens, taps).to("cpu", torch.float16).numpy()
                 for i, s in enumerate(batch):
                     out = {k: s[k] for k in ("key", "tokens", "caption", "cond", "cond_mask") if k in s}
                     out["meta"] = {**s["meta"], "null_conditioned": bool(null[i])}

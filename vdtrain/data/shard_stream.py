@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 
 from vdtrain.config import DataConfig
-from vdtrain.data.shards import ShardError, ShardReader
+from vdtrain.data.shards import ShardError, ShardReader, feature_taps
 from vdtrain.data.streams import ResumableStream, collate
 from vdtrain.targets.base import TargetIdentity
 
@@ -60,7 +60,12 @@ def epoch_order(counts: Sequence[int], epoch: int, buffer_size: int) -> tuple[li
 
 class ShardStream(ResumableStream):
     def __init__(
-        self, config: DataConfig, rank: int, world: int, target_identity: TargetIdentity | None = None
+        self,
+        config: DataConfig,
+        rank: int,
+        world: int,
+        target_identity: TargetIdentity | None = None,
+        taps: tuple[int, ...] = (),
     ) -> None:
         if not config.shards:
             raise ValueError("data.source=shards needs data.shards (a folder with manifest.json)")
@@ -71,6 +76,12 @@ class ShardStream(ResumableStream):
             raise ValueError(
                 f"data.features=offline but {config.shards} has no feats.npy: "
                 "run `python -m data_prep.features`"
+            )
+        stored = feature_taps(self.reader.manifest)
+        if config.features == "offline" and stored != list(taps):
+            raise ValueError(
+                f"data.features=offline: {config.shards} stores target layers {stored} but the drafter reads "
+                f"{list(taps)}: run `python -m data_prep.features feature_layers={list(taps)}`"
             )
         super().__init__(len(self.reader), rank=rank, world=world, batch_size=config.batch_size)
         self.buffer_size = max(1, config.shuffle_buffer)

@@ -64,8 +64,11 @@ def _identity(value: TargetIdentity | Mapping[str, Any]) -> TargetIdentity:
     return value if isinstance(value, TargetIdentity) else identity_from_dict(value)
 
 
-def sample_shapes(identity: TargetIdentity, fields: Iterable[str], cond_dim: int | None) -> dict[str, list]:
-    """The array shapes a shard set's samples must have, given its target and optional fields."""
+def sample_shapes(
+    identity: TargetIdentity, fields: Iterable[str], cond_dim: int | None, feature_parts: int = 1
+) -> dict[str, list]:
+    """The array shapes a shard set's samples must have, given its target and optional fields;
+    ``feature_parts``: the final-norm state plus the tapped layers ``feats`` holds (``feature_taps``)."""
     n = identity.grid[0] * identity.grid[1]
     length = identity.prefix_length
     shapes: dict[str, list] = {"tokens": [n]}
@@ -76,8 +79,14 @@ def sample_shapes(identity: TargetIdentity, fields: Iterable[str], cond_dim: int
         shapes["cond"] = [length, int(cond_dim)]
         shapes["cond_mask"] = [length]
     if "feats" in fields:
-        shapes["feats"] = [length + n, identity.hidden_size]
+        shapes["feats"] = [length + n, identity.hidden_size * feature_parts]
     return shapes
+
+
+def feature_taps(manifest: Mapping[str, Any]) -> list[int]:
+    """The target layers a features shard set stores after the final-norm state (an eagle3 drafter's
+    ``feature_layers``; empty for eagle1, and for sets written before taps were stored)."""
+    return [int(k) for k in manifest.get("source", {}).get("taps", [])]
 
 
 def clean_key(key: str) -> str:
@@ -307,6 +316,7 @@ class ShardWriter:
         cond_dim: int | None = None,
         samples_per_shard: int = 1000,
         overwrite: bool = False,
+        feature_parts: int = 1,
     ) -> None:
         if samples_per_shard < 1:
             raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
@@ -325,7 +335,7 @@ class ShardWriter:
             "target": asdict(identity),
             "source": json.loads(json.dumps(dict(source))),  # normalised (tuples → lists)
             "fields": fields,
-            "shapes": sample_shapes(identity, fields, cond_dim),
+            "shapes": sample_shapes(identity, fields, cond_dim, feature_parts),
             "dtypes": {k: v for k, v in DTYPES.items() if k in fields},
             "samples_per_shard": samples_per_shard,
         }
@@ -432,7 +442,7 @@ class ShardReader:
 
     Each sample is a dict: ``key``, ``shard`` (file name), ``tokens`` (int64 [N]), ``caption``,
     ``meta`` and, where the set has them, ``cond`` (float16 [L, D]) + ``cond_mask`` (bool [L]) and
-    ``feats`` (float16 [L+N, H]).
+    ``feats`` (float16 [L+N, H], or [L+N, (1 + k)·H] with ``k`` tapped layers).
 
     ``on_corrupt="error"`` (default) raises ``ShardError`` at the first bad sample or unreadable shard.
     ``on_corrupt="skip"`` logs a warning naming the shard and key and goes on: a bad sample is left
@@ -602,6 +612,7 @@ def validate_shards(
             identity_from_dict(manifest["target"]),
             manifest["fields"],
             manifest["shapes"]["cond"][1] if "cond" in manifest["shapes"] else None,
+            1 + len(feature_taps(manifest)),
         )
         if expected != manifest["shapes"]:
             report.problems.append(

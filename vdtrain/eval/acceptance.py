@@ -7,7 +7,11 @@ draws, per temperature and per depth d = 1..D:
 - P_sim(≥d) = Π_{i≤d} a_i, with a_i the agreement at depth i of the drafter teacher-forced on the target's
   own AR samples at that temperature, and τ_sim = 1 + Σ_d P_sim(≥d) (``simulated_tau``, as validation);
 - P_real(≥d), the share of the method's verification steps that accepted at least d drafts, τ_real (the
-  eval table's τ) and S.
+  eval table's τ) and S;
+- beside them the null (unconditional) stream's agreement a_d and τ_sim: the same samples teacher-forced
+  under the target's null condition. Every CFG step drafts that stream too, and a draft is accepted only
+  where the combined distribution agrees, so a drafter weak on it loses acceptance no conditional
+  figure shows.
 
 τ_sim − τ_real is the gap (docs/evaluation.md, "Simulated vs real acceptance").
 """
@@ -44,6 +48,7 @@ class DepthRow:
     agreement: float  # a_d: teacher-forced top-1 agreement at draft depth d
     p_sim: float  # Π_{i≤d} a_i
     p_real: float  # share of verification steps that accepted ≥ d drafts (mean over prompts)
+    null_agreement: float | None = None  # a_d of the null stream (the same samples, null condition)
 
 
 @dataclass
@@ -56,6 +61,7 @@ class AcceptanceReport:
     tau_sim: float  # 1 + Σ_{d≤D} P_sim(≥d)
     tau_real: float  # mean tokens committed per verified step (the eval table's τ)
     S: float  # step compression of the same decode
+    tau_sim_null: float | None = None  # τ_sim of the null stream's agreements
 
     @property
     def gap(self) -> float:
@@ -74,14 +80,24 @@ def real_acceptance(stats: Sequence[DecodeStats], depth: int) -> list[float]:
 
 
 def build_report(
-    method: str, temperature: float, agreement: Sequence[float], row: EvalRow, stats: Sequence[DecodeStats]
+    method: str,
+    temperature: float,
+    agreement: Sequence[float],
+    row: EvalRow,
+    stats: Sequence[DecodeStats],
+    null_agreement: Sequence[float] | None = None,
 ) -> AcceptanceReport:
-    """The report from the per-depth agreements and the real decode's row and per-prompt stats."""
+    """The report from the per-depth agreements (the conditional stream's, and the null stream's if
+    given) and the real decode's row and per-prompt stats."""
     p_sim = np.cumprod(agreement).tolist()
     p_real = real_acceptance(stats, len(agreement))
-    chains = zip(agreement, p_sim, p_real, strict=True)
-    depths = [DepthRow(d + 1, float(a), ps, pr) for d, (a, ps, pr) in enumerate(chains)]
-    return AcceptanceReport(method, float(temperature), depths, simulated_tau(agreement), row.tau, row.S)
+    null = [None] * len(agreement) if null_agreement is None else [float(a) for a in null_agreement]
+    chains = zip(agreement, p_sim, p_real, null, strict=True)
+    depths = [DepthRow(d + 1, float(a), ps, pr, n) for d, (a, ps, pr, n) in enumerate(chains)]
+    tau_null = None if null_agreement is None else simulated_tau(null_agreement)
+    return AcceptanceReport(
+        method, float(temperature), depths, simulated_tau(agreement), row.tau, row.S, tau_null
+    )
 
 
 @torch.no_grad()
@@ -92,13 +108,17 @@ def teacher_forced_agreement(
     tokens: torch.Tensor,
     depth: int,
     batch_size: int,
+    null: bool = False,
 ) -> list[float]:
-    """``depth_agreement`` over ``prompts`` (``tokens`` [N, h·w] their image tokens), batch by batch;
-    every prompt has as many image tokens, so batches weigh by their size."""
+    """``depth_agreement`` over ``prompts`` (``tokens`` [N, h·w] their image tokens), batch by batch, under
+    their captions or (``null``) the target's null condition; every prompt has as many image tokens, so
+    batches weigh by their size."""
     total = np.zeros(depth)
     for start in range(0, len(prompts), batch_size):
         batch = list(prompts[start : start + batch_size])
         cond = target.encode_captions(batch)
+        if null:
+            cond = target.null_condition(cond)
         agreement = depth_agreement(drafter, target, cond, tokens[start : start + len(batch)], depth)
         total += np.asarray(agreement, dtype=float) * len(batch)
     return (total / len(prompts)).tolist()
@@ -150,15 +170,19 @@ def measure(
         stats = decoded[key].stats
         deepest = max([1, *(d for s in stats for d in s.depth_per_step)])
         depth = deepest if cfg.depth is None else cfg.depth
-        agreement = teacher_forced_agreement(
-            drafter, target, result.prompts, decoded["ar", t].tokens, depth, batch_size
+        agreement, null = (
+            teacher_forced_agreement(
+                drafter, target, result.prompts, decoded["ar", t].tokens, depth, batch_size, stream
+            )
+            for stream in (False, True)
         )
-        reports.append(build_report(cfg.method, t, agreement, rows[key], stats))
+        reports.append(build_report(cfg.method, t, agreement, rows[key], stats, null))
     return reports
 
 
 def acceptance_metrics(reports: Sequence[AcceptanceReport]) -> dict[str, float]:
-    """``eval/acceptance/{tau_sim,tau_real,tau_gap,S}_T<t>`` and ``{p_sim,p_real}_d<d>_T<t>``."""
+    """``eval/acceptance/{tau_sim,tau_real,tau_gap,S,tau_sim_null}_T<t>`` and
+    ``{p_sim,p_real,a_null}_d<d>_T<t>`` (the null stream's where measured)."""
     out: dict[str, float] = {}
     for r in reports:
         t = f"T{r.temperature:g}"
@@ -168,27 +192,44 @@ def acceptance_metrics(reports: Sequence[AcceptanceReport]) -> dict[str, float]:
             f"eval/acceptance/tau_gap_{t}": r.gap,
             f"eval/acceptance/S_{t}": r.S,
         }
+        if r.tau_sim_null is not None:
+            out[f"eval/acceptance/tau_sim_null_{t}"] = r.tau_sim_null
         for row in r.depths:
             out[f"eval/acceptance/p_sim_d{row.depth}_{t}"] = row.p_sim
             out[f"eval/acceptance/p_real_d{row.depth}_{t}"] = row.p_real
+            if row.null_agreement is not None:
+                out[f"eval/acceptance/a_null_d{row.depth}_{t}"] = row.null_agreement
     return out
 
 
 def acceptance_markdown(reports: Sequence[AcceptanceReport]) -> str:
-    """A summary row per temperature (τ_sim, τ_real, the gap, S), then the per-depth chain probabilities."""
-    lines = ["| T | method | τ_sim | τ_real | gap τ_sim − τ_real | S |", "|---|---|---|---|---|---|"]
+    """A summary row per temperature (τ_sim, τ_real, the gap, S, the null stream's τ_sim), then the
+    per-depth chain probabilities with the null stream's agreement."""
+    lines = [
+        "| T | method | τ_sim | τ_real | gap τ_sim − τ_real | S | τ_sim, null stream |",
+        "|---|---|---|---|---|---|---|",
+    ]
     lines += [
-        f"| {r.temperature:g} | {r.method} | {r.tau_sim:.2f} | {r.tau_real:.2f} | {r.gap:+.2f} | {r.S:.2f} |"
+        f"| {r.temperature:g} | {r.method} | {r.tau_sim:.2f} | {r.tau_real:.2f} | {r.gap:+.2f} | {r.S:.2f} "
+        f"| {_figure(r.tau_sim_null, 2)} |"
         for r in reports
     ]
-    lines += ["", "| T | d | a_d | P_sim(≥d) | P_real(≥d) | P_sim − P_real |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| T | d | a_d | P_sim(≥d) | P_real(≥d) | P_sim − P_real | a_d, null stream |",
+        "|---|---|---|---|---|---|---|",
+    ]
     lines += [
         f"| {r.temperature:g} | {d.depth} | {d.agreement:.3f} | {d.p_sim:.3f} | {d.p_real:.3f} "
-        f"| {d.p_sim - d.p_real:+.3f} |"
+        f"| {d.p_sim - d.p_real:+.3f} | {_figure(d.null_agreement, 3)} |"
         for r in reports
         for d in r.depths
     ]
     return "\n".join(lines) + "\n"
+
+
+def _figure(value: float | None, digits: int) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
 
 
 def write_report(reports: Sequence[AcceptanceReport], folder: str | os.PathLike[str]) -> Path:

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vdtrain.models.kv_cache import KVCache, LayerCache
+from vdtrain.models.kv_cache import AttendingCache, KVCache, LayerCache
 from vdtrain.models.taps import with_taps
 
 QK_NORM_EPS = 1e-5  # hard-coded in both official implementations
@@ -116,7 +116,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
-        cache: LayerCache | None,
+        cache: LayerCache | AttendingCache | None,
         slots: torch.Tensor | None,
     ) -> torch.Tensor:
         c = self.config
@@ -132,7 +132,10 @@ class Attention(nn.Module):
         groups = c.num_attention_heads // c.num_key_value_heads
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if isinstance(cache, AttendingCache):
+            out = cache.attend(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, c.hidden_size))
 
 
@@ -164,7 +167,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor,
-        cache: LayerCache | None,
+        cache: LayerCache | AttendingCache | None,
         slots: torch.Tensor | None,
     ) -> torch.Tensor:
         if self.swin_norm:

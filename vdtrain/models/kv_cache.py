@@ -6,6 +6,8 @@ draft-tree nodes are written to scratch slots while taking the grid position of 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 
@@ -70,3 +72,19 @@ class LayerCache:
             self.k[rows, :, slots] = k.transpose(1, 2)
             self.v[rows, :, slots] = v.transpose(1, 2)
         return self.k[:, :, :kv_len], self.v[:, :, :kv_len]
+
+
+class AttendingCache(ABC):
+    """A layer cache that also computes the attention over what it holds: a decoder layer hands it
+    ``write``'s keys and values and then calls ``attend`` instead of ``scaled_dot_product_attention``.
+    Training-time test uses one (``vdtrain.unroll_cache.UnrollCache``) to attend to keys that differ per
+    query row, which no single dense mask expresses in O(k) work."""
+
+    @abstractmethod
+    def write(
+        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, H, S, D] for queries ``q`` and this step's ``k, v`` (heads expanded)."""

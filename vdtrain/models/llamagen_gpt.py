@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vdtrain.models.kv_cache import KVCache, LayerCache
+from vdtrain.models.kv_cache import AttendingCache, KVCache, LayerCache
 from vdtrain.models.taps import with_taps
 
 
@@ -196,7 +196,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: torch.Tensor,
         mask: torch.Tensor | None,
-        cache: LayerCache | None = None,
+        cache: LayerCache | AttendingCache | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         c = self.config
@@ -213,14 +213,17 @@ class Attention(nn.Module):
         if c.kv_heads != c.n_head:
             k = k.repeat_interleave(c.n_head // c.kv_heads, dim=1)
             v = v.repeat_interleave(c.n_head // c.kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            is_causal=mask is None,
-            dropout_p=c.attn_dropout_p if self.training else 0.0,
-        )
+        if isinstance(cache, AttendingCache):
+            out = cache.attend(q, k, v, mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None,
+                dropout_p=c.attn_dropout_p if self.training else 0.0,
+            )
         return self.resid_dropout(self.wo(out.transpose(1, 2).reshape(bsz, seqlen, c.dim)))
 
 
@@ -237,7 +240,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         rope: torch.Tensor,
         mask: torch.Tensor | None,
-        cache: LayerCache | None = None,
+        cache: LayerCache | AttendingCache | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, mask, cache, slots)

@@ -234,13 +234,15 @@ class Target(nn.Module, ABC):
         return len(self.transformer.layers)
 
     def default_feature_layers(self) -> tuple[int, int, int]:
-        """The low, middle and high layers an EAGLE-3 drafter fuses: EAGLE-3's choice, the residual
-        stream entering layers 2, n/2 and n-3 (``hidden_states[k]`` for k = 2, n//2, n-3), spread over
-        1 .. n on a target too shallow for it. A family may choose others."""
+        """The low, middle and high layers an EAGLE-3 drafter fuses (``hidden_states[k]`` indices). From 16
+        layers EAGLE-3's choice, the streams entering layers 2, n/2 and n-3; below 16 the high tap is the
+        final state ``k = n``: on the 4- and 8-layer worlds the logit lens shows it holds far more of the
+        target's decision than ``n - 1`` or ``n - 3`` (docs/training.md, "EAGLE-3 drafters"). A family may
+        choose others."""
         n = self.num_layers
-        if n >= 6:
+        if n >= 16:
             return (2, n // 2, n - 3)
-        return (1, max(1, n // 2), max(1, n - 1))
+        return (min(2 if n >= 6 else 1, n), max(1, n // 2), n)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -26,6 +26,7 @@ from vdtrain.images import images_to_tensor
 from vdtrain.targets.base import Target, split_taps
 from vdtrain.train.agreement import unrolled_agreement
 from vdtrain.train.losses import (
+    CLS_LOSSES,
     drafter_loss,
     image_target_mask,
     simulated_tau,
@@ -60,6 +61,8 @@ class DrafterModule(L.LightningModule):
         super().__init__()
         if features not in ("online", "offline"):
             raise ValueError(f"data.features must be 'online' or 'offline', got {features!r}")
+        if train.cls_loss not in CLS_LOSSES:
+            raise ValueError(f"drafter.cls_loss must be one of {list(CLS_LOSSES)}, got {train.cls_loss!r}")
         if not 0.0 <= p_null <= 1.0:
             raise ValueError(f"p_null must be in [0, 1], got {p_null}")
         self._frozen = _Frozen(target.eval().requires_grad_(False))
@@ -106,14 +109,16 @@ class DrafterModule(L.LightningModule):
         else:
             tokens = target.tokenizer.encode(images_to_tensor(batch["image"].cpu().numpy()).to(self.device))
         if self.features == "offline":
-            if self.drafter.taps:
-                raise ValueError(
-                    "data.features=offline stores the target's last hidden state only; an eagle3 drafter "
-                    "reads intermediate layers: train it with data.features=online"
-                )
             if "feats" not in batch:
                 raise KeyError(
                     "data.features=offline but the shards have no feats.npy (run data_prep.features)"
+                )
+            parts = batch["feats"].shape[-1] // target.hidden_size
+            if parts != 1 + len(self.drafter.taps):
+                raise ValueError(
+                    f"data.features=offline: the shards store {parts - 1} tapped layers beside the last "
+                    f"state, the drafter reads {list(self.drafter.taps)}: run data_prep.features "
+                    f"feature_layers={list(self.drafter.taps)}"
                 )
             mask = batch.get("cond_mask")
             mask = target.encode_captions(batch["caption"]).mask if mask is None else mask.bool()
@@ -144,7 +149,7 @@ class DrafterModule(L.LightningModule):
         if tapped is None:  # eagle1: teacher-forced, feature regression + soft CE
             noisy = uniform_feature_noise(hidden, noise, generator)
             pred = drafter.forward_teacher(noisy, tokens, cond_mask)
-            return drafter_loss(pred, hidden[:, 1:], drafter.logits, mask, cfg.w_cls)
+            return drafter_loss(pred, hidden[:, 1:], drafter.logits, mask, cfg.w_cls, cfg.cls_loss)
         feats = drafter.input_features(hidden, uniform_feature_noise(tapped, noise, generator))
         steps = drafter.unroll(feats, tokens, cond_mask, cfg.ttt_steps)
         chains = [chain_rows(cond_mask, mask.shape[1], j) for j in range(len(steps))]
@@ -157,6 +162,7 @@ class DrafterModule(L.LightningModule):
             chains,
             cfg.ttt_decay,
             cfg.w_feature,
+            cfg.cls_loss,
         )
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -180,17 +186,32 @@ class DrafterModule(L.LightningModule):
     # --- validation: per-depth agreement of an unrolled draft ---------------------------------------
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         """The training loss on held-out data, and top-1 agreement at draft depths 1..``val_depth`` of the
-        drafter unrolled as a tree step runs it (``vdtrain.train.agreement``)."""
+        drafter unrolled as a tree step runs it (``vdtrain.train.agreement``), for the conditional stream
+        and (online features) the null stream every CFG step also drafts: ``val/null_*``."""
         size = len(batch["caption"])
         tokens, cond_mask, states = self.prepare(batch, torch.zeros(size, dtype=torch.bool))
         _, parts = self.loss_on(tokens, cond_mask, states, None, 0.0)
-        hidden, tapped = split_taps(states, self.target.hidden_size)
-        acc = unrolled_agreement(self.drafter, hidden, tapped, tokens, cond_mask, self.train_cfg.val_depth)
         for name, value in parts.items():
             self.log(f"val/{name}", value, batch_size=size, sync_dist=True)
+        self._log_agreement("val/", tokens, cond_mask, states, size, prog_bar=True)
+        if self.features == "online":  # stored features hold one stream, decided by data_prep.features
+            _, null_mask, null_states = self.prepare(batch, torch.ones(size, dtype=torch.bool))
+            self._log_agreement("val/null_", tokens, null_mask, null_states, size)
+
+    def _log_agreement(
+        self,
+        prefix: str,
+        tokens: torch.Tensor,
+        cond_mask: torch.Tensor,
+        states: torch.Tensor,
+        size: int,
+        prog_bar: bool = False,
+    ) -> None:
+        hidden, tapped = split_taps(states, self.target.hidden_size)
+        acc = unrolled_agreement(self.drafter, hidden, tapped, tokens, cond_mask, self.train_cfg.val_depth)
         for d, a in enumerate(acc, start=1):
-            self.log(f"val/top1_depth{d}", a, batch_size=size, sync_dist=True)
-        self.log("val/tau_sim", simulated_tau(acc), prog_bar=True, batch_size=size, sync_dist=True)
+            self.log(f"{prefix}top1_depth{d}", a, batch_size=size, sync_dist=True)
+        self.log(f"{prefix}tau_sim", simulated_tau(acc), prog_bar=prog_bar, batch_size=size, sync_dist=True)
 
     # --- optimisation ------------------------------------------------------------------------------
     def configure_optimizers(self):
