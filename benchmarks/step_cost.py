@@ -121,7 +121,8 @@ def random_llamagen(
     ).eval()
     with torch.device(device):  # XL's 775M parameters initialised where they run
         gpt = LlamaGenGPT(config).eval()
-    target = LlamaGenTarget(gpt, VQTokenizer(vq, image_size=256), None, size, LLAMAGEN_SAMPLING).to(device)
+    tokenizer = VQTokenizer(vq, image_size=16 * config.grid_size)  # VQ-16: 16 px per token
+    target = LlamaGenTarget(gpt, tokenizer, None, size, LLAMAGEN_SAMPLING).to(device)
     drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
     return target, drafter.attach(target)
 
