@@ -1,12 +1,14 @@
 """Kernel-launching ATen ops per decoding step, split by where they run (issue #33's kernel budget).
 
 A replayed GPU step is bound by how many kernels it launches, not by bytes, so the budget is counted in
-ATen ops that launch a kernel: views and metadata ops (``view``, ``expand``, ``split``, ``empty`` ...) are
-left out. Each op is charged to the innermost region it runs in: a decoder layer of the target
-(``layers``), the rest of a target forward (``forward``: embeddings, mask, RoPE gather, final norm, head),
-the drafter (``drafter``), the engine's phases (``draft`` / ``verify`` / ``accept`` / ``commit``, as in
-``profiling.phase_methods``) or ``other`` (the loop, and AR's sampling and RNG). ``benchmarks.step_kernels
---phases`` prints the table; docs/decoding.md, "Kernels per step", has it and the budget.
+ATen ops that launch a kernel: views and metadata ops (``view``, ``expand``, ``split``, ``empty`` ...)
+are left out, and ``F.rms_norm`` counts as one op: a CUDA build of torch (2.8 on) runs it as one fused
+kernel while a CPU build dispatches its pieces. Each op is charged to the innermost region it runs in: a
+decoder layer of the target (``layers``), the rest of a target forward (``forward``: embeddings, mask,
+RoPE gather, final norm, head), the drafter (``drafter``), the engine's phases (``draft`` / ``verify`` /
+``accept`` / ``commit``, as in ``profiling.phase_methods``) or ``other`` (the loop, and AR's sampling and
+RNG). ``benchmarks.step_kernels --phases`` prints the table; docs/decoding.md, "Kernels per step", has it
+and the budget.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from itertools import pairwise
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vdtrain.decode.profiling import PHASES, phase_methods
@@ -38,6 +42,8 @@ _METADATA = frozenset(
         _aten.alias.default,
     }
 )
+# Functions a CUDA build runs as one kernel whose CPU build dispatches several ops.
+_ONE_KERNEL_ON_GPU = frozenset({F.rms_norm, torch.rms_norm})
 REGIONS = ("layers", "forward", "drafter", *PHASES, "other")
 
 
@@ -73,15 +79,34 @@ class PhaseOps:
         return self.total - self.regions["layers"]
 
 
+class _OneKernel(TorchFunctionMode):
+    """Charges each call of ``_ONE_KERNEL_ON_GPU`` as one op and hides its pieces from ``_Regions``."""
+
+    def __init__(self, regions: _Regions) -> None:
+        super().__init__()
+        self.regions = regions
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in _ONE_KERNEL_ON_GPU:
+            return func(*args, **(kwargs or {}))
+        self.regions.counts[self.regions.stack[-1]] += 1
+        self.regions.hidden += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.regions.hidden -= 1
+
+
 class _Regions(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.stack = ["other"]
+        self.hidden = 0
         self.counts: Counter[str] = Counter()
         self.marks: list[Counter[str]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if launches_kernel(func):
+        if not self.hidden and launches_kernel(func):
             self.counts[self.stack[-1]] += 1
         return func(*args, **(kwargs or {}))
 
@@ -138,7 +163,7 @@ def count_phase_ops(method: Any, cond: Any, generators: Sequence[torch.Generator
                 stack.enter_context(_instance_wrapped(obj, name, counter.wrap(region)))
         for layer in layers:
             stack.enter_context(_layer_region(layer, counter))
-        with torch.no_grad(), counter:
+        with torch.no_grad(), counter, _OneKernel(counter):
             method.generate(cond, generators, on_step=counter.on_step)
     steps = [b - a for a, b in pairwise(counter.marks)]  # every step after the first
     if not steps:
