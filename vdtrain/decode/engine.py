@@ -348,7 +348,7 @@ class SpeculativeEngine:
             else None,
             out=torch.zeros(batch, n_img + extra + chain, **long),
             committed=torch.ones(batch, **long),
-            rng=RowRandom.from_generators(generators, device),
+            rng=RowRandom.from_generators(generators, device, horizon=target.num_image_tokens + 1),
             chain=chain,
             pending=torch.zeros(batch, **long),
             fcache=None,
