@@ -128,7 +128,9 @@ class RowRandom:
         the blocks' table of every step."""
         counts = [_count(purpose, shape) for purpose, shape in blocks]
         total = sum(counts)
-        if self.horizon is not None and self.batch * self.horizon * total <= _MAX_TABLE:
+        # Compiled code hashes inline (inductor fuses the hash into a kernel or two): it grows no table.
+        tabled = self.horizon is not None and not torch.compiler.is_compiling()
+        if tabled and self.batch * self.horizon * total <= _MAX_TABLE:
             if blocks not in self._tables:
                 self._tables[blocks] = self._hash(self._every_step(), blocks)
             table = self._tables[blocks]  # [B, horizon, total]
