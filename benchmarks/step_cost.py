@@ -15,7 +15,9 @@ the same prompts with the same seeds with AR and with the method (one untimed wa
 - the speculative step time, split into draft / verify / accept / commit / other (loop bookkeeping),
   all in AR steps, and ``host``: the step's time outside target and drafter forwards, in AR steps;
 - r, efficiency 1/r, S (image tokens per target forward), projected speedup S/r and the measured
-  speedup (AR decode time ÷ method decode time on the same prompts, prefill included).
+  speedup (AR decode time ÷ method decode time on the same prompts, prefill included);
+- "paper S/r": the speedup at the S the method family's paper reports on LlamaGen-XL
+  (``conf/papers.yaml``, ``vdtrain.eval.papers``), "—" where no paper figure applies.
 
 The first step (it holds the prefill) is left out of every per-step figure; a VVS step that skips the
 target is charged to the verified step after it, so S/r stays the speedup. Random-weight LlamaGen-B/-L/-XL
@@ -47,6 +49,7 @@ from vdtrain.decode.methods import build_method, load_preset, preset_names
 from vdtrain.decode.profiling import PHASES, PhaseTimer, StepTimes
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.eval.papers import projected_speedup
 from vdtrain.eval.runner import device_description
 from vdtrain.evaluate import load_drafter
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
@@ -100,6 +103,7 @@ class Row:
     efficiency: float  # 1 / r
     projected_speedup: float | None  # S / r
     s_from: str | None  # whose S the projection uses (None: none measured)
+    paper_speedup: float | None  # S_paper / r, the paper's S for the preset's family (None: no figure)
     measured_speedup: float  # AR decode time / method decode time, same prompts
     verified_steps: int
     startup_s: float  # the method's first decode of the first batch beyond a warm one (capture, compile)
@@ -122,7 +126,8 @@ def random_llamagen(
     ).eval()
     with torch.device(device):  # XL's 775M parameters initialised where they run
         gpt = LlamaGenGPT(config).eval()
-    target = LlamaGenTarget(gpt, VQTokenizer(vq, image_size=256), None, size, LLAMAGEN_SAMPLING).to(device)
+    tokenizer = VQTokenizer(vq, image_size=16 * config.grid_size)  # VQ-16: 16 px per token
+    target = LlamaGenTarget(gpt, tokenizer, None, size, LLAMAGEN_SAMPLING).to(device)
     drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
     return target, drafter.attach(target)
 
@@ -341,6 +346,7 @@ def make_row(name: str, preset: str, batch: int, mode: str, ar, m, s_shapes) -> 
         efficiency=1 / r,
         projected_speedup=None if s_shapes is None else s_shapes / r,
         s_from=None if s_shapes is None else "shapes",
+        paper_speedup=projected_speedup(preset, r),
         measured_speedup=ar_total / m["total"],
         verified_steps=int(m["verified"]),
         startup_s=m["startup"],
@@ -403,7 +409,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
 def table(rows: Sequence[Row], header: bool = True) -> str:
     """Markdown rows; phase columns and host in AR steps; S/r marked * when S is another target's."""
     cols = "target | preset | B | mode | AR step ms | step ms | r | draft | verify | accept | commit | other"
-    cols += " | host | S | 1/r | S/r | measured | start-up s | AR start-up s"
+    cols += " | host | S | 1/r | S/r | paper S/r | measured | start-up s | AR start-up s"
     lines = [f"| {cols} |", "|" + "---|" * (cols.count("|") + 1)] if header else []
     for w in rows:
         p = w.phases
@@ -416,7 +422,7 @@ def table(rows: Sequence[Row], header: bool = True) -> str:
             f"| {w.target} | {w.preset} | {w.batch} | {w.mode} | {w.ar_step_ms:.2f} | {w.step_ms:.2f} "
             f"| {w.r:.2f} | {cell(p['draft'])} | {cell(p['verify'])} | {cell(p['accept'])} "
             f"| {cell(p['commit'])} | {cell(p['other'])} | {cell(w.host)} | {w.s:.2f} | {w.efficiency:.3f} "
-            f"| {projected} "
+            f"| {projected} | {'—' if w.paper_speedup is None else f'{w.paper_speedup:.2f}'} "
             f"| {w.measured_speedup:.2f} | {w.startup_s:.1f} | {w.ar_startup_s:.1f} |"
         )
     return "\n".join(lines)

@@ -4,15 +4,22 @@ there, and each kernel's call time eager and compiled (``vdtrain.decode.kernels`
     python -m benchmarks.step_kernels                      # eagle2 on the shapes target, B = 1, CPU
     python -m benchmarks.step_kernels --preset sjd --batch 4 --backend inductor
     python -m benchmarks.step_kernels --target llamagen-b --calls 0   # real vocabulary; op table only
+    python -m benchmarks.step_kernels --phases                 # kernels per step by phase, AR and presets
 
-One decode (of held-out captions on the shapes target, of random caption features on the random-weight
-targets of ``benchmarks.step_cost``) runs under a dispatch-level counter (forwards excluded: the target's
-``forward_tokens`` and the drafter's ``forward`` / ``logits``, as in ``PhaseTimer``) that also times each
-op outside the forwards (wall time around the call: on a CPU the kernel's time, on a GPU only its launch),
-and records the first arguments each kernel of the engine and its builder was called with. Each kernel
-is then called again with those arguments ``--calls`` times, eagerly and compiled (after a warm-up call
-that compiles it), and the mean time per call is printed. Kernels that change tensors in place (the
-commit) are timed on the same arguments again; their values do not matter for the timing.
+``--phases`` prints, for AR and every preset (or ``--presets``), the kernel-launching ATen ops per step
+by region (``vdtrain.decode.phase_ops``) at LlamaGen-XL depth: 36 layers of width 64 and an 8×8 grid
+(neither width nor grid changes the count), random weights, LlamaGen's sampling (CFG on, top-k 1000 of
+16 384), B = 1, eager.
+
+Without it, one decode (of held-out captions on the shapes target, of random caption features on the
+random-weight targets of ``benchmarks.step_cost``) runs under a dispatch-level counter (forwards
+excluded: the target's ``forward_tokens`` and the drafter's ``forward`` / ``logits``, as in
+``PhaseTimer``) that also times each op outside the forwards (wall time around the call: on a CPU the
+kernel's time, on a GPU only its launch), and records the first arguments each kernel of the engine and
+its builder was called with. Each kernel is then called again with those arguments ``--calls`` times,
+eagerly and compiled (after a warm-up call that compiles it), and the mean time per call is printed.
+Kernels that change tensors in place (the commit) are timed on the same arguments again; their values do
+not matter for the timing.
 """
 
 from __future__ import annotations
@@ -30,10 +37,23 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.step_cost import RANDOM_CHAMELEON, RANDOM_TARGETS, _generators, _now, conditions, load
+from benchmarks.step_cost import (
+    RANDOM_CHAMELEON,
+    RANDOM_TARGETS,
+    _generators,
+    _now,
+    conditions,
+    load,
+    random_llamagen,
+)
 from vdtrain.decode.kernels import compiled_step_kernels
-from vdtrain.decode.methods import build_method, load_preset
+from vdtrain.decode.methods import build_method, load_preset, preset_names
+from vdtrain.decode.phase_ops import PhaseOps, count_phase_ops
 from vdtrain.decode.profiling import phase_methods
+
+# LlamaGen-XL's depth at a width that decodes fast on a CPU: the kernel count does not depend on width.
+# An 8×8 image grid (XL's is 16×16) for 4× fewer steps: the count per step does not depend on it either.
+XL_DEPTH = {"n_layer": 36, "dim": 64, "n_head": 2, "block_size": 64}
 
 
 class _Ops(TorchDispatchMode):
@@ -97,11 +117,44 @@ def _kernels(engine: Any) -> dict[str, tuple[Any, str, Callable[..., Any]]]:
     return found
 
 
+def xl_depth_phase_ops(
+    presets: list[str], seed: int = 0, cache_dir: str | None = None
+) -> dict[str, PhaseOps]:
+    """Kernel ops per step by region for each preset (``ar`` included) at XL depth, B = 1, eager;
+    ``cache_dir`` holds LANTERN's neighbour tables (default: the preset's)."""
+    target, drafter = random_llamagen("llamagen-xl", torch.device("cpu"), seed, XL_DEPTH)
+    cond = conditions(target, "llamagen-xl", 1, 1, seed)[0]
+    out = {}
+    for name in presets:
+        overrides = {"acceptance": {"cache_dir": cache_dir}} if cache_dir and name != "ar" else None
+        config = load_preset(name, overrides)
+        method = build_method(
+            config, target, drafter if config.needs_drafter else None, target.sampling_defaults
+        )
+        out[name] = count_phase_ops(method, cond, _generators(torch.device("cpu"), seed, 0, 1))
+    return out
+
+
+def phase_table(counts: dict[str, PhaseOps]) -> str:
+    """Markdown: per step, the total, the target's layers (and per layer), everything beyond them, and
+    each region outside the layers."""
+    outside = [r for r in next(iter(counts.values())).regions if r != "layers"]
+    cols = ["method", "total", "layers", "per layer", "beyond layers", *outside]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for name, c in counts.items():
+        cells = [name, f"{c.total:.0f}", f"{c.regions['layers']:.0f}", f"{c.per_layer:.1f}"]
+        cells += [f"{c.beyond_layers:.0f}", *(f"{c.regions[r]:.0f}" for r in outside)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", default="eagle2")
+    parser.add_argument("--phases", action="store_true", help="the kernel table by phase at XL depth")
+    parser.add_argument("--presets", nargs="+", default=None, help="--phases: these (default: all, AR first)")
     parser.add_argument("--target", default="shapes", choices=["shapes", *RANDOM_TARGETS, *RANDOM_CHAMELEON])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled calls")
@@ -115,6 +168,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.phases:
+        presets = args.presets or ["ar", *(n for n in preset_names() if n != "ar")]
+        print("Kernel-launching ATen ops per step (views and metadata left out), LlamaGen-XL depth")
+        print("(36 layers of width 64, an 8×8 grid), random weights, CFG on, B = 1, eager, steps after")
+        print("the first:\n")
+        print(phase_table(xl_depth_phase_ops(presets, args.seed)))
+        return
     device = torch.device(args.device)
     target, drafter = load(args.target, device, args.drafter, args.seed)
     config = load_preset(args.preset)

@@ -5,6 +5,8 @@
 - Prompt ``i`` is sampled with its own generator whatever its batch: every preset gives the same tokens
   batched and alone.
 - Vocabularies smaller than a tree's width are capped, not a crash in torch.
+- Trees shrunk to the row limit (``tree.max_rows``, issue #33) stay exact: T = 0 tokens are AR's, T = 1
+  samples follow AR's distribution.
 """
 
 from __future__ import annotations
@@ -83,10 +85,21 @@ def test_the_exact_presets_are_found():
     assert not {"lantern", "lantern_pp", "gsd", "vvs"} & set(EXACT_PRESETS)
 
 
+# 3000 prompts × 2 CFG streams = 6000 rows: 30 000 rows leave every tree 5 nodes (a window of 4).
+SHRUNK = {"max_rows": 30_000}
+SHRUNK_TREES = {
+    "eagle1": {"kind": "static", "preset": "eagle1", **SHRUNK},
+    "eagle2": {"kind": "dynamic", **SHRUNK},
+    "sjd": {"kind": "jacobi", **SHRUNK},
+}
+
+
 @pytest.mark.parametrize(
     ("name", "overrides"),
-    [(n, {}) for n in EXACT_PRESETS] + [("lantern_pp", {"acceptance": {"kind": "exact"}})],
-    ids=[*EXACT_PRESETS, "lantern_pp_tree_exact"],
+    [(n, {}) for n in EXACT_PRESETS]
+    + [("lantern_pp", {"acceptance": {"kind": "exact"}})]
+    + [(n, {"tree": tree}) for n, tree in SHRUNK_TREES.items()],
+    ids=[*EXACT_PRESETS, "lantern_pp_tree_exact", *(f"{n}_shrunk" for n in SHRUNK_TREES)],
 )
 def test_exact_methods_keep_the_distribution_when_q_has_fewer_tokens_than_children(
     truncated_micro, name, overrides, tmp_path
@@ -190,3 +203,32 @@ def test_trees_wider_than_the_vocabulary_are_capped(builder, temperature):
     if temperature == 0.0:
         assert torch.equal(tokens, generate_ar(target, cond, sampling, [None, None]))
     assert tokens.shape == (2, 4) and int(tokens.max()) < 4
+
+
+# --- trees shrunk to the row limit ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["eagle1", "eagle2", "peanut", "sjd"])
+def test_a_tree_shrunk_to_the_row_limit_keeps_ar_tokens_at_t0(name, tmp_path):
+    target, cond = make_target(), tiny_condition()  # 2 prompts × 2 CFG streams: 4 rows
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=0.0)
+    drafter = confident_drafter(target)
+    full = method(name, target, drafter, sampling, tmp_path)
+    config = load_preset(name, {"tree": {"max_rows": 12}})  # 12 // 4 = 3 nodes
+    shrunk = build_method(config, target, drafter if config.needs_drafter else None, sampling)
+    tokens = shrunk.generate(cond, [None, None]).tokens
+    assert shrunk.builder.max_nodes() <= full.builder.max_nodes()
+    verified = getattr(shrunk.builder, "total_tokens", None) or shrunk.builder.max_nodes()
+    assert verified == 3, f"{name}: {verified} nodes verified under the row limit"
+    assert torch.equal(tokens, generate_ar(target, cond, sampling, [None, None]))
+
+
+def test_the_node_budget_follows_the_rows_and_the_device():
+    from vdtrain.decode.builders.base import GPU_MAX_ROWS, node_budget
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert node_budget(None, 32, cpu) is None  # auto: no limit on a CPU
+    assert node_budget(None, 32, gpu) == GPU_MAX_ROWS // 32  # B 16 with CFG: 8 nodes on a GPU
+    assert node_budget(None, 1000, gpu) == 2  # never below the root and one draft
+    assert node_budget(0, 32, gpu) is None  # off
+    assert node_budget(100, 4, cpu) == 25  # an explicit limit applies anywhere

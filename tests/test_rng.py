@@ -144,7 +144,7 @@ def test_inverse_cdf_at_the_ends_of_the_unit_interval():
     lowest, highest = torch.zeros(3, dtype=torch.float64), torch.full((3,), 1 - 2.0**-53, dtype=torch.float64)
     assert inverse_cdf(p, lowest).tolist() == [1, 0, 0]
     assert inverse_cdf(p, highest).tolist() == [2, 0, 0]  # the last token with mass; no mass at all: 0
-    # Rounding pushing u · total onto the total falls back to the last token with mass.
+    # Rounding pushing u · total onto the total falls back to the first index reaching the total.
     total_rounds_up = torch.tensor([[0.1, 0.2, 0.7, 0.0]], dtype=torch.float64)
     assert inverse_cdf(total_rounds_up, torch.tensor([1 - 2.0**-53], dtype=torch.float64)).tolist() == [2]
 
@@ -176,3 +176,18 @@ def test_blocks_drawn_together_equal_blocks_drawn_apart():
     assert torch.equal(accept, rows.uniform(Purpose.ACCEPT, 7))
     assert torch.equal(bonus, rows.uniform(Purpose.BONUS, 1)[:, 0])
     assert torch.equal(draft, rows.uniform(Purpose.DRAFT, 3, 4))
+
+
+def test_a_horizon_gathers_the_same_uniforms_from_its_tables_and_reseeds_them():
+    seeds = torch.tensor([3, -7, 123456789012])
+    hashed, tabled = RowRandom(seeds), RowRandom(seeds, horizon=6)
+    blocks = ((Purpose.ACCEPT, (4,)), (Purpose.BONUS, ()))
+    for step in range(5):
+        for x, y in zip(hashed.uniforms(*blocks), tabled.uniforms(*blocks), strict=True):
+            assert torch.equal(x, y)
+        active = torch.tensor([True, step % 2 == 0, True])  # rows advance apart
+        hashed.advance(active)
+        tabled.advance(active)
+    for rng in (hashed, tabled):
+        rng.reseed(torch.tensor([1, 2, 3]))
+    assert torch.equal(hashed.uniform(Purpose.ACCEPT, 4), tabled.uniform(Purpose.ACCEPT, 4))

@@ -428,7 +428,9 @@ class Drafter(nn.Module):
         if metadata is not None:
             config["metadata"] = dict(metadata)
         (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        # clone: some entries are views of one fused weight (LlamaGen's w1 / w3), and safetensors
+        # refuses tensors that share memory
+        state = {k: v.detach().to("cpu").clone() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_FILE))
         return path
 

@@ -303,18 +303,26 @@ def _follow(
     child_of: torch.Tensor, relaxed_at: torch.Tensor, depth: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Walk down from the root along each node's accepted child (``child_of`` [B, T], −1: none; ``relaxed_at``
-    [B, T] is set only where there is one): (path [B, depth], last node [B], relaxed acceptances [B])."""
-    relaxed_at = relaxed_at.long()
-    node = torch.zeros_like(child_of[:, :1])  # [B, 1]
-    relaxed = torch.zeros_like(node)
-    steps = []
-    for _ in range(depth):
-        nxt = child_of.gather(1, node)
-        relaxed = relaxed + relaxed_at.gather(1, node)
-        steps.append(nxt)
-        node = torch.where(nxt >= 0, nxt, node)
-    path = torch.cat(steps, 1) if steps else child_of[:, :0]
-    return path, node.squeeze(1), relaxed.squeeze(1)
+    [B, T] is set only where there is one): (path [B, depth], last node [B], relaxed acceptances [B]).
+
+    The walk is the powers of ``f`` (a node's accepted child, itself where none) at the root, found by
+    doubling: about 3·log2(depth) ops instead of 5 per level (a GPU step is bound by kernel launches)."""
+    size = child_of.shape[1]
+    node = torch.zeros_like(child_of[:, :1])  # [B, 1]: the root
+    if depth == 0:
+        return child_of[:, :0], node.squeeze(1), torch.zeros_like(node.squeeze(1))
+    nodes = torch.arange(size, device=child_of.device)
+    jump = torch.where(child_of >= 0, child_of, nodes)  # f, then f^m
+    reach = jump[:, :1]  # [B, m]: f(root) .. f^m(root)
+    while reach.shape[1] < depth:
+        reach = torch.cat([reach, jump.gather(1, reach)], 1)  # f^(m+1) .. f^(2m) (root)
+        if reach.shape[1] < depth:
+            jump = jump.gather(1, jump)
+    reach = reach[:, :depth]
+    before = torch.cat([node, reach[:, :-1]], 1)  # the node each level's step starts from
+    path = torch.where(reach != before, reach, -1)  # a node is never its own child: equal means none
+    relaxed = relaxed_at.long().gather(1, before).sum(1)  # zero at the last node: it has no child
+    return path, reach[:, -1], relaxed
 
 
 def _greedy_choices(

@@ -6,7 +6,8 @@ on the device, so on a GPU the step is recorded once as a CUDA graph and replaye
 (``vdtrain.decode.graphs``), as gpt-fast does. The first token is drawn like every speculative method's
 (``next_tokens`` with the row's generator); each later one from the row's counter stream (``RowRandom``,
 purpose ``BONUS``: AR's token is the bonus of an empty tree), which needs no host state, so a replayed
-step samples exactly what an eager one does.
+step samples exactly what an eager one does; its horizon makes a step gather them from a table hashed
+once per decode.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class ARDecoder:
             cache=self.target.new_cache(len(stream)),
             out=torch.zeros(batch, self.target.num_image_tokens, dtype=torch.long, device=device),
             index=torch.zeros(1, dtype=torch.long, device=device),
-            rng=RowRandom.from_generators(generators, device),
+            rng=RowRandom.from_generators(generators, device, horizon=self.target.num_image_tokens),
         )
 
     def _step(self) -> None:

@@ -19,7 +19,7 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, node_budget
 from vdtrain.decode.compiled import DecodeOptions
 from vdtrain.decode.graphs import DeviceLog, Recorder, SplitStepGraph, StepGraph
 from vdtrain.decode.kernels import compiled_step_kernels, step_kernel
@@ -273,6 +273,7 @@ class SpeculativeEngine:
         stream = cfg_batch(target, cond, sampling)
         streams = len(stream) // batch
         device = target.token_embedding.weight.device
+        self.builder.limit_nodes(node_budget(self.builder.max_rows, len(stream), device))
         extra = self.builder.max_nodes() + 1
         skipping = schedule.can_skip
         chain = extra if skipping else 0  # post-verification feeds [unverified tokens ⊕ tree]
@@ -348,7 +349,7 @@ class SpeculativeEngine:
             else None,
             out=torch.zeros(batch, n_img + extra + chain, **long),
             committed=torch.ones(batch, **long),
-            rng=RowRandom.from_generators(generators, device),
+            rng=RowRandom.from_generators(generators, device, horizon=target.num_image_tokens + 1),
             chain=chain,
             pending=torch.zeros(batch, **long),
             fcache=None,

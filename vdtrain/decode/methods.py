@@ -234,7 +234,9 @@ def tree_builder(config: TreeConfig) -> DraftTreeBuilder:
     build = _tree_part(config.kind).build
     if build is None:
         raise ValueError(f"tree kind {config.kind!r} drafts nothing: it has no draft-tree builder (AR)")
-    return build(config)
+    builder = build(config)
+    builder.max_rows = config.max_rows
+    return builder
 
 
 class ARMethod:

@@ -7,6 +7,10 @@ batch), and integer arithmetic gives the same values on a CPU and a GPU. The has
 xor-shift / multiply bijection of 32-bit words kept below 2^63) gives doubles with 53 random bits.
 One ``(step, purpose)`` pair is one stream: ``uniform(purpose, n)[:, :m]`` equals ``uniform(purpose,
 m)``, so draw each purpose once per step (or use another purpose) and ``advance`` between steps.
+With a ``horizon`` (the most steps a decode takes), each set of blocks is hashed for every step of the
+decode the first time it is asked for, and later steps gather their row's numbers from that table: one op
+per draw instead of about fifty (a replayed GPU step is bound by kernel launches). The values are the
+same either way.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ _MUL_A = 0x7FEB352D  # odd, < 2^31: a product with a 32-bit word stays below 2^6
 _MUL_B = 0x2C1B3C6D
 _SEED_SALT = 0x243F6A88  # digits of pi: keep a zero seed away from the all-zero word
 _PURPOSE_SALT = 0x9E3779B9  # 2^32 / golden ratio: spreads small purpose numbers over the word
+_MAX_TABLE = 1 << 22  # float64 elements of one step table (32 MB); larger draws are hashed each step
 
 
 class Purpose:
@@ -59,9 +64,11 @@ def _as_int64_seed(seed: int) -> int:
 class RowRandom:
     """Uniform draws for a batch of rows from per-row seeds and step counters (see the module docstring)."""
 
-    def __init__(self, seeds: torch.Tensor) -> None:
+    def __init__(self, seeds: torch.Tensor, horizon: int | None = None) -> None:
         self.seed_key = self._key(seeds)  # [B]: fixed for the whole decode
         self.steps = torch.zeros_like(seeds)  # [B]: advanced once per step by the rows still decoding
+        self.horizon = horizon  # steps a row takes at most (None: hash every draw when it is made)
+        self._tables: dict[tuple, torch.Tensor] = {}  # blocks -> [B, horizon, total] for steps 0..
 
     @staticmethod
     def _key(seeds: torch.Tensor) -> torch.Tensor:
@@ -86,15 +93,20 @@ class RowRandom:
 
     @classmethod
     def from_generators(
-        cls, generators: Sequence[torch.Generator | None], device: torch.device | str | None = None
+        cls,
+        generators: Sequence[torch.Generator | None],
+        device: torch.device | str | None = None,
+        horizon: int | None = None,
     ) -> RowRandom:
         """Rows seeded from ``generators`` (``seeds_of``)."""
-        return cls(cls.seeds_of(generators, device))
+        return cls(cls.seeds_of(generators, device), horizon)
 
     def reseed(self, seeds: torch.Tensor) -> None:
-        """Start over from new seeds, in place (a recorded step replays on these tensors)."""
+        """Start over from new seeds, in place (a recorded step replays on these tensors and tables)."""
         self.seed_key.copy_(self._key(seeds))
         self.steps.zero_()
+        for blocks, table in self._tables.items():
+            table.copy_(self._hash(self._every_step(), blocks))
 
     @property
     def batch(self) -> int:
@@ -112,26 +124,38 @@ class RowRandom:
 
     def uniforms(self, *blocks: tuple[int, tuple[int, ...]]) -> list[torch.Tensor]:
         """``uniform(purpose, *shape)`` for each ``(purpose, shape)`` block, hashed in one pass (the same
-        values as separate calls, in about half the ops for two blocks)."""
-        counts = []
-        for purpose, shape in blocks:
-            _check_purpose(purpose)
-            count = 1
-            for n in shape:
-                count *= n
-            if any(n < 0 for n in shape) or 2 * count > _MASK:
-                raise ValueError(f"cannot draw a block of shape {shape}: at most 2^31 non-negative elements")
-            counts.append(count)
-        step_key = _mix(self.seed_key ^ (self.steps & _MASK))  # [B]
-        device = step_key.device
-        keys = [_mix(step_key ^ ((purpose * _PURPOSE_SALT) & _MASK)) for purpose, _ in blocks]
-        key = torch.cat([k[:, None].expand(-1, 2 * c) for k, c in zip(keys, counts, strict=True)], 1)
-        counters = torch.cat([torch.arange(2 * c, dtype=torch.long, device=device) for c in counts])
-        words = _mix(_mix(key ^ counters))  # [B, 2 * total]
-        high, low = words[:, 0::2] >> 5, words[:, 1::2] >> 6  # 27 and 26 bits
-        flat = (high * (1 << 26) + low).double() / float(1 << 53)
+        values as separate calls, in about half the ops for two blocks); with a horizon, gathered from
+        the blocks' table of every step."""
+        counts = [_count(purpose, shape) for purpose, shape in blocks]
+        total = sum(counts)
+        # Compiled code hashes inline (inductor fuses the hash into a kernel or two): it grows no table.
+        tabled = self.horizon is not None and not torch.compiler.is_compiling()
+        if tabled and self.batch * self.horizon * total <= _MAX_TABLE:
+            if blocks not in self._tables:
+                self._tables[blocks] = self._hash(self._every_step(), blocks)
+            table = self._tables[blocks]  # [B, horizon, total]
+            flat = table.gather(1, self.steps[:, None, None].expand(-1, 1, total))[:, 0]
+        else:
+            flat = self._hash(self.steps, blocks)
         parts = flat.split(counts, dim=1)
         return [part.reshape(self.batch, *shape) for part, (_, shape) in zip(parts, blocks, strict=True)]
+
+    def _every_step(self) -> torch.Tensor:
+        """[B, horizon]: steps 0 .. horizon - 1 of every row."""
+        return torch.arange(self.horizon, device=self.steps.device).expand(self.batch, -1)
+
+    def _hash(self, steps: torch.Tensor, blocks: tuple[tuple[int, tuple[int, ...]], ...]) -> torch.Tensor:
+        """float64 [*steps.shape, total]: the blocks' uniforms, flat, at ``steps`` ([B] or [B, T])."""
+        counts = [_count(purpose, shape) for purpose, shape in blocks]
+        seed_key = self.seed_key.view(-1, *[1] * (steps.dim() - 1))
+        step_key = _mix(seed_key ^ (steps & _MASK))  # [B] or [B, T]
+        device = step_key.device
+        keys = [_mix(step_key ^ ((purpose * _PURPOSE_SALT) & _MASK)) for purpose, _ in blocks]
+        key = torch.cat([k[..., None].expand(*k.shape, 2 * c) for k, c in zip(keys, counts, strict=True)], -1)
+        counters = torch.cat([torch.arange(2 * c, dtype=torch.long, device=device) for c in counts])
+        words = _mix(_mix(key ^ counters))  # [..., 2 * total]
+        high, low = words[..., 0::2] >> 5, words[..., 1::2] >> 6  # 27 and 26 bits
+        return (high * (1 << 26) + low).double() / float(1 << 53)
 
     def keyed(self, purpose: int, keys: torch.Tensor, width: int) -> torch.Tensor:
         """float64 [B, K, width] in [0, 1): a function of each row's seed, ``purpose``, ``keys`` [B, K]
@@ -149,15 +173,25 @@ class RowRandom:
         return (high * (1 << 26) + low).double() / float(1 << 53)
 
 
+def _count(purpose: int, shape: tuple[int, ...]) -> int:
+    """Elements of a ``(purpose, shape)`` block, both checked."""
+    _check_purpose(purpose)
+    count = 1
+    for n in shape:
+        count *= n
+    if any(n < 0 for n in shape) or 2 * count > _MASK:
+        raise ValueError(f"cannot draw a block of shape {shape}: at most 2^31 non-negative elements")
+    return count
+
+
 def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Sample one index per row of ``p`` [..., V] with the uniforms ``u`` [...]: the first index whose
     cumulative mass exceeds ``u`` times the row's total, so ``p`` need not sum exactly to 1 and a
     zero-mass index is never returned (the cumulative sum does not grow there). A row with no mass at all
-    gives index 0. No host synchronisation."""
-    cdf = p.double().cumsum(-1)
-    target = u.double() * cdf[..., -1]
-    index = torch.searchsorted(cdf, target.unsqueeze(-1), right=True).squeeze(-1)
-    # Rounding can put u · total at the total itself: fall back to the last index with mass.
-    positions = torch.arange(p.shape[-1], device=p.device)
-    last = torch.where(p > 0, positions, 0).amax(-1)
-    return torch.where(index < p.shape[-1], index, last)
+    gives index 0. No host synchronisation; six kernels."""
+    cdf = p.cumsum(-1, dtype=torch.float64)
+    total = cdf.amax(-1, keepdim=True)  # the last entry, but contiguous, as searchsorted wants its values
+    index = torch.searchsorted(cdf, u.double().unsqueeze(-1) * total, right=True)
+    # Rounding can put u · total at the total itself (index V): then take the first index where the
+    # cumulative mass reaches the total, which has mass (0 for a row with none).
+    return torch.minimum(index, torch.searchsorted(cdf, total)).squeeze(-1)

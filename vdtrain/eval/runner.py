@@ -35,6 +35,7 @@ from vdtrain.decode.metrics import summarize
 from vdtrain.drafter import Drafter
 from vdtrain.durations import duration
 from vdtrain.eval.heartbeat import Heartbeat
+from vdtrain.eval.papers import projected_speedup
 from vdtrain.eval.quality import QualityConfig, QualityScorer
 from vdtrain.eval.table import EvalRow
 from vdtrain.images import save_png, tensor_to_images
@@ -267,12 +268,15 @@ def evaluate(
                         )
                 if ar_runs is not None:
                     ar_runs[temperature] = (decoded, images, vq_seconds, floor)
+            summary = summarize(decoded.stats, target.num_image_tokens)
+            speedup = ar.seconds / decoded.seconds
             result.rows.append(
                 EvalRow(
                     method=config.name,
                     temperature=float(temperature),
-                    **summarize(decoded.stats, target.num_image_tokens),
-                    speedup=ar.seconds / decoded.seconds,
+                    **summary,
+                    speedup=speedup,
+                    paper_speedup=projected_speedup(config.name, summary["S"] / speedup),
                     speedup_with_vq_decode=(ar.seconds + ar_vq_seconds) / (decoded.seconds + ar_vq_seconds),
                     method_seconds=decoded.seconds,
                     ar_seconds=ar.seconds,

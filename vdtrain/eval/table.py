@@ -46,6 +46,9 @@ class EvalRow:
     target_forwards: float = 0.0
     drafter_forwards: float = 0.0
     verified_steps: float = 0.0
+    # The speedup at the paper's S for this method's family (conf/papers.yaml): S_paper / r, with the step
+    # cost r = S / speedup as measured here; None where no paper figure applies
+    paper_speedup: float | None = None
     quality: dict[str, QualityValue] = field(default_factory=dict)
 
     def flat(self) -> dict[str, Any]:
@@ -73,6 +76,7 @@ COLUMNS = [  # (header, row -> cell)
     ("relaxed", lambda r: f"{r.relaxed_acceptances:.1f}"),
     ("latency speedup", lambda r: f"{r.speedup:.2f}×"),
     ("with VQ decode", lambda r: f"{r.speedup_with_vq_decode:.2f}×"),
+    ("at paper S", lambda r: "–" if r.paper_speedup is None else f"{r.paper_speedup:.2f}×"),
     ("= AR", lambda r: {None: "–", True: "yes", False: "NO"}[r.identical_to_ar]),
     ("start-up s", lambda r: "–" if r.startup_seconds is None else f"{r.startup_seconds:.1f}"),
 ]
@@ -85,7 +89,7 @@ def quality_names(rows: list[EvalRow]) -> list[str]:
     return names
 
 
-SPEED_COLUMNS = ("latency speedup", "with VQ decode")
+SPEED_COLUMNS = ("latency speedup", "with VQ decode", "at paper S")
 CPU_NOTE = (
     "Speeds on a CPU: tree methods are compute-bound there (a tree of n nodes costs about n times an AR "
     "step's arithmetic), so only GPU tables say what a method gains (docs/evaluation.md)."

@@ -8,6 +8,11 @@ because the released weights depend on them (docs/targets.md, "LlamaGen t2i"):
   vectors*: captions reach image tokens through their values only;
 - the caption is left-padded; padded caption keys are masked for every query, and every position may
   attend to itself.
+
+A decode step on a GPU is bound by kernel launches, so a layer is written in few kernels (issue #33;
+docs/decoding.md, "Kernels per step"): a native RMSNorm, q and k rotated together by one complex product,
+one ``w1‖w3`` GEMM (the state dict keeps the official ``w1`` / ``w3``), and the boolean mask turned into
+an additive bias once per forward rather than inside every layer's attention.
 """
 
 from __future__ import annotations
@@ -123,24 +128,19 @@ def rope_2d_table(
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, S, H, D] by ``rope`` [B, S, D/2, 2] (adjacent pairs, computed in fp32)."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
-    out = torch.stack(
-        [pairs[..., 0] * cos - pairs[..., 1] * sin, pairs[..., 1] * cos + pairs[..., 0] * sin], dim=-1
-    )
-    return out.flatten(3).type_as(x)
+    """Rotate ``x`` [B, S, H, D] by ``rope`` [B, S, D/2, 2] (adjacent pairs, computed in fp32): the pair
+    (a, b) times cos + i·sin as one complex product, one kernel (a GPU step is bound by launches)."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    turned = pairs * torch.view_as_complex(rope)[:, :, None]
+    return torch.view_as_real(turned).flatten(3).type_as(x)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+def attention_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask (True = may attend) as the additive bias (0 / -inf) attention adds, made once per
+    forward: given the boolean mask, attention converts it again in every layer."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
 
 
 class MLP(nn.Module):
@@ -172,15 +172,41 @@ class CaptionEmbedder(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """SwiGLU, ``w2(silu(w1 x) · w3 x)``, with ``w1`` and ``w3`` stacked in one ``w13`` GEMM (one kernel for
+    two). Its state dict holds the official ``w1`` / ``w3`` (views of ``w13``; joined again on load), so
+    released checkpoints and saved drafters load unchanged."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_hidden, bias=False)
+        self.w13 = nn.Linear(config.dim, 2 * config.ffn_hidden, bias=False)
         self.w2 = nn.Linear(config.ffn_hidden, config.dim, bias=False)
         self.ffn_dropout = nn.Dropout(config.ffn_dropout_p)
+        self._register_state_dict_hook(_split_w13)
+        self._register_load_state_dict_pre_hook(_join_w13)
+        self.register_load_state_dict_post_hook(_name_w13_as_released)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ffn_dropout(self.w2(F.silu(self.w1(x)) * self.w3(x)))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.ffn_dropout(self.w2(F.silu(gate) * up))
+
+
+def _split_w13(module: nn.Module, state: dict, prefix: str, _metadata: object) -> None:
+    w1, w3 = state.pop(prefix + "w13.weight").chunk(2)
+    state[prefix + "w1.weight"], state[prefix + "w3.weight"] = w1, w3
+
+
+def _join_w13(state: dict, prefix: str, *_: object) -> None:
+    if prefix + "w1.weight" in state and prefix + "w3.weight" in state:
+        state[prefix + "w13.weight"] = torch.cat(
+            [state.pop(prefix + "w1.weight"), state.pop(prefix + "w3.weight")]
+        )
+
+
+def _name_w13_as_released(_module: nn.Module, keys: nn.modules.module._IncompatibleKeys) -> None:
+    """A missing ``w13`` is reported as the two released keys it stands for."""
+    for key in [k for k in keys.missing_keys if k.endswith("w13.weight")]:
+        keys.missing_keys.remove(key)
+        keys.missing_keys += [key.replace("w13", "w1"), key.replace("w13", "w3")]
 
 
 class Attention(nn.Module):
@@ -202,9 +228,9 @@ class Attention(nn.Module):
         c = self.config
         bsz, seqlen, _ = x.shape
         kv_size = c.kv_heads * c.head_dim
-        q, k, v = self.wqkv(x).split([c.dim, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(bsz, seqlen, c.n_head, c.head_dim), rope).transpose(1, 2)
-        k = apply_rope(k.view(bsz, seqlen, c.kv_heads, c.head_dim), rope).transpose(1, 2)
+        qk, v = self.wqkv(x).split([c.dim + kv_size, kv_size], dim=-1)
+        qk = apply_rope(qk.view(bsz, seqlen, c.n_head + c.kv_heads, c.head_dim), rope)  # one rotation
+        q, k = (t.transpose(1, 2) for t in qk.split([c.n_head, c.kv_heads], dim=2))
         v = v.view(bsz, seqlen, c.kv_heads, c.head_dim).transpose(1, 2)
         if cache is not None:
             if slots is None or mask is None:
@@ -232,8 +258,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention = Attention(config)
         self.feed_forward = FeedForward(config)
-        self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
-        self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
 
     def forward(
         self,
@@ -259,7 +285,7 @@ class LlamaGenGPT(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.tok_dropout = nn.Dropout(config.token_dropout_p)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         rope = rope_2d_table(
             config.grid_size, config.head_dim, config.rope_base, config.cls_token_num, config.caption_rope
@@ -297,6 +323,7 @@ class LlamaGenGPT(nn.Module):
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
         rope = self.rope[positions]
+        mask = attention_bias(mask, x.dtype)
         if self.config.learned_pos_embedding:
             x = x + self.pos_embedding[positions].to(x.dtype)
         h = self.tok_dropout(x)

@@ -18,6 +18,7 @@ from vdtrain.models.llamagen_gpt import (
     GPTConfig,
     LlamaGenGPT,
     TransformerBlock,
+    attention_bias,
     rope_2d_table,
 )
 from vdtrain.models.llamagen_io import gpt_config_from, load_gpt, load_vq, vq_config_from
@@ -131,8 +132,9 @@ class LlamaGenDraftLayer(TransformerBlock, DraftLayer):
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        bias = attention_bias(mask, x.dtype)
         return super().forward(
-            x, self.rope[positions], mask, None if cache is None else cache.layer(0), slots
+            x, self.rope[positions], bias, None if cache is None else cache.layer(0), slots
         )
 
     def _apply(self, fn, recurse: bool = True):

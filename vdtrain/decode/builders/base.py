@@ -57,6 +57,9 @@ class TreeConfig:
     keys. This class alone is kind ``none``: AR, nothing drafted."""
 
     kind: str = "none"
+    # Verification rows (streams × prompts × tree nodes) above which the tree's node budget shrinks
+    # (``node_budget``): None is the device's ridge (GPU_MAX_ROWS on a GPU, no limit elsewhere); 0: off.
+    max_rows: int | None = None
 
 
 @dataclass
@@ -72,6 +75,18 @@ class StepState:
     rng: RowRandom | None = None  # the run's per-row counter-based uniforms (this step's draws)
 
 
+# Rows one GPU forward verifies at about the cost of one (its compute/bandwidth ridge: H200 ~206 rows,
+# H100 ~295 in bf16). Past it verification is compute-bound and a bigger tree costs more than it gains.
+GPU_MAX_ROWS = 256
+
+
+def node_budget(max_rows: int | None, rows: int, device: torch.device) -> int | None:
+    """Tree nodes (root included, at least 2) that keep ``rows`` verified rows per node under the row
+    limit (``TreeConfig.max_rows``; None: the device's), or None for no limit."""
+    limit = (GPU_MAX_ROWS if device.type == "cuda" else 0) if max_rows is None else max_rows
+    return max(2, limit // rows) if limit > 0 else None
+
+
 class DraftTreeBuilder:
     """Builds each step's tree; subclasses decide its shape (static, dynamic, adaptive, Jacobi).
 
@@ -83,9 +98,15 @@ class DraftTreeBuilder:
     # True: every step has the same shapes and host work and the builder keeps no Python state across
     # steps, so the engine may record a step once and replay it (vdtrain.decode.graphs).
     graph_safe: ClassVar[bool] = False
+    max_rows: int | None = None  # TreeConfig.max_rows (``tree_builder`` sets it)
 
     def max_nodes(self) -> int:
         raise NotImplementedError
+
+    def limit_nodes(self, nodes: int | None) -> None:
+        """Verify at most ``nodes`` tree nodes (root included) from now on; None: the configured size.
+        The engine calls it per ``generate`` with ``node_budget``; a builder whose trees cannot shrink
+        keeps them."""
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Fit settings to a vocabulary of ``vocab_size`` image tokens, or refuse them (the engine asks)."""

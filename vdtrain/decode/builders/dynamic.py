@@ -100,6 +100,11 @@ class DynamicTreeBuilder(DraftTreeBuilder):
                 f"(got top_k={top_k}, depth={depth}, total_tokens={total_tokens})"
             )
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
+        self.configured_total = total_tokens
+
+    def limit_nodes(self, nodes: int | None) -> None:
+        """Keep the best ``nodes`` (the drafted rounds stay; fewer nodes are selected and verified)."""
+        self.total_tokens = self.configured_total if nodes is None else min(self.configured_total, nodes)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         if self.top_k > vocab_size:

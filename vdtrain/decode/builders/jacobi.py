@@ -73,6 +73,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         if coupling not in COUPLINGS:
             raise ValueError(f"unknown Jacobi coupling {coupling!r}; known: {list(COUPLINGS)}")
         self.window, self.init, self.coupling = window, init, coupling
+        self.configured_window = window
         self._ranges: dict[tuple[torch.device, int], torch.Tensor] = {}
         self._windows: _Windows | None = None
         self.reset(0)
@@ -80,9 +81,14 @@ class JacobiWindowBuilder(DraftTreeBuilder):
     def max_nodes(self) -> int:
         return self.window + 1
 
+    def limit_nodes(self, nodes: int | None) -> None:
+        """A window of at most ``nodes - 1`` drafts (the engine calls this before ``reset``)."""
+        self.window = self.configured_window if nodes is None else min(self.configured_window, nodes - 1)
+
     def reset(self, batch: int) -> None:
         win = self._windows
-        self._windows = win.restart() if win is not None and win.tokens.shape[0] == batch else None
+        same = win is not None and win.tokens.shape[0] == batch and win.tokens.shape[1] == self.window
+        self._windows = win.restart() if same else None
         self._rng: RowRandom | None = None
         self._greedy = False
 

@@ -256,5 +256,6 @@ class PeanutTreeConfig(TreeConfig):
 
 def peanut_builder(config: PeanutTreeConfig) -> PeanutTreeBuilder:
     """The builder of ``config`` (its keys are the builder's arguments; ``init_seed`` is its ``seed``)."""
-    own = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("kind", "init_seed")}
+    skip = ("kind", "max_rows", "init_seed")  # max_rows: the engine's (``tree_builder`` sets it)
+    own = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in skip}
     return PeanutTreeBuilder(**own, seed=config.init_seed)

@@ -50,6 +50,18 @@ class StaticTreeBuilder(DraftTreeBuilder):
     graph_safe = True
 
     def __init__(self, tree: StaticTree) -> None:
+        self.configured_tree = tree
+        self._use(tree)
+
+    def limit_nodes(self, nodes: int | None) -> None:
+        """The first ``nodes - 1`` rank paths (shortest first, then by rank: every kept path's parent and
+        lower-ranked siblings are kept too)."""
+        full = self.configured_tree
+        tree = full if nodes is None or nodes >= full.size else static_tree(full.paths[: nodes - 1])
+        if tree != self.tree:
+            self._use(tree)
+
+    def _use(self, tree: StaticTree) -> None:
         self.tree = tree
         self.levels = [tree.nodes_at(d) for d in range(1, tree.depth + 1)]
         # Per level: (parent, its children in rank order) for every parent with children there.
