@@ -54,7 +54,8 @@ class UnrollCache(AttendingCache):
         rows = q.shape[2]
         scale = 1.0 / math.sqrt(q.shape[-1])
         # Teacher keys: row s sees what the chain's start, row s - step, saw.
-        teacher = shift_rows(mask.expand(q.shape[0], -1, -1, -1), step)
+        allowed = mask if mask.dtype == torch.bool else mask == 0  # an additive bias: 0 where visible
+        teacher = shift_rows(allowed.expand(q.shape[0], -1, -1, -1), step)
         # Ancestors: step i's row s - step + i, one key per row, laid along a new key axis.
         keys = torch.stack([shift_rows(self.k[i], step - i) for i in range(1, step + 1)], dim=3)
         values = torch.stack([shift_rows(self.v[i], step - i) for i in range(1, step + 1)], dim=3)
