@@ -7,7 +7,8 @@
 # DEADLINE_S: default 540 (one device command may run 600 s; the loan is 15 minutes with the start).
 # --wheels: the project's missing pure-Python dependencies as wheels (default .whl; benchmarks/README.md,
 #   "GPU check", says how to fill it here). --steps: only these steps (a rerun), in priority order.
-# --device cpu runs the same steps on small shapes, to test the script without a GPU.
+# --device cpu runs the same steps on small shapes, to test the script without a GPU (a shared CPU needs a
+#   deadline of about 1500).
 # OUT_DIR gets two files, each rewritten as soon as a step ends: gpu_check.log and gpu_check.json (per
 # step: exit code, seconds, budget, command and the JSON the step wrote).
 set -uo pipefail
@@ -38,11 +39,11 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 
 if [[ $device == cuda ]]; then
-  xl="llamagen-xl --dtype bf16" pair="eagle2 sjd" big=16 prompts=8 eval_prompts=16 eval= graphs=graphs compiled=compiled presets=all
+  xl="llamagen-xl --dtype bf16" pair="eagle2 sjd" scale=1 big=16 prompts=8 eval_prompts=16 eval= graphs=graphs compiled=compiled presets=all
   profile="--target llamagen-xl --dtype bf16 --steps 4"
   train="--targets llamagen-xl --drafters eagle1 eagle3 --modes eager zero2 compiled --batch 8 --steps 3 --warmup 2"
-else  # the script's own test: the same steps on a CPU, eager, at sizes it decodes in seconds
-  xl="shapes --dtype fp32" pair=sjd big=2 prompts=2 eval_prompts=2 eval="eval=fast acceptance.enabled=false" graphs=eager compiled=steps presets=scd
+else  # the script's own test: the same steps on a CPU, eager, at small sizes, each given 4x its budget
+  xl="shapes --dtype fp32" pair=sjd scale=4 big=2 prompts=2 eval_prompts=2 eval="eval=fast acceptance.enabled=false" graphs=eager compiled=steps presets=scd
   profile="--target shapes --steps 1 --skip 1"
   train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 1 --steps 1 --warmup 1"
 fi
@@ -124,6 +125,7 @@ for s in "${steps[@]}"; do
     echo "== $name: skipped, ${left}s left of the ${deadline}s deadline"
     continue
   fi
+  budget=$((budget * scale))
   limit=$((budget < left ? budget : left))
   echo "== $name (≤ ${limit}s): $cmd"
   t0=$SECONDS

@@ -250,3 +250,29 @@ def test_the_step_budget_holds_on_a_chameleon_target(name, lumina_files, tmp_pat
         assert counts.max_syncs <= 2, f"{name} B={batch}: {counts.max_syncs} host syncs in a step"
         ops[batch] = counts.mean_ops
     assert ops[4] <= 1.2 * ops[1], f"{name}: {ops[4]:.0f} ATen ops per step at B=4 vs {ops[1]:.0f} at B=1"
+
+
+def test_a_chameleon_eagle3_unroll_in_o_k_equals_the_dense_one(lumina_files):
+    """UnrollCache through the Chameleon attention (2 KV heads, qk-norm): every unrolled row equals the
+    dense (j+1)·S mask's."""
+    from reference_unroll import dense_unroll
+
+    from vdtrain.drafter import Drafter, DrafterConfig
+    from vdtrain.targets.base import split_taps
+
+    target = lumina_target(lumina_files[0])
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.for_target(target, kind="eagle3"), target)
+    cond = target.encode_captions(CAPTIONS)
+    tokens = generate_ar(target, cond, SamplingConfig(temperature=0.0), [None, None])
+    with torch.no_grad():
+        hidden, tapped = split_taps(
+            target.sequence_features(cond, tokens, drafter.taps).float(), target.hidden_size
+        )
+        feats = drafter.input_features(hidden, tapped)
+        fast, dense = (
+            drafter.unroll(feats, tokens, cond.mask, 3),
+            dense_unroll(drafter, feats, tokens, cond.mask, 3),
+        )
+    for a, b in zip(fast, dense, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -8,10 +8,8 @@ draws, per temperature and per depth d = 1..D:
   own AR samples at that temperature, and τ_sim = 1 + Σ_d P_sim(≥d) (``simulated_tau``, as validation);
 - P_real(≥d), the share of the method's verification steps that accepted at least d drafts, τ_real (the
   eval table's τ) and S;
-- beside them the null (unconditional) stream's agreement a_d and τ_sim: the same samples teacher-forced
-  under the target's null condition. Every CFG step drafts that stream too, and a draft is accepted only
-  where the combined distribution agrees, so a drafter weak on it loses acceptance no conditional
-  figure shows.
+- the null stream's a_d and τ_sim (the same samples under the null condition): every CFG step drafts it
+  too, so a drafter weak there loses acceptance no conditional figure shows.
 
 τ_sim − τ_real is the gap (docs/evaluation.md, "Simulated vs real acceptance").
 """
