@@ -118,11 +118,12 @@ def _kernels(engine: Any) -> dict[str, tuple[Any, str, Callable[..., Any]]]:
 
 
 def xl_depth_phase_ops(
-    presets: list[str], seed: int = 0, cache_dir: str | None = None
+    presets: list[str], seed: int = 0, cache_dir: str | None = None, grid: int = 8
 ) -> dict[str, PhaseOps]:
     """Kernel ops per step by region for each preset (``ar`` included) at XL depth, B = 1, eager;
-    ``cache_dir`` holds LANTERN's neighbour tables (default: the preset's)."""
-    target, drafter = random_llamagen("llamagen-xl", torch.device("cpu"), seed, XL_DEPTH)
+    ``cache_dir`` holds LANTERN's neighbour tables (default: the preset's); a ``grid`` × ``grid`` image."""
+    shape = {**XL_DEPTH, "block_size": grid * grid}
+    target, drafter = random_llamagen("llamagen-xl", torch.device("cpu"), seed, shape)
     cond = conditions(target, "llamagen-xl", 1, 1, seed)[0]
     out = {}
     for name in presets:
