@@ -6,7 +6,7 @@
   batched and alone.
 - Vocabularies smaller than a tree's width are capped, not a crash in torch.
 - Trees shrunk to the row limit (``tree.max_rows``, issue #33) stay exact: T = 0 tokens are AR's, T = 1
-  samples follow AR's distribution.
+  samples follow AR's distribution, and a short batch sized by the run's planned batch samples alike.
 """
 
 from __future__ import annotations
@@ -179,6 +179,23 @@ def test_prompts_sample_alike_batched_and_alone(name, tmp_path):
             Condition(cond.features[i : i + 1], cond.mask[i : i + 1]), gens(range(i, i + 1))
         )
         assert torch.equal(alone.tokens[0], batched[i]), f"prompt {i}"
+
+
+def test_a_shrunk_tree_samples_alike_in_a_short_batch_when_the_planned_batch_is_given(tmp_path):
+    target = make_target(image_size=8)
+    drafter = confident_drafter(target)
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+    config = load_preset("eagle2", {"tree": {"max_rows": 40}})  # 40 // (2 streams × 4) = 5 nodes
+    engine = build_method(config, target, drafter, sampling)
+    cond = tiny_condition(batch=4, seed=7)
+    gens = [torch.Generator().manual_seed(300 + i) for i in range(4)]
+    batched = engine.generate(cond, gens).tokens
+    assert engine.builder.total_tokens == 5
+    for i in range(4):
+        one = Condition(cond.features[i : i + 1], cond.mask[i : i + 1])
+        alone = engine.generate(one, [torch.Generator().manual_seed(300 + i)], planned_batch=4).tokens
+        assert engine.builder.total_tokens == 5, "the short batch's tree follows the planned batch"
+        assert torch.equal(alone[0], batched[i]), f"prompt {i}"
 
 
 # --- item 3: tiny vocabularies ----------------------------------------------------------------------------

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -161,15 +163,26 @@ class FitConfig:
     debug: bool = False  # a user error shows its full traceback (vdtrain.cli)
 
 
+RECORD = ".hydra"  # a run's own record of its launch: config.yaml, hydra.yaml, overrides.yaml
+
+
 def register_configs() -> None:
     """Make ``fit_schema`` available to ``conf/fit.yaml``'s defaults list (it types every group), the
     ``run_name`` resolver its ``hydra.run.dir`` uses and the ``run_record`` one its ``hydra.output_subdir``
     uses."""
-    from vdtrain.resume import run_record
-
     ConfigStore.instance().store(name="fit_schema", node=FitConfig)
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)
     OmegaConf.register_new_resolver("run_record", run_record, replace=True)
+
+
+@functools.cache
+def run_record(run_dir: str, resume: str | None) -> str:
+    """Hydra's ``output_subdir`` for a launch into ``run_dir``: ``.hydra`` for a new run (every rank of
+    one writes the same record), ``resumes/<time>`` for a resume of a run that has its record (cached:
+    Hydra asks more than once)."""
+    if resume is not None and (Path(run_dir) / RECORD / "config.yaml").is_file():
+        return f"resumes/{datetime.now():%Y-%m-%d_%H-%M-%S}"
+    return RECORD
 
 
 def run_name() -> str:

@@ -110,7 +110,7 @@ def run(cfg: DictConfig) -> dict:
         cond = target.encode_captions(batch)
         synchronize(device)
         t0 = time.perf_counter()
-        result = method.generate(cond, generators)
+        result = method.generate(cond, generators, planned_batch=cfg.batch_size)
         tokens = result.tokens
         synchronize(device)
         t1 = time.perf_counter()

@@ -4,23 +4,22 @@ configuration the run saved in ``<run>/.hydra/config.yaml``, not with today's de
 Only the keys in ``MAY_CHANGE`` may differ on the command line of a resume (they do not change what the
 run computes, or extend it); any other override that differs from the saved value is refused with the
 saved value named. A resume never rewrites the run's ``.hydra`` record: it records itself under
-``resumes/<time>/`` (``run_record``). Light imports only: this runs before Lightning
+``resumes/<time>/`` (``vdtrain.config.run_record``). Light imports only: this runs before Lightning
 is imported.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+from vdtrain.config import RECORD, FitConfig
+
 log = logging.getLogger("vdtrain.fit")
-RECORD = ".hydra"
 # Keys a resume may change (a prefix covers its sub-keys): how long the run goes on (max_steps only
 # upwards), how it logs, checkpoints, evaluates, exports and pushes, how many CPU threads and DataLoader
 # workers it uses (batches are the same for any worker count, docs/training.md), and the learning rate
@@ -43,16 +42,6 @@ MAY_CHANGE = (
     "optim.lr",
     "optim.grad_clip",
 )
-
-
-@functools.cache
-def run_record(run_dir: str, resume: str | None) -> str:
-    """Hydra's ``output_subdir`` for a launch into ``run_dir``: ``.hydra`` for a new run (every rank of
-    one writes the same record), ``resumes/<time>`` for a resume of a run that has its record (cached:
-    Hydra asks more than once)."""
-    if resume is not None and (Path(run_dir) / RECORD / "config.yaml").is_file():
-        return f"resumes/{datetime.now():%Y-%m-%d_%H-%M-%S}"
-    return RECORD
 
 
 def may_change(key: str) -> bool:
@@ -93,8 +82,6 @@ def resumed_config(
     """The configuration a resume runs with: the run's saved one, with the command line's ``overrides``
     applied where ``MAY_CHANGE`` allows. ``cfg`` is the composed configuration (``choices`` its config
     group options); a run without a record (one started from Python) resumes with ``cfg`` as given."""
-    from vdtrain.config import FitConfig
-
     ckpt = checkpoint(str(cfg.resume), run_dir)
     run = saved_run(ckpt, str(cfg.resume), run_dir)
     if run is None:

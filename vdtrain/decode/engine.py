@@ -255,17 +255,27 @@ class SpeculativeEngine:
 
     # --- the loop ---------------------------------------------------------------------------------
     def generate(
-        self, cond: Condition, generators: Sequence[torch.Generator | None], on_step: StepHook | None = None
+        self,
+        cond: Condition,
+        generators: Sequence[torch.Generator | None],
+        on_step: StepHook | None = None,
+        planned_batch: int | None = None,
     ) -> DecodeResult:
         """Image tokens for ``cond``; ``on_step(target_cache, committed, tokens)`` runs after each step.
-        The step kernels run compiled when the options ask for it (``DecodeOptions.compile_steps``)."""
+        ``planned_batch``: the prompts per batch of the whole run, which sizes the tree (``node_budget``)
+        so that a prompt's sample does not depend on the batch it lands in (a last, short batch, a shard);
+        None: this batch's size. The step kernels run compiled when the options ask for it."""
         backend = self.options.compile_steps
         with compiled_step_kernels(backend is not None, backend or "inductor"):
-            return self._generate(cond, generators, on_step)
+            return self._generate(cond, generators, on_step, planned_batch or len(cond))
 
     @torch.no_grad()
     def _generate(
-        self, cond: Condition, generators: Sequence[torch.Generator | None], on_step: StepHook | None
+        self,
+        cond: Condition,
+        generators: Sequence[torch.Generator | None],
+        on_step: StepHook | None,
+        planned_batch: int,
     ) -> DecodeResult:
         target, sampling, schedule = self.target, self.sampling, self.schedule
         start_time = time.perf_counter()
@@ -273,13 +283,13 @@ class SpeculativeEngine:
         stream = cfg_batch(target, cond, sampling)
         streams = len(stream) // batch
         device = target.token_embedding.weight.device
-        self.builder.limit_nodes(node_budget(self.builder.max_rows, len(stream), device))
+        self.builder.limit_nodes(node_budget(self.builder.max_rows, streams * max(planned_batch, batch), device))
         extra = self.builder.max_nodes() + 1
         skipping = schedule.can_skip
         chain = extra if skipping else 0  # post-verification feeds [unverified tokens ⊕ tree]
         use_drafter = self.builder.needs_drafter
         recorder = self.recorder
-        key = (batch, *((t.shape, t.dtype) for t in (stream.features, stream.mask)), device)
+        key = (batch, extra, *((t.shape, t.dtype) for t in (stream.features, stream.mask)), device)
         if recorder is not None and self._recorded is not None and self._recorded.key == key:
             run, step = self._recorded.run, self._recorded.step  # replay the step recorded before
             run.restart(stream, generators)

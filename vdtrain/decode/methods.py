@@ -260,8 +260,10 @@ class ARMethod:
         cond: Condition,
         generators: Sequence[torch.Generator | None],
         on_step: Callable[..., None] | None = None,
+        planned_batch: int | None = None,
     ) -> DecodeResult:
-        """``on_step()`` runs after each step (as the engine's hook, without arguments)."""
+        """``on_step()`` runs after each step (as the engine's hook, without arguments); AR has no tree
+        for ``planned_batch`` to size (the engine's signature)."""
         start = time.perf_counter()
         tokens = self.decoder.generate(cond, generators, on_step)
         n = self.target.num_image_tokens

@@ -96,7 +96,7 @@ def decode_prompts(
         generators = [torch.Generator(device).manual_seed(seed + start + i) for i in range(len(batch))]
         synchronize(device)
         t0 = time.perf_counter()
-        result = method.generate(cond, generators)
+        result = method.generate(cond, generators, planned_batch=batch_size)
         synchronize(device)
         seconds.append(time.perf_counter() - t0)
         tokens.append(result.tokens)
