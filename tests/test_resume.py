@@ -36,8 +36,8 @@ def kill_after_first_checkpoint(args: list[str], cwd: Path, run: Path) -> None:
     while not last.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it could be killed: {stderr[-3000:]}"
 
 
 @pytest.mark.slow  # three fit processes: about 60 s on a loaded 2-core machine

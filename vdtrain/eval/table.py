@@ -25,6 +25,18 @@ class QualityValue:
         return f"{self.value:.4g}" if self.value is not None else "not available"
 
 
+# EvalRow fields read off a clock: everything else is a function of the prompts, seeds and settings
+WALL_CLOCK = (
+    "speedup",
+    "speedup_with_vq_decode",
+    "method_seconds",
+    "ar_seconds",
+    "startup_seconds",
+    "device",
+    "paper_speedup",
+)
+
+
 @dataclass
 class EvalRow:
     method: str
@@ -50,6 +62,11 @@ class EvalRow:
     # cost r = S / speedup as measured here; None where no paper figure applies
     paper_speedup: float | None = None
     quality: dict[str, QualityValue] = field(default_factory=dict)
+
+    def measured(self) -> dict[str, Any]:
+        """``flat`` without the columns that come from the clock (``WALL_CLOCK``): what the same prompts,
+        seeds and settings reproduce on any device, process or world size."""
+        return {k: v for k, v in self.flat().items() if k not in WALL_CLOCK}
 
     def flat(self) -> dict[str, Any]:
         """One level of plain values (for CSV and loggers): ``quality/<metric>`` is a float or None."""
