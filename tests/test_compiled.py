@@ -221,7 +221,7 @@ def test_compiling_twice_is_refused(tiny_target):
         compile_decoding(tiny_target)
 
 
-STEP_KERNEL_PRESETS = ["eagle1", "eagle2", "lantern", "lantern_pp", "gsd_tree", "peanut", "sjd", "gsd"]
+STEP_KERNEL_PRESETS = ["ar", "eagle1", "eagle2", "lantern", "lantern_pp", "gsd_tree", "peanut", "sjd", "gsd"]
 STEP_KERNEL_PRESETS += ["sjd_pac", "vvs"]
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from vdtrain.decode.graphs import Recorder, StepGraph
+from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.sampling import SamplingConfig, cfg_batch, next_tokens, probabilities, split_cfg
 from vdtrain.models.kv_cache import KVCache
@@ -96,21 +97,42 @@ class ARDecoder:
 
     def _step(self) -> None:
         """Feed the last token, draw the next: the run's tensors change in place, no host reads."""
-        run, target, sampling = self.run, self.target, self.sampling
-        batch, n_img = run.out.shape
-        index = run.index
-        feed = run.out.gather(1, index.expand(batch, 1)).repeat(len(run.stream) // batch, 1)
-        visible = (torch.arange(n_img, device=index.device) <= index)[None, None]  # [1, 1, N]
-        slots = target.image_slot(index)
-        logits = target.forward_tokens(run.stream, feed, index, run.cache, slots, visible).logits[:, -1]
-        cond, uncond = split_cfg(logits, sampling)
-        if sampling.greedy:
-            token = next_tokens(cond, uncond, sampling, [None] * batch)
-        else:
-            token = inverse_cdf(probabilities(cond, uncond, sampling), run.rng.uniform(Purpose.BONUS))
-        run.out.scatter_(1, (index + 1).expand(batch, 1), token[:, None])
-        index += 1
+        run, target = self.run, self.target
+        feed, visible = ar_inputs(run.out, run.index, len(run.stream) // run.out.shape[0])
+        slots = target.image_slot(run.index)
+        logits = target.forward_tokens(run.stream, feed, run.index, run.cache, slots, visible).logits[:, -1]
+        uniforms = None if self.sampling.greedy else run.rng.uniform(Purpose.BONUS)
+        draw_next(logits, run.out, run.index, uniforms, self.sampling)
         run.rng.advance()
+
+
+@step_kernel
+def ar_inputs(out: torch.Tensor, index: torch.Tensor, streams: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's input: the last token of ``out`` [B, N] at ``index`` [1] for every CFG stream [R, 1],
+    and the image slots it sees [1, 1, N]."""
+    batch, n_img = out.shape
+    feed = out.gather(1, index.expand(batch, 1)).repeat(streams, 1)
+    return feed, (torch.arange(n_img, device=index.device) <= index)[None, None]
+
+
+@step_kernel
+def draw_next(
+    logits: torch.Tensor,
+    out: torch.Tensor,
+    index: torch.Tensor,
+    uniforms: torch.Tensor | None,
+    sampling: SamplingConfig,
+) -> None:
+    """AR's sampling tail: the target's last logits [R, V] → the next token, written to ``out`` [B, N]
+    at ``index`` + 1 (``index`` [1] moves on); ``uniforms`` [B] are the run's draws (None at T = 0)."""
+    batch = out.shape[0]
+    cond, uncond = split_cfg(logits, sampling)
+    if sampling.greedy:
+        token = next_tokens(cond, uncond, sampling, [None] * batch)
+    else:
+        token = inverse_cdf(probabilities(cond, uncond, sampling), uniforms)
+    out.scatter_(1, (index + 1).expand(batch, 1), token[:, None])
+    index += 1
 
 
 def generate_ar(

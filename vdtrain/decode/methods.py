@@ -39,6 +39,7 @@ from vdtrain.decode.builders.sjd_pac import SjdPacBuilder, SjdPacTreeConfig
 from vdtrain.decode.builders.static import StaticTreeConfig, static_builder
 from vdtrain.decode.compiled import DecodeOptions
 from vdtrain.decode.engine import DecodeResult, DecodeStats, SpeculativeEngine
+from vdtrain.decode.kernels import compiled_step_kernels
 from vdtrain.decode.neighbours import latent_neighbours
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.vvs import (
@@ -263,9 +264,12 @@ class ARMethod:
         planned_batch: int | None = None,
     ) -> DecodeResult:
         """``on_step()`` runs after each step (as the engine's hook, without arguments); AR has no tree
-        for ``planned_batch`` to size (the engine's signature)."""
+        for ``planned_batch`` to size (the engine's signature). Its sampling tail runs compiled where the
+        options ask for it (``DecodeOptions.compile_steps``), as the engine's step kernels do."""
         start = time.perf_counter()
-        tokens = self.decoder.generate(cond, generators, on_step)
+        backend = self.options.compile_steps
+        with compiled_step_kernels(backend is not None, backend or "inductor"):
+            tokens = self.decoder.generate(cond, generators, on_step)
         n = self.target.num_image_tokens
         stats = [
             DecodeStats(
