@@ -68,6 +68,9 @@ from vdtrain.targets.chameleon import (
 )
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
+# The embedded worlds shipped under checkpoints/ (target/ and drafter/ in each): shapes, the confident one,
+# and grain, the visual-AR regime (docs/grain_world.md); both take the shapes world's held-out captions.
+EMBEDDED = {"shapes": "checkpoints/shapes", "grain": "checkpoints/grain"}
 # Random-weight targets of the released LlamaGen t2i shapes (GPT_PRESETS: layers, width, heads).
 RANDOM_TARGETS = {"llamagen-b": "GPT-B", "llamagen-l": "GPT-L", "llamagen-xl": "GPT-XL"}
 # Random-weight Chameleon-family targets: Lumina-mGPT-7B-512's decoder (Chameleon-7B: 32 layers, width
@@ -167,13 +170,13 @@ def random_chameleon(size: str, device: torch.device, seed: int) -> tuple[Target
 
 
 def load(
-    name: str, device: torch.device, drafter_folder: str, seed: int, dtype: str = "fp32"
+    name: str, device: torch.device, drafter_folder: str | None, seed: int, dtype: str = "fp32"
 ) -> tuple[Target, Drafter]:
     """The target and its drafter on ``device``, the target cast to ``dtype`` (``target.dtype``'s cast)
     and the drafter moved to it."""
-    if name == "shapes":
-        target = load_target_folder(None, device)
-        drafter = load_drafter(drafter_folder, target).to(device).eval()
+    if name in EMBEDDED:
+        target = load_target_folder(f"{EMBEDDED[name]}/target", device)
+        drafter = load_drafter(drafter_folder or f"{EMBEDDED[name]}/drafter", target).to(device).eval()
     elif name in RANDOM_CHAMELEON:
         target, drafter = random_chameleon(name, device, seed)
     else:
@@ -184,7 +187,7 @@ def load(
 
 def conditions(target: Target, name: str, prompts: int, batch: int, seed: int) -> list[Condition]:
     """The same prompts for AR and every method, in batches of ``batch``."""
-    if name == "shapes":
+    if name in EMBEDDED:
         captions = shapes_heldout_captions(prompts)
         return [target.encode_captions(captions[i : i + batch]) for i in range(0, prompts, batch)]
     g = torch.Generator().manual_seed(seed)
@@ -439,7 +442,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    known = ["shapes", *RANDOM_TARGETS, *RANDOM_CHAMELEON]
+    known = [*EMBEDDED, *RANDOM_TARGETS, *RANDOM_CHAMELEON]
     parser.add_argument("--targets", nargs="+", default=["shapes"], choices=known)
     parser.add_argument(
         "--presets",
@@ -451,7 +454,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=1, help="prompts per row (at least one batch)")
     parser.add_argument("--temperature", type=float, default=None, help="default: the target's")
     parser.add_argument(
-        "--drafter", default="checkpoints/shapes/drafter", help="the shapes target's drafter folder"
+        "--drafter",
+        default=None,
+        help="an embedded world's drafter folder (default: checkpoints/<world>/drafter)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="target.dtype")

@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.step_cost import (
+    EMBEDDED,
     RANDOM_CHAMELEON,
     RANDOM_TARGETS,
     _generators,
@@ -156,14 +157,14 @@ def main() -> None:
     parser.add_argument("--preset", default="eagle2")
     parser.add_argument("--phases", action="store_true", help="the kernel table by phase at XL depth")
     parser.add_argument("--presets", nargs="+", default=None, help="--phases: these (default: all, AR first)")
-    parser.add_argument("--target", default="shapes", choices=["shapes", *RANDOM_TARGETS, *RANDOM_CHAMELEON])
+    parser.add_argument("--target", default="shapes", choices=[*EMBEDDED, *RANDOM_TARGETS, *RANDOM_CHAMELEON])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled calls")
     parser.add_argument(
         "--calls", type=int, default=200, help="timed calls per kernel and mode (0: no kernel table)"
     )
     parser.add_argument("--top", type=int, default=12, help="rows of the op-time table")
-    parser.add_argument("--drafter", default="checkpoints/shapes/drafter")
+    parser.add_argument("--drafter", default=None, help="default: checkpoints/<world>/drafter")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)

@@ -35,7 +35,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.step_cost import RANDOM_CHAMELEON, RANDOM_TARGETS, conditions, load
+from benchmarks.step_cost import EMBEDDED, RANDOM_CHAMELEON, RANDOM_TARGETS, conditions, load
 from vdtrain.decode.compiled import DecodeOptions, cuda_graph_recorder
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import build_method, load_preset
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", default="shapes", choices=["shapes", *RANDOM_TARGETS, *RANDOM_CHAMELEON])
+    parser.add_argument("--target", default="shapes", choices=[*EMBEDDED, *RANDOM_TARGETS, *RANDOM_CHAMELEON])
     parser.add_argument(
         "--presets", nargs="+", default=["eagle2", "sjd"], help="conf/decode presets; AR is always first"
     )
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--temperature", type=float, default=None, help="default: the target's")
-    parser.add_argument("--drafter", default="checkpoints/shapes/drafter", help="the shapes target's drafter")
+    parser.add_argument("--drafter", default=None, help="default: checkpoints/<world>/drafter")
     parser.add_argument("--skip", type=int, default=3, help="steps decoded before the traced window")
     parser.add_argument("--steps", type=int, default=4, help="steps traced per method and pass")
     parser.add_argument("--top", type=int, default=12, help="kernel names listed per method and pass")
