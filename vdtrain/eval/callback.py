@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -97,10 +98,11 @@ class EvalAfterEpoch(L.Callback):
 
     def run(self, trainer: L.Trainer, pl_module: L.LightningModule, tag: str) -> dict[str, float]:
         metrics: dict[str, float] = {}
+        started = time.monotonic()
         result, reports = self._evaluate(pl_module)  # every rank: each decodes its part
         if trainer.is_global_zero:
             metrics = row_metrics(result.rows) | acceptance_metrics(reports)
-            self._report(trainer, result, reports, metrics, tag)
+            self._report(trainer, result, reports, metrics, tag, time.monotonic() - started)
         metrics = trainer.strategy.broadcast(metrics, src=0)
         self.last_step = trainer.global_step
         for name, value in metrics.items():
@@ -152,12 +154,19 @@ class EvalAfterEpoch(L.Callback):
         reports: list[AcceptanceReport],
         metrics: dict[str, float],
         tag: str,
+        seconds: float,
     ) -> None:
         table = to_markdown(result.rows)
         stamp = f"{datetime.now():%Y-%m-%d %H:%M:%S}"  # a redirected log's tables say when they were made
         head = f"EvalAfterEpoch ({tag}, step {trainer.global_step}, {len(self.prompts)} prompts)"
         print(f"\n{head} {stamp}\n{table}")
-        settings: dict[str, Any] = {**asdict(self.cfg), "step": trainer.global_step, "tag": tag}
+        # seconds: what the evaluation cost the training run (every rank decoding, acceptance included)
+        settings: dict[str, Any] = {
+            **asdict(self.cfg),
+            "step": trainer.global_step,
+            "tag": tag,
+            "seconds": seconds,
+        }
         folder = write_tables(result.rows, self.run_dir / "eval" / tag, settings)
         if reports:
             print(f"Simulated vs real acceptance\n{acceptance_markdown(reports)}")
