@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One entry point for drafter training on one process, several GPUs, or several nodes.
+# One entry point for drafter training, and for decoding at scale, on one process, several GPUs, or several
+# nodes.
 #
 #   ./launch.sh [overrides...]                                  one process (CPU or one GPU)
 #   NPROC=4 ./launch.sh trainer=deepspeed_stage_2               4 GPUs on this machine
@@ -8,8 +9,14 @@
 #   sbatch --nodes=2 --ntasks-per-node=8 --gpus-per-node=8 launch.sh trainer=multinode
 #                                                               under SLURM: srun starts one task per GPU
 #
+# VDTRAIN_APP picks what runs (default vdtrain.fit): vdtrain.evaluate, vdtrain.generate,
+# data_prep.self_generate or data_prep.features decode with one process per GPU, each its part of the
+# prompts (vdtrain/sharding.py), e.g.
+#   VDTRAIN_APP=vdtrain.evaluate NPROC=8 ./launch.sh eval=coco30k drafter=...
+#
 # Under SLURM the ranks come from SLURM's variables; otherwise torchrun sets RANK/WORLD_SIZE/... and
-# Lightning picks them up. Extra arguments are Hydra overrides passed to `python -m vdtrain.fit`.
+# Lightning (or vdtrain.sharding) picks them up. Extra arguments are Hydra overrides passed to
+# `python -m $VDTRAIN_APP`.
 #
 # All ranks and nodes write one run folder, checkpoints/runs/<name> (unless hydra.run.dir is given):
 # <name> is VDTRAIN_RUN_NAME; on one node it defaults to the start time taken here, under SLURM to
@@ -19,24 +26,36 @@ set -euo pipefail
 NPROC=${NPROC:-1}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
+given_master=${MASTER_ADDR:-}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
 PYTHON=${PYTHON:-python}
+APP=${VDTRAIN_APP:-vdtrain.fit}
+layout=()  # how many nodes and processes, for Lightning's trainer (the decoding apps read the launcher's variables)
 
 if [[ -n "${SLURM_JOB_ID:-}" && -z "${SLURM_STEP_ID:-}" ]]; then
     nodes=${SLURM_JOB_NUM_NODES:-1}
     tasks=${SLURM_NTASKS_PER_NODE:-1}
-    exec srun "$PYTHON" -m vdtrain.fit trainer.num_nodes="$nodes" trainer.devices="$tasks" "$@"
+    if [[ "$APP" == vdtrain.fit ]]; then
+        layout=(trainer.num_nodes="$nodes" trainer.devices="$tasks")
+    else  # torch.distributed outside Lightning: the tasks meet at the first node
+        MASTER_ADDR=${given_master:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
+        export MASTER_ADDR MASTER_PORT
+    fi
+    exec srun "$PYTHON" -m "$APP" ${layout[@]+"${layout[@]}"} "$@"
 fi
 if [[ -n "${SLURM_STEP_ID:-}" ]]; then  # already inside srun
-    exec "$PYTHON" -m vdtrain.fit "$@"
+    exec "$PYTHON" -m "$APP" "$@"
 fi
 if (( NPROC == 1 && NNODES == 1 )); then
-    exec "$PYTHON" -m vdtrain.fit "$@"
+    exec "$PYTHON" -m "$APP" "$@"
 fi
 if (( NNODES == 1 )); then
     export VDTRAIN_RUN_NAME=${VDTRAIN_RUN_NAME:-$(date +%Y-%m-%d_%H-%M-%S)}
 fi
+if [[ "$APP" == vdtrain.fit ]]; then
+    layout=(trainer.num_nodes="$NNODES" trainer.devices="$NPROC")
+fi
 exec torchrun --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    -m vdtrain.fit trainer.num_nodes="$NNODES" trainer.devices="$NPROC" "$@"
+    -m "$APP" ${layout[@]+"${layout[@]}"} "$@"

@@ -4,7 +4,9 @@ python -m data_prep.features in_dir=data/coco_mini out_dir=data/coco_mini_feats 
 
 The target runs once per sample here instead of at every training step. With probability ``p_null``
 (seeded per sample by ``seed`` and its key) a sample's features are computed under the null condition
-and its ``meta.json`` says ``null_conditioned: true``. Resumable: re-run the same command.
+and its ``meta.json`` says ``null_conditioned: true``. Resumable: re-run the same command. Under
+``torchrun`` / ``launch.sh`` (``VDTRAIN_APP=data_prep.features NPROC=8 ./launch.sh ...``) each process
+does its part of the shards.
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ from omegaconf import DictConfig
 
 from vdtrain.cli import user_errors
 from vdtrain.data.prepare import prepare_features
+from vdtrain.sharding import Ranks, decoding_processes, ranks_from_env
 from vdtrain.targets import target_for_run
 
 
 def run(cfg: DictConfig) -> dict:
+    with decoding_processes(str(cfg.device)) as ranks:
+        return run_on(cfg, ranks)
+
+
+def run_on(cfg: DictConfig, ranks: Ranks) -> dict:
     target = target_for_run(cfg)
     manifest = prepare_features(
         target,
@@ -31,6 +39,7 @@ def run(cfg: DictConfig) -> dict:
         on_corrupt=cfg.on_corrupt,
         overwrite=cfg.overwrite,
         taps=tuple(cfg.feature_layers),
+        ranks=ranks,
     )
     return {"out_dir": cfg.out_dir, "num_samples": manifest["num_samples"], "shards": len(manifest["shards"])}
 
@@ -38,7 +47,9 @@ def run(cfg: DictConfig) -> dict:
 @hydra.main(version_base=None, config_path="../conf", config_name="data_prep/features")
 @user_errors("data_prep.features")
 def main(cfg: DictConfig) -> None:
-    print(json.dumps(run(cfg), indent=2))
+    summary = run(cfg)
+    if ranks_from_env().is_main:
+        print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

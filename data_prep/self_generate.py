@@ -4,11 +4,15 @@ python -m data_prep.self_generate captions=../shared/data/prompts/captions_val20
     num_samples=100 out_dir=data/shapes_selfgen
 python -m data_prep.self_generate target=llamagen_t2i_xl_stage1 target.gpt_ckpt=... captions=... \
     sampling.cfg_scale=7.5 sampling.top_k=1000 out_dir=...
+python -m data_prep.self_generate method=eagle2 drafter=checkpoints/shapes/drafter captions=... out_dir=...
+VDTRAIN_APP=data_prep.self_generate NPROC=8 ./launch.sh captions=... out_dir=...   # one process per GPU
 
 Captions: .txt / .json (list or COCO annotations) / .csv / .tsv, or through ``datasets`` a parquet /
 jsonl file or a Hub dataset id (``caption_column=...`` picks the column). Each sample's seed and
-sampling settings go to its ``meta.json``. Resumable: run the same command again and finished shards
-are skipped; then check the set with ``python -m data_prep.validate shards=<out_dir>``.
+sampling settings go to its ``meta.json``, with the method that drew it: AR, or an exact method with a
+drafter (lossless, so the samples follow the target's distribution; relaxed methods are refused).
+Resumable: run the same command again (any number of processes) and finished shards are skipped; then
+check the set with ``python -m data_prep.validate shards=<out_dir>``.
 """
 
 from __future__ import annotations
@@ -20,12 +24,35 @@ from omegaconf import DictConfig
 
 from vdtrain.cli import user_errors
 from vdtrain.data.prepare import prepare_self_generate
+from vdtrain.decode.compiled import prepare_decoding
+from vdtrain.decode.methods import load_preset
+from vdtrain.evaluate import load_drafter
 from vdtrain.generate import sampling_config
+from vdtrain.sharding import Ranks, decoding_processes, ranks_from_env
 from vdtrain.targets import target_for_run
 
 
 def run(cfg: DictConfig) -> dict:
+    with decoding_processes(str(cfg.device)) as ranks:
+        return run_on(cfg, ranks)
+
+
+def run_on(cfg: DictConfig, ranks: Ranks) -> dict:
+    method = load_preset(cfg.method, (cfg.target.get("decode") or {}).get(cfg.method))
+    if not method.exact:  # before loading any model
+        raise ValueError(
+            f"method={cfg.method} is relaxed (not exact): its samples would not follow the target's "
+            "distribution; use ar or an exact method (e.g. eagle2)"
+        )
     target = target_for_run(cfg)
+    drafter = None
+    if method.needs_drafter:
+        if not cfg.drafter:
+            raise ValueError(
+                f"method={cfg.method} needs a drafter: set drafter=<export folder, .ckpt or Hub id>"
+            )
+        drafter = load_drafter(cfg.drafter, target)
+    speculative = method.tree.kind != "none"
     manifest = prepare_self_generate(
         target,
         str(cfg.captions),
@@ -38,6 +65,13 @@ def run(cfg: DictConfig) -> dict:
         store_cond=cfg.store_cond,
         caption_column=cfg.caption_column,
         overwrite=cfg.overwrite,
+        method=method if speculative else None,
+        drafter=drafter,
+        drafter_source=str(cfg.drafter) if drafter is not None else None,
+        options=prepare_decoding(target, drafter, compile=False, cuda_graphs=cfg.cuda_graphs)
+        if speculative
+        else None,
+        ranks=ranks,
     )
     return {"out_dir": cfg.out_dir, "num_samples": manifest["num_samples"], "shards": len(manifest["shards"])}
 
@@ -45,7 +79,9 @@ def run(cfg: DictConfig) -> dict:
 @hydra.main(version_base=None, config_path="../conf", config_name="data_prep/self_generate")
 @user_errors("data_prep.self_generate")
 def main(cfg: DictConfig) -> None:
-    print(json.dumps(run(cfg), indent=2))
+    summary = run(cfg)
+    if ranks_from_env().is_main:
+        print(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def test_ar_is_decoded_once_across_evaluations(monkeypatch):
     prompts = shapes_heldout_captions(2)
     first = evaluate(target, drafter, prompts, ["eagle2"], [0], progress=False, ar_runs=runs, warmup=False)
     again = evaluate(target, drafter, prompts, ["eagle2"], [0], progress=False, ar_runs=runs, warmup=False)
-    assert len(calls) == 1 and list(runs) == [0]
+    assert len(calls) == 1 and list(runs) == [(0.0, 0)]  # AR's units by (temperature, first prompt)
     assert first.rows[0] == again.rows[0] and again.rows[1].identical_to_ar
 
     callback = EvalAfterEpoch(EvalCallbackConfig(), "unused", prompts)

@@ -96,7 +96,11 @@ def run_app(
 ) -> None:
     """Compose ``conf/<config_name>.yaml`` with the command line's overrides, ``check`` it (cheap checks
     only: no model, no heavy import), then run the ``@hydra.main`` ``entry``. Hydra's own flags (``--help``,
-    ``-m``, ``--cfg``) go straight to Hydra."""
+    ``-m``, ``--cfg``) go straight to Hydra. Configs may name their output folder by ``${run_name:}``: one
+    for every rank of a launch."""
+    from vdtrain.config import register_configs
+
+    register_configs()
     args = sys.argv[1:]
     if not any(a.startswith("-") for a in args):
         from hydra import compose, initialize_config_dir

@@ -3,6 +3,10 @@
 Writes ``results.md`` / ``.csv`` / ``.json`` (one row per method and temperature, with the settings that
 made them), ``acceptance.md`` / ``.json`` (simulated vs real acceptance per draft depth), ``plots/`` and
 ``images/`` to ``out_dir``, and prints the Markdown tables.
+
+Under ``torchrun`` / ``launch.sh`` every process decodes its part of the prompts (``vdtrain.sharding``)
+and keeps each finished batch in ``units/``; the same command run again (any world size) decodes only
+what is missing, and rank 0 merges the units into the tables (``merge=true``: merge only).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from vdtrain.preflight import check_decoding
 if TYPE_CHECKING:
     from vdtrain.drafter import Drafter
     from vdtrain.eval.runner import EvalResult
+    from vdtrain.sharding import Ranks
     from vdtrain.targets import Target
 
 log = logging.getLogger(__name__)
@@ -38,7 +43,32 @@ def load_drafter(source: str | os.PathLike[str], target: Target) -> Drafter:
     return Drafter.from_pretrained(path if path.exists() else source, target)
 
 
-def run(cfg: DictConfig) -> EvalResult:
+# What decides an evaluation's outputs: a folder of finished units is reused only for the same values.
+OUTPUT_SETTINGS = (
+    "target",
+    "drafter",
+    "prompts",
+    "num_prompts",
+    "caption_column",
+    "seed",
+    "batch_size",
+    "methods",
+    "temperatures",
+    "exact_only_at_zero",
+    "quality",
+)
+PLOT_PROMPTS = 4  # images per row kept in memory for plots/samples_T<t>.png (plot_samples' default)
+
+
+def run(cfg: DictConfig) -> EvalResult | None:
+    """Every rank of a launch decodes its part; the main rank returns the result, the others None."""
+    from vdtrain.sharding import decoding_processes
+
+    with decoding_processes(str(cfg.device)) as ranks:
+        return run_on(cfg, ranks)
+
+
+def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     import torch
 
     from vdtrain.config import AcceptanceConfig
@@ -48,6 +78,7 @@ def run(cfg: DictConfig) -> EvalResult:
     from vdtrain.eval.runner import device_description, evaluate, method_configs
     from vdtrain.eval.table import write_tables
     from vdtrain.prompts import prompts_for_run
+    from vdtrain.sharding import UnitStore
     from vdtrain.targets import target_for_run
 
     decode_overrides = OmegaConf.to_container(OmegaConf.create(cfg.target.get("decode") or {}))
@@ -62,7 +93,11 @@ def run(cfg: DictConfig) -> EvalResult:
     device = target.token_embedding.weight.device
     # the acceptance report compares the drafter's simulation with its decode: it loads the drafter too
     drafter = load_drafter(cfg.drafter, target) if needy or (acceptance.enabled and cfg.drafter) else None
-    out = Path(cfg.out_dir)
+    out = Path(ranks.broadcast(str(cfg.out_dir)))  # rank 0's, should a timestamp differ
+    store = UnitStore(out / "units")
+    store.check_settings(
+        {k: OmegaConf.to_container(cfg, resolve=True).get(k) for k in OUTPUT_SETTINGS}, ranks
+    )
     log.info(
         "%s against AR at T = %s on %d prompts, %s",
         [c.name for c in configs],
@@ -84,7 +119,15 @@ def run(cfg: DictConfig) -> EvalResult:
         warmup=cfg.warmup,
         compile=cfg.get("compile", False),
         cuda_graphs=cfg.get("cuda_graphs", "auto"),
+        ranks=ranks,
+        store=store,
+        keep_images=PLOT_PROMPTS,
+        merge_only=cfg.merge,
+        keep_decoded=acceptance.enabled
+        and drafter is not None,  # the report reads them; else one row at a time
     )
+    if result is None:  # not the main rank: it merges, writes and reports
+        return None
     settings: dict[str, Any] = {
         "command": " ".join(["python -m vdtrain.evaluate", *sys.argv[1:]]),
         "device": device_description(device),
@@ -94,6 +137,7 @@ def run(cfg: DictConfig) -> EvalResult:
         "sampling_defaults": asdict(target.sampling_defaults),
         "drafter": str(cfg.drafter) if drafter is not None else None,
         "num_prompts": len(prompts),
+        "world_size": ranks.world,
         "config": OmegaConf.to_container(cfg, resolve=True),
     }
     write_tables(result.rows, out, settings)
@@ -124,7 +168,8 @@ def _main(cfg: DictConfig) -> None:
     from vdtrain.eval.table import to_markdown
 
     result = run(cfg)
-    print(to_markdown(result.rows))
+    if result is not None:
+        print(to_markdown(result.rows))
 
 
 def main() -> None:

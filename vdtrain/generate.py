@@ -4,6 +4,10 @@ Writes ``{index:04d}.png`` per prompt, ``grid.png``, and ``stats.json`` with, pe
 its seed, the generated token ids, timings and (where the target defines one) a quality score. A
 prompt the target's metric is not defined for (a COCO caption on the shapes target) gets
 ``quality: null`` and the reason, as in ``vdtrain.evaluate``; the mean is over the scored samples.
+
+Under ``torchrun`` / ``launch.sh`` every process generates its part of the prompts (``vdtrain.sharding``),
+a batch at a time, each finished batch recorded in ``units/``: the same command run again decodes only
+the missing batches, and rank 0 writes ``stats.json`` and ``grid.png`` from all of them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ if TYPE_CHECKING:
 
     from vdtrain.decode.sampling import SamplingConfig
     from vdtrain.eval.quality import Scorer
+    from vdtrain.sharding import Ranks, UnitStore
     from vdtrain.targets import Target
 
 log = logging.getLogger(__name__)
@@ -65,7 +70,29 @@ def quality_summary(samples: list[dict]) -> dict:
     return summary
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DictConfig) -> dict | None:
+    """Every rank of a launch generates its part; the main rank returns the summary, the others None."""
+    from vdtrain.sharding import decoding_processes
+
+    with decoding_processes(str(cfg.device)) as ranks:
+        return run_on(cfg, ranks)
+
+
+# What decides the samples: a folder of finished units is reused only for the same values.
+OUTPUT_SETTINGS = (
+    "target",
+    "decode",
+    "drafter",
+    "prompts",
+    "num_prompts",
+    "caption_column",
+    "batch_size",
+    "seed",
+    "sampling",
+)
+
+
+def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     import torch
     from tqdm import tqdm
 
@@ -75,8 +102,9 @@ def run(cfg: DictConfig) -> dict:
     from vdtrain.drafter import Drafter
     from vdtrain.eval.quality import quality_scorer
     from vdtrain.eval.runner import synchronize
-    from vdtrain.images import captioned_grid, save_png, tensor_to_images
+    from vdtrain.images import save_png, tensor_to_images
     from vdtrain.prompts import prompts_for_run
+    from vdtrain.sharding import UnitStore, units_of
     from vdtrain.targets import target_for_run
     from vdtrain.targets.shapes import resolve_folder
 
@@ -95,16 +123,25 @@ def run(cfg: DictConfig) -> dict:
     )
     method = build_method(method_cfg, target, drafter, sampling, options)
     scorer = quality_scorer(cfg.target.get("quality"))
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    log.info("%s on %s: %d prompts, %s", method_cfg.name, device, len(prompts), sampling)
+    out = Path(ranks.broadcast(str(cfg.out_dir)))  # rank 0's, should a timestamp differ
+    store = UnitStore(out / "units")
+    store.check_settings(
+        {k: OmegaConf.to_container(cfg, resolve=True).get(k) for k in OUTPUT_SETTINGS}, ranks
+    )
+    mine = ranks.take(units_of(len(prompts), cfg.batch_size))
+    log.info("%s on %s: %d prompts (%s: %d), %s", method_cfg.name, device, len(prompts), ranks.describe(),
+             sum(b - a for a, b in mine), sampling)  # fmt: skip
     if device.type == "cpu" and method_cfg.name != "ar":
         log.info("%s", CPU_SPEED_NOTE.format(method=method_cfg.name))
 
-    samples, images_all, all_stats = [], [], []
-    bar = tqdm(total=len(prompts), desc=method_cfg.name, unit="image")
-    for start in range(0, len(prompts), cfg.batch_size):
-        batch = prompts[start : start + cfg.batch_size]
+    bar = tqdm(
+        total=sum(b - a for a, b in mine), desc=method_cfg.name, unit="image", disable=not ranks.is_main
+    )
+    for start, stop in mine:
+        if store.load(f"{start:06d}") is not None:
+            bar.update(stop - start)
+            continue
+        batch = prompts[start:stop]
         seeds = [cfg.seed + start + i for i in range(len(batch))]
         generators = [torch.Generator(device).manual_seed(s) for s in seeds]
         cond = target.encode_captions(batch)
@@ -117,11 +154,11 @@ def run(cfg: DictConfig) -> dict:
         images = tensor_to_images(target.tokenizer.decode(tokens))
         synchronize(device)
         t2 = time.perf_counter()
+        samples = []
         for i, (prompt, seed) in enumerate(zip(batch, seeds, strict=True)):
-            index = start + i
-            save_png(images[i], out / f"{index:04d}.png")
+            save_png(images[i], out / f"{start + i:04d}.png")
             record = {
-                "index": index,
+                "index": start + i,
                 "prompt": prompt,
                 "seed": seed,
                 "tokens": tokens[i].tolist(),
@@ -135,31 +172,69 @@ def run(cfg: DictConfig) -> dict:
             if scorer is not None:
                 record.update(quality_record(scorer, images[i], prompt))
             samples.append(record)
-        images_all.extend(images)
-        all_stats.extend(result.stats)
+        # written last: the images of a unit without its record are redone
+        store.save(f"{start:06d}", {"samples": samples, "stats": result.stats, "rank": ranks.rank})
         bar.update(len(batch))
     bar.close()
+    ranks.barrier()
+    if not ranks.is_main:
+        return None
+    return write_stats(cfg, out, store, units_of(len(prompts), cfg.batch_size), ranks, target, sampling,
+                       method_cfg.name, drafter is not None, options.step_recorder is not None)  # fmt: skip
 
+
+def write_stats(
+    cfg: DictConfig,
+    out: Path,
+    store: UnitStore,
+    units: list[tuple[int, int]],
+    ranks: Ranks,
+    target: Target,
+    sampling: SamplingConfig,
+    method: str,
+    has_drafter: bool,
+    cuda_graphs: bool,
+) -> dict:
+    """``stats.json`` (and ``grid.png``) from every finished unit, in prompt order."""
+    import numpy as np
+    from PIL import Image
+
+    from vdtrain.decode.metrics import summarize
+    from vdtrain.images import captioned_grid
+    from vdtrain.targets.shapes import resolve_folder
+
+    records = [store.load(f"{start:06d}") for start, _ in units]
+    missing = [start for (start, _), r in zip(units, records, strict=True) if r is None]
+    if missing:
+        raise RuntimeError(f"units from prompts {missing[:5]} are missing from {store.folder}")
+    samples = [s for r in records for s in r["samples"]]
+    busy: dict[int, float] = {}
+    for r in records:
+        busy[r["rank"]] = busy.get(r["rank"], 0.0) + r["samples"][0]["batch_latency_with_vq_decode_s"]
     summary = {
-        "method": method_cfg.name,
+        "method": method,
         "decode": OmegaConf.to_container(cfg.decode),
-        "drafter": str(resolve_folder(cfg.drafter)) if drafter is not None else None,
+        "drafter": str(resolve_folder(cfg.drafter)) if has_drafter else None,
         "target": asdict(target.identity),
         "sampling": asdict(sampling),
-        "device": str(device),
+        "device": str(target.token_embedding.weight.device),
         "dtype": str(target.dtype).removeprefix("torch."),
         "compile": bool(cfg.get("compile", False)),
-        "cuda_graphs": options.step_recorder is not None,
+        "cuda_graphs": cuda_graphs,
         "num_samples": len(samples),
+        "world_size": ranks.world,
         "mean_latency_per_image_s": sum(s["batch_latency_s"] / s["batch_size"] for s in samples)
         / len(samples),
-        **summarize(all_stats, target.num_image_tokens),
+        # all processes together: the images over the busiest process's seconds (VQ decode included)
+        "images_per_second": len(samples) / max(busy.values()),
+        **summarize([st for r in records for st in r["stats"]], target.num_image_tokens),
     }
-    if scorer is not None:
+    if any("quality" in s for s in samples):
         summary.update(quality_summary(samples))
     (out / "stats.json").write_text(json.dumps({"summary": summary, "samples": samples}, indent=1) + "\n")
     if cfg.save_grid:
-        captioned_grid(images_all, prompts).save(out / "grid.png")
+        images = [np.asarray(Image.open(out / f"{s['index']:04d}.png").convert("RGB")) for s in samples]
+        captioned_grid(images, [s["prompt"] for s in samples]).save(out / "grid.png")
     log.info("wrote %d images and stats.json to %s", len(samples), out)
     return summary
 
@@ -168,7 +243,8 @@ def run(cfg: DictConfig) -> dict:
 @user_errors("vdtrain.generate")
 def _main(cfg: DictConfig) -> None:
     summary = run(cfg)
-    print(json.dumps(summary, indent=2))
+    if summary is not None:  # the main rank
+        print(json.dumps(summary, indent=2))
 
 
 def method_alias(argv: list[str]) -> list[str]:

@@ -16,7 +16,11 @@ from vdtrain.shapes.scene import HELDOUT_SEED, VALIDATION_SEED, generate
 
 PROMPT_SETS_DIR = Path(__file__).resolve().parent / "eval" / "prompt_sets"
 # Vendored prompt sets by name (sources, licences and derivation: eval/prompt_sets/README.md).
-PROMPT_SETS = {"partiprompts": "PartiPrompts.tsv", "coco2017_val": "coco2017_val.txt"}
+PROMPT_SETS = {
+    "partiprompts": "PartiPrompts.tsv",
+    "coco2017_val": "coco2017_val.txt",
+    "coco2014_val_30k": "coco2014_val_30k.csv",
+}
 
 
 def shapes_heldout_captions(n: int) -> list[str]:
@@ -29,7 +33,8 @@ def shapes_validation_captions(n: int) -> list[str]:
 
 
 def prompt_set(name: str) -> list[str]:
-    """A vendored prompt set by name: ``partiprompts`` (1632) or ``coco2017_val`` (5000)."""
+    """A vendored prompt set by name: ``partiprompts`` (1632), ``coco2017_val`` (5000) or
+    ``coco2014_val_30k`` (30 000)."""
     if name not in PROMPT_SETS:
         raise ValueError(f"unknown prompt set {name!r}; vendored: {sorted(PROMPT_SETS)}")
     return read_captions(PROMPT_SETS_DIR / PROMPT_SETS[name])

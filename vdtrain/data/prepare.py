@@ -2,13 +2,14 @@
 
 - ``prepare_laion_coco``: img2dataset output (webdataset tars or folders of ``{key}.jpg`` + ``{key}.txt``)
   → centre-cropped, resized, VQ-encoded image tokens + captions (+ the encoded condition).
-- ``prepare_self_generate``: captions → the target generates the tokens itself (AR, its sampling
-  pipeline), each sample with its own seed, recorded in ``meta.json``.
+- ``prepare_self_generate``: captions → the target generates the tokens itself (AR or an exact method,
+  its sampling pipeline), each sample with its own seed, recorded in ``meta.json``.
 - ``prepare_features`` (offline mode): a shard set → the same samples plus fp16 target features, with
   null conditioning decided here per sample (seeded by key), so the expensive target runs once.
 
 Every step takes a ``Target`` object (tests pass tiny random ones) and is resumable: shards are planned
-up front from the inputs, and a shard already finished for the same inputs is skipped.
+up front from the inputs, and a shard already finished for the same inputs is skipped. The decoding
+steps take ``ranks`` (``vdtrain.sharding``): under torchrun each process writes its part of the shards.
 """
 
 from __future__ import annotations
@@ -39,15 +40,39 @@ from vdtrain.data.shards import (
     read_manifest,
 )
 from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.compiled import DecodeOptions
+from vdtrain.decode.methods import DecodeConfig, build_method
 from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafter import Drafter
 from vdtrain.images import images_to_tensor
 from vdtrain.prompts import load_captions
+from vdtrain.sharding import Ranks
 from vdtrain.targets.base import Condition, Target
 
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp")
 BAD_PART_POLICIES = ("skip", "error")  # what an unreadable input tar does to a laion_coco run
+
+
+def open_writer(
+    ranks: Ranks, out_dir: str | os.PathLike[str], overwrite: bool, **settings: Any
+) -> ShardWriter:
+    """The shard set's writer on every process: the main one opens (or starts afresh) the set first, the
+    others then join it; with several, each records its finished shards beside them (``shared``)."""
+    shared = ranks.world > 1
+    writer = ShardWriter(out_dir, overwrite=overwrite, shared=shared, **settings) if ranks.is_main else None
+    ranks.barrier()
+    return writer or ShardWriter(out_dir, shared=shared, **settings)
+
+
+def close_writer(ranks: Ranks, writer: ShardWriter, planned: list[str]) -> dict[str, Any]:
+    """Once every process is done: the main one completes the manifest, and every one returns it."""
+    ranks.barrier()
+    if ranks.is_main:
+        writer.close(planned)
+    ranks.barrier()
+    return read_manifest(writer.out_dir)
 
 
 def target_device(target: Target) -> torch.device:
@@ -395,6 +420,11 @@ def prepare_self_generate(
     caption_column: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    method: DecodeConfig | None = None,
+    drafter: Drafter | None = None,
+    drafter_source: str | None = None,
+    options: DecodeOptions | None = None,
+    ranks: Ranks | None = None,
 ) -> dict[str, Any]:
     """The target generates an image (tokens) for each of the first ``num_samples`` captions.
 
@@ -402,7 +432,17 @@ def prepare_self_generate(
     Sample ``i`` uses seed ``seed + i`` whatever its batch, and records caption index, seed, method and
     sampling settings (CFG scale, temperature, top-k, top-p; the target's defaults where not given)
     in ``meta.json``. Shards are ``shard-<n>.tar``; growing ``num_samples`` later reuses finished shards.
+    ``method`` (default AR) may be any exact method, with its ``drafter`` (``drafter_source`` says where
+    it came from, for the manifest): the samples then follow the target's distribution, faster. With
+    ``ranks`` each process generates its part of the shards.
     """
+    ranks = ranks or Ranks()
+    if method is not None and not method.exact:
+        raise ValueError(
+            f"method {method.name!r} is relaxed (not exact): its samples would not follow the target's "
+            "distribution; self_generate takes AR or an exact method (e.g. eagle2)"
+        )
+    name = "ar" if method is None else method.name
     if isinstance(captions, str | os.PathLike):
         described = str(captions)
         captions = load_captions(captions, column=caption_column)
@@ -415,43 +455,53 @@ def prepare_self_generate(
         captions = captions[:num_samples]
     sampling = sampling or target.sampling_defaults
     device = target_device(target)
-    writer = ShardWriter(
+    source = {
+        "captions": described,
+        "caption_column": caption_column,
+        "method": name,
+        "sampling": asdict(sampling),
+    }
+    if drafter is not None:
+        source["drafter"] = drafter_source
+    writer = open_writer(
+        ranks,
         out_dir,
+        overwrite,
         kind="self_generate",
         target_identity=target.identity,
-        source={
-            "captions": described,
-            "caption_column": caption_column,
-            "method": "ar",
-            "sampling": asdict(sampling),
-            "seed": seed,
-        },
+        source={**source, "seed": seed},
         optional_fields=("cond",) if store_cond else (),
         cond_dim=_cond_dim(target) if store_cond else None,
         samples_per_shard=samples_per_shard,
-        overwrite=overwrite,
     )
-    planned = []
-    bar = tqdm(total=len(captions), desc="self_generate", unit="img", disable=not progress)
+    engine = None if method is None else build_method(method, target, drafter, sampling, options)
+    plans = {}
     for index, (start, stop) in enumerate(_chunks(len(captions), samples_per_shard)):
-        name = f"shard-{index:06d}.tar"
         # the captions hash per shard: a changed caption file redoes exactly the shards it touches
-        plan = {
+        plans[f"shard-{index:06d}.tar"] = {
             "start": start,
             "stop": stop,
             "captions_sha256": hashlib.sha256("\n".join(captions[start:stop]).encode()).hexdigest()[:16],
         }
-        planned.append(name)
-        if writer.finished(name, plan):
+    mine = ranks.take(list(plans))
+    total = sum(plans[n]["stop"] - plans[n]["start"] for n in mine)
+    bar = tqdm(total=total, desc="self_generate", unit="img", disable=not (progress and ranks.is_main))
+    for shard in mine:
+        plan = plans[shard]
+        start, stop = plan["start"], plan["stop"]
+        if writer.finished(shard, plan):
             bar.update(stop - start)
             continue
-        with writer.shard(name, plan) as sink:
+        with writer.shard(shard, plan) as sink:
             for b in range(start, stop, batch_size):
                 batch = captions[b : min(b + batch_size, stop)]
                 seeds = [seed + b + i for i in range(len(batch))]
                 generators = [torch.Generator(device).manual_seed(s) for s in seeds]
                 cond = target.encode_captions(batch)
-                tokens = generate_ar(target, cond, sampling, generators).cpu()
+                if engine is None:
+                    tokens = generate_ar(target, cond, sampling, generators).cpu()
+                else:
+                    tokens = engine.generate(cond, generators, planned_batch=batch_size).tokens.cpu()
                 for i, caption in enumerate(batch):
                     sample = {
                         "key": f"{b + i:09d}",
@@ -461,7 +511,7 @@ def prepare_self_generate(
                             "source": "self_generate",
                             "caption_index": b + i,
                             "seed": seeds[i],
-                            "method": "ar",
+                            "method": name,
                             "sampling": asdict(sampling),
                         },
                     }
@@ -470,7 +520,7 @@ def prepare_self_generate(
                     sink.write(sample)
                 bar.update(len(batch))
     bar.close()
-    manifest = writer.close(planned)
+    manifest = close_writer(ranks, writer, list(plans))
     log.info("self_generate: %d samples in %s", manifest["num_samples"], out_dir)
     return manifest
 
@@ -498,6 +548,7 @@ def prepare_features(
     overwrite: bool = False,
     progress: bool = True,
     taps: tuple[int, ...] = (),
+    ranks: Ranks | None = None,
 ) -> dict[str, Any]:
     """A copy of shard set ``in_dir`` with ``feats.npy`` per sample: the fp16 target hidden states
     [L+N, H] = ``target.sequence_features(cond, tokens)`` (final norm applied), followed by the ``taps``
@@ -508,8 +559,9 @@ def prepare_features(
     ``p_null`` (per sample, seeded by ``seed`` and the key) the sample is null-conditioned: its features
     come from ``target.with_null`` and ``meta.json`` records ``null_conditioned: true`` (stored ``cond``
     stays the caption's). Output shards mirror the input's names; an input shard that changes (size or
-    count) redoes its output shard.
+    count) redoes its output shard. With ``ranks`` each process does its part of the shards.
     """
+    ranks = ranks or Ranks()
     if not 0.0 <= p_null <= 1.0:
         raise ValueError(f"p_null must be in [0, 1], got {p_null}")
     if Path(out_dir).expanduser().resolve() == Path(in_dir).expanduser().resolve():
@@ -521,8 +573,10 @@ def prepare_features(
     reader = ShardReader(in_dir, on_corrupt=on_corrupt)
     has_cond = "cond" in in_manifest["fields"]
     device = target_device(target)
-    writer = ShardWriter(
+    writer = open_writer(
+        ranks,
         out_dir,
+        overwrite,
         kind="features",
         target_identity=target.identity,
         source={
@@ -537,15 +591,15 @@ def prepare_features(
         optional_fields=(*(("cond",) if has_cond else ()), "feats"),
         cond_dim=in_manifest["shapes"]["cond"][1] if has_cond else None,
         samples_per_shard=in_manifest["samples_per_shard"],
-        overwrite=overwrite,
         feature_parts=1 + len(taps),
     )
-    planned = []
-    bar = tqdm(total=in_manifest["num_samples"], desc="features", unit="sample", disable=not progress)
-    for entry in in_manifest["shards"]:
+    planned = [entry["name"] for entry in in_manifest["shards"]]
+    mine = ranks.take(in_manifest["shards"])
+    total = sum(entry["samples"] for entry in mine)
+    bar = tqdm(total=total, desc="features", unit="sample", disable=not (progress and ranks.is_main))
+    for entry in mine:
         name = entry["name"]
         plan = {"input_shard": name, "input_bytes": entry["bytes"], "input_samples": entry["samples"]}
-        planned.append(name)
         if writer.finished(name, plan):
             bar.update(entry["samples"])
             continue
@@ -570,7 +624,7 @@ def prepare_features(
                     sink.write(out)
                 bar.update(len(batch))
     bar.close()
-    manifest = writer.close(planned)
+    manifest = close_writer(ranks, writer, planned)
     log.info("features: %d samples in %s", manifest["num_samples"], out_dir)
     return manifest
 

@@ -303,6 +303,10 @@ class ShardWriter:
     ``sink.write(sample)`` writes ``name.tmp`` and, on a clean exit, renames it and records it. ``close``
     marks the set complete. Reopening a folder written with other settings (kind, target, source, fields,
     shapes, samples per shard) is refused unless ``overwrite=True``, which starts the set afresh.
+
+    ``shared``: several processes write the set at once (``vdtrain.sharding``), each its own shards. A
+    finished shard is then recorded in ``<name>.json`` beside it, never in the manifest, which one process
+    opens first (the others after it) and ``close``s last, folding those records in.
     """
 
     def __init__(
@@ -317,6 +321,7 @@ class ShardWriter:
         samples_per_shard: int = 1000,
         overwrite: bool = False,
         feature_parts: int = 1,
+        shared: bool = False,
     ) -> None:
         if samples_per_shard < 1:
             raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
@@ -329,6 +334,7 @@ class ShardWriter:
         identity = _identity(target_identity)
         self.out_dir = Path(out_dir)
         self.samples_per_shard = samples_per_shard
+        self.shared = shared
         header = {
             "schema_version": SCHEMA_VERSION,
             "kind": kind,
@@ -365,13 +371,16 @@ class ShardWriter:
             with contextlib.suppress(OSError, json.JSONDecodeError, KeyError, TypeError):
                 for entry in json.loads(path.read_text())["shards"]:
                     (self.out_dir / Path(entry["name"]).name).unlink(missing_ok=True)
-            for stale in self.out_dir.glob("*.tar.tmp"):
+            for stale in [*self.out_dir.glob("*.tar.tmp"), *self.out_dir.glob("*.tar.json")]:
                 stale.unlink()
         manifest = {**header, "complete": False, "num_samples": 0, "shards": []}
         _write_json_atomic(path, manifest)
         return manifest
 
     def _entry(self, name: str) -> dict[str, Any] | None:
+        record = self.out_dir / f"{name}.json"  # a shared set's record of a shard, until close
+        if self.shared and record.is_file():
+            return json.loads(record.read_text())
         return next((s for s in self.manifest["shards"] if s["name"] == name), None)
 
     def finished(self, name: str, plan: Any) -> bool:
@@ -406,6 +415,9 @@ class ShardWriter:
             "bytes": final.stat().st_size,
             "plan": json.loads(json.dumps(plan)),
         }
+        if self.shared:
+            _write_json_atomic(self.out_dir / f"{name}.json", entry)
+            return
         shards = [s for s in self.manifest["shards"] if s["name"] != name] + [entry]
         self.manifest["shards"] = sorted(shards, key=lambda s: s["name"])
         self.manifest["num_samples"] = sum(s["samples"] for s in self.manifest["shards"])
@@ -416,6 +428,11 @@ class ShardWriter:
         """Mark the set complete with exactly the ``planned`` shards (others are dropped from the
         manifest; their files are left alone). Every planned shard must be finished."""
         planned = list(planned)
+        records = sorted(self.out_dir.glob("*.tar.json")) if self.shared else []
+        if records:  # a shared set's shards, recorded beside them
+            entries = {s["name"]: s for s in self.manifest["shards"]}
+            entries.update({e["name"]: e for e in (json.loads(r.read_text()) for r in records)})
+            self.manifest["shards"] = list(entries.values())
         missing = [n for n in planned if self._entry(n) is None]
         if missing:
             raise ShardError(f"{self.out_dir}: planned shard(s) never written: {missing[:5]}")
@@ -431,6 +448,8 @@ class ShardWriter:
         self.manifest["num_samples"] = sum(s["samples"] for s in self.manifest["shards"])
         self.manifest["complete"] = True
         _write_json_atomic(self.out_dir / MANIFEST, self.manifest)
+        for record in records:  # folded into the manifest
+            record.unlink()
         return self.manifest
 
 

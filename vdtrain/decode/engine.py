@@ -283,7 +283,8 @@ class SpeculativeEngine:
         stream = cfg_batch(target, cond, sampling)
         streams = len(stream) // batch
         device = target.token_embedding.weight.device
-        self.builder.limit_nodes(node_budget(self.builder.max_rows, streams * max(planned_batch, batch), device))
+        rows = streams * max(planned_batch, batch)  # a short batch gets the planned batch's tree
+        self.builder.limit_nodes(node_budget(self.builder.max_rows, rows, device))
         extra = self.builder.max_nodes() + 1
         skipping = schedule.can_skip
         chain = extra if skipping else 0  # post-verification feeds [unverified tokens ⊕ tree]

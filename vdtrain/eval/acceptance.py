@@ -31,8 +31,9 @@ from vdtrain.config import AcceptanceConfig
 from vdtrain.decode.engine import DecodeStats
 from vdtrain.drafter import Drafter
 from vdtrain.eval.quality import QualityConfig
-from vdtrain.eval.runner import Decoded, EvalResult, evaluate
+from vdtrain.eval.runner import EvalResult, UnitRecord, evaluate
 from vdtrain.eval.table import EvalRow
+from vdtrain.sharding import Ranks
 from vdtrain.targets.base import Target
 from vdtrain.train.agreement import depth_agreement
 from vdtrain.train.losses import simulated_tau
@@ -130,14 +131,16 @@ def measure(
     *,
     seed: int,
     batch_size: int,
-    ar_runs: dict[float, tuple[Decoded, np.ndarray, float, np.ndarray | None]] | None = None,
+    ar_runs: dict[tuple[float, int], UnitRecord] | None = None,
     cuda_graphs: bool | str | None = "auto",
     decode_overrides: Mapping[str, Any] | None = None,
+    ranks: Ranks | None = None,
 ) -> list[AcceptanceReport]:
     """The reports for ``cfg.method`` at ``cfg.temperatures`` on ``result``'s prompts. Decodes that
     ``result`` already holds are reused; the others run through ``evaluate`` with the same seeds (no
     warm-up: only counts are read, and forwards an earlier ``compile`` wrapped stay compiled), AR from
-    ``ar_runs`` where it holds the temperature."""
+    ``ar_runs`` where it holds the temperature. With ``ranks``, every process calls this: the missing
+    decodes are split among them and gathered."""
     missing = [float(t) for t in cfg.temperatures if (cfg.method, float(t)) not in result.decoded]
     decoded = dict(result.decoded)
     rows = {(r.method, r.temperature): r for r in result.rows}
@@ -156,7 +159,9 @@ def measure(
             ar_runs=ar_runs,
             decode_overrides=decode_overrides,
             quality=QualityConfig(metrics=[]),  # only counts are read: no scoring, no noise-floor decode
+            ranks=ranks,
         )
+        assert extra is not None  # no store: every process merges
         decoded.update(extra.decoded)
         rows.update({(r.method, r.temperature): r for r in extra.rows})
     reports = []

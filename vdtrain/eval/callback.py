@@ -1,10 +1,12 @@
 """``EvalAfterEpoch``: decode held-out prompts with the drafter being trained, after every N epochs.
 
 The measured speed of real decoding (S, τ, d̄, TPF, latency vs AR) is what a drafter is for, and it can
-disagree with the simulated τ of validation, so every run measures it. The callback runs on global
-rank zero, broadcasts the numbers to every rank (so they can drive ``best`` checkpoint selection under
-DDP), logs them to the configured logger as ``eval/<method>_T<t>/<metric>``, prints the table and
-writes it under ``<run_dir>/eval/`` (``latest/`` is the newest, which export puts in the model card).
+disagree with the simulated τ of validation, so every run measures it. Under DDP / DeepSpeed every rank
+decodes its part of the prompts with its copy of the drafter (``vdtrain.sharding``); the parts are
+gathered into the same numbers one process would measure, which global rank zero broadcasts to every
+rank (so they can drive ``best`` checkpoint selection), logs to the configured logger as
+``eval/<method>_T<t>/<metric>``, prints the table and writes it under ``<run_dir>/eval/`` (``latest/`` is
+the newest, which export puts in the model card).
 With ``acceptance.enabled`` it also sets simulated against real acceptance per draft depth
 (``vdtrain.eval.acceptance``): ``eval/acceptance/*`` metrics, ``acceptance.{md,json,png}`` in the folder.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
@@ -32,11 +35,13 @@ from vdtrain.eval.acceptance import (
     write_report,
 )
 from vdtrain.eval.plots import plot_acceptance, plot_samples
-from vdtrain.eval.runner import EvalResult, evaluate
+from vdtrain.eval.runner import EvalResult, UnitRecord, evaluate
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
+from vdtrain.sharding import current_ranks
 
 log = logging.getLogger(__name__)
 
+SAMPLE_GRID_PROMPTS = 4  # images per row kept in memory for the sample grid (plot_samples' default)
 LOGGED = ("S", "tau", "mean_depth", "TPF", "speedup", "skipped_steps", "relaxed_acceptances")
 
 
@@ -71,9 +76,9 @@ class EvalAfterEpoch(L.Callback):
         self.cfg, self.run_dir, self.prompts = cfg, Path(run_dir), prompts
         self.decode_overrides = decode_overrides or {}
         self.last_step: int | None = None
-        # AR per temperature, decoded at the first evaluation: the target is frozen, so later ones reuse
-        # its tokens and time instead of decoding it again.
-        self.ar_runs: dict[float, Any] = {}
+        # AR's units (this rank's) per temperature, decoded at the first evaluation: the target is frozen,
+        # so later ones reuse its tokens and time instead of decoding it again.
+        self.ar_runs: dict[tuple[float, int], UnitRecord] = {}
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if (trainer.current_epoch + 1) % self.cfg.every_n_epochs == 0 and not self._final_is_near(trainer):
@@ -93,10 +98,11 @@ class EvalAfterEpoch(L.Callback):
 
     def run(self, trainer: L.Trainer, pl_module: L.LightningModule, tag: str) -> dict[str, float]:
         metrics: dict[str, float] = {}
+        started = time.monotonic()
+        result, reports = self._evaluate(pl_module)  # every rank: each decodes its part
         if trainer.is_global_zero:
-            result, reports = self._evaluate(pl_module)
             metrics = row_metrics(result.rows) | acceptance_metrics(reports)
-            self._report(trainer, result, reports, metrics, tag)
+            self._report(trainer, result, reports, metrics, tag, time.monotonic() - started)
         metrics = trainer.strategy.broadcast(metrics, src=0)
         self.last_step = trainer.global_step
         for name, value in metrics.items():
@@ -105,6 +111,7 @@ class EvalAfterEpoch(L.Callback):
 
     def _evaluate(self, pl_module: L.LightningModule) -> tuple[EvalResult, list[AcceptanceReport]]:
         was_training = pl_module.training
+        ranks = current_ranks()
         pl_module.eval()
         try:
             with torch.no_grad():
@@ -119,7 +126,10 @@ class EvalAfterEpoch(L.Callback):
                     progress=False,
                     ar_runs=self.ar_runs,
                     decode_overrides=self.decode_overrides,
+                    ranks=ranks,
+                    keep_images=SAMPLE_GRID_PROMPTS,
                 )
+                assert result is not None  # no store: every rank merges
                 if not self.cfg.acceptance.enabled:
                     return result, []
                 reports = measure(
@@ -131,6 +141,7 @@ class EvalAfterEpoch(L.Callback):
                     batch_size=self.cfg.batch_size,
                     ar_runs=self.ar_runs,
                     decode_overrides=self.decode_overrides,
+                    ranks=ranks,
                 )
                 return result, reports
         finally:
@@ -143,12 +154,19 @@ class EvalAfterEpoch(L.Callback):
         reports: list[AcceptanceReport],
         metrics: dict[str, float],
         tag: str,
+        seconds: float,
     ) -> None:
         table = to_markdown(result.rows)
         stamp = f"{datetime.now():%Y-%m-%d %H:%M:%S}"  # a redirected log's tables say when they were made
         head = f"EvalAfterEpoch ({tag}, step {trainer.global_step}, {len(self.prompts)} prompts)"
         print(f"\n{head} {stamp}\n{table}")
-        settings: dict[str, Any] = {**asdict(self.cfg), "step": trainer.global_step, "tag": tag}
+        # seconds: what the evaluation cost the training run (every rank decoding, acceptance included)
+        settings: dict[str, Any] = {
+            **asdict(self.cfg),
+            "step": trainer.global_step,
+            "tag": tag,
+            "seconds": seconds,
+        }
         folder = write_tables(result.rows, self.run_dir / "eval" / tag, settings)
         if reports:
             print(f"Simulated vs real acceptance\n{acceptance_markdown(reports)}")

@@ -28,28 +28,50 @@ def _psd_sqrt(matrix: np.ndarray) -> np.ndarray:
 
 
 def frechet_distance(feats_a: np.ndarray | torch.Tensor, feats_b: np.ndarray | torch.Tensor) -> float:
-    """FD = |μa − μb|² + tr Σa + tr Σb − 2 tr (Σa^½ Σb Σa^½)^½ between Gaussians fitted to [N, D] features.
-
-    The cross term uses tr (Σa Σb)^½ = tr (Σa^½ Σb Σa^½)^½, whose argument is symmetric positive
-    semi-definite, so two symmetric eigen-decompositions give it exactly even when N ≤ D makes the
-    covariances singular; a general matrix square root (``scipy.linalg.sqrtm``) of the non-symmetric
-    Σa Σb can return complex round-off there, and scipy is not a dependency of the package.
-    Covariances are unbiased (N − 1); computed in float64.
-    """
+    """FD = |μa − μb|² + tr Σa + tr Σb − 2 tr (Σa^½ Σb Σa^½)^½ between Gaussians fitted to [N, D] features
+    (unbiased covariances, float64)."""
     a = np.asarray(feats_a.double() if isinstance(feats_a, torch.Tensor) else feats_a, dtype=np.float64)
     b = np.asarray(feats_b.double() if isinstance(feats_b, torch.Tensor) else feats_b, dtype=np.float64)
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"features must be [N, D] with one D, got {a.shape} and {b.shape}")
     if len(a) < 2 or len(b) < 2:
         raise ValueError("a covariance needs at least 2 samples per set")
-    mean_a, mean_b = a.mean(0), b.mean(0)
-    cov_a, cov_b = np.cov(a, rowvar=False, ddof=1), np.cov(b, rowvar=False, ddof=1)
-    cov_a, cov_b = np.atleast_2d(cov_a), np.atleast_2d(cov_b)
+    cov_a, cov_b = (
+        np.atleast_2d(np.cov(a, rowvar=False, ddof=1)),
+        np.atleast_2d(np.cov(b, rowvar=False, ddof=1)),
+    )
+    return gaussian_frechet(a.mean(0), cov_a, b.mean(0), cov_b)
+
+
+def gaussian_frechet(mean_a: np.ndarray, cov_a: np.ndarray, mean_b: np.ndarray, cov_b: np.ndarray) -> float:
+    """The Fréchet distance between two Gaussians.
+
+    The cross term uses tr (Σa Σb)^½ = tr (Σa^½ Σb Σa^½)^½, whose argument is symmetric positive
+    semi-definite, so two symmetric eigen-decompositions give it exactly even when N ≤ D makes the
+    covariances singular; a general matrix square root (``scipy.linalg.sqrtm``) of the non-symmetric
+    Σa Σb can return complex round-off there, and scipy is not a dependency of the package.
+    """
     root_a = _psd_sqrt(cov_a)
     middle = root_a @ cov_b @ root_a
     cross = np.sqrt(np.clip(np.linalg.eigvalsh((middle + middle.T) / 2), 0.0, None)).sum()
     value = float(((mean_a - mean_b) ** 2).sum() + np.trace(cov_a) + np.trace(cov_b) - 2 * cross)
     return max(value, 0.0)  # round-off can make FD(x, x) a hair below 0
+
+
+def moments(feats: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
+    """What a Gaussian fit needs of [N, D] features, as sums (count, Σx, Σxxᵀ in float64): the moments of
+    several sets add up, so each process streams its own and they are reduced (``moments_gaussian``)."""
+    x = np.asarray(feats.double() if isinstance(feats, torch.Tensor) else feats, dtype=np.float64)
+    return {"n": np.float64(len(x)), "sum": x.sum(0), "outer": x.T @ x}
+
+
+def moments_gaussian(total: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and unbiased covariance from summed ``moments``."""
+    n = float(total["n"])
+    if n < 2:
+        raise ValueError("a covariance needs at least 2 samples")
+    mean = total["sum"] / n
+    return mean, (total["outer"] - n * np.outer(mean, mean)) / (n - 1)
 
 
 def has_encoder_latents(tokenizer: ImageTokenizer) -> bool:

@@ -11,7 +11,7 @@ available" and why, never a made-up number.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -20,7 +20,13 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vdtrain.eval.frechet import encoder_features, frechet_distance, has_encoder_latents
+from vdtrain.eval.frechet import (
+    encoder_features,
+    gaussian_frechet,
+    has_encoder_latents,
+    moments,
+    moments_gaussian,
+)
 from vdtrain.eval.table import QualityValue
 from vdtrain.shapes.scene import IMAGE_SIZE, parse_caption
 from vdtrain.targets.base import ImageTokenizer
@@ -89,6 +95,32 @@ def _batches(n: int, size: int) -> list[slice]:
     return [slice(start, start + size) for start in range(0, n, size)]
 
 
+Partial = dict[str, np.ndarray]  # summable statistics of some images: {"n": count, ...}
+
+
+def mean_partial(scores: Sequence[float] | torch.Tensor) -> Partial:
+    """A per-image score's sum and count: the mean of several sets from their sums."""
+    values = np.asarray(scores.double().cpu() if isinstance(scores, torch.Tensor) else scores, np.float64)
+    return {"n": np.float64(len(values)), "sum": values.sum()}
+
+
+def mean_value(total: Partial) -> float:
+    return float(total["sum"] / total["n"])
+
+
+def add_partials(parts: Sequence[Partial | str]) -> Partial | str:
+    """The partials of several image sets summed in the given order, or the first reason one of them
+    is not available."""
+    for part in parts:
+        if isinstance(part, str):
+            return part
+    total = dict(parts[0])  # type: ignore[arg-type]
+    for part in parts[1:]:
+        for key, value in part.items():  # type: ignore[union-attr]
+            total[key] = total[key] + value
+    return total
+
+
 def is_shapes_caption(caption: str) -> bool:
     try:
         parse_caption(caption)
@@ -97,14 +129,23 @@ def is_shapes_caption(caption: str) -> bool:
     return True
 
 
-def shapes_consistency(images: np.ndarray, prompts: Sequence[str]) -> float:
+class ShapesConsistency:
     """Mean caption consistency (``vdtrain.shapes.consistency``), defined for shapes-world captions and
     64×64 images only."""
-    if images.shape[1:] != (IMAGE_SIZE, IMAGE_SIZE, 3):
-        raise Unavailable(f"defined for the shapes world's {IMAGE_SIZE}×{IMAGE_SIZE} images only")
-    if not all(map(is_shapes_caption, prompts)):
-        raise Unavailable("defined for shapes-world captions only (these prompts are not)")
-    return float(np.mean([_image_consistency(im, p) for im, p in zip(images, prompts, strict=True)]))
+
+    def __init__(self, config: QualityConfig, device: torch.device) -> None:
+        pass
+
+    def partial(self, images: np.ndarray, prompts: Sequence[str]) -> Partial:
+        if images.shape[1:] != (IMAGE_SIZE, IMAGE_SIZE, 3):
+            raise Unavailable(f"defined for the shapes world's {IMAGE_SIZE}×{IMAGE_SIZE} images only")
+        if not all(map(is_shapes_caption, prompts)):
+            raise Unavailable("defined for shapes-world captions only (these prompts are not)")
+        scores = [_image_consistency(im, p) for im, p in zip(images, prompts, strict=True)]
+        return mean_partial(scores)
+
+    def value(self, total: Partial, reference: Partial | None) -> float:
+        return mean_value(total)
 
 
 class ClipScore:
@@ -124,7 +165,7 @@ class ClipScore:
         self.max_length = self.model.config.text_config.max_position_embeddings
 
     @torch.no_grad()
-    def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> float:
+    def partial(self, images: np.ndarray, prompts: Sequence[str]) -> Partial:
         scores = []
         for part in _batches(len(images), self.batch_size):
             inputs = self.processor(
@@ -138,7 +179,10 @@ class ClipScore:
             out = self.model(**inputs)
             cos = torch.nn.functional.cosine_similarity(out.image_embeds, out.text_embeds, dim=-1)
             scores.append(100 * cos.clamp(min=0))
-        return float(torch.cat(scores).mean())
+        return mean_partial(torch.cat(scores))
+
+    def value(self, total: Partial, reference: Partial | None) -> float:
+        return mean_value(total)
 
 
 REFERENCE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -161,42 +205,45 @@ def reference_images(folder: Path, size: tuple[int, int]) -> np.ndarray:
 
 
 class Fid:
-    """FID (torchmetrics ``FrechetInceptionDistance``, 2048-d pool features of torch-fidelity's
-    Inception from local weights) between a row's images and the reference folder, both at the
-    generated resolution. Reference features are computed once."""
+    """FID: 2048-d pool features of torch-fidelity's Inception (through torchmetrics'
+    ``FrechetInceptionDistance``, from local weights), streamed as moments per image set and compared
+    with the reference's. ``fid_reference`` is a folder of images, read at the generated resolution, or a
+    statistics file (``.npz`` with ``mu`` and ``sigma``, as pytorch-fid and the ADM suite write them)."""
 
     def __init__(self, config: QualityConfig, device: torch.device) -> None:
         _package("torch_fidelity", "quality")
         fid = _package("torchmetrics.image.fid", "quality")
         weights = _local_path(config.fid_inception, "Inception weights for FID", "fid_inception")
         self.reference = _local_path(config.fid_reference, "FID reference images", "fid_reference")
-        self.metric = fid.FrechetInceptionDistance(
-            feature=2048, reset_real_features=False, feature_extractor_weights_path=str(weights)
-        ).to(device)
+        metric = fid.FrechetInceptionDistance(feature=2048, feature_extractor_weights_path=str(weights))
+        self.inception = metric.inception.to(device)
         self.device, self.batch_size = device, config.batch_size
-        self.size: tuple[int, int] | None = None
-
-    def _update(self, images: np.ndarray, real: bool) -> None:
-        for part in _batches(len(images), self.batch_size):
-            self.metric.update(torch.from_numpy(images[part]).permute(0, 3, 1, 2).to(self.device), real=real)
+        self._reference: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     @torch.no_grad()
-    def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> float:
-        if len(images) < 2:
+    def partial(self, images: np.ndarray, prompts: Sequence[str]) -> Partial:
+        feats = [
+            self.inception(torch.from_numpy(images[part]).permute(0, 3, 1, 2).to(self.device)).cpu()
+            for part in _batches(len(images), self.batch_size)
+        ]
+        return moments(torch.cat(feats))
+
+    def reference_gaussian(self, size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        if size not in self._reference:
+            if self.reference.suffix == ".npz":
+                with np.load(self.reference) as stats:
+                    self._reference[size] = (stats["mu"], stats["sigma"])
+            else:
+                reference = reference_images(self.reference, size)
+                if len(reference) < 2:
+                    raise Unavailable(f"FID needs at least 2 reference images in {self.reference}")
+                self._reference[size] = moments_gaussian(self.partial(reference, []))
+        return self._reference[size]
+
+    def value(self, total: Partial, reference: Partial | None, size: tuple[int, int] = (0, 0)) -> float:
+        if total["n"] < 2:
             raise Unavailable("FID needs at least 2 images per row")
-        size = images.shape[1:3]
-        if self.size is None:
-            reference = reference_images(self.reference, size)
-            if len(reference) < 2:
-                raise Unavailable(f"FID needs at least 2 reference images in {self.reference}")
-            self._update(reference, real=True)
-            self.size = size
-        elif self.size != size:
-            raise ValueError(f"FID of {size} images against a reference read at {self.size}")
-        self._update(images, real=False)
-        value = float(self.metric.compute())
-        self.metric.reset()  # the generated images only: reset_real_features=False keeps the reference
-        return value
+        return gaussian_frechet(*moments_gaussian(total), *self.reference_gaussian(size))
 
 
 class Hpsv2:
@@ -215,43 +262,43 @@ class Hpsv2:
         self.device, self.batch_size = device, config.batch_size
 
     @torch.no_grad()
-    def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> float:
+    def partial(self, images: np.ndarray, prompts: Sequence[str]) -> Partial:
         scores = []
         for part in _batches(len(images), self.batch_size):
             pixels = torch.stack([self.preprocess(Image.fromarray(im)) for im in images[part]])
             out = self.model(pixels.to(self.device), self.tokenizer(list(prompts[part])).to(self.device))
             scores.append((out["image_features"] * out["text_features"]).sum(-1))
-        return float(torch.cat(scores).mean())
+        return mean_partial(torch.cat(scores))
+
+    def value(self, total: Partial, reference: Partial | None) -> float:
+        return mean_value(total)
 
 
 class FrechetToAR:
     """``frechet_ar``: the Fréchet distance between a row's images and a reference set of the same
     prompts, AR's images at the same temperature and seeds (``vdtrain.eval.frechet`` for the features).
-    The runner passes the reference; the reference's features are kept while it is the same array."""
+    The runner passes the reference's partial."""
 
     def __init__(self, tokenizer: ImageTokenizer | None, batch_size: int) -> None:
         if tokenizer is None or not has_encoder_latents(tokenizer):
             name = "no tokenizer" if tokenizer is None else type(tokenizer).__name__
             raise Unavailable(f"needs a LlamaGen-family VQ tokenizer's encoder latents ({name} has none)")
         self.tokenizer, self.batch_size = tokenizer, batch_size
-        self._reference: tuple[np.ndarray, np.ndarray] | None = None  # (images, their features)
 
-    def features(self, images: np.ndarray) -> np.ndarray:
-        return encoder_features(self.tokenizer, images, self.batch_size)
+    def partial(self, images: np.ndarray, prompts: Sequence[str]) -> Partial:
+        return moments(encoder_features(self.tokenizer, images, self.batch_size))
 
-    def __call__(self, images: np.ndarray, reference: np.ndarray | None) -> float:
+    def value(self, total: Partial, reference: Partial | None) -> float:
         if reference is None:
             raise Unavailable("needs AR's images on the same prompts and seeds (computed by the runner)")
-        if len(images) < 2:
+        if total["n"] < 2 or reference["n"] < 2:
             raise Unavailable("a Fréchet distance needs at least 2 images per row")
-        if self._reference is None or self._reference[0] is not reference:
-            self._reference = (reference, self.features(reference))
-        return frechet_distance(self.features(images), self._reference[1])
+        return gaussian_frechet(*moments_gaussian(total), *moments_gaussian(reference))
 
 
-Metric = Callable[[np.ndarray, Sequence[str]], float]
+Metric = ShapesConsistency | ClipScore | Fid | Hpsv2 | FrechetToAR
 METRICS: dict[str, Callable[[QualityConfig, torch.device], Metric]] = {
-    "shapes_consistency": lambda config, device: shapes_consistency,
+    "shapes_consistency": ShapesConsistency,
     "clip_score": ClipScore,
     "fid": Fid,
     "hpsv2": Hpsv2,
@@ -277,7 +324,7 @@ class QualityScorer:
             raise ValueError(f"unknown quality metrics {unknown}; known: {known}")
         self.device = torch.device(device)
         self.tokenizer = tokenizer  # the target's, for frechet_ar's features
-        self._loaded: dict[str, Metric | FrechetToAR | str] = {}  # a metric, or why it is not available
+        self._loaded: dict[str, Metric | str] = {}  # a metric, or why it is not available
 
     def metrics_for(self, prompts: Sequence[str]) -> list[str]:
         if self.config.metrics is not None:
@@ -289,7 +336,7 @@ class QualityScorer:
         noise floor too)."""
         return any(name in REFERENCE_METRICS for name in self.metrics_for(prompts))
 
-    def _metric(self, name: str) -> Metric | FrechetToAR:
+    def _metric(self, name: str) -> Metric:
         if name not in self._loaded:
             try:
                 if name == "frechet_ar":
@@ -303,19 +350,50 @@ class QualityScorer:
             raise Unavailable(loaded)
         return loaded
 
-    def score(
-        self, images: np.ndarray, prompts: Sequence[str], reference: np.ndarray | None = None
-    ) -> dict[str, QualityValue]:
-        """``{metric: QualityValue}`` for uint8 ``images`` [N, H, W, 3] and their ``prompts``;
-        ``reference``: the images ``frechet_ar`` compares with (AR's, same prompts and seeds)."""
-        values = {}
-        for name in self.metrics_for(prompts):
+    def partials(
+        self, images: np.ndarray, prompts: Sequence[str], names: Sequence[str]
+    ) -> dict[str, Partial | str]:
+        """Per metric of ``names``, the summable statistics of these images (``add_partials`` sums the
+        units of a row), or why the metric is not available."""
+        out: dict[str, Partial | str] = {}
+        for name in names:
             try:
+                out[name] = self._metric(name).partial(images, prompts)
+            except Unavailable as why:
+                out[name] = str(why)
+        return out
+
+    def finish(
+        self,
+        totals: Mapping[str, Partial | str],
+        references: Mapping[str, Partial | str] | None = None,
+        size: tuple[int, int] = (0, 0),
+    ) -> dict[str, QualityValue]:
+        """The row's values from its summed partials; ``references``: the summed partials of the images
+        ``frechet_ar`` compares with; ``size``: the images' (height, width), at which FID reads its
+        reference folder."""
+        values = {}
+        for name, total in totals.items():
+            reference = (references or {}).get(name)
+            try:
+                if isinstance(total, str):
+                    raise Unavailable(total)
+                if isinstance(reference, str):
+                    raise Unavailable(reference)
                 metric = self._metric(name)
-                if isinstance(metric, FrechetToAR):
-                    values[name] = QualityValue(metric(images, reference))
+                if isinstance(metric, Fid):
+                    values[name] = QualityValue(metric.value(total, reference, size))
                 else:
-                    values[name] = QualityValue(metric(images, prompts))
+                    values[name] = QualityValue(metric.value(total, reference))
             except Unavailable as why:
                 values[name] = QualityValue(None, str(why))
         return values
+
+    def score(
+        self, images: np.ndarray, prompts: Sequence[str], reference: np.ndarray | None = None
+    ) -> dict[str, QualityValue]:
+        """``{metric: QualityValue}`` for uint8 ``images`` [N, H, W, 3] and their ``prompts``, all at once;
+        ``reference``: the images ``frechet_ar`` compares with (AR's, same prompts and seeds)."""
+        names = self.metrics_for(prompts)
+        refs = None if reference is None else self.partials(reference, prompts, REFERENCE_METRICS)
+        return self.finish(self.partials(images, prompts, names), refs, images.shape[1:3])

@@ -18,7 +18,7 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -36,9 +36,10 @@ from vdtrain.drafter import Drafter
 from vdtrain.durations import duration
 from vdtrain.eval.heartbeat import Heartbeat
 from vdtrain.eval.papers import projected_speedup
-from vdtrain.eval.quality import QualityConfig, QualityScorer
+from vdtrain.eval.quality import REFERENCE_METRICS, Partial, QualityConfig, QualityScorer, add_partials
 from vdtrain.eval.table import EvalRow
 from vdtrain.images import save_png, tensor_to_images
+from vdtrain.sharding import Ranks, UnitStore, units_of
 from vdtrain.targets.base import Target
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,56 @@ def image_folder(image_dir: str | os.PathLike[str], method: str, temperature: fl
     return Path(image_dir) / f"{method}_T{temperature:g}"
 
 
+@dataclass
+class UnitRecord:
+    """One unit (a batch of prompts, from ``start``) decoded by one method at one temperature: what the
+    merge into a row needs. Quality comes as summable partials, so no process holds a row's images."""
+
+    start: int
+    tokens: torch.Tensor  # [n, h·w], on the CPU
+    stats: list[DecodeStats]
+    seconds: float  # decoding only
+    vq_seconds: float
+    rank: int  # the process that decoded it (throughput per process)
+    image_size: tuple[int, int]
+    quality: dict[str, Partial | str]
+    floor: dict[str, Partial | str] | None = None  # AR's rows: the noise floor's reference partials
+    startup: float | None = None  # the first unit a process decoded: what its cold decode cost extra
+    images: np.ndarray | None = None  # uint8 [n, H, W, 3] where kept (``keep_images``)
+
+
+def unit_key(method: str, temperature: float, start: int) -> str:
+    return f"{method}_T{temperature:g}/{start:06d}"
+
+
+def merge_row(
+    records: Sequence[UnitRecord],
+) -> tuple[Decoded, float, dict[str, Partial | str], dict[str, Partial | str] | None, float | None]:
+    """A row's units in prompt order → its decode, VQ seconds, summed quality and floor partials, and
+    the worst start-up of a process."""
+    records = sorted(records, key=lambda r: r.start)
+    decoded = Decoded(
+        torch.cat([r.tokens for r in records]),
+        [s for r in records for s in r.stats],
+        sum(r.seconds for r in records),
+        [r.seconds for r in records],
+    )
+    quality = {name: add_partials([r.quality[name] for r in records]) for name in records[0].quality}
+    floor = None
+    if records[0].floor is not None:
+        floor = {name: add_partials([r.floor[name] for r in records]) for name in records[0].floor}  # type: ignore[index]
+    startups = [r.startup for r in records if r.startup is not None]
+    return decoded, sum(r.vq_seconds for r in records), quality, floor, max(startups, default=None)
+
+
+def throughput(records: Sequence[UnitRecord]) -> float:
+    """Images per second of all processes together: the images over the busiest process's decode time."""
+    busy: dict[int, float] = {}
+    for r in records:
+        busy[r.rank] = busy.get(r.rank, 0.0) + r.seconds
+    return sum(len(r.tokens) for r in records) / max(busy.values())
+
+
 def evaluate(
     target: Target,
     drafter: Drafter | None,
@@ -199,9 +250,14 @@ def evaluate(
     warmup: bool = True,
     compile: bool = False,
     cuda_graphs: bool | str | None = "auto",
-    ar_runs: dict[float, tuple[Decoded, np.ndarray, float, np.ndarray | None]] | None = None,
+    ar_runs: dict[tuple[float, int], UnitRecord] | None = None,
     decode_overrides: Mapping[str, Any] | None = None,
-) -> EvalResult:
+    ranks: Ranks | None = None,
+    store: UnitStore | None = None,
+    keep_images: int | None = None,
+    merge_only: bool = False,
+    keep_decoded: bool = True,
+) -> EvalResult | None:
     """Rows, per-position maps and images for AR and every method at every temperature.
 
     ``methods`` are preset names of ``conf/decode`` or typed configs. At T = 0 with
@@ -212,20 +268,29 @@ def evaluate(
     untimed with each method (``warm_up``): GPU start-up costs, step capture and compilation stay out of
     the timings, and the row's ``startup_seconds`` says what they cost. ``cuda_graphs`` (``auto``: on a GPU)
     records every method's step, AR's too; ``compile`` wraps the target's and the drafter's forwards in
-    ``torch.compile`` (in place, ``vdtrain.decode.compiled.prepare_decoding``). ``ar_runs`` (per
-    temperature: AR's decode, images, VQ seconds and noise-floor images or None) is filled on first use
-    and reused after: a caller evaluating the same frozen target on the same prompts again
-    (``EvalAfterEpoch``) decodes AR, and its noise floor, once.
+    ``torch.compile`` (in place, ``vdtrain.decode.compiled.prepare_decoding``). ``ar_runs`` (AR's units per
+    (temperature, start)) is filled on first use and reused after: a caller evaluating the same frozen
+    target on the same prompts again (``EvalAfterEpoch``) decodes AR, and its noise floor, once.
     ``decode_overrides`` (the target config's ``decode``) sets the target's own knobs of named presets.
+
+    Prompts are decoded in units of ``batch_size`` (``vdtrain.sharding``): with ``ranks`` each process
+    decodes its part and the rows are merged in prompt order, the same whatever the world size but for
+    wall-clock columns. With ``store`` finished units are saved as they go and loaded instead of decoded
+    again; then only the main rank merges (the others return None). ``keep_images`` keeps the first that
+    many images of each row in memory (None: all). ``merge_only`` refuses to decode: every unit must
+    be in ``store`` already. ``keep_decoded`` False leaves ``EvalResult.decoded`` empty: the merge then
+    holds one row's tokens and stats at a time (30 000 prompts' stats per row are gigabytes).
     """
     if not prompts:
         raise ValueError("no prompts to evaluate (the prompt set is empty)")
+    ranks = ranks or Ranks()
     configs = method_configs(methods, decode_overrides)
     needy = [c.name for c in configs if c.needs_drafter]
     if needy and drafter is None:
         raise ValueError(f"methods {needy} need a drafter; none was given")
     options = prepare_decoding(target, drafter, compile=compile, cuda_graphs=cuda_graphs)
     scorer = QualityScorer(quality, target.token_embedding.weight.device, target.tokenizer)
+    names = scorer.metrics_for(prompts)
     wants_floor = scorer.wants_reference(prompts)
     baseline = load_preset("ar")
     runs = [(t, c) for t in temperatures for c in [baseline, *configs]]
@@ -234,67 +299,199 @@ def evaluate(
         if skipped:
             log.info("T = 0: leaving out the relaxed methods %s (meaningless under greedy decoding)", skipped)
         runs = [(t, c) for t, c in runs if t != 0 or c.exact]
-    result = EvalResult([], {}, {}, list(prompts))
+    mine = ranks.take(units_of(len(prompts), batch_size))
     started = time.monotonic()
     log.info(
-        "evaluation: %s at T = %s on %d prompts",
+        "evaluation: %s at T = %s on %d prompts (%s: %d)",
         ", ".join(dict.fromkeys(c.name for _, c in runs)),
         ", ".join(f"{t:g}" for t in temperatures),
         len(prompts),
+        ranks.describe(),
+        sum(stop - start for start, stop in mine),
     )
-    bar = tqdm(total=len(runs) * len(prompts), desc="evaluate", unit="image", disable=not progress)
+    work = UnitWork(
+        target, drafter, prompts, seed, batch_size, scorer, names, options, image_dir, keep_images
+    )
+    done: dict[tuple[str, float], list[UnitRecord]] = {}  # this rank's units, where not in the store
+    hold = store is None or ar_runs is not None
+    mine_total = sum(stop - start for start, stop in mine)
+    bar = tqdm(total=len(runs) * mine_total, desc="evaluate", unit="image", disable=not progress)
     with torch.no_grad(), bar:
         for temperature, config in runs:
             bar.set_description(f"{config.name} T={temperature:g}")
-            sampling = replace(target.sampling_defaults, temperature=temperature)
-            cold, floor, method = None, None, None
-            if config is baseline and ar_runs is not None and temperature in ar_runs:
-                # the same frozen target and prompts
-                decoded, images, vq_seconds, floor = ar_runs[temperature]
-                bar.update(len(prompts))
-            else:
-                method = build_method(config, target, drafter, sampling, options)
-                with Heartbeat(f"{config.name} T={temperature:g}", len(prompts), bar) as beat:
-                    cold = warm_up(method, target, prompts, seed, batch_size) if warmup else None
-                    decoded = decode_prompts(method, target, prompts, seed, batch_size, beat)
-                images, vq_seconds = vq_decode(target, decoded.tokens, batch_size)
-            if config is baseline:  # runs first at every temperature
-                ar, ar_vq_seconds, ar_images = decoded, vq_seconds, images
-                if wants_floor and floor is None:
-                    method = method or build_method(config, target, drafter, sampling, options)
-                    with Heartbeat(f"AR noise floor T={temperature:g}", len(prompts)):
-                        floor = noise_floor_images(
-                            method, temperature, target, prompts, seed, batch_size, images
-                        )
-                if ar_runs is not None:
-                    ar_runs[temperature] = (decoded, images, vq_seconds, floor)
-            summary = summarize(decoded.stats, target.num_image_tokens)
-            speedup = ar.seconds / decoded.seconds
-            result.rows.append(
-                EvalRow(
-                    method=config.name,
-                    temperature=float(temperature),
-                    **summary,
-                    speedup=speedup,
-                    paper_speedup=projected_speedup(config.name, summary["S"] / speedup),
-                    speedup_with_vq_decode=(ar.seconds + ar_vq_seconds) / (decoded.seconds + ar_vq_seconds),
-                    method_seconds=decoded.seconds,
-                    ar_seconds=ar.seconds,
-                    startup_seconds=startup_seconds(target, options, cold, decoded),
-                    device=device_description(target.token_embedding.weight.device),
-                    identical_to_ar=bool(torch.equal(decoded.tokens, ar.tokens))
-                    if temperature == 0
-                    else None,
-                    quality=scorer.score(images, prompts, floor if config is baseline else ar_images),
+            is_ar = config is baseline
+            records, todo = [], []
+            for start, stop in mine:
+                record = None
+                if is_ar and ar_runs is not None:
+                    record = ar_runs.get((float(temperature), start))
+                if record is None and store is not None:
+                    record = store.load(unit_key(config.name, temperature, start))
+                if record is None or (is_ar and wants_floor and record.floor is None):
+                    todo.append((start, stop))
+                else:
+                    records += [record] if hold else []
+                    bar.update(stop - start)
+            if todo and merge_only:
+                raise ValueError(
+                    f"merge only, but {len(todo)} unit(s) of {config.name} at T = {temperature:g} are not "
+                    "finished: run without merge=true to decode them"
                 )
-            )
-            key = (config.name, float(temperature))
-            result.position_maps[key] = stats_position_maps(decoded.stats, target.grid)
-            result.images[key] = images
-            result.decoded[key] = decoded
-            if image_dir is not None:
-                folder = image_folder(image_dir, config.name, temperature)
-                for index, image in enumerate(images):
-                    save_png(image, folder / f"{index:04d}.png")
+            if todo:
+                with Heartbeat(f"{config.name} T={temperature:g}", sum(b - a for a, b in todo), bar) as beat:
+                    for record in work.run(
+                        config, temperature, todo, warmup, is_ar and wants_floor, beat, ranks
+                    ):
+                        if store is not None:
+                            store.save(unit_key(config.name, temperature, record.start), record)
+                        records += [record] if hold else []
+            if is_ar and ar_runs is not None:
+                ar_runs.update({(float(temperature), r.start): r for r in records})
+            done[config.name, float(temperature)] = records
+    all_units = units_of(len(prompts), batch_size)
+    if store is not None:
+        ranks.barrier()
+        if not ranks.is_main:
+            return None
+
+        def records_of(key: tuple[str, float]) -> list[UnitRecord]:  # one row at a time in memory
+            records = [store.load(unit_key(key[0], key[1], start)) for start, _ in all_units]
+            if any(r is None for r in records):
+                raise RuntimeError(
+                    f"units of {key} are missing from {store.folder} after every rank finished"
+                )
+            return records
+    else:
+        gathered = ranks.gather(done)
+
+        def records_of(key: tuple[str, float]) -> list[UnitRecord]:
+            return [r for part in gathered for r in part[key]]
+
+    result = merge(records_of, runs, scorer, prompts, target, ranks.world, keep_decoded)
     log.info("evaluation done in %s", duration(time.monotonic() - started))
+    return result
+
+
+class UnitWork:
+    """Decodes units of prompts with one method and scores them: what one process does for a row."""
+
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None,
+        prompts: Sequence[str],
+        seed: int,
+        batch_size: int,
+        scorer: QualityScorer,
+        names: Sequence[str],
+        options: DecodeOptions,
+        image_dir: str | os.PathLike[str] | None,
+        keep_images: int | None,
+    ) -> None:
+        self.target, self.drafter, self.prompts, self.seed = target, drafter, prompts, seed
+        self.batch_size, self.scorer, self.names, self.options = batch_size, scorer, names, options
+        self.image_dir, self.keep_images = image_dir, keep_images
+
+    def run(
+        self,
+        config: DecodeConfig,
+        temperature: float,
+        units: Sequence[tuple[int, int]],
+        warmup: bool,
+        floor: bool,
+        progress: Heartbeat,
+        ranks: Ranks,
+    ) -> Iterator[UnitRecord]:
+        """Each unit's record as it is done; the first unit decodes twice with ``warmup``, untimed first."""
+        target, bs = self.target, self.batch_size
+        sampling = replace(target.sampling_defaults, temperature=temperature)
+        method = build_method(config, target, self.drafter, sampling, self.options)
+        first = units[0]
+        cold = (
+            warm_up(method, target, self.prompts[first[0] : first[1]], self.seed + first[0], bs)
+            if warmup
+            else None
+        )
+        for start, stop in units:
+            part = self.prompts[start:stop]
+            decoded = decode_prompts(method, target, part, self.seed + start, bs, progress)
+            images, vq_seconds = vq_decode(target, decoded.tokens, bs)
+            quality = self.scorer.partials(images, part, self.names)
+            record = UnitRecord(
+                start,
+                decoded.tokens.cpu(),
+                decoded.stats,
+                decoded.seconds,
+                vq_seconds,
+                ranks.rank,
+                images.shape[1:3],
+                quality,
+                startup=startup_seconds(target, self.options, cold, decoded)
+                if (start, stop) == first
+                else None,
+            )
+            if floor:
+                reference = noise_floor_images(
+                    method, temperature, target, part, self.seed + start, bs, images
+                )
+                record.floor = self.scorer.partials(
+                    reference, part, [n for n in self.names if n in REFERENCE_METRICS]
+                )
+            if self.keep_images is None or start < self.keep_images:
+                record.images = images
+            if self.image_dir is not None:
+                folder = image_folder(self.image_dir, config.name, temperature)
+                for index, image in enumerate(images):
+                    save_png(image, folder / f"{start + index:04d}.png")
+            yield record
+
+
+def merge(
+    records_of: Callable[[tuple[str, float]], Sequence[UnitRecord]],
+    runs: Sequence[tuple[float, DecodeConfig]],
+    scorer: QualityScorer,
+    prompts: list[str],
+    target: Target,
+    world_size: int,
+    keep_decoded: bool = True,
+) -> EvalResult:
+    """The rows from every unit of every run (``records_of`` a (method, T)), in prompt order, AR's row
+    first at each temperature."""
+    result = EvalResult([], {}, {}, list(prompts))
+    device = device_description(target.token_embedding.weight.device)
+    for temperature, config in runs:
+        key = (config.name, float(temperature))
+        records = sorted(records_of(key), key=lambda r: r.start)
+        decoded, vq_seconds, quality, floor, startup = merge_row(records)
+        if config.tree.kind == "none":  # AR, the baseline: runs first at every temperature
+            ar, ar_vq_seconds, ar_quality = decoded, vq_seconds, quality
+            reference = floor
+        else:
+            reference = ar_quality
+        summary = summarize(decoded.stats, target.num_image_tokens)
+        speedup = ar.seconds / decoded.seconds
+        result.rows.append(
+            EvalRow(
+                method=config.name,
+                temperature=float(temperature),
+                **summary,
+                speedup=speedup,
+                paper_speedup=projected_speedup(config.name, summary["S"] / speedup),
+                speedup_with_vq_decode=(ar.seconds + ar_vq_seconds) / (decoded.seconds + ar_vq_seconds),
+                method_seconds=decoded.seconds,
+                ar_seconds=ar.seconds,
+                startup_seconds=startup,
+                device=device,
+                world_size=world_size,
+                images_per_second=throughput(records),
+                identical_to_ar=bool(torch.equal(decoded.tokens, ar.tokens)) if temperature == 0 else None,
+                quality=scorer.finish(quality, reference, records[0].image_size),
+            )
+        )
+        result.position_maps[key] = stats_position_maps(decoded.stats, target.grid)
+        kept = [r.images for r in records if r.images is not None]
+        if kept:
+            result.images[key] = np.concatenate(kept)
+        if keep_decoded:
+            result.decoded[key] = decoded
     return result

@@ -34,6 +34,8 @@ WALL_CLOCK = (
     "startup_seconds",
     "device",
     "paper_speedup",
+    "images_per_second",
+    "world_size",  # not a clock, but how many processes shared the clock's work
 )
 
 
@@ -61,6 +63,11 @@ class EvalRow:
     # The speedup at the paper's S for this method's family (conf/papers.yaml): S_paper / r, with the step
     # cost r = S / speedup as measured here; None where no paper figure applies
     paper_speedup: float | None = None
+    # Processes that decoded the row (vdtrain.sharding); method_seconds and ar_seconds add up all of
+    # theirs, so speedups are per GPU whatever the world size
+    world_size: int = 1
+    # Images per second of all processes together: the row's images over the busiest process's seconds
+    images_per_second: float | None = None
     quality: dict[str, QualityValue] = field(default_factory=dict)
 
     def measured(self) -> dict[str, Any]:
@@ -96,6 +103,7 @@ COLUMNS = [  # (header, row -> cell)
     ("at paper S", lambda r: "–" if r.paper_speedup is None else f"{r.paper_speedup:.2f}×"),
     ("= AR", lambda r: {None: "–", True: "yes", False: "NO"}[r.identical_to_ar]),
     ("start-up s", lambda r: "–" if r.startup_seconds is None else f"{r.startup_seconds:.1f}"),
+    ("img/s", lambda r: "–" if r.images_per_second is None else f"{r.images_per_second:.3g}"),
 ]
 
 
@@ -106,10 +114,15 @@ def quality_names(rows: list[EvalRow]) -> list[str]:
     return names
 
 
-SPEED_COLUMNS = ("latency speedup", "with VQ decode", "at paper S")
+SPEED_COLUMNS = ("latency speedup", "with VQ decode", "at paper S", "img/s")
 CPU_NOTE = (
     "Speeds on a CPU: tree methods are compute-bound there (a tree of n nodes costs about n times an AR "
     "step's arithmetic), so only GPU tables say what a method gains (docs/evaluation.md)."
+)
+WORLD_NOTE = (
+    "Decoded by {world} processes, one per device: speedups and start-up are per device (every process's "
+    "decode seconds added up), img/s is all processes together (the images over the busiest process's "
+    "decode seconds)."
 )
 
 
@@ -118,6 +131,9 @@ def to_markdown(rows: list[EvalRow]) -> str:
     metrics = quality_names(rows)
     devices = sorted({r.device for r in rows if r.device})
     where = devices[0].split(" ")[0] if len(devices) == 1 else None
+    worlds = sorted({r.world_size for r in rows})
+    if where and worlds != [1]:
+        where += " ×" + "/".join(map(str, worlds))
     header = [f"{h} ({where})" if h in SPEED_COLUMNS and where else h for h, _ in COLUMNS] + metrics
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes: dict[str, str] = {}
@@ -132,6 +148,8 @@ def to_markdown(rows: list[EvalRow]) -> str:
     lines += [""] + [f"- {name}: not available — {why}" for name, why in notes.items()]
     if devices:
         lines += [f"Speeds measured on {', '.join(devices)}."]
+        if worlds != [1]:
+            lines.append(WORLD_NOTE.format(world="/".join(map(str, worlds))))
         if any(d.startswith("cpu") for d in devices):
             lines.append(CPU_NOTE)
     return "\n".join(lines).rstrip() + "\n"
