@@ -245,6 +245,11 @@ class SpeculativeEngine:
             next_embeds, positions, run.stream.mask, token_index, slots, image_vis, run.streams
         )
 
+    def drafter_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The drafter's embeddings [R, S, H] of the next ``tokens`` [B, S], for every CFG stream (the
+        ``embeds`` of ``drafter_inputs``' rows)."""
+        return self.drafter.embed(tokens.repeat(self.run.streams, 1))
+
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Features [R, S, H] through the drafter at ``rows`` → (f̂ [R, S, H], logits [R, S, V] carrying
         the target's forced tokens)."""
