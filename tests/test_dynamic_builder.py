@@ -18,6 +18,7 @@ from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, ranked, topk_low_index_first
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.profiling import Counts, OpCounter
+from vdtrain.decode.rows import DrafterRows
 from vdtrain.decode.sampling import SamplingConfig
 
 # --- per-row shapes (PEANUT-like): a fixed pseudo-random function of the row and its progress ------------
@@ -202,7 +203,11 @@ def stub_engine(logits: torch.Tensor, n_img: int = 16, prefix: int = 3) -> Simpl
             prefix_length=prefix, num_image_tokens=n_img, image_slot=lambda index: index + prefix
         ),
         draft_probs=lambda x: x.softmax(-1),
-        drafter_inputs=lambda tokens, token_index, slots, vis: None,
+        # Rows as ``drafter_inputs`` lays them out (one stream): the builder slices them per round.
+        drafter_inputs=lambda tokens, token_index, slots, vis, next_embeds=None: DrafterRows(
+            next_embeds, token_index, vis[:, None], slots, token_index + 1
+        ),
+        drafter_embeds=lambda tokens: None,
         drafter_forward=drafter_forward,
     )
 

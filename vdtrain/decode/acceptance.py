@@ -25,8 +25,8 @@ def _normalise_rows(p: torch.Tensor) -> torch.Tensor:
     (nothing left to reject into) is all zeros, whose argmax is token 0: it becomes a point mass there."""
     total = p.sum(-1, keepdim=True)
     exhausted = total <= 0
-    out = p / torch.where(exhausted, 1.0, total)
-    out[..., :1] += exhausted
+    out = p / total.masked_fill(exhausted, 1.0)
+    out[..., :1].add_(exhausted)  # in place on the view: no copy back
     return out
 
 
@@ -253,12 +253,12 @@ def accept_batch(
         bonus = best.gather(1, final[:, None]).squeeze(1)
     elif not tree.sampled and not rule.relaxes:
         child_of = _exact_choices(tree, p_nodes, u_accept)
-        path, final, relaxed = _follow(child_of, torch.zeros_like(tree.valid), depth)
+        path, final, relaxed = _follow(child_of, None, depth)
         bonus = inverse_cdf(_exact_residual(tree, p_nodes, final), u_bonus)
     else:
         width = size - 1 if tree.width_bound is None else tree.width_bound
         child_of, relaxed_at, p_left = _tried_choices(rule, tree, p_nodes, u_accept, width)
-        path, final, relaxed = _follow(child_of, relaxed_at, depth)
+        path, final, relaxed = _follow(child_of, relaxed_at if rule.relaxes else None, depth)
         vocab = p_left.shape[-1]
         bonus = inverse_cdf(
             p_left.gather(1, final[:, None, None].expand(batch, 1, vocab)).squeeze(1), u_bonus
@@ -320,7 +320,9 @@ def _follow(
             jump = jump.gather(1, jump)
     reach = reach[:, :depth]
     before = torch.cat([node, reach[:, :-1]], 1)  # the node each level's step starts from
-    path = torch.where(reach != before, reach, -1)  # a node is never its own child: equal means none
+    path = reach.masked_fill(reach == before, -1)  # a node is never its own child: equal means none
+    if relaxed_at is None:  # a rule that relaxes nothing
+        return path, reach[:, -1], torch.zeros_like(reach[:, -1])
     relaxed = relaxed_at.long().gather(1, before).sum(1)  # zero at the last node: it has no child
     return path, reach[:, -1], relaxed
 
@@ -395,20 +397,23 @@ def _tried_choices(
         if count < size - 1:
             rows = (kid < 0).to(torch.int8).sort(dim=1, stable=True).indices[:, :count]
             kid = kid.gather(1, rows)
-        x = tree.tokens.gather(1, kid.clamp_min(0))  # each node's child at this rank
-        u = u_all.gather(1, kid.clamp_min(0))
+        at = kid.clamp_min(0)
+        x = tree.tokens.gather(1, at)  # each node's child at this rank
+        u = u_all.gather(1, at)
         if rows is None:
-            accept, relaxed, p, q = _try_children(rule, p, q, x, u, kid >= 0)
+            accept, relaxed, p, q = _try_children(rule, p, q, x, u, kid >= 0, rank + 1 < width)
             first = accept & (child_of < 0)
             child_of = torch.where(first, kid, child_of)
-            relaxed_at = torch.where(first, relaxed, relaxed_at)
+            if rule.relaxes:
+                relaxed_at = torch.where(first, relaxed, relaxed_at)
             continue
         spread = rows[..., None].expand(-1, -1, vocab)
         taken_q = None if q is None else q.gather(1, spread)
         accept, relaxed, p_rows, q_rows = _try_children(rule, p.gather(1, spread), taken_q, x, u, kid >= 0)
         first = accept & (child_of.gather(1, rows) < 0)
         child_of = child_of.scatter(1, rows, torch.where(first, kid, child_of.gather(1, rows)))
-        relaxed_at = relaxed_at.scatter(1, rows, torch.where(first, relaxed, relaxed_at.gather(1, rows)))
+        if rule.relaxes:
+            relaxed_at = relaxed_at.scatter(1, rows, torch.where(first, relaxed, relaxed_at.gather(1, rows)))
         p.scatter_(1, spread, p_rows)  # p and q are this function's own after the first pass
         if q is not None:
             q.scatter_(1, spread, q_rows)
@@ -416,33 +421,46 @@ def _tried_choices(
 
 
 def _try_children(
-    rule: Rule, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor, u: torch.Tensor, has: torch.Tensor
+    rule: Rule,
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    x: torch.Tensor,
+    u: torch.Tensor,
+    has: torch.Tensor,
+    siblings_follow: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One step of the walk's sibling loop for many nodes: node i (current ``p`` [N.., V], ``q`` or None
     for point-mass drafts) tries child token ``x`` with uniform ``u`` where ``has``. Returns (accepted,
-    accepted only by the relaxation, p after rejecting x, q without x), the last two freshly allocated."""
+    accepted only by the relaxation, p after rejecting x, q without x), the last two freshly allocated;
+    ``siblings_follow`` False (the last rank): q is not updated, nothing reads it again."""
     p_x = p.gather(-1, x[..., None]).squeeze(-1)
     if q is not None:
         q = _normalise_rows(q)
         q_x = q.gather(-1, x[..., None]).squeeze(-1)
     else:  # deterministic draft: a point mass on the child
         q_x = torch.ones_like(p_x)
-    candidates, member = rule.group_batch(p, x)
+    # A rule without a group (exact) skips it: its empty tensors would still cost a launch or two.
+    candidates, member = rule.group_batch(p, x) if rule.relaxes else (x[..., :0], None)
     p_mass, q_mass = p_x, q_x
     if candidates.shape[-1]:
         p_mass = p_x + (p.gather(-1, candidates) * member).sum(-1)
         if rule.credits_q and q is not None:
             q_mass = q_x + (q.gather(-1, candidates) * member).sum(-1)
     accept = has & (u * q_mass < p_mass)
-    relaxed = ~(u * q_x < p_x)
+    relaxed = ~(u * q_x < p_x) if rule.relaxes else None  # exact: accepted only by the exact test
     # The residual after rejecting x (kept only where x was tried), built in place on one copy.
     if rule.removes_group and candidates.shape[-1]:
         rest = p.scatter(-1, candidates, p.gather(-1, candidates) * ~member)  # the group's mass set to 0
+        if q is not None:
+            rest.sub_(q)
+    elif q is not None:
+        rest = p - q
     else:
         rest = p.clone()
     if q is not None:
-        rest.sub_(q).clamp_min_(0)
-        q.scatter_(-1, x[..., None], 0.0)  # the next sibling was drawn without this one
+        rest.clamp_min_(0)
+        if siblings_follow:  # the last rank's q is not read again
+            q.scatter_(-1, x[..., None], 0.0)  # the next sibling was drawn without this one
     else:
         rest.scatter_(-1, x[..., None], (rest.gather(-1, x[..., None]) - 1.0).clamp_min(0))
     return accept, relaxed, torch.where(has[..., None], _normalise_rows(rest), p), q

@@ -245,6 +245,11 @@ class SpeculativeEngine:
             next_embeds, positions, run.stream.mask, token_index, slots, image_vis, run.streams
         )
 
+    def drafter_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The drafter's embeddings [R, S, H] of the next ``tokens`` [B, S], for every CFG stream (the
+        ``embeds`` of ``drafter_inputs``' rows)."""
+        return self.drafter.embed(tokens.repeat(self.run.streams, 1))
+
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Features [R, S, H] through the drafter at ``rows`` → (f̂ [R, S, H], logits [R, S, V] carrying
         the target's forced tokens)."""
@@ -334,7 +339,7 @@ class SpeculativeEngine:
                 run.root_logits.copy_(logits)
         prefill_calls = run.draft_calls
 
-        while bool((run.committed < n_img).any()):  # the loop's one read of the device
+        while int(run.committed.amin()) < n_img:  # the loop's one read of the device
             run.calls.append(step())
             if on_step is not None:
                 on_step(run.tcache, run.committed, run.out[:, :n_img])
@@ -388,22 +393,20 @@ class SpeculativeEngine:
         """draft → plan: every prompt's tree, and the schedule's plan with its flags still on the device."""
         run, n_img = self.run, self.target.num_image_tokens
         committed = run.committed
-        active = committed < n_img
+        active, roots_at = committed < n_img, committed - 1  # roots_at: the image index of each root
         state = StepState(
-            roots=run.out.gather(1, (committed - 1)[:, None]).squeeze(1),
+            roots=run.out.gather(1, roots_at[:, None]).squeeze(1),
             root_feats=run.root_feats,
             root_logits=run.root_logits,
             committed=committed,
-            depth_limit=torch.where(active, n_img - 1 - committed, 0),
+            depth_limit=(n_img - 1 - committed).clamp_min(0),  # 0 once a prompt is done (committed = N)
             generators=run.generators,
             rng=run.rng,
         )
         tree, calls = self._counted(self.builder.build, self, state)
-        tree.valid = tree.valid & (
-            active[:, None] | (torch.arange(tree.size, device=active.device) == 0)[None]
-        )
+        tree.valid = torch.cat([tree.valid[:, :1], tree.valid[:, 1:] & active[:, None]], 1)  # roots stay
         plan = self.schedule.plan_on_device(tree, active, committed, run.pending)
-        return Drafted(tree, plan, active, committed - 1, tree.max_depth(), calls)
+        return Drafted(tree, plan, active, roots_at, tree.max_depth(), calls)
 
     def _finish(self, drafted: Drafted, plan: StepPlan) -> StepCalls:
         """verify → judge → commit → log, for the ``plan`` with its flags read: the verified prompts
@@ -506,44 +509,54 @@ class SpeculativeEngine:
         run, target = self.run, self.target
         batch, streams, committed = run.batch, run.streams, run.committed
         device, n_img = committed.device, target.num_image_tokens
-        lead = torch.zeros_like(committed) if lead is None else lead
         path, accepted = verdict.path, verdict.accepted
         depth = path.shape[1]
         width = run.chain + 1 + depth
         j = torch.arange(width, device=device)[None]  # [1, W]
-        u, acc = lead[:, None], accepted[:, None]
+        acc = accepted[:, None]
         # Rows of ``hidden`` to commit: the lead, the root, then the accepted nodes; padded by repeating
         # the last (moving a slot onto itself and recomputing a drafter row are harmless).
-        on_path = path.gather(1, (j - u - 1).clamp(0, max(depth - 1, 0))) if depth else torch.zeros_like(j)
-        node = torch.where(j < u, j, u + torch.where(j == u, 0, on_path))
-        rows = u + acc + 1  # caught-up rows [B, 1]
-        node = torch.where(j < rows, node, node.gather(1, rows - 1))
-        base = committed - 1 - lead  # image slot of the first row
+        if lead is None:  # no lead: the root (node 0), then the path; its last caught-up row is ``acc``
+            node = torch.nn.functional.pad(path, (1, 0))  # [B, 1 + D]: width is 1 + D here
+            rows = acc + 1  # caught-up rows [B, 1]
+            node = torch.where(j < rows, node, node.gather(1, acc))
+            base, last = committed - 1, accepted  # image slot of the first row; the last caught-up row
+        else:
+            u = lead[:, None]
+            on_path = (
+                path.gather(1, (j - u - 1).clamp(0, max(depth - 1, 0))) if depth else torch.zeros_like(j)
+            )
+            node = torch.where(j < u, j, u + torch.where(j == u, 0, on_path))
+            rows = u + acc + 1  # caught-up rows [B, 1]
+            node = torch.where(j < rows, node, node.gather(1, rows - 1))
+            base = committed - 1 - lead  # image slot of the first row
+            last = rows[:, 0] - 1
         # Target KV: row i sits at slot L+base+i; its committed place is L+base+i' (i' <= i).
         src = target.image_slot(base[:, None] + node)
-        dst = torch.where(verify[:, None], torch.minimum(target.image_slot(base[:, None] + j), src), src)
+        col = base[:, None] + j  # row j's image slot
+        slots = target.image_slot(col)
+        dst = torch.where(verify[:, None], torch.minimum(slots, src), src)
         cache_rows = torch.arange(batch * streams, device=device)
         # Tokens: the accepted drafts then the bonus, at image indices committed ..
         k = torch.arange(depth + 1, device=device)[None]
-        drafted = torch.cat([tree.tokens.gather(1, path.clamp_min(0)), torch.zeros_like(acc)], 1)
-        new = torch.where(k == acc, verdict.bonus[:, None], drafted)
+        new = torch.nn.functional.pad(tree.tokens.gather(1, path.clamp_min(0)), (0, 1))
+        new.scatter_(1, acc, verdict.bonus[:, None])  # the bonus after the accepted drafts
+        counts = (accepted + 1) * verify  # 0 where not verified
         at = committed[:, None] + k
-        run.out.scatter_(1, at, torch.where(verify[:, None] & (k <= acc), new, run.out.gather(1, at)))
-        counts = torch.where(verify, accepted + 1, 0)
-        last = rows[:, 0] - 1
+        run.out.scatter_(1, at, torch.where(k < counts[:, None], new, run.out.gather(1, at)))
         src, dst = per_stream(src, streams), per_stream(dst, streams)
         if not self.builder.needs_drafter:
             return cache_rows, src, dst, counts, last, None
         # Drafter rows L+base .. : feature of the row's token, embedding of the token after it.
         node = per_stream(node, streams)
         feats = hidden.gather(1, node[..., None].expand(-1, -1, hidden.shape[-1]))
-        slots = target.image_slot(base[:, None] + j)
         if run.fcache is not None:
             write = per_stream(verify[:, None] & (j < rows), streams)[..., None]
             at_f = per_stream(slots, streams)[..., None].expand(-1, -1, feats.shape[-1])
             run.fcache.scatter_(1, at_f, torch.where(write, feats, run.fcache.gather(1, at_f)))
-        next_tokens_ = run.out.gather(1, base[:, None] + 1 + j)
-        index = (base[:, None] + 1 + j).clamp_max(n_img)  # padding rows only
+        after = col + 1  # image index of the token after row j's
+        next_tokens_ = run.out.gather(1, after)
+        index = after.clamp_max(n_img)  # padding rows only
         vis = chain_visibility(base, width, n_img)
         return (
             cache_rows,
@@ -618,12 +631,11 @@ class SpeculativeEngine:
         run, verify = self.run, plan.verify
         none = torch.zeros_like(run.committed)
         accepted = verdict.accepted if verdict is not None else none
-        skips = plan.skipped if plan.skipped is not None else torch.zeros_like(verify)
         run.log.append(
             torch.stack(
                 [
                     verify.long(),
-                    skips.long(),
+                    plan.skipped.long() if plan.skipped is not None else none,
                     torch.where(verify, accepted + 1, skipped),
                     drafted.depth,
                     drafted.roots_at,

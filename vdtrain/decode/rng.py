@@ -115,7 +115,7 @@ class RowRandom:
     def advance(self, active: torch.Tensor | None = None) -> None:
         """Move to the next step: every row, or only those where ``active`` [B] (bool) is set, so a
         finished row's counter stays where it stopped."""
-        self.steps += 1 if active is None else active.long()  # in place: a recorded step replays it
+        self.steps.add_(1 if active is None else active)  # in place: a recorded step replays it
 
     def uniform(self, purpose: int, *shape: int) -> torch.Tensor:
         """float64 [B, *shape] in [0, 1): a function of each row's (seed, step), ``purpose`` and the

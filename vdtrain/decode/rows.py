@@ -73,8 +73,11 @@ def visibility(
 def chain_visibility(base: torch.Tensor, width: int, n_img: int) -> torch.Tensor:
     """``width`` causal rows per prompt from image column ``base[b]`` on: each sees the committed
     columns before it, then the chain up to itself."""
-    causal = torch.ones(width, width, dtype=torch.bool, device=base.device).tril()
-    return visibility(base, base, causal.expand(len(base), -1, -1), n_img - 1 + width)
+    # Row i sees every column up to its own, base + i: the committed ones, then the chain (one compare
+    # where placing a causal block among the committed columns took seven kernels).
+    cols = torch.arange(n_img - 1 + width, device=base.device)
+    last = base[:, None] + torch.arange(width, device=base.device)  # [B, width]
+    return cols[None, None, :] <= last[:, :, None]
 
 
 class DrafterRows(NamedTuple):
@@ -111,7 +114,8 @@ def tree_rows(tree: DraftTree, committed: torch.Tensor, geometry: TargetGeometry
     the trees alone (their roots are the only unseen tokens)."""
     n_img = geometry.num_image_tokens
     base = committed - 1  # image slot of the root
-    anc = ancestor_matrix(tree.parents, tree.depth_bound) & tree.valid[:, None, :]
+    anc = tree.ancestors if tree.ancestors is not None else ancestor_matrix(tree.parents, tree.depth_bound)
+    anc = anc & tree.valid[:, None, :]
     anc |= torch.eye(tree.size, dtype=torch.bool, device=anc.device)
     vis = visibility(base, base, anc, n_img - 1 + tree.size)
     # Padding nodes may lie past the image; clamp their (ignored) positions into the RoPE table.

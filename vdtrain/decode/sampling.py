@@ -46,7 +46,8 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     (the token that crosses the threshold is kept).
     """
     if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # no sort needed
+        # The k-th largest value in one selection kernel (the top-k values' minimum took two).
+        kth = logits.kthvalue(logits.shape[-1] - top_k + 1, dim=-1, keepdim=True).values
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)

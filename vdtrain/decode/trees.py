@@ -109,9 +109,17 @@ def ancestor_matrix(parents: torch.Tensor, depth_bound: int | None = None) -> to
     eye = torch.eye(size, dtype=torch.bool, device=parents.device)
     cols = torch.arange(size, device=parents.device)
     anc = eye | (parents[..., None] == cols)  # itself and its parent
-    for _ in range(max(0, depth - 1).bit_length()):  # 2^passes >= depth
-        anc = anc | (anc.float() @ anc.float() > 0)
-    return anc
+    passes = max(0, depth - 1).bit_length()  # 2^passes >= depth
+    if not passes:
+        return anc
+    # The relation is reflexive, so its square holds it: a pass is one product, its entries (counts of
+    # walks) clamped to 1 so that no pass overflows (3 kernels a pass fewer than OR-ing bool matrices).
+    walks = anc.float()
+    for i in range(passes):
+        walks = walks @ walks
+        if i + 1 < passes:
+            walks = walks.clamp_max_(1.0)
+    return walks > 0
 
 
 @dataclass
@@ -134,6 +142,9 @@ class DraftTree:
     # them (always right, but loops T - 1 times).
     depth_bound: int | None = None  # no valid node is deeper
     width_bound: int | None = None  # no node has more valid children
+    # [B or 1, T, T] bool, ``ancestor_matrix(parents)`` where the builder knows it without computing it
+    # (a chain's is a triangle); None: the verification rows compute it.
+    ancestors: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -153,6 +164,13 @@ class DraftTree:
         the valid children, in stored order), −1 where there is none. Children ranked ``width`` or
         later are left out."""
         batch, size = self.parents.shape
+        if width == 1:  # each node's first valid child: no sibling ranks needed (a chain, SJD's window)
+            keep = self.valid & (self.parents >= 0)
+            slot = self.parents.masked_fill(~keep, size)  # a spare slot
+            nodes = torch.arange(size, device=self.parents.device).expand(batch, size)
+            first = torch.full((batch, size + 1), size, dtype=torch.long, device=self.parents.device)
+            first = first.scatter_reduce_(1, slot, nodes, reduce="amin")[:, :size]
+            return first.masked_fill(first == size, -1)[..., None]
         ranks = self.earlier_siblings().sum(-1)
         keep = self.valid & (self.parents >= 0) & (ranks < width)
         slot = torch.where(keep, self.parents.clamp_min(0) * width + ranks, size * width)  # spare slot
@@ -168,4 +186,4 @@ class DraftTree:
 
     def max_depth(self) -> torch.Tensor:
         """Depth of each row's tree [B]."""
-        return torch.where(self.valid, self.depths, 0).max(dim=1).values
+        return (self.depths * self.valid).amax(dim=1)  # depths are >= 0: an invalid node counts 0

@@ -66,11 +66,10 @@ class LayerCache:
         if slots.dim() == 1:
             self.k[:, :, slots] = k
             self.v[:, :, slots] = v
-        else:
-            rows = torch.arange(k.shape[0], device=k.device)[:, None]
-            # Advanced indices split by a slice put the indexed dims first: [B, S, H, D].
-            self.k[rows, :, slots] = k.transpose(1, 2)
-            self.v[rows, :, slots] = v.transpose(1, 2)
+        else:  # per-row slots: one scatter per cache (an index_put would need the rows' arange too)
+            at = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            self.k.scatter_(2, at, k)
+            self.v.scatter_(2, at, v)
         return self.k[:, :, :kv_len], self.v[:, :, :kv_len]
 
 

@@ -46,6 +46,11 @@ class DraftContext(Protocol):
         """Drafter rows for the next ``tokens`` [B, S] at image indices ``token_index``, every stream."""
         ...
 
+    def drafter_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The drafter's embeddings [R, S, H] of the next ``tokens`` [B, S], every stream (rows made once
+        by ``drafter_inputs`` can take new tokens: ``DrafterRows.embeds``)."""
+        ...
+
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Features [R, S, H] at ``rows`` → (f̂ [R, S, H], logits [R, S, V])."""
         ...

@@ -12,20 +12,21 @@ docs/decoding.md, "Drafting", gives the keys.
 
 from __future__ import annotations
 
+import sys
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
 from vdtrain.decode.kernels import step_kernel
-from vdtrain.decode.rows import image_columns
+from vdtrain.decode.rows import DrafterRows, image_columns, per_stream
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
     from vdtrain.decode.builders.base import DraftContext
-    from vdtrain.decode.rows import ImageColumns
 
 
 def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,9 +36,13 @@ def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, to
     reversed index in the low half (so the key is unique and ties resolve the same on every device).
     """
     n = values.shape[-1]
-    bits = (values.float() + 0.0).view(torch.int32).long()  # + 0.0 folds −0.0 into +0.0
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    key = ordered * 2**32 + (n - 1 - torch.arange(n, device=values.device))
+    bits = (values.float() + 0.0).view(torch.int32)  # + 0.0 folds −0.0 into +0.0
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: their magnitude bits flipped
+    # The int64 key as int32 pairs (the low word first on a little-endian machine), read as one int64: a
+    # handful of kernels fewer than widening and shifting (a GPU step is bound by launches).
+    low = torch.arange(n - 1, -1, -1, dtype=torch.int32, device=values.device).expand_as(ordered)
+    words = [low, ordered] if sys.byteorder == "little" else [ordered, low]
+    key = torch.stack(words, -1).view(torch.int64).squeeze(-1)
     index = key.topk(k, dim=-1).indices
     return values.gather(-1, index), index
 
@@ -52,20 +57,21 @@ class Layer(NamedTuple):
     """Nodes made in one round, in creation order."""
 
     tokens: torch.Tensor  # [B, n]
-    scores: torch.Tensor  # [B, n] cumulative log q, float64
+    scores: torch.Tensor  # [B, n] cumulative −log q (lower is likelier), float64; +inf outside the tree
     parents: torch.Tensor  # [B, n] flat node index of the parent
-    depths: torch.Tensor  # [B, n]
     valid: torch.Tensor  # [B, n]
+    # A node's depth follows from its flat index (``_depths``): the root, K children, K·K a round.
 
 
 class BuildPlan(NamedTuple):
-    """What a build fixes for all its rounds: each row's shape and the drafter scratch layout."""
+    """What a build fixes for all its rounds: each row's shape and every round's drafter rows."""
 
     rounds: torch.Tensor  # [B] expansion rounds of each row's tree
-    kid_ok: torch.Tensor  # [B, K·K] candidates inside the row's width
-    own: torch.Tensor  # [rounds, K, rounds·K] bool: the scratch column of round r's frontier node j
-    slots: torch.Tensor  # [B, rounds·K] drafter cache slot of each scratch column
-    columns: ImageColumns  # committed columns, and where the scratch columns go
+    invalid: torch.Tensor  # [B, rounds, K·K] bool: round r's candidates (at r − 1) outside the row's shape
+    valid: torch.Tensor  # its negation
+    index: torch.Tensor  # [V] int32 arange: the low word of ``_top_children``'s ranking key
+    rows: DrafterRows | None  # every round's drafter rows, round r's frontier node j at row (r−1)·K + j
+    # (its scratch column), each seeing the committed columns and its own: made once per build
 
 
 @dataclass
@@ -76,7 +82,7 @@ class Frontier:
     score: torch.Tensor  # [B, K]
     node: torch.Tensor  # [B, K] flat node index
     feats: torch.Tensor  # [R, K, H] the parents' drafter features
-    seen: torch.Tensor  # [B, K, rounds·K] scratch columns each row sees
+    seen: torch.Tensor  # [R, 1, K, L + W] the rows' drafter mask: the plan's, plus their ancestors' columns
     plan: BuildPlan
 
 
@@ -134,6 +140,16 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     def _logq(ctx: DraftContext, logits: torch.Tensor) -> torch.Tensor:
         return ctx.draft_probs(logits).clamp_min(1e-30).log()
 
+    def _top_children(self, ctx: DraftContext, logits: torch.Tensor, size: int, index: torch.Tensor):
+        """(−log q [..., K], tokens [..., K]): the ``K`` likeliest tokens by ``_logq``, ties to the lower
+        id, as ``topk_low_index_first`` ranks them, in fewer kernels: −log q is >= 0 (−0.0 where q = 1,
+        the only zero), so its float bits order it as int32 with no sign fix (``index``: arange(V))."""
+        surprisal = self._logq(ctx, logits).neg()
+        words = [index.expand_as(surprisal), surprisal.view(torch.int32)]
+        key = torch.stack(words if sys.byteorder == "little" else words[::-1], -1).view(torch.int64)
+        tokens = key.squeeze(-1).topk(size, dim=-1, largest=False).indices
+        return surprisal.gather(-1, tokens), tokens
+
     def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
         vocab, device = state.root_logits.shape[-1], state.roots.device
         rounds, widths = self.shape(state)
@@ -145,10 +161,12 @@ class DynamicTreeBuilder(DraftTreeBuilder):
                 f"{type(self).__name__}: an envelope of {depth_cap} rounds x {size} nodes needs "
                 f"{depth_cap * size} drafter scratch slots but max_nodes() reserves {self.max_nodes()}"
             )
-        torch._assert_async(
-            ((rounds <= depth_cap) & (widths <= size)).all(),
-            f"{type(self).__name__}.shape gave a (rounds, top_k) outside envelope ({depth_cap}, {size})",
-        )
+        own_shape = type(self).shape is not DynamicTreeBuilder.shape  # this class's shape is its envelope
+        if own_shape or type(self).envelope is not DynamicTreeBuilder.envelope:
+            torch._assert_async(
+                ((rounds <= depth_cap) & (widths <= size)).all(),
+                f"{type(self).__name__}.shape gave a (rounds, top_k) outside envelope ({depth_cap}, {size})",
+            )
         grown, front, rows = self._root_children(ctx, state, rounds, widths, depth_cap, size)
         for r in range(1, depth_cap + 1):
             f_hat, logits = ctx.drafter_forward(front.feats, rows)
@@ -162,73 +180,86 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     @step_kernel
     def _root_children(self, ctx, state: StepState, rounds, widths, depth_cap: int, size: int):
         """Depth 1 (the root's children, round 1's frontier in rank order) and round 1's drafter rows.
-        Returns ([the root's layer, depth 1's], the ``Frontier``, the drafter rows: None without rounds)."""
+        Returns ([the root's layer, depth 1's], the ``Frontier``, the drafter rows: None without rounds).
+
+        Every round's row layout (positions, slots, the committed columns and the row's own scratch
+        column in its mask) and every round's candidate validity are made here once; a round only adds
+        its rows' embeddings and ancestors (a GPU step is bound by kernel launches)."""
         roots, limit = state.roots, state.depth_limit
         batch, device = len(roots), roots.device
         col = torch.arange(size, device=device)
-        kid_ok = (col[None, :, None] < widths[:, None, None]) & (col[None, None, :] < widths[:, None, None])
-        front_logq, front_tok = topk_low_index_first(self._logq(ctx, state.root_logits), size)
-        front_score = front_logq.double()
+        vocab = state.root_logits.shape[-1]
+        index = torch.arange(vocab, dtype=torch.int32, device=device)
+        front_s, front_tok = self._top_children(ctx, state.root_logits, size, index)
+        first_ok = (limit >= 1)[:, None] & (col < widths[:, None])
+        # Scores are cumulative −log q, +inf where a node is not in the tree (ranking reads no mask).
+        front_score = front_s.double().masked_fill(~first_ok, float("inf"))
         root = Layer(
             roots[:, None],
             front_score.new_zeros(batch, 1),
             torch.full_like(roots[:, None], -1),
-            torch.zeros_like(roots[:, None]),
             torch.ones_like(roots[:, None], dtype=torch.bool),
         )
-        first = Layer(
-            front_tok,
-            front_score,
-            torch.zeros_like(front_tok),
-            torch.ones_like(front_tok),
-            (limit >= 1)[:, None] & (col < widths[:, None]),
-        )
-        # Drafter scratch column of frontier node j in round r: (r−1)·K + j, after any committed column.
-        n_img, base = ctx.target.num_image_tokens, state.committed - 1
-        cols = torch.arange(depth_cap * size, device=device)
-        plan = BuildPlan(
-            rounds,
-            kid_ok.flatten(1),
-            torch.eye(depth_cap * size, dtype=torch.bool, device=device).view(
-                depth_cap, size, depth_cap * size
-            ),
-            ctx.target.image_slot(base[:, None] + cols),
-            image_columns(base, base, depth_cap * size, n_img - 1 + depth_cap * size),
-        )
+        first = Layer(front_tok, front_score, torch.zeros_like(front_tok), first_ok)
+        # Round r grows a row's candidates j·K + c (j, c < its width) if it has r rounds and room below.
+        kid_ok = (col[None, :, None] < widths[:, None, None]) & (col[None, None, :] < widths[:, None, None])
+        r = torch.arange(1, depth_cap + 1, device=device)
+        grow = (rounds[:, None] >= r) & (limit[:, None] > r)  # [B, rounds]
+        valid = grow[:, :, None] & kid_ok.flatten(1)[:, None]  # [B, rounds, K·K]
+        rows = None
+        if depth_cap:  # the rows of every round: frontier node j of round r at scratch column (r−1)·K + j
+            n_img, base = ctx.target.num_image_tokens, state.committed - 1
+            cols = torch.arange(depth_cap * size, device=device)
+            own = torch.eye(depth_cap * size, dtype=torch.bool, device=device).expand(batch, -1, -1)
+            columns = image_columns(base, base, depth_cap * size, n_img - 1 + depth_cap * size)
+            rows = ctx.drafter_inputs(
+                None,
+                (base[:, None] + 1 + cols // size).clamp_max(n_img),
+                ctx.target.image_slot(base[:, None] + cols),
+                columns.rows(own),
+                next_embeds=state.root_feats[:, None, :0],  # a round brings its own (``_frontier_rows``)
+            )
         front = Frontier(
             front_tok,
             front_score,
             (1 + col).expand(batch, -1),
             state.root_feats[:, None].expand(-1, size, -1),  # parent features of the frontier rows
-            torch.zeros(batch, size, depth_cap * size, dtype=torch.bool, device=device),
-            plan,
+            None if rows is None else rows.mask[:, :, :size],
+            BuildPlan(rounds, ~valid, valid, index, rows),
         )
         if depth_cap == 0:  # no expansion round
             return [root, first], front, None
-        front, rows = self._frontier_rows(ctx, state, front, 1, depth_cap, size)
-        return [root, first], front, rows
+        return [root, first], front, self._frontier_rows(ctx, front, 1, size)
 
-    def _frontier_rows(self, ctx, state: StepState, front: Frontier, r: int, depth_cap: int, size: int):
-        """Round ``r``'s drafter rows: frontier node ``j`` at its scratch column, seeing its ancestors'
-        scratch columns and its own."""
-        plan = front.plan
-        seen = front.seen | plan.own[r - 1]
-        slots = plan.slots[:, (r - 1) * size : r * size]
-        index = (state.committed - 1 + r).clamp_max(ctx.target.num_image_tokens)[:, None].expand(-1, size)
-        vis = plan.columns.rows(seen)
-        return replace(front, seen=seen), ctx.drafter_inputs(front.tokens, index, slots, vis)
+    @staticmethod
+    def _frontier_rows(ctx, front: Frontier, r: int, size: int) -> DrafterRows:
+        """Round ``r``'s drafter rows: the plan's rows of the round with the frontier's embeddings and
+        mask (its ancestors' scratch columns and its own)."""
+        rows, at = front.plan.rows, slice((r - 1) * size, r * size)
+        return DrafterRows(
+            ctx.drafter_embeds(front.tokens),
+            rows.positions[:, at],
+            front.seen,
+            rows.slots[:, at],
+            rows.predicts[:, at],
+        )
 
     def _candidates(self, ctx, state: StepState, front: Frontier, logits, r: int, size: int) -> Layer:
         """Round ``r``'s ``K·K`` candidates: frontier node ``j``'s child of rank ``c`` at ``j·K + c``."""
-        kid_logq, kid_tok = topk_low_index_first(self._logq(ctx, logits), size)  # [B, K, K]
-        grow = (front.plan.rounds >= r) & (state.depth_limit >= r + 1)
+        plan = front.plan
+        kid_s, kid_tok = self._top_children(ctx, logits, size, plan.index)  # [B, K, K]
         tokens = kid_tok.flatten(1)
+        # float64 + float32 adds in float64: the float32 −log q widened exactly, as ``.double()`` would.
+        scores = (
+            torch.add(front.score[:, :, None], kid_s)
+            .flatten(1)
+            .masked_fill(plan.invalid[:, r - 1], float("inf"))
+        )
         return Layer(
             tokens,
-            (front.score[:, :, None] + kid_logq.double()).flatten(1),
+            scores,
             front.node[:, :, None].expand(-1, -1, size).flatten(1),
-            torch.full_like(tokens, r + 1),
-            grow[:, None] & front.plan.kid_ok,
+            plan.valid[:, r - 1],
         )
 
     @step_kernel
@@ -238,19 +269,21 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         """Round ``r``'s candidates, the best ``K`` of them as round ``r + 1``'s frontier, and its drafter
         rows."""
         layer = self._candidates(ctx, state, front, logits, r, size)
-        pick = ranked(layer.scores, layer.valid, size)  # next frontier [B, K]
-        src = pick // size  # its parents' frontier positions
-        streams = f_hat.shape[0] // len(pick)
+        # Valid candidates first by (score, index): invalid ones score +inf (``ranked`` without a mask).
+        ranking = layer.scores.sort(dim=-1, stable=True)
+        pick = ranking.indices[:, :size]  # next frontier
+        src = per_stream(pick // size, f_hat.shape[0] // len(pick))  # its parents' frontier positions
+        mask = front.seen.gather(2, src[:, None, :, None].expand(-1, 1, -1, front.seen.shape[-1]))
+        own = front.plan.rows.mask[:, :, r * size : (r + 1) * size]  # committed columns and its own
         nxt = Frontier(
             layer.tokens.gather(1, pick),
-            layer.scores.gather(1, pick),
+            ranking.values[:, :size],  # their scores
             1 + size + (r - 1) * size * size + pick,  # flat index of the candidate
-            f_hat.gather(1, src.repeat(streams, 1)[..., None].expand(-1, -1, f_hat.shape[-1])),
-            front.seen.gather(1, src[..., None].expand(-1, -1, front.seen.shape[-1])),
+            f_hat.gather(1, src[..., None].expand(-1, -1, f_hat.shape[-1])),
+            mask | own,
             front.plan,
         )
-        nxt, rows = self._frontier_rows(ctx, state, nxt, r + 1, depth_cap, size)
-        return layer, nxt, rows
+        return layer, nxt, self._frontier_rows(ctx, nxt, r + 1, size)
 
     @step_kernel
     def _last_round(
@@ -265,7 +298,6 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         tokens: torch.Tensor,
         scores: torch.Tensor,
         parents: torch.Tensor,
-        depths: torch.Tensor,
         valid: torch.Tensor,
         depth_cap: int,
         width: int,
@@ -275,33 +307,42 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         bounds the tree's depth and widest node on the host (batched acceptance loops that often)."""
         batch, count = tokens.shape
         if self.keep_deepest_path:
-            scores = torch.where(
-                self._deepest_path(scores, parents, depths, valid, depth_cap), float("inf"), scores
+            depths = self._depths(torch.arange(count, device=tokens.device), width)
+            scores = scores.masked_fill(
+                self._deepest_path(scores, parents, depths, valid, depth_cap), float("-inf")
             )
         keep = min(self.total_tokens, count) - 1
-        kept = 1 + ranked(scores[:, 1:], valid[:, 1:], keep)
+        # ``ranked`` by −log q, without its mask: a node outside the tree already scores +inf.
+        kept = 1 + scores[:, 1:].sort(dim=-1, stable=True).indices[:, :keep]
         order = torch.where(valid.gather(1, kept), kept, kept + count).sort(dim=1).values
-        kept, kept_valid = order % count, order < count
+        kept, kept_bad = order % count, order >= count
         pad = self.total_tokens - 1 - keep
-        nodes = torch.cat([torch.zeros_like(kept[:, :1]), kept, kept.new_zeros(batch, pad)], 1)
-        node_ok = torch.cat(
-            [torch.ones_like(kept_valid[:, :1]), kept_valid, kept_valid.new_zeros(batch, pad)], 1
-        )
+        nodes = F.pad(kept, (1, pad))  # the root first; padding nodes are node 0
+        node_bad = F.pad(kept_bad, (1, pad), value=True)
+        node_bad[:, 0] = False
         new_index = torch.zeros_like(tokens).scatter_(
             1, kept, torch.arange(1, keep + 1, device=tokens.device).expand(batch, -1)
         )
         new_parents = new_index.gather(1, parents.gather(1, nodes).clamp_min(0))
         new_parents[:, 0] = -1
         return DraftTree(
-            torch.where(node_ok, tokens.gather(1, nodes), 0),
-            torch.where(node_ok, new_parents, 0),
-            torch.where(node_ok, depths.gather(1, nodes), 1),
-            node_ok,
+            tokens.gather(1, nodes).masked_fill(node_bad, 0),
+            new_parents.masked_fill(node_bad, 0),
+            self._depths(nodes, width).masked_fill(node_bad, 1),
+            ~node_bad,
             None,
             False,
             depth_bound=min(depth_cap + 1, self.total_tokens - 1),
             width_bound=min(width, self.total_tokens - 1),
         )
+
+    @staticmethod
+    def _depths(nodes: torch.Tensor, width: int) -> torch.Tensor:
+        """The depth of flat node indices ``nodes`` [..., n] whose first is the root (node 0): nodes
+        1 .. K are depth 1, then each round's K·K candidates one deeper (K = ``width``)."""
+        depths = (nodes + (width * width - 1 - width)).div(width * width, rounding_mode="floor") + 1
+        depths[..., 0] = 0  # the root (elsewhere node 0 is padding, whose depth the caller sets)
+        return depths
 
     @staticmethod
     def _deepest_path(
@@ -310,7 +351,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         """[B, N] bool: the non-root nodes on the path to the best (first on ties) deepest node, where the
         deepest level is 2 or more."""
         deepest = torch.where(valid, depths, -1).max(dim=1, keepdim=True).values
-        best = torch.where(valid & (depths == deepest), scores, float("-inf")).argmax(dim=1, keepdim=True)
+        best = torch.where(valid & (depths == deepest), scores, float("inf")).argmin(dim=1, keepdim=True)
         on_path = torch.zeros_like(valid)
         node = best
         for _ in range(depth_cap + 1):  # the deepest node is at most depth_cap + 1 levels down

@@ -75,6 +75,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         self.window, self.init, self.coupling = window, init, coupling
         self.configured_window = window
         self._ranges: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._chains: dict[tuple[torch.device, int], torch.Tensor] = {}
         self._windows: _Windows | None = None
         self.reset(0)
 
@@ -97,6 +98,14 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         if (device, length) not in self._ranges:
             self._ranges[device, length] = torch.arange(length, device=device)
         return self._ranges[device, length]
+
+    def _chain_ancestors(self, length: int, device: torch.device) -> torch.Tensor:
+        """[1, length, length] bool: a chain's ancestor matrix (node i sees j <= i), made once."""
+        if (device, length) not in self._chains:
+            self._chains[device, length] = torch.ones(length, length, dtype=torch.bool, device=device).tril()[
+                None
+            ]
+        return self._chains[device, length]
 
     def _windows_for(self, batch: int, n_img: int, vocab: int, width: int, device: torch.device) -> _Windows:
         win = self._windows
@@ -123,11 +132,15 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         batch, device = len(state.roots), state.roots.device
         win = self._windows_for(batch, target.num_image_tokens, target.vocab_size, target.grid[1], device)
         self._rng, self._greedy = state.rng, ctx.sampling.greedy
-        return self._draft(ctx, state, win, self._arange(self.window + 1, device))
+        size = self.window + 1
+        return self._draft(ctx, state, win, self._arange(size, device), self._chain_ancestors(size, device))
 
     @step_kernel
-    def _draft(self, ctx: DraftContext, state: StepState, win: _Windows, chain: torch.Tensor) -> DraftTree:
-        """The window as a chain tree: the kept refined drafts, then fresh ones (``chain``: arange(W + 1))."""
+    def _draft(
+        self, ctx: DraftContext, state: StepState, win: _Windows, chain: torch.Tensor, ancestors: torch.Tensor
+    ) -> DraftTree:
+        """The window as a chain tree: the kept refined drafts, then fresh ones (``chain``: arange(W + 1),
+        ``ancestors``: the chain's ancestor matrix)."""
         target = ctx.target
         batch = len(state.roots)
         n_img, vocab, size = target.num_image_tokens, target.vocab_size, self.window
@@ -135,7 +148,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         entries = chain[None, :size]
         m = state.committed
         n = state.depth_limit.clamp(0, size)  # never draft past the last image token
-        keep = torch.where(win.start == m, torch.minimum(win.count, n), 0)
+        keep = torch.minimum(win.count, n).masked_fill(win.start != m, 0)
         kept = entries < keep[:, None]  # [B, W]
         u = state.rng.uniform(Purpose.DRAFT, size, 2)  # [B, W, 2]: a uniform token, a stored-dist draw
         uniform = (u[..., 0] * vocab).long().clamp_max(vocab - 1)
@@ -145,17 +158,18 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         drafts = torch.where(kept, win.tokens, fresh)
         point = torch.zeros_like(win.q).scatter_(2, drafts[..., None], 1.0)
         q = torch.where(kept[..., None], win.q, point)
-        q = torch.where((entries < n[:, None])[..., None], q, 0.0)
+        q = q.masked_fill((entries >= n[:, None])[..., None], 0.0)
         depths = chain[None]
         return DraftTree(
             torch.cat([state.roots[:, None], drafts], 1),
             (depths - 1).expand(batch, -1),
             depths.expand(batch, -1),
             depths <= n[:, None],
-            torch.cat([q, q.new_zeros(batch, 1, vocab)], 1),
+            torch.nn.functional.pad(q, (0, 0, 0, 1)),  # the last node has no children: q = 0
             sampled=True,
             depth_bound=max(1, min(size, n_img - 2)),
             width_bound=1,
+            ancestors=ancestors,
         )
 
     def _initial(
