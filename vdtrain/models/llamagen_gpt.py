@@ -9,10 +9,9 @@ because the released weights depend on them (docs/targets.md, "LlamaGen t2i"):
 - the caption is left-padded; padded caption keys are masked for every query, and every position may
   attend to itself.
 
-A decode step on a GPU is bound by kernel launches, so a layer is written in few kernels (issue #33;
-docs/decoding.md, "Kernels per step"): a native RMSNorm, q and k rotated together by one complex product,
-one ``w1‖w3`` GEMM (the state dict keeps the official ``w1`` / ``w3``), and the boolean mask turned into
-an additive bias once per forward rather than inside every layer's attention.
+A GPU decode step is bound by kernel launches, so a layer is few kernels (docs/decoding.md, "Kernels per
+step"): native RMSNorm, q and k rotated by one complex product, one ``w1‖w3`` GEMM (the state dict keeps
+``w1`` / ``w3``), the mask made an additive bias once per forward.
 """
 
 from __future__ import annotations
