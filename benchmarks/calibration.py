@@ -49,7 +49,7 @@ def criteria(rows: dict[str, EvalRow], regime: dict) -> list[tuple[str, str, str
     s = {name: row.S for name, row in rows.items()}
     cfg = regime["after_cfg"]
     vvs = rows["vvs"]
-    fd = {name: _frechet(row) for name, row in rows.items()}
+    fd = {name: row.score("frechet_ar") for name, row in rows.items()}
     skip_share = vvs.skipped_steps / max(vvs.skipped_steps + vvs.verified_steps, 1e-9)
     return [
         (
@@ -130,11 +130,6 @@ def criteria(rows: dict[str, EvalRow], regime: dict) -> list[tuple[str, str, str
             fd["ar"] < fd["lantern_pp"] < fd["lantern_pp_lam3"],
         ),
     ]
-
-
-def _frechet(row: EvalRow) -> float:
-    value = row.quality.get("frechet_ar")
-    return float("nan") if value is None or value.value is None else value.value
 
 
 def calibration_markdown(rows: list[tuple[str, str, str, str, bool]]) -> str:

@@ -40,18 +40,13 @@ class Trial:
         return f"{self.preset}[{self.key}={self.value:g}]"
 
 
-def quality(row: EvalRow, metric: str) -> float:
-    value = row.quality.get(metric)
-    return float("nan") if value is None or value.value is None else float(value.value)
-
-
 def eligible(trial: Trial, row: EvalRow, ar: EvalRow, rule: dict, exact: bool) -> bool:
     """Whether ``trial`` may win: an exact method's tree within the GPU's ridge at B 1 with CFG, a relaxed
     method's images near AR's (``max_frechet_ratio``, ``max_consistency_drop``)."""
     if exact:
         return trial.key != "tree.total_tokens" or 2 * (trial.value + 1) <= GPU_MAX_ROWS
-    near = quality(row, "frechet_ar") <= rule["max_frechet_ratio"] * quality(ar, "frechet_ar")
-    drop = quality(ar, "shapes_consistency") - quality(row, "shapes_consistency")
+    near = row.score("frechet_ar") <= rule["max_frechet_ratio"] * ar.score("frechet_ar")
+    drop = ar.score("shapes_consistency") - row.score("shapes_consistency")
     return near and drop <= rule["max_consistency_drop"]
 
 
@@ -97,7 +92,7 @@ def main() -> None:
     )
     rows = {row.method: row for row in result.rows}
     ar = rows["ar"]
-    floor, consistency = quality(ar, "frechet_ar"), quality(ar, "shapes_consistency")
+    floor, consistency = ar.score("frechet_ar"), ar.score("shapes_consistency")
     lines = [
         f"AR: Fréchet floor {floor:.5f}, consistency {consistency:.3f}",
         "",
@@ -115,8 +110,8 @@ def main() -> None:
                 chosen.setdefault(preset, {})[key] = best[0].value
             for t, r in group:
                 lines.append(
-                    f"| {t.name} | {r.S:.2f} | {quality(r, 'frechet_ar'):.5f} | "
-                    f"{quality(r, 'shapes_consistency'):.3f} | {'yes' if ok[t.name] else 'no'} | "
+                    f"| {t.name} | {r.S:.2f} | {r.score('frechet_ar'):.5f} | "
+                    f"{r.score('shapes_consistency'):.3f} | {'yes' if ok[t.name] else 'no'} | "
                     f"{'**yes**' if best is not None and best[0] is t else ''} |"
                 )
     report = "\n".join(lines) + "\n\nchosen: " + json.dumps(chosen) + "\n"

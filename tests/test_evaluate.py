@@ -4,6 +4,7 @@ metrics that say when they are not available, vendored prompt sets."""
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +23,7 @@ from vdtrain.eval.frechet import encoder_features, frechet_distance
 from vdtrain.eval.plots import plot_tradeoff, write_plots
 from vdtrain.eval.quality import REAL_IMAGE_METRICS, SHAPES_METRICS, QualityConfig, QualityScorer
 from vdtrain.eval.runner import FLOOR_SEED_OFFSET, evaluate
-from vdtrain.eval.table import QualityValue, read_results, to_markdown, write_tables
+from vdtrain.eval.table import EvalRow, QualityValue, read_results, to_markdown, write_tables
 from vdtrain.evaluate import run
 from vdtrain.prompts import prompt_set, prompts_for_run, shapes_heldout_captions
 from vdtrain.targets import load_target_folder
@@ -354,3 +355,10 @@ def test_speed_columns_name_their_device_and_a_cpu_says_what_that_means():
     gpu = to_markdown([row("cuda:0 (NVIDIA H200)")])
     assert "latency speedup (cuda:0)" in gpu and CPU_NOTE not in gpu
     assert "latency speedup |" in to_markdown([row("")])  # rows read from older results.json
+
+
+def test_a_row_scores_a_metric_or_nan():
+    quality = {"fid": QualityValue(3.5), "clip": QualityValue(None)}
+    row = EvalRow("ar", 1.0, 1, 1, 0, 1, 1, 1, 1, 1, quality=quality)
+    assert row.score("fid") == 3.5
+    assert math.isnan(row.score("clip")) and math.isnan(row.score("missing"))

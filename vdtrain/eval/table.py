@@ -70,6 +70,11 @@ class EvalRow:
     images_per_second: float | None = None
     quality: dict[str, QualityValue] = field(default_factory=dict)
 
+    def score(self, metric: str) -> float:
+        """A quality metric's value, NaN where it is not available (comparisons with it are False)."""
+        value = self.quality.get(metric)
+        return float("nan") if value is None or value.value is None else float(value.value)
+
     def measured(self) -> dict[str, Any]:
         """``flat`` without the columns that come from the clock (``WALL_CLOCK``): what the same prompts,
         seeds and settings reproduce on any device, process or world size."""
