@@ -14,7 +14,7 @@ import yaml
 
 from vdtrain.config import UnknownConfigKeyError
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.targets import draft_layer_class, load_target, registry
@@ -77,7 +77,7 @@ def test_a_toy_target_from_the_docs(monkeypatch, tmp_path):
     # Something real through it: EAGLE-2 with the random drafter gives AR's tokens at T = 0.
     captions = ["a red square", "two blue dots on a long white stripe, far too long for sixteen bytes"]
     sampling = SamplingConfig(cfg_scale=2.0, temperature=0.0)
-    builder = DynamicTreeBuilder(top_k=4, depth=3, total_tokens=12)
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=3, total_tokens=12))
     with torch.no_grad():
         cond = target.encode_captions(captions)
         ar = generate_ar(target, cond, sampling, [None, None])

@@ -38,7 +38,7 @@ def _engine(name: str, temperature: float, cache_dir, recorder=None, device: str
     sampling = replace(target.sampling_defaults, temperature=temperature)
     overrides = {"acceptance": {"cache_dir": str(cache_dir)}}
     if name == "sjd_pac":  # its 64-node window would draw the tiny image in a step or two
-        overrides["tree"] = {"window": 8, "width": 2}
+        overrides["tree"] = {"tokens_per_forward": 8, "width": 2}
     config = load_preset(name, overrides)
     drafter = random_drafter(target).to(device) if config.needs_drafter else None
     options = DecodeOptions(step_recorder=recorder)

@@ -10,11 +10,11 @@ import torch
 from conftest import random_gpt, random_vq, tiny_condition
 
 from vdtrain.decode import profiling
-from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.profiling import OpCounter, PhaseTimer, count_steps
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.decode.trees import EAGLE1_PATHS, static_tree
+from vdtrain.decode.trees import EAGLE1_PATHS
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
@@ -115,7 +115,7 @@ def tiny_engine(cfg_scale: float = 2.0) -> SpeculativeEngine:
     drafter = Drafter(DrafterConfig.for_target(target))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    builder = StaticTreeBuilder(static_tree(EAGLE1_PATHS))
+    builder = StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))
     sampling = SamplingConfig(cfg_scale=cfg_scale, temperature=0)
     return SpeculativeEngine(target, drafter.eval(), builder, sampling)
 

@@ -19,7 +19,7 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, node_budget
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepOutcome, StepState, node_budget
 from vdtrain.decode.compiled import DecodeOptions
 from vdtrain.decode.graphs import DeviceLog, Recorder, SplitStepGraph, StepGraph
 from vdtrain.decode.kernels import compiled_step_kernels, step_kernel
@@ -41,8 +41,8 @@ from vdtrain.decode.sampling import (
     processed_logits,
     split_cfg,
 )
+from vdtrain.decode.schedule import ScheduleConfig, StepPlan, VerificationSchedule
 from vdtrain.decode.trees import DraftTree
-from vdtrain.decode.vvs import StepPlan, VerificationSchedule
 from vdtrain.drafter import Drafter
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Condition, Target, TargetOutput
@@ -202,7 +202,7 @@ class SpeculativeEngine:
         self.builder = builder
         self.sampling = sampling
         self.accept = accept
-        self.schedule = schedule if schedule is not None else VerificationSchedule()
+        self.schedule = schedule if schedule is not None else VerificationSchedule(ScheduleConfig())
         self.options = options if options is not None else DecodeOptions()
         # The target layers the drafter reads besides the last (an eagle3 drafter's), every forward.
         self.taps = drafter.taps if drafter is not None and builder.needs_drafter else ()
@@ -283,7 +283,9 @@ class SpeculativeEngine:
         stream = cfg_batch(target, cond, sampling)
         streams = len(stream) // batch
         device = target.token_embedding.weight.device
-        self.builder.limit_nodes(node_budget(self.builder.max_rows, streams * max(planned_batch, batch), device))
+        self.builder.limit_nodes(
+            node_budget(self.builder.max_rows, streams * max(planned_batch, batch), device)
+        )
         extra = self.builder.max_nodes() + 1
         skipping = schedule.can_skip
         chain = extra if skipping else 0  # post-verification feeds [unverified tokens ⊕ tree]
@@ -413,7 +415,8 @@ class SpeculativeEngine:
         if plan.any_verify:  # every prompt skipping: no target forward
             hidden, logits = self.verify(tree, plan.lead if plan.any_lead else None)
             p_nodes, verdict = self.judge(tree, logits)
-            self.builder.observe(tree, verdict, plan.verify, p_nodes, drafted.roots_at)
+            greedy = self.sampling.greedy
+            self.builder.observe(StepOutcome(tree, verdict, plan, p_nodes, drafted.roots_at, run.rng, greedy))
             roots, verify_calls = self._counted(self.commit, tree, verdict, plan, hidden, roots)
         skipped = torch.zeros_like(run.committed)
         if plan.any_skip:

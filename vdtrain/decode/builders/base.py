@@ -11,6 +11,7 @@ import torch
 from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.rows import DrafterRows, TargetGeometry
+from vdtrain.decode.schedule import StepPlan
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
@@ -75,6 +76,24 @@ class StepState:
     rng: RowRandom | None = None  # the run's per-row counter-based uniforms (this step's draws)
 
 
+@dataclass
+class StepOutcome:
+    """What one step's verification decided, all ``observe`` reads: a builder keeps nothing of a step
+    (its randomness, its temperature) for later."""
+
+    tree: DraftTree  # the step's trees [B, T]
+    verdict: BatchVerdict  # every row's walk; meaningful where ``plan.verify``
+    plan: StepPlan  # ``plan.verify`` [B] bool: the prompts the target verified this step
+    p_nodes: torch.Tensor  # [B, T, V] the target's distribution at every node
+    roots_at: torch.Tensor  # [B] the image index of each tree's root
+    rng: RowRandom | None  # the run's per-row uniforms at this step's counter (as ``StepState.rng``)
+    greedy: bool  # T = 0: a redraw is the argmax
+
+    @property
+    def verified(self) -> torch.Tensor:
+        return self.plan.verify
+
+
 # Rows one GPU forward verifies at about the cost of one (its compute/bandwidth ridge: H200 ~206 rows,
 # H100 ~295 in bf16). Past it verification is compute-bound and a bigger tree costs more than it gains.
 GPU_MAX_ROWS = 256
@@ -117,16 +136,8 @@ class DraftTreeBuilder:
     def reset(self, batch: int) -> None:
         """A new ``generate`` call with ``batch`` prompts begins."""
 
-    def observe(
-        self,
-        tree: DraftTree,
-        verdict: BatchVerdict,
-        verified: torch.Tensor,
-        p_nodes: torch.Tensor,
-        roots_at: torch.Tensor,
-    ) -> None:
-        """After verification: every row's ``verdict`` (meaningful where ``verified`` [B] is set), the
-        target distribution at every node ``p_nodes`` [B, T, V], and each tree's root image index."""
+    def observe(self, outcome: StepOutcome) -> None:
+        """After verification: what the step decided (``StepOutcome``)."""
 
 
 def write_in_place(state: object, new: object) -> None:

@@ -80,6 +80,16 @@ class Frontier:
     plan: BuildPlan
 
 
+@dataclass
+class DynamicTreeConfig(TreeConfig):
+    """EAGLE-2's dynamic tree (``DynamicTreeBuilder``)."""
+
+    kind: str = "dynamic"
+    top_k: int = 10  # children per expanded node and frontier width
+    depth: int = 5  # expansion rounds after the root's children
+    total_tokens: int = 59  # nodes kept, root included
+
+
 class DynamicTreeBuilder(DraftTreeBuilder):
     """EAGLE-2's dynamic tree in padded tensor shapes, with per-prompt ``depth`` and ``top_k`` (``shape``).
 
@@ -93,7 +103,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     keep_deepest_path: ClassVar[bool] = False
     graph_safe: ClassVar[bool] = True
 
-    def __init__(self, top_k: int = 10, depth: int = 5, total_tokens: int = 59) -> None:
+    def __init__(self, config: DynamicTreeConfig) -> None:
+        top_k, depth, total_tokens = config.top_k, config.depth, config.total_tokens
         if top_k < 1 or depth < 0 or total_tokens < 2:
             raise ValueError(
                 f"dynamic tree needs top_k >= 1, depth >= 0 and total_tokens >= 2 "
@@ -318,13 +329,3 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             node = parents.gather(1, node).clamp_min(0)
         on_path[:, 0] = False
         return on_path & (deepest >= 2)
-
-
-@dataclass
-class DynamicTreeConfig(TreeConfig):
-    """EAGLE-2's dynamic tree (``DynamicTreeBuilder``)."""
-
-    kind: str = "dynamic"
-    top_k: int = 10  # children per expanded node and frontier width
-    depth: int = 5  # expansion rounds after the root's children
-    total_tokens: int = 59  # nodes kept, root included

@@ -44,14 +44,29 @@ class Drafted(NamedTuple):
     u: torch.Tensor | None  # [B, T] each node's draw (T > 0)
 
 
+@dataclass
+class StaticTreeConfig(TreeConfig):
+    """A fixed tree of drafter ranks: a named one (``preset``) or explicit rank ``paths``."""
+
+    kind: str = "static"
+    preset: str | None = None  # a named tree (eagle1, lantern_pp)
+    paths: list[list[int]] | None = None  # explicit rank paths instead of a preset
+
+
 class StaticTreeBuilder(DraftTreeBuilder):
     """A fixed tree: top-k children at T = 0; at T > 0 children sampled without replacement from q."""
 
     graph_safe = True
 
-    def __init__(self, tree: StaticTree) -> None:
-        self.configured_tree = tree
-        self._use(tree)
+    def __init__(self, config: StaticTreeConfig) -> None:
+        """``config``'s tree; exactly one of ``preset`` and ``paths`` names it."""
+        if (config.preset is None) == (config.paths is None):
+            raise ValueError("a static tree needs exactly one of tree.preset or tree.paths")
+        if config.preset is not None and config.preset not in STATIC_TREES:
+            raise ValueError(f"unknown static tree {config.preset!r}; known: {sorted(STATIC_TREES)}")
+        paths = STATIC_TREES[config.preset] if config.preset else [tuple(p) for p in config.paths]
+        self.configured_tree = static_tree(paths)
+        self._use(self.configured_tree)
 
     def limit_nodes(self, nodes: int | None) -> None:
         """The first ``nodes - 1`` rank paths (shortest first, then by rank: every kept path's parent and
@@ -158,22 +173,3 @@ class StaticTreeBuilder(DraftTreeBuilder):
         seen = layout.ancestors[level_t][:, 1:].expand(batch, -1, -1)  # [B, S, T-1] over non-root nodes
         vis = visibility(base, base, seen, n_img - 1 + size - 1)
         return drafted, (parent_feats, ctx.drafter_inputs(tokens[:, level_t], index, slots, vis))
-
-
-@dataclass
-class StaticTreeConfig(TreeConfig):
-    """A fixed tree of drafter ranks: a named one (``preset``) or explicit rank ``paths``."""
-
-    kind: str = "static"
-    preset: str | None = None  # a named tree (eagle1, lantern_pp)
-    paths: list[list[int]] | None = None  # explicit rank paths instead of a preset
-
-
-def static_builder(config: StaticTreeConfig) -> StaticTreeBuilder:
-    """The builder of ``config``'s tree; exactly one of ``preset`` and ``paths`` names it."""
-    if (config.preset is None) == (config.paths is None):
-        raise ValueError("a static tree needs exactly one of tree.preset or tree.paths")
-    if config.preset is not None and config.preset not in STATIC_TREES:
-        raise ValueError(f"unknown static tree {config.preset!r}; known: {sorted(STATIC_TREES)}")
-    paths = STATIC_TREES[config.preset] if config.preset else [tuple(p) for p in config.paths]
-    return StaticTreeBuilder(static_tree(paths))
