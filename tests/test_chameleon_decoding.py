@@ -270,7 +270,9 @@ def test_a_chameleon_eagle3_unroll_in_o_k_equals_the_dense_one(lumina_files):
     tokens = generate_ar(target, cond, SamplingConfig(temperature=0.0), [None, None])
     with torch.no_grad():
         hidden, tapped = split_taps(
-            target.sequence_features(cond, tokens, drafter.taps).float(), target.hidden_size
+            target.sequence_features(cond, tokens, drafter.taps).float(),
+            target.hidden_size,
+            len(drafter.taps),
         )
         feats = drafter.input_features(hidden, tapped)
         fast, dense = (

@@ -60,17 +60,19 @@ class OptimConfig:
 
 @dataclass
 class DrafterTrainConfig:
-    kind: str = "eagle1"  # eagle1 | eagle3 (fused target layers, training-time test): docs/training.md
-    feature_layers: list[int] | None = None  # eagle3: target layers fused; null: the family's choice
+    kind: str = "eagle1"  # a row of vdtrain.drafter_kinds.DRAFTERS: eagle1 | eagle3 | medusa
     layer: dict[str, Any] = field(default_factory=dict)  # DrafterConfig layer overrides (n_head, ...)
-    input_norm: bool = True  # eagle3: RMSNorm the token embedding and the features before fc (EAGLE-3)
-    tap_norm: bool = False  # eagle3: RMSNorm each tapped layer before the fusion (EAGLE-3.1)
+    # Keys a kind owns (DrafterConfig's); null: the kind's default for a new drafter.
+    feature_layers: list[int] | None = None  # eagle3: target layers fused (the family's choice)
+    input_norm: bool | None = None  # eagle3: RMSNorm the token embedding and the features before fc
+    tap_norm: bool | None = None  # eagle3: RMSNorm each tapped layer before the fusion (EAGLE-3.1)
+    heads: int | None = None  # medusa: its heads, one per draft depth
     w_cls: float = 0.1  # eagle1: weight of the soft cross-entropy term
     w_feature: float = 0.0  # eagle3: weight of the optional feature loss (EAGLE-3 drops it)
     # the token-distribution term: soft_ce (EAGLE's) | acceptance (1 - Σ min(p, q)) | log_acceptance
     cls_loss: str = "soft_ce"
     ttt_steps: int = 7  # eagle3: drafter steps unrolled on its own outputs per sample (EAGLE-3's 7)
-    ttt_decay: float = 0.8  # eagle3: weight decay^j of unrolled step j's loss (EAGLE-3's 0.8)
+    ttt_decay: float = 0.8  # unrolled kinds: weight decay^j of unrolled step j's loss (EAGLE-3's 0.8)
     feature_noise: float = 0.1  # uniform input-feature noise U(-a, a) (eagle3: on the fused layers)
     val_depth: int = 5  # draft depth unrolled at validation for per-depth agreement and tau_sim
     init_from: str | None = None  # a saved drafter folder to start from
