@@ -109,7 +109,7 @@ class LoggerConfig:
 
 
 @dataclass
-class AcceptanceConfig:
+class AcceptanceReportConfig:
     """The acceptance report (vdtrain/eval/acceptance.py): simulated vs real acceptance per draft depth."""
 
     enabled: bool = True
@@ -133,7 +133,9 @@ class EvalCallbackConfig:
     seed: int = 0  # prompt i uses seed + i, so epochs are compared on identical draws
     log_images: bool = True  # AR-vs-method sample grid to TensorBoard / wandb (always saved as PNG)
     at_fit_end: bool = True  # also measure the final drafter when training stops mid-epoch
-    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)  # simulated vs real, per depth
+    acceptance: AcceptanceReportConfig = field(
+        default_factory=AcceptanceReportConfig
+    )  # simulated vs real, per depth
 
 
 @dataclass

@@ -7,7 +7,7 @@ What a drafter holds and does is its kind's (``DrafterConfig.kind``, a row of
 its saved weights.
 
 Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}``, with a zero embedding
-where slot ``s + 1`` is a caption row; ``drafter_rows.drafter_inputs`` is the only place that builds it.
+where slot ``s + 1`` is a caption row; ``drafter_rows.teacher_inputs`` is the only place that builds it.
 The alignment, positions and mask are derived in docs/training.md, "The drafter's sequence alignment".
 """
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
 from vdtrain.drafter_kinds import DRAFTERS, DrafterKind, drafter_kind
-from vdtrain.drafter_rows import after_prefix_rows, drafter_inputs, teacher_mask
+from vdtrain.drafter_rows import after_prefix_rows, teacher_inputs, teacher_mask
 from vdtrain.export_format import CONFIG_FILE, REPO_ID, WEIGHTS_FILE, download
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets import draft_layer_class
@@ -366,7 +366,7 @@ class Drafter(nn.Module):
         self, target_hidden: torch.Tensor, tokens: torch.Tensor, cond_mask: torch.Tensor
     ) -> torch.Tensor:
         """Teacher-forced ``f̂`` for slots ``1 .. L+N-1`` [B, L+N-1, H]; targets: ``target_hidden[:, 1:]``."""
-        features, next_embeds = drafter_inputs(target_hidden, tokens, self.config.prefix_length, self.embed)
+        features, next_embeds = teacher_inputs(target_hidden, tokens, self.config.prefix_length, self.embed)
         seq = features.shape[1]
         positions = torch.arange(seq, device=features.device)
         return self(features, next_embeds, positions, teacher_mask(cond_mask, seq))

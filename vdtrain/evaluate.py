@@ -41,7 +41,7 @@ def load_drafter(source: str | os.PathLike[str], target: Target) -> Drafter:
 def run(cfg: DictConfig) -> EvalResult:
     import torch
 
-    from vdtrain.config import AcceptanceConfig
+    from vdtrain.config import AcceptanceReportConfig
     from vdtrain.eval.acceptance import acceptance_markdown, measure, write_report
     from vdtrain.eval.plots import plot_acceptance, write_plots
     from vdtrain.eval.quality import QualityConfig
@@ -56,7 +56,9 @@ def run(cfg: DictConfig) -> EvalResult:
     if needy and not cfg.drafter:
         raise ValueError(f"methods {needy} need a drafter: set drafter=<export folder, .ckpt or Hub repo id>")
     quality = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QualityConfig), cfg.quality))
-    acceptance = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AcceptanceConfig), cfg.acceptance))
+    acceptance = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(AcceptanceReportConfig), cfg.acceptance)
+    )
     prompts = prompts_for_run(cfg.prompts, cfg.num_prompts, cfg.caption_column)
     target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device

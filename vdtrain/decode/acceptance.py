@@ -9,6 +9,16 @@ their T = 0 forms and why δ = 0, λ = 1, G = 1 reproduce exact verification bit
 walk the batched form must match lives with the tests (``tests/reference_acceptance.py``).
 """
 
+# Glossary (the words every rule, verdict and stat here uses):
+# - accepted: a drafted child the walk keeps. Exactly, with u · q(x) < p(x); ``BatchVerdict.accepted``
+#   counts them per row, and they form ``BatchVerdict.path`` from the root down.
+# - relaxed: accepted only because the rule credits x with its group's mass (LANTERN, LANTERN++, GSD);
+#   exact verification would have rejected it (``BatchVerdict.relaxed``, ``DecodeStats.relaxed_acceptances``).
+# - bonus: the one token the target adds after the last accepted node: a draw from the residual there (or
+#   from p when no child was tried), so every verified step commits accepted + 1 tokens.
+# - residual: what is left to draw from after a rejection, ``norm(max(0, p_G − q_x))`` (exact: p − q_x);
+#   the next sibling is judged against it, the bonus is drawn from the last one.
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -2,7 +2,7 @@
 
 Drafting (``builders``), acceptance (``acceptance``) and the verification schedule (``vvs``) are policy;
 the engine owns every forward and every write: the target's verification forward (post-verified tokens
-first, ``verify``), the drafter's forwards (through ``DraftContext``), and the commits of verified and
+first, ``target_forward``), the drafter's forwards (through ``DraftContext``), and the commits of verified and
 of unverified (VVS-skipped) tokens. It runs a batch of prompts, each at its own pace, with CFG as a
 batch of two streams. Every tensor of a step has a shape fixed by the method, so a step can be
 recorded once as a CUDA graph and replayed. docs/decoding.md, "The engine's bookkeeping", has the
@@ -90,8 +90,8 @@ LOG_FIELDS = ("verified", "skipped", "committed", "depth", "root", "accepted", "
 class StepCalls(NamedTuple):
     """A step's drafter forwards, host ints (a recorded step replays the same calls)."""
 
-    verify: int  # what a verified step cost (tree + catch-up)
-    skip: int  # what a skipped step cost (tree + stale catch-up)
+    verified: int  # what a verified step cost (tree + catch-up)
+    skipped: int  # what a skipped step cost (tree + stale catch-up)
 
 
 @dataclass
@@ -413,7 +413,7 @@ class SpeculativeEngine:
         roots = RootDraft(run.root_feats, run.root_logits)
         verdict, verify_calls, skip_calls = None, 0, 0
         if plan.any_verify:  # every prompt skipping: no target forward
-            hidden, logits = self.verify(tree, plan.lead if plan.any_lead else None)
+            hidden, logits = self.target_forward(tree, plan.lead if plan.any_lead else None)
             p_nodes, verdict = self.judge(tree, logits)
             greedy = self.sampling.greedy
             self.builder.observe(StepOutcome(tree, verdict, plan, p_nodes, drafted.roots_at, run.rng, greedy))
@@ -436,7 +436,7 @@ class SpeculativeEngine:
         out = fn(*args)
         return out, self.run.draft_calls - before
 
-    def verify(self, tree: DraftTree, lead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def target_forward(self, tree: DraftTree, lead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's target forward → (the drafter's view of its features [R, S, H]
         (``Drafter.input_features``; the hidden states without a drafter), logits at the tree nodes
         [R, T, V]). ``lead`` [B]: unverified committed tokens fed before each tree in the same forward
@@ -488,19 +488,19 @@ class SpeculativeEngine:
         start of ``hidden``, are caught up too: their KV is already in place, their drafter rows (made
         from stale features) are recomputed from the target's true features, and the feature cache gets
         their features. Returns the next root's drafter view, unchanged for the prompts not verified."""
-        run, verify = self.run, plan.verify
+        run, verified = self.run, plan.verified
         cache_rows, src, dst, counts, last, catch_up = self._commit_rows(
-            tree, verdict, verify, hidden, plan.lead
+            tree, verdict, verified, hidden, plan.lead
         )
         run.tcache.move(cache_rows, src, dst)
         run.committed += counts
         if catch_up is None:
             return RootDraft(None, None)
         f_hat, logits = self.drafter_forward(*catch_up)
-        return self._next_roots(f_hat, logits, last, verify, roots)
+        return self._next_roots(f_hat, logits, last, verified, roots)
 
     @step_kernel
-    def _commit_rows(self, tree, verdict: BatchVerdict, verify, hidden, lead):
+    def _commit_rows(self, tree, verdict: BatchVerdict, verified, hidden, lead):
         """``commit``'s tensor work: writes the tokens (``run.out``) and the VVS feature cache; returns
         the target KV moves (cache rows, source and destination slots), the tokens committed per prompt,
         the last caught-up row and the catch-up's drafter inputs (features, rows), None without a
@@ -523,15 +523,15 @@ class SpeculativeEngine:
         base = committed - 1 - lead  # image slot of the first row
         # Target KV: row i sits at slot L+base+i; its committed place is L+base+i' (i' <= i).
         src = target.image_slot(base[:, None] + node)
-        dst = torch.where(verify[:, None], torch.minimum(target.image_slot(base[:, None] + j), src), src)
+        dst = torch.where(verified[:, None], torch.minimum(target.image_slot(base[:, None] + j), src), src)
         cache_rows = torch.arange(batch * streams, device=device)
         # Tokens: the accepted drafts then the bonus, at image indices committed ..
         k = torch.arange(depth + 1, device=device)[None]
         drafted = torch.cat([tree.tokens.gather(1, path.clamp_min(0)), torch.zeros_like(acc)], 1)
         new = torch.where(k == acc, verdict.bonus[:, None], drafted)
         at = committed[:, None] + k
-        run.out.scatter_(1, at, torch.where(verify[:, None] & (k <= acc), new, run.out.gather(1, at)))
-        counts = torch.where(verify, accepted + 1, 0)
+        run.out.scatter_(1, at, torch.where(verified[:, None] & (k <= acc), new, run.out.gather(1, at)))
+        counts = torch.where(verified, accepted + 1, 0)
         last = rows[:, 0] - 1
         src, dst = per_stream(src, streams), per_stream(dst, streams)
         if not self.builder.needs_drafter:
@@ -541,7 +541,7 @@ class SpeculativeEngine:
         feats = hidden.gather(1, node[..., None].expand(-1, -1, hidden.shape[-1]))
         slots = target.image_slot(base[:, None] + j)
         if run.fcache is not None:
-            write = per_stream(verify[:, None] & (j < rows), streams)[..., None]
+            write = per_stream(verified[:, None] & (j < rows), streams)[..., None]
             at_f = per_stream(slots, streams)[..., None].expand(-1, -1, feats.shape[-1])
             run.fcache.scatter_(1, at_f, torch.where(write, feats, run.fcache.gather(1, at_f)))
         next_tokens_ = run.out.gather(1, base[:, None] + 1 + j)
@@ -611,22 +611,22 @@ class SpeculativeEngine:
             run.root_feats.copy_(roots.feats)
             run.root_logits.copy_(roots.logits)
         if plan.skipped is not None:
-            run.pending.copy_(torch.where(plan.skipped, skipped, torch.where(plan.verify, 0, run.pending)))
+            run.pending.copy_(torch.where(plan.skipped, skipped, torch.where(plan.verified, 0, run.pending)))
 
     def _log(
         self, plan: StepPlan, verdict: BatchVerdict | None, skipped: torch.Tensor, drafted: Drafted
     ) -> None:
         """This step's per-prompt counts (``LOG_FIELDS``) appended to ``run.log``."""
-        run, verify = self.run, plan.verify
+        run, verified = self.run, plan.verified
         none = torch.zeros_like(run.committed)
         accepted = verdict.accepted if verdict is not None else none
-        skips = plan.skipped if plan.skipped is not None else torch.zeros_like(verify)
+        skips = plan.skipped if plan.skipped is not None else torch.zeros_like(verified)
         run.log.append(
             torch.stack(
                 [
-                    verify.long(),
+                    verified.long(),
                     skips.long(),
-                    torch.where(verify, accepted + 1, skipped),
+                    torch.where(verified, accepted + 1, skipped),
                     drafted.depth,
                     drafted.roots_at,
                     accepted,
@@ -647,7 +647,7 @@ class SpeculativeEngine:
                 if verified:
                     st.steps += 1
                     st.target_forwards += 1
-                    st.drafter_forwards += calls.verify
+                    st.drafter_forwards += calls.verified
                     st.committed_per_step.append(count)
                     st.depth_per_step.append(depth)
                     st.accept_map.append((root, accepted))
@@ -655,5 +655,5 @@ class SpeculativeEngine:
                 elif skipped:
                     st.skipped_steps += 1
                     st.committed_per_skip.append(count)
-                    st.drafter_forwards += calls.skip
+                    st.drafter_forwards += calls.skipped
         return stats

@@ -30,7 +30,7 @@ class StepPlan:
     that never skips (no tensor work at all); the three flags are host booleans, read in one go from
     ``flags`` (``read``; the engine reads them between the two recorded parts of a step)."""
 
-    verify: torch.Tensor  # [B] bool: prompts verified this step
+    verified: torch.Tensor  # [B] bool: prompts verified this step
     skipped: torch.Tensor | None  # [B] bool: prompts committing a drafted path without the target
     lead: torch.Tensor | None  # [B]: unverified tokens fed before each verified tree (0 elsewhere)
     any_verify: bool = True  # a target forward is needed
@@ -79,7 +79,7 @@ class VerificationSchedule:
     ) -> StepPlan:
         """``plan`` before its flags are read: tensor work only (a recorded step ends here, and the
         engine reads the flags before the rest of the step, recorded once per flag combination)."""
-        return StepPlan(verify=active, skipped=None, lead=None)
+        return StepPlan(verified=active, skipped=None, lead=None)
 
     def unverified_paths(
         self, tree: DraftTree, plan: StepPlan, rng: RowRandom

@@ -168,10 +168,10 @@ class SkippingSchedule(VerificationSchedule):
         if self.warmup:
             allowed = allowed & (committed > self.warmup)
         skipped = allowed & self.wants_skip(tree, paths, active, allowed)
-        verify = active & ~skipped
-        lead = torch.where(verify, pending, 0)
-        flags = torch.stack([verify.any(), (lead > 0).any(), skipped.any()])
-        return StepPlan(verify, skipped, lead, paths=paths, flags=flags)
+        verified = active & ~skipped
+        lead = torch.where(verified, pending, 0)
+        flags = torch.stack([verified.any(), (lead > 0).any(), skipped.any()])
+        return StepPlan(verified, skipped, lead, paths=paths, flags=flags)
 
     def unverified_paths(self, tree: DraftTree, plan: StepPlan, rng: RowRandom):
         return unverified_paths(tree, plan.paths, rng.uniform(Purpose.PATH, 1)[:, 0])

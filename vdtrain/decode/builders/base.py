@@ -82,8 +82,8 @@ class StepOutcome:
     (its randomness, its temperature) for later."""
 
     tree: DraftTree  # the step's trees [B, T]
-    verdict: BatchVerdict  # every row's walk; meaningful where ``plan.verify``
-    plan: StepPlan  # ``plan.verify`` [B] bool: the prompts the target verified this step
+    verdict: BatchVerdict  # every row's walk; meaningful where ``plan.verified``
+    plan: StepPlan  # ``plan.verified`` [B] bool: the prompts the target verified this step
     p_nodes: torch.Tensor  # [B, T, V] the target's distribution at every node
     roots_at: torch.Tensor  # [B] the image index of each tree's root
     rng: RowRandom | None  # the run's per-row uniforms at this step's counter (as ``StepState.rng``)
@@ -91,7 +91,7 @@ class StepOutcome:
 
     @property
     def verified(self) -> torch.Tensor:
-        return self.plan.verify
+        return self.plan.verified
 
 
 # Rows one GPU forward verifies at about the cost of one (its compute/bandwidth ridge: H200 ~206 rows,

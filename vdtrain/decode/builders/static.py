@@ -35,7 +35,7 @@ class _Layout(NamedTuple):
     levels: list[torch.Tensor]  # per depth: its nodes
 
 
-class Drafted(NamedTuple):
+class LevelBuffers(NamedTuple):
     """The tree's buffers while its levels are drawn."""
 
     tokens: torch.Tensor  # [B, T]
@@ -130,7 +130,8 @@ class StaticTreeBuilder(DraftTreeBuilder):
     def _draw(self, ctx, state: StepState, layout: _Layout, depth: int, drafted, feats_of, logits_of):
         """Level ``depth``'s children from their parents' drafter logits (``drafted`` None: the first
         level, with the tree's buffers made here); then, unless it is the deepest level, the drafter rows
-        of this level's nodes (their parents' features, the inputs). Returns (``Drafted``, rows or None)."""
+        of this level's nodes (their parents' features, the inputs). Returns (``LevelBuffers``, rows or
+        None)."""
         t, sampling = self.tree, ctx.sampling
         batch, device = len(state.roots), state.roots.device
         size, vocab = t.size, state.root_logits.shape[-1]
@@ -142,7 +143,7 @@ class StaticTreeBuilder(DraftTreeBuilder):
             valid[:, 0] = True
             q_nodes = None if sampling.greedy else torch.zeros(batch, size, vocab, device=device)
             u = None if sampling.greedy else state.rng.uniform(Purpose.DRAFT, size)
-            drafted = Drafted(tokens, valid, q_nodes, u)
+            drafted = LevelBuffers(tokens, valid, q_nodes, u)
         tokens, valid, q_nodes, u = drafted
         reach = state.depth_limit >= depth  # [B]
         for parent, kids in self.families[depth - 1]:
