@@ -170,6 +170,15 @@ class FitConfig:
 RECORD = ".hydra"  # a run's own record of its launch: config.yaml, hydra.yaml, overrides.yaml
 
 
+DECODE_PRESETS = Path(__file__).resolve().parents[1] / "conf" / "decode"
+
+
+def presets_except(*left_out: str) -> list[str]:
+    """Every method preset (``conf/decode/<name>.yaml``) but ``left_out``, sorted: the ``presets_except``
+    resolver of conf/eval/default.yaml, so a preset added there is evaluated without a list to edit."""
+    return sorted(p.stem for p in DECODE_PRESETS.glob("*.yaml") if p.stem not in left_out)
+
+
 def register_configs() -> None:
     """Make ``fit_schema`` available to ``conf/fit.yaml``'s defaults list (it types every group), the
     ``run_name`` resolver its ``hydra.run.dir`` uses and the ``run_record`` one its ``hydra.output_subdir``

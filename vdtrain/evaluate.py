@@ -18,7 +18,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import run_app, user_errors
+from vdtrain.config import presets_except
 from vdtrain.preflight import check_decoding
+
+OmegaConf.register_new_resolver("presets_except", presets_except, replace=True)  # conf/eval/default.yaml
 
 if TYPE_CHECKING:
     from vdtrain.drafter import Drafter

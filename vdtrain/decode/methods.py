@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from vdtrain.config import DECODE_PRESETS
 from vdtrain.decode.acceptance import (
     AcceptanceConfig,
     Grouped,
@@ -70,7 +70,7 @@ class DecodeConfig:
         return _acceptance_part(self.acceptance.kind).lossless and _schedule_part(self.schedule.kind).lossless
 
 
-PRESETS = Path(__file__).resolve().parents[2] / "conf" / "decode"
+PRESETS = DECODE_PRESETS
 
 
 def decode_config(node: Any) -> DecodeConfig:
