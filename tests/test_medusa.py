@@ -43,11 +43,13 @@ def medusa(target, heads: int = 3, std: float = 0.3) -> Drafter:
 
 def test_fit_trains_a_medusa_drafter_for_20_steps_and_its_export_reloads(tiny_folder, tmp_path):
     run = tmp_path / "run"
-    cfg = fit_config(tiny_folder, run, "drafter.kind=medusa", "drafter.heads=3", "trainer.max_steps=20")
+    cfg = fit_config(
+        tiny_folder, run, "drafter.kind=medusa", "+drafter.options.heads=3", "trainer.max_steps=20"
+    )
     fit(cfg)
     folder = run / "drafter"
     config = json.loads((folder / "config.json").read_text())
-    assert (config["kind"], config["heads"]) == ("medusa", 3) and "feature_layers" not in config
+    assert (config["kind"], config["options"]) == ("medusa", {"heads": 3}) and "feature_layers" not in config
     assert "Medusa-style drafter" in (folder / "README.md").read_text()
     target = load_target({"kind": "folder", "folder": str(tiny_folder)})
     drafter = Drafter.from_pretrained(folder, target)

@@ -215,7 +215,7 @@ def test_random_initialisation_is_uniform_in_the_open_bounds_and_seeded():
 
 def test_random_initialisation_is_adapted_and_falls_back_to_an_owned_generator():
     def script(seed):
-        builder = make_builder(init="random", **CHAMELEON, seed=seed)
+        builder = make_builder(init="random", **CHAMELEON, init_seed=seed)
         return run_script(builder, [0, "F", 0, "F", 0])
 
     first = script(0)

@@ -15,7 +15,6 @@ import pytest
 import torch
 from conftest import step_outcome, tiny_condition
 from image_statistics import bonferroni_pvalue
-from omegaconf import OmegaConf
 from reference_acceptance import Verdict, from_verdicts, residual, verify_exact
 from test_chameleon_decoding import BOS, WORDS, enumerable_target
 from test_engine import (
@@ -39,7 +38,7 @@ from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.base import StepState
 from vdtrain.decode.builders.sjd_pac import SjdPacBuilder, SjdPacTreeConfig, tree_nodes
 from vdtrain.decode.engine import SpeculativeEngine
-from vdtrain.decode.methods import PRESETS, build_method, load_preset, tree_builder
+from vdtrain.decode.methods import build_method, load_preset, tree_builder
 from vdtrain.decode.profiling import OpCounter
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.sampling import SamplingConfig
@@ -445,21 +444,16 @@ def test_the_builder_needs_the_runs_row_random():
 # --- configuration ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("overrides", "window"), [({}, 64), ({"tree": {"window": 16}}, 16)])
-def test_the_preset_builds_a_drafter_free_engine(overrides, window):
+@pytest.mark.parametrize(("overrides", "length"), [({}, 64), ({"tree": {"tokens_per_forward": 16}}, 16)])
+def test_the_preset_builds_a_drafter_free_engine(overrides, length):
     """``sjd_pac`` is the release's default (L 64); its CLI's L 16 is the documented override."""
     config = load_preset("sjd_pac", overrides)
     assert config.name == "sjd_pac" and not config.needs_drafter and config.exact
     builder = tree_builder(config.tree)
     assert isinstance(builder, SjdPacBuilder)
-    assert (builder.window, builder.width, builder.levels) == (window, 3, 3)
+    assert (builder.tokens_per_forward, builder.width, builder.levels) == (length, 3, 3)
     method = build_method(config, make_target(), None, SamplingConfig())
     assert isinstance(method, SpeculativeEngine) and method.drafter is None
-
-
-def test_sjd_pac_is_in_the_default_evaluation():
-    methods = OmegaConf.load(PRESETS.parent / "eval" / "default.yaml").methods
-    assert "sjd_pac" in methods and "sjd" in methods
 
 
 def batched(verdicts: list[Verdict], tree) -> tuple[BatchVerdict, torch.Tensor]:

@@ -60,13 +60,13 @@ class OptimConfig:
 
 @dataclass
 class DrafterTrainConfig:
-    kind: str = "eagle1"  # a row of vdtrain.drafter_kinds.DRAFTERS: eagle1 | eagle3 | medusa
+    kind: str = "eagle1"  # a row of vdtrain.drafter_kinds.DRAFTERS (eagle1, eagle3, ...)
     layer: dict[str, Any] = field(default_factory=dict)  # DrafterConfig layer overrides (n_head, ...)
     # Keys a kind owns (DrafterConfig's); null: the kind's default for a new drafter.
     feature_layers: list[int] | None = None  # eagle3: target layers fused (the family's choice)
     input_norm: bool | None = None  # eagle3: RMSNorm the token embedding and the features before fc
     tap_norm: bool | None = None  # eagle3: RMSNorm each tapped layer before the fusion (EAGLE-3.1)
-    heads: int | None = None  # medusa: its heads, one per draft depth
+    options: dict[str, Any] = field(default_factory=dict)  # the kind's own settings (DrafterKind.options)
     w_cls: float = 0.1  # eagle1: weight of the soft cross-entropy term
     w_feature: float = 0.0  # eagle3: weight of the optional feature loss (EAGLE-3 drops it)
     # the token-distribution term: soft_ce (EAGLE's) | acceptance (1 - Σ min(p, q)) | log_acceptance

@@ -69,12 +69,13 @@ class DrafterConfig:
     layer: dict[str, Any] = field(default_factory=dict)
     target: dict[str, Any] = field(default_factory=dict)
     kind: str = "eagle1"  # a row of DRAFTERS: eagle1 | eagle3 | medusa
-    # Keys a kind owns (``DrafterKind.keys``); another kind's keep these defaults, which are what configs
-    # written before the key existed built.
+    # The kind's own settings (``DrafterKind.options`` names them and holds their defaults).
+    options: dict[str, Any] = field(default_factory=dict)
+    # eagle3's keys (``DrafterKind.keys``), kept at the top level as configs written before ``options``
+    # have them; another kind keeps these defaults, which are what such configs built.
     feature_layers: tuple[int, ...] = ()  # eagle3: the target layers fused (hidden_states[k] indices)
     input_norm: bool = False  # eagle3: RMSNorm on the token embedding and on the features before fc
     tap_norm: bool = False  # eagle3: RMSNorm on each tapped layer before the fusion (EAGLE-3.1)
-    heads: int = 4  # medusa: its heads, head k drafting k tokens past the bonus
 
     def __post_init__(self) -> None:
         # JSON turns tuples into lists: normalise so a round trip compares equal.
@@ -82,6 +83,10 @@ class DrafterConfig:
         object.__setattr__(self, "layer", dict(self.layer))
         object.__setattr__(self, "feature_layers", tuple(int(k) for k in self.feature_layers))
         kind = drafter_kind(self.kind)
+        unknown = sorted(set(self.options) - set(kind.options))
+        if unknown:
+            raise ValueError(f"{unknown} are not {self.kind} options; its options: {list(kind.options)}")
+        object.__setattr__(self, "options", {**kind.options, **self.options})
         if kind.reads_layers != bool(self.feature_layers):
             reads = "fuses target layers (feature_layers)" if kind.reads_layers else "fuses no target layer"
             raise ValueError(f"a {self.kind} drafter {reads}; got feature_layers {list(self.feature_layers)}")
@@ -157,14 +162,17 @@ class DrafterConfig:
         """A new ``kind`` drafter of ``target``'s family, with the target's own layer hyper-parameters.
 
         ``layer`` may change the family layer's ``settings_fields`` (heads, FFN size, ...), never the
-        width. ``options`` set keys the kind owns (``DrafterKind.keys``: an eagle3 drafter's
-        ``feature_layers``, ``input_norm``, ``tap_norm``; a medusa drafter's ``heads``), over the kind's
-        defaults for a new drafter (``DrafterKind.defaults``: eagle3 fuses the family's choice of layers).
+        width. ``options`` set the kind's keys (``DrafterKind.keys``: an eagle3 drafter's
+        ``feature_layers``, ``input_norm``, ``tap_norm``) over its defaults for a new drafter
+        (``DrafterKind.defaults``: eagle3 fuses the family's choice of layers), and its ``options``
+        (``DrafterKind.options``: a medusa drafter's ``heads``).
         """
         ident, owner = target.identity, drafter_kind(kind)
-        unknown = sorted(set(options) - set(owner.keys))
+        unknown = sorted(set(options) - set(owner.keys) - set(owner.options))
         if unknown:
-            raise ValueError(f"{unknown} are not {kind} choices; its own keys: {list(owner.keys)}")
+            raise ValueError(
+                f"{unknown} are not {kind} choices; its own keys: {[*owner.keys, *owner.options]}"
+            )
         layer_class = draft_layer_class(ident.family)
         overrides = dict(layer or {})
         unknown = sorted(set(overrides) - set(layer_class.settings_fields))
@@ -173,7 +181,9 @@ class DrafterConfig:
                 f"cannot override {unknown} of a {ident.family} drafter layer; "
                 f"allowed: {list(layer_class.settings_fields)}"
             )
-        own = {**owner.defaults(target), **{k: v for k, v in options.items() if v is not None}}
+        given = {k: v for k, v in options.items() if v is not None}
+        own = {**owner.defaults(target), **{k: v for k, v in given.items() if k in owner.keys}}
+        own["options"] = {k: v for k, v in given.items() if k in owner.options}
         return cls(
             hidden_size=ident.hidden_size,
             prefix_length=ident.prefix_length,
@@ -191,6 +201,8 @@ class DrafterConfig:
         out = dataclasses.asdict(self)
         for name in _owned_keys() - set(self.drafter_kind.keys):
             del out[name]
+        if not out["options"]:
+            del out["options"]
         out["grid"] = list(self.grid)
         if "feature_layers" in out:
             out["feature_layers"] = list(self.feature_layers)

@@ -1,10 +1,11 @@
 """Drafter kinds as registered parts: ``DRAFTERS`` maps ``DrafterConfig.kind`` to what the kind is, as data.
 
-A row names the ``DrafterConfig`` keys the kind owns, whether it reads fused target layers (its taps),
-the modules it adds to a ``Drafter``, how target features enter it, one drafter call, what the head
-reads, how it trains (teacher-forced, or unrolled for some steps, with or without a feature loss) and
-its model-card text. The drafter, the engine, fit, the train module and the exporter read this table
-and compare no kind's name. A new kind is one module and one row (docs/extending.md).
+A row names the kind's settings (``DrafterConfig.options``, with their defaults), whether it reads
+fused target layers (its taps), the modules it adds to a ``Drafter``, how target features enter it,
+one drafter call, what the head reads, how it trains (teacher-forced, or unrolled for some steps, with
+or without a feature loss) and its model-card text. The drafter, the engine, fit, the train module and
+the exporter read this table and compare no kind's name. A new kind is one module and one row
+(docs/extending.md, "Adding a drafter kind").
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ class DrafterKind:
     title: str  # the model card's title: "<title> for `<target>`"
     card: Callable[[Drafter], str]  # the model card's design sentence, up to "and the target's head ..."
     shape: Callable[[Drafter], str]  # the model card's shape line
-    keys: tuple[str, ...] = ()  # the DrafterConfig keys it owns; another kind's keep their defaults
+    options: Mapping[str, Any] = field(default_factory=dict)  # its settings (DrafterConfig.options), defaults
+    keys: tuple[
+        str, ...
+    ] = ()  # top-level DrafterConfig keys it owns (eagle3's); another kind's keep defaults
     reads_layers: bool = False  # fuses target layers (``feature_layers``: the taps the target runs)
     # A new drafter's owned keys from its target (``DrafterConfig.for_target``), before any given.
     defaults: Callable[[Target], Mapping[str, Any]] = field(default=lambda target: {})
@@ -85,9 +89,9 @@ DRAFTERS: dict[str, DrafterKind] = {
         "Medusa-style drafter",
         medusa.card,
         medusa.shape,
-        keys=("heads",),
+        options={"heads": 4},  # head k drafts the token k past the bonus
         check=medusa.check,
-        unroll=lambda config, ttt_steps: config.heads,
+        unroll=lambda config, ttt_steps: config.options["heads"],
         feature_loss=False,
     ),
 }

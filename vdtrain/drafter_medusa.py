@@ -1,4 +1,4 @@
-"""A Medusa-style drafter (Cai et al., 2024): ``heads`` residual blocks on the target's last hidden state.
+"""A Medusa-style drafter (Cai et al., 2024): residual heads on the target's last hidden state.
 
 Head k (1-based) drafts the token k positions past the bonus from h_t alone: ``r_k = h_t + SiLU(W_k h_t)``
 through the frozen target head. It reads no drafted token and no position. To draft through the
@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 def modules(config: DrafterConfig) -> dict[str, nn.Module]:
     """One ``Linear(H → H)`` per head, zero at the start: every head then drafts what the target's head
     would from h_t (Medusa's initialisation)."""
-    heads = nn.ModuleList(nn.Linear(config.hidden_size, config.hidden_size) for _ in range(config.heads))
+    heads = nn.ModuleList(
+        nn.Linear(config.hidden_size, config.hidden_size) for _ in range(config.options["heads"])
+    )
     for head in heads:
         nn.init.zeros_(head.weight)
         nn.init.zeros_(head.bias)
@@ -33,8 +35,8 @@ def modules(config: DrafterConfig) -> dict[str, nn.Module]:
 
 
 def check(config: DrafterConfig) -> None:
-    if config.heads < 1:
-        raise ValueError(f"a medusa drafter needs heads >= 1, got {config.heads}")
+    if config.options["heads"] < 1:
+        raise ValueError(f"a medusa drafter needs heads >= 1, got {config.options['heads']}")
 
 
 def start_state(drafter: Drafter, hidden: torch.Tensor, tapped: torch.Tensor | None) -> torch.Tensor:
@@ -73,11 +75,11 @@ def no_cache(drafter: Drafter, batch: int, max_len: int) -> None:
 
 def card(drafter: Drafter) -> str:
     return (
-        f"A Medusa-style drafter trained with vdtrain: {drafter.config.heads} heads, head k a residual "
-        "block `h_t + SiLU(W_k h_t)` on the target's last hidden state drafting the token k positions "
-        "ahead (a tree's depth-d nodes draft with head d + 1), and "
+        f"A Medusa-style drafter trained with vdtrain: {drafter.config.options['heads']} heads, head k a "
+        "residual block `h_t + SiLU(W_k h_t)` on the target's last hidden state drafting the token k "
+        "positions ahead (a tree's depth-d nodes draft with head d + 1), and "
     )
 
 
 def shape(drafter: Drafter) -> str:
-    return f"Heads: {drafter.config.heads} residual blocks of width {drafter.config.hidden_size}"
+    return f"Heads: {drafter.config.options['heads']} residual blocks of width {drafter.config.hidden_size}"

@@ -105,6 +105,12 @@ def build_drafter(cfg: FitConfig, target) -> Drafter:
         clash = [
             f"{k}={v!r} (saved {getattr(saved, k)!r})" for k, v in given.items() if getattr(saved, k) != v
         ]
+        options = cfg.drafter.options or {}
+        clash += [
+            f"options.{k}={v!r} (saved {saved.options.get(k)!r})"
+            for k, v in options.items()
+            if saved.options.get(k) != v
+        ]
         if saved.kind != cfg.drafter.kind or clash:
             raise ValueError(
                 f"drafter.init_from={cfg.drafter.init_from!r} is a {saved.kind} drafter that disagrees with "
@@ -112,7 +118,8 @@ def build_drafter(cfg: FitConfig, target) -> Drafter:
             )
         return drafter
     layer = OmegaConf.to_container(cfg.drafter.layer) if cfg.drafter.layer else {}
-    config = DrafterConfig.for_target(target, cfg.drafter.kind, layer, **given)
+    options = OmegaConf.to_container(cfg.drafter.options) if cfg.drafter.options else {}
+    config = DrafterConfig.for_target(target, cfg.drafter.kind, layer, **given, **options)
     return Drafter(config).start_from(target)
 
 

@@ -1,7 +1,7 @@
 """The Lightning module that trains a drafter against a frozen target.
 
 How is its kind's (``DrafterKind``): teacher-forced feature regression (eagle1), or its own unrolled
-outputs (training-time test, ``Drafter.unroll``: eagle3, medusa), with a feature loss or logits only.
+outputs (training-time test, ``Drafter.unroll``: eagle3), with a feature loss or logits only.
 
 The target is *not* a registered submodule: its weights never enter checkpoints, optimisers or DDP
 buckets; the module moves it to its own device. Features come from the target on the fly (``online``,
