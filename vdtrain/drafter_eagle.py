@@ -8,7 +8,7 @@ and is trained on its own unrolled outputs (docs/training.md, "EAGLE-3 drafters"
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -16,8 +16,13 @@ from torch import nn
 from vdtrain.models.kv_cache import KVCache
 
 if TYPE_CHECKING:
-    from vdtrain.drafter import Drafter, DrafterConfig
     from vdtrain.targets.base import Target
+
+
+# What the kind's functions receive: the ``Drafter`` (vdtrain/drafter.py) whose modules the kind made, and
+# its ``DrafterConfig``; named without importing them, since vdtrain/drafter.py imports the kinds.
+Drafter = nn.Module
+DrafterConfig = Any
 
 
 def modules(config: DrafterConfig) -> dict[str, nn.Module]:

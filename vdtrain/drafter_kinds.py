@@ -14,16 +14,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from torch import nn
+
 from vdtrain import drafter_eagle as eagle
 from vdtrain import drafter_medusa as medusa
 
 if TYPE_CHECKING:
     import torch
-    from torch import nn
 
-    from vdtrain.drafter import Drafter, DrafterConfig
     from vdtrain.models.kv_cache import KVCache
     from vdtrain.targets.base import Target
+
+
+# What the kind's functions receive: the ``Drafter`` (vdtrain/drafter.py) whose modules the kind made, and
+# its ``DrafterConfig``; named without importing them, since vdtrain/drafter.py imports the kinds.
+Drafter = nn.Module
+DrafterConfig = Any
 
 
 @dataclass(frozen=True)

@@ -11,15 +11,20 @@ its state is no feature to regress. docs/extending.md, "Adding a drafter kind", 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from vdtrain.drafter import Drafter, DrafterConfig
     from vdtrain.models.kv_cache import KVCache
+
+
+# What the kind's functions receive: the ``Drafter`` (vdtrain/drafter.py) whose modules the kind made, and
+# its ``DrafterConfig``; named without importing them, since vdtrain/drafter.py imports the kinds.
+Drafter = nn.Module
+DrafterConfig = Any
 
 
 def modules(config: DrafterConfig) -> dict[str, nn.Module]:
