@@ -219,8 +219,9 @@ class SpeculativeEngine:
         return processed_logits(*split_cfg(logits, self.sampling), self.sampling)
 
     def draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """q: the drafter's distribution made by the one pipeline; at T=0 a softmax of the same
-        filtered logits (so top-k ranking and cumulative scores are defined)."""
+        """Drafter ``logits`` [R, ..., V] → q [B, ..., V]: the drafter's distribution made by the one
+        pipeline; at T=0 a softmax of the same filtered logits (so top-k ranking and cumulative scores
+        are defined)."""
         if self.sampling.greedy:
             return self.draft_logits(logits).softmax(-1)
         return probabilities(*split_cfg(logits, self.sampling), self.sampling)
@@ -235,8 +236,10 @@ class SpeculativeEngine:
         next_embeds: torch.Tensor | None = None,
     ) -> DrafterRows:
         """The drafter's inputs for rows pairing features with the next ``tokens`` [B, S] at image indices
-        ``token_index`` [B, S], for every CFG stream. A row sits at the RoPE position of its feature's
-        slot, ``rope_positions(token_index - 1)``."""
+        ``token_index`` [B, S], for every CFG stream: drafter cache ``slots`` [B, S], ``image_vis``
+        [B, S, K] the image slots each row sees, ``next_embeds`` [R, S, H] when the embeddings are at hand
+        (else made from ``tokens``). A row sits at the RoPE position of its feature's slot,
+        ``rope_positions(token_index - 1)``."""
         run = self.run
         if next_embeds is None:
             next_embeds = self.drafter.embed(tokens.repeat(run.streams, 1))
@@ -246,8 +249,8 @@ class SpeculativeEngine:
         )
 
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features [R, S, H] through the drafter at ``rows`` → (f̂ [R, S, H], logits [R, S, V] carrying
-        the target's forced tokens)."""
+        """Features ``feats`` [R, S, H] through the drafter at ``rows`` → (f̂ [R, S, H], logits [R, S, V]
+        carrying the target's forced tokens)."""
         run = self.run
         out = self.drafter(feats, rows.embeds, rows.positions, rows.mask, run.dcache, rows.slots)
         run.draft_calls += 1
@@ -461,15 +464,17 @@ class SpeculativeEngine:
 
     @step_kernel
     def judge(self, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, BatchVerdict]:
-        """The target's logits at the tree nodes [R, T, V] → (p [B, T, V], every row's verdict). At T = 0
-        rules that ask for it also see the softmax of the same filtered logits."""
+        """The target's ``logits`` at the ``tree`` nodes [R, T, V] → (p [B, T, V], every row's verdict).
+        At T = 0 rules that ask for it also see the softmax of the same filtered logits."""
         processed = processed_logits(*split_cfg(logits, self.sampling), self.sampling)
         p_nodes = distribution(processed, self.sampling)
         p_relax = processed.softmax(-1) if self.sampling.greedy and self.accept.needs_soft_p else None
         return p_nodes, self._accept(tree, p_nodes, p_relax)
 
     def _accept(self, tree: DraftTree, p_nodes: torch.Tensor, p_relax: torch.Tensor | None) -> BatchVerdict:
-        """Every row's verdict at once, with this step's per-prompt uniforms."""
+        """Every row's verdict at once, with this step's per-prompt uniforms: ``p_nodes`` [B, T, V] the
+        target's distribution at the nodes, ``p_relax`` [B, T, V] its T = 1 softmax for the rules that
+        read soft mass at T = 0 (else None)."""
         batch, size = tree.tokens.shape
         if self.sampling.greedy:  # no draws: the argmax decides
             u_accept = p_nodes.new_zeros(batch, size, dtype=torch.float64)
@@ -479,10 +484,11 @@ class SpeculativeEngine:
         return accept_batch(self.accept, tree, p_nodes, self.sampling.greedy, u_accept, u_bonus, p_relax)
 
     def commit(
-        self, tree: DraftTree, verdict: BatchVerdict, plan: StepPlan, hidden, roots: RootDraft
+        self, tree: DraftTree, verdict: BatchVerdict, plan: StepPlan, hidden: torch.Tensor, roots: RootDraft
     ) -> RootDraft:
         """Write the verified prompts' accepted tokens, move their KV into place, and catch the drafter up
-        on them, in fixed shapes: ``W = chain + 1 + D`` rows per prompt.
+        on them, in fixed shapes: ``W = chain + 1 + D`` rows per prompt. ``hidden`` [R, S, F]: the
+        verification forward's features (``target_forward``), S = lead rows + tree nodes.
 
         With a lead (VVS post-verification) the rows of the unverified tokens before the root, at the
         start of ``hidden``, are caught up too: their KV is already in place, their drafter rows (made
@@ -500,8 +506,9 @@ class SpeculativeEngine:
         return self._next_roots(f_hat, logits, last, verified, roots)
 
     @step_kernel
-    def _commit_rows(self, tree, verdict: BatchVerdict, verified, hidden, lead):
-        """``commit``'s tensor work: writes the tokens (``run.out``) and the VVS feature cache; returns
+    def _commit_rows(self, tree: DraftTree, verdict: BatchVerdict, verified, hidden, lead):
+        """``commit``'s tensor work for ``verified`` [B] (bool), ``hidden`` [R, S, F] and ``lead`` [B] (None:
+        no lead): writes the tokens (``run.out``) and the VVS feature cache; returns
         the target KV moves (cache rows, source and destination slots), the tokens committed per prompt,
         the last caught-up row and the catch-up's drafter inputs (features, rows), None without a
         drafter."""
@@ -605,7 +612,7 @@ class SpeculativeEngine:
 
     def _keep(self, roots: RootDraft, plan: StepPlan, skipped: torch.Tensor) -> None:
         """The step's results into the run, in place: the next root's drafter view, and each prompt's
-        unverified tokens (a skip's count; 0 once verified)."""
+        unverified tokens (``skipped`` [B]: a skip's count; 0 once verified)."""
         run = self.run
         if run.root_feats is not None:
             run.root_feats.copy_(roots.feats)
@@ -616,7 +623,8 @@ class SpeculativeEngine:
     def _log(
         self, plan: StepPlan, verdict: BatchVerdict | None, skipped: torch.Tensor, drafted: Drafted
     ) -> None:
-        """This step's per-prompt counts (``LOG_FIELDS``) appended to ``run.log``."""
+        """This step's per-prompt counts (``LOG_FIELDS``) appended to ``run.log`` (``skipped`` [B]: the
+        tokens each skipping prompt committed)."""
         run, verified = self.run, plan.verified
         none = torch.zeros_like(run.committed)
         accepted = verdict.accepted if verdict is not None else none

@@ -44,11 +44,13 @@ class DraftContext(Protocol):
         image_vis: torch.Tensor,
         next_embeds: torch.Tensor | None = None,
     ) -> DrafterRows:
-        """Drafter rows for the next ``tokens`` [B, S] at image indices ``token_index``, every stream."""
+        """Drafter rows for the next ``tokens`` [B, S] at image indices ``token_index`` [B, S], every stream
+        (``slots`` [B, S] drafter cache slots, ``image_vis`` [B, S, K] the image slots each row sees,
+        ``next_embeds`` [R, S, H] instead of ``tokens``' embeddings)."""
         ...
 
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features [R, S, H] at ``rows`` → (f̂ [R, S, H], logits [R, S, V])."""
+        """Features ``feats`` [R, S, H] at ``rows`` → (f̂ [R, S, H], logits [R, S, V])."""
         ...
 
 

@@ -140,7 +140,8 @@ class JacobiWindowBuilder(DraftTreeBuilder):
 
     @step_kernel
     def _draft(self, ctx: DraftContext, state: StepState, win: _Windows, chain: torch.Tensor) -> DraftTree:
-        """The window as a chain tree: the kept refined drafts, then fresh ones (``chain``: arange(W + 1))."""
+        """The window as a chain tree: the kept refined drafts, then fresh ones (``chain`` [W + 1]:
+        arange(W + 1))."""
         target = ctx.target
         batch = len(state.roots)
         n_img, vocab, size = target.num_image_tokens, target.vocab_size, self.window
@@ -181,7 +182,9 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         u: torch.Tensor,
         entries: torch.Tensor,
     ) -> torch.Tensor:
-        """[B, W]: the freshly initialised token of every window entry (meaningful where it is fresh).
+        """[B, W]: the freshly initialised token of every window entry (meaningful where it is fresh),
+        from ``keep`` [B] refined entries kept, ``uniform`` [B, W] random tokens, ``u`` [B, W] draws for
+        the ``_sample`` inits and ``entries`` [1, W] (arange).
 
         The fresh positions are ``first = m + keep`` onwards; the walk from position ``k`` goes left
         (``step`` 1) or up (``step`` = the grid's width) and may take ``reach`` steps before leaving the
@@ -267,9 +270,10 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         return win
 
     def _redraw(self, tree, nodes, p, start, count, rng: RowRandom, greedy: bool) -> torch.Tensor:
-        """Each entry's next draft, a draw from its new ``p`` [B, W, V] (``nodes``: the node whose p it is;
-        entry k is image position ``start + k``; ``count``: the entries the forward drafted before, plus
-        one): afresh (SJD), or coupled with the old draft (SCD); the argmax at T = 0."""
+        """Each entry's next draft, a draw from its new ``p`` [B, W, V] (``nodes`` [B, W]: the node whose p
+        it is; entry k is image position ``start + k``, ``start`` [B]; ``count`` [B]: the entries the
+        forward drafted before, plus one): afresh (SJD), or coupled with the old draft in ``tree`` (SCD);
+        the argmax at T = 0."""
         size = p.shape[1]
         if greedy:
             return p.argmax(-1)

@@ -100,7 +100,7 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
 
     def adapt(self, d, k, alpha):
         """Bisectional adaptation of the initial (d̃, k̃) given the previous tree's acceptance rate α
-        (ints or tensors of one shape)."""
+        (``d``, ``k``, ``alpha``: ints, or tensors [B] of one shape)."""
         d, k, alpha = torch.as_tensor(d), torch.as_tensor(k), torch.as_tensor(alpha)
         positive = alpha >= self.beta
         raw_d = torch.where(positive, d + self.l_d, d - self.l_d)

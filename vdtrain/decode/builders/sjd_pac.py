@@ -285,8 +285,9 @@ class SjdPacBuilder(DraftTreeBuilder):
     def _continue(self, drafts, p, q, undrafted, positions, rng: RowRandom) -> torch.Tensor:
         """Each later position's next draft, a draw from its ``p`` [B, M, V]: the draft coupled with it
         (maximal: kept with min(1, p(x)/q(x)), else from norm(max(0, p − q)); gumbel: argmax(log p + G)
-        with G fixed per image position, ``positions`` [B, M]). ``undrafted`` entries (past the deepest
-        draft) are drawn from p."""
+        with G fixed per image position, ``positions`` [B, M]; ``drafts`` [B, M] the drafts, ``q``
+        [B, M, V] what they were drawn from). ``undrafted`` [B, M] entries (past the deepest draft) are
+        drawn from p."""
         if self.coupling == "gumbel":
             return gumbel_max(p, rng.keyed(Purpose.GUMBEL, positions, p.shape[-1]))
         u = rng.uniform(Purpose.CONTINUE, drafts.shape[1], 2)  # [B, M, 2]: keep test, redraw

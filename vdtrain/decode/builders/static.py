@@ -128,10 +128,10 @@ class StaticTreeBuilder(DraftTreeBuilder):
 
     @step_kernel
     def _draw(self, ctx, state: StepState, layout: _Layout, depth: int, drafted, feats_of, logits_of):
-        """Level ``depth``'s children from their parents' drafter logits (``drafted`` None: the first
-        level, with the tree's buffers made here); then, unless it is the deepest level, the drafter rows
-        of this level's nodes (their parents' features, the inputs). Returns (``LevelBuffers``, rows or
-        None)."""
+        """Level ``depth``'s children from their parents' drafter logits (``logits_of``: node → [R, V];
+        ``feats_of``: node → [R, H]; ``drafted`` None: the first level, with the tree's buffers made
+        here); then, unless it is the deepest level, the drafter rows of this level's nodes (their
+        parents' features, the inputs). Returns (``LevelBuffers``, rows or None)."""
         t, sampling = self.tree, ctx.sampling
         batch, device = len(state.roots), state.roots.device
         size, vocab = t.size, state.root_logits.shape[-1]
