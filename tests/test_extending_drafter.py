@@ -12,7 +12,7 @@ from walkthrough import REPO, blocks, copy_repo, follow, registry_parts, run_pyt
 SECTION = "Adding a drafter kind"
 MODULE, TABLE = "vdtrain/drafter_medusa.py", "vdtrain/drafter_kinds.py"
 
-pytestmark = pytest.mark.slow  # a copy of the repository and a fresh interpreter decoding: about 40 s
+pytestmark = pytest.mark.slow  # a copy of the repository and a fresh interpreter decoding: 30-60 s
 
 
 def test_the_page_holds_the_kind_as_the_repository_has_it():
@@ -41,6 +41,6 @@ def test_a_drafter_kind_is_its_module_and_its_row(tmp_path):
     docstrings = {"vdtrain/drafter.py"}  # names the kinds in prose only
     assert {name.split(":")[0] for name in named} <= docstrings, named
     follow(SECTION, root, (TABLE,))
-    result = run_pytest(root, "tests/test_medusa.py", "-k", "t0 or head_reads or compares")
+    result = run_pytest(root, "tests/test_medusa.py", "-k", "t0 and eagle2 or head_reads or compares")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert "5 passed" in result.stdout, result.stdout[-500:]
+    assert "3 passed" in result.stdout, result.stdout[-500:]

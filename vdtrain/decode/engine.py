@@ -282,7 +282,7 @@ class SpeculativeEngine:
     ) -> DecodeResult:
         target, sampling, schedule = self.target, self.sampling, self.schedule
         start_time = time.perf_counter()
-        batch, n_img, prefix = len(cond), target.num_image_tokens, target.prefix_length
+        batch, n_img = len(cond), target.num_image_tokens
         stream = cfg_batch(target, cond, sampling)
         streams = len(stream) // batch
         device = target.token_embedding.weight.device
@@ -292,7 +292,6 @@ class SpeculativeEngine:
         extra = self.builder.max_nodes() + 1
         skipping = schedule.can_skip
         chain = extra if skipping else 0  # post-verification feeds [unverified tokens ⊕ tree]
-        use_drafter = self.builder.needs_drafter
         recorder = self.recorder
         key = (batch, extra, *((t.shape, t.dtype) for t in (stream.features, stream.mask)), device)
         if recorder is not None and self._recorded is not None and self._recorded.key == key:
@@ -309,22 +308,34 @@ class SpeculativeEngine:
         self.run = run
         self.builder.reset(batch)
         schedule.reset(batch, device)
+        prefill_calls = self._prefill(generators, extra + chain)
 
-        # Prefill the target, sample x_0 like AR, and catch the drafter up on the prefix.
-        stream = run.stream
+        while bool((run.committed < n_img).any()):  # the loop's one read of the device
+            run.calls.append(step())
+            if on_step is not None:
+                on_step(run.tcache, run.committed, run.out[:, :n_img])
+        tokens = run.out[:, :n_img].clone()
+        return DecodeResult(tokens, self._stats(prefill_calls), time.perf_counter() - start_time)
+
+    def _prefill(self, generators: Sequence[torch.Generator | None], spare: int) -> int:
+        """The step before the loop: prefill the target, sample x_0 like AR, and catch the drafter up on
+        the prefix (its first root's feature and logits; VVS: the prefix's features into the feature
+        cache, ``spare`` slots past the image). Returns the drafter forwards it ran."""
+        run, target, sampling = self.run, self.target, self.sampling
+        stream, prefix = run.stream, target.prefix_length
         pre = target.prefill(stream, run.tcache, self.taps)
         run.out[:, 0] = next_tokens(*split_cfg(pre.logits[:, -1], sampling), sampling, generators)
-        if use_drafter:
+        if self.builder.needs_drafter:
             features = self.drafter.input_features(pre.hidden, pre.taps)
-            if skipping:
+            if self.schedule.can_skip:
                 if run.fcache is None:  # a reused run keeps its own, zeroed by ``restart``
                     run.fcache = features.new_zeros(
-                        len(stream), target.max_seq_len + extra + chain, features.shape[-1]
+                        len(stream), target.max_seq_len + spare, features.shape[-1]
                     )
                 run.fcache[:, :prefix] = features
             # Drafter rows 0 .. L-1: zero embeddings inside the prefix, then x_0 (as in training).
             feat = self.drafter.forward_prefix(
-                features, run.out[:, :1].repeat(streams, 1), stream.mask, run.dcache
+                features, run.out[:, :1].repeat(run.streams, 1), stream.mask, run.dcache
             )
             run.draft_calls += 1
             feats = feat[:, -1]
@@ -336,14 +347,7 @@ class SpeculativeEngine:
             else:  # a reused run: in place
                 run.root_feats.copy_(feats)
                 run.root_logits.copy_(logits)
-        prefill_calls = run.draft_calls
-
-        while bool((run.committed < n_img).any()):  # the loop's one read of the device
-            run.calls.append(step())
-            if on_step is not None:
-                on_step(run.tcache, run.committed, run.out[:, :n_img])
-        tokens = run.out[:, :n_img].clone()
-        return DecodeResult(tokens, self._stats(prefill_calls), time.perf_counter() - start_time)
+        return run.draft_calls
 
     def _new_run(
         self, stream: Condition, batch: int, generators: Sequence[torch.Generator | None], chain: int
