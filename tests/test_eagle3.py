@@ -314,8 +314,11 @@ def test_feature_layers_past_the_target_are_refused():
     target = deep_target()
     with pytest.raises(ValueError, match=r"outside 0 \.\. 6"):
         DrafterConfig.for_target(target, kind="eagle3", feature_layers=(2, 7))
-    with pytest.raises(ValueError, match="fuses target layers"):
+    with pytest.raises(ValueError, match=r"\['feature_layers'\] are not eagle1 choices"):
         DrafterConfig.for_target(target, kind="eagle1", feature_layers=(2,))
+    eagle1 = DrafterConfig.for_target(target).to_dict()
+    with pytest.raises(ValueError, match="a drafter of kind 'eagle1' fuses no target layer"):
+        DrafterConfig.from_dict({**eagle1, "feature_layers": [2]})
     with pytest.raises(ValueError, match="kind must be one of"):
         DrafterConfig.for_target(target, kind="eagle2")
 

@@ -138,7 +138,7 @@ def test_counts_are_split_at_the_engine_steps():
     assert counts.first.ops > counts.mean_ops  # the prefill is reported apart
     assert all(s.syncs > 0 and s.ops > 0 for s in counts.steps)
 
-    engine.builder = SyncingBuilder(engine.builder.tree)
+    engine.builder = SyncingBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))
     more, _ = count_steps(engine, tiny_condition(2), [None, None])
     assert [s.syncs for s in more.steps] == [s.syncs + 1 for s in counts.steps]
     assert more.first.syncs == counts.first.syncs + 1
@@ -152,7 +152,7 @@ class SlowBuilder(StaticTreeBuilder):
 
 def test_the_phase_timer_charges_each_phase_and_leaves_the_engine_as_it_was():
     engine = tiny_engine()
-    engine.builder = SlowBuilder(engine.builder.tree)
+    engine.builder = SlowBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))
     accept = engine.accept
     with PhaseTimer(engine) as timer:
         engine.generate(tiny_condition(1), [None], on_step=timer.on_step)

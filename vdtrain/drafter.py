@@ -89,7 +89,8 @@ class DrafterConfig:
         object.__setattr__(self, "options", {**kind.options, **self.options})
         if kind.reads_layers != bool(self.feature_layers):
             reads = "fuses target layers (feature_layers)" if kind.reads_layers else "fuses no target layer"
-            raise ValueError(f"a {self.kind} drafter {reads}; got feature_layers {list(self.feature_layers)}")
+            got = list(self.feature_layers)
+            raise ValueError(f"a drafter of kind {self.kind!r} {reads}; got feature_layers {got}")
         foreign = [name for name in _owned_keys() - set(kind.keys) if getattr(self, name) != _DEFAULTS[name]]
         if foreign:
             raise ValueError(f"{foreign} are not {self.kind} choices; its own keys: {list(kind.keys)}")
