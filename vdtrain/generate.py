@@ -8,6 +8,7 @@ prompt the target's metric is not defined for (a COCO caption on the shapes targ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from vdtrain.cli import run_app, user_errors
 from vdtrain.preflight import check_decoding
@@ -142,7 +143,7 @@ def run(cfg: DictConfig) -> dict:
 
     summary = {
         "method": method_cfg.name,
-        "decode": OmegaConf.to_container(cfg.decode),
+        "decode": dataclasses.asdict(method_cfg),  # every key, its config class's defaults included
         "drafter": str(resolve_folder(cfg.drafter)) if drafter is not None else None,
         "target": asdict(target.identity),
         "sampling": asdict(sampling),
