@@ -288,7 +288,7 @@ class OraclePeanut(PeanutTreeBuilder):
     every level is accepted, so the trees must deepen and narrow step after step."""
 
     def __init__(self, truth: torch.Tensor, **kwargs) -> None:
-        super().__init__(**kwargs)
+        super().__init__(PeanutTreeConfig(**kwargs))
         self.truth = truth
 
     def build(self, engine, state) -> DraftTree:
