@@ -12,6 +12,7 @@ the missing batches, and rank 0 writes ``stats.json`` and ``grid.png`` from all 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -29,6 +30,7 @@ from vdtrain.preflight import check_decoding
 if TYPE_CHECKING:
     import numpy as np
 
+    from vdtrain.decode.methods import DecodeConfig
     from vdtrain.decode.sampling import SamplingConfig
     from vdtrain.eval.quality import Scorer
     from vdtrain.sharding import Ranks, UnitStore
@@ -180,7 +182,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     if not ranks.is_main:
         return None
     return write_stats(cfg, out, store, units_of(len(prompts), cfg.batch_size), ranks, target, sampling,
-                       method_cfg.name, drafter is not None, options.step_recorder is not None)  # fmt: skip
+                       method_cfg, drafter is not None, options.step_recorder is not None)  # fmt: skip
 
 
 def write_stats(
@@ -191,7 +193,7 @@ def write_stats(
     ranks: Ranks,
     target: Target,
     sampling: SamplingConfig,
-    method: str,
+    method: DecodeConfig,
     has_drafter: bool,
     cuda_graphs: bool,
 ) -> dict:
@@ -212,8 +214,8 @@ def write_stats(
     for r in records:
         busy[r["rank"]] = busy.get(r["rank"], 0.0) + r["samples"][0]["batch_latency_with_vq_decode_s"]
     summary = {
-        "method": method,
-        "decode": OmegaConf.to_container(cfg.decode),
+        "method": method.name,
+        "decode": dataclasses.asdict(method),  # every key, its config class's defaults included
         "drafter": str(resolve_folder(cfg.drafter)) if has_drafter else None,
         "target": asdict(target.identity),
         "sampling": asdict(sampling),
@@ -253,6 +255,9 @@ def method_alias(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
+    from vdtrain.decode.methods import register_part_schemas
+
+    register_part_schemas()  # the presets' defaults lists name them
     sys.argv = [sys.argv[0], *method_alias(sys.argv[1:])]
     run_app("vdtrain.generate", "generate", _main, check_decoding)
 
