@@ -25,6 +25,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import run_app, user_errors
+from vdtrain.decode.methods import register_part_schemas
 from vdtrain.preflight import check_decoding
 
 if TYPE_CHECKING:
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
     from vdtrain.targets import Target
 
 log = logging.getLogger(__name__)
+# conf/generate.yaml's decode presets pull their parts' config dataclasses in by their defaults lists: they
+# must be in Hydra's ConfigStore before the config is composed (by main, or by a caller composing it).
+register_part_schemas()
 # Why a speculative method can be slower than AR here (README.md and docs/decoding.md say the same).
 CPU_SPEED_NOTE = (
     "on a CPU: {method}'s S (image tokens per target step, in stats.json) is the gain a GPU step would see; "
@@ -255,9 +259,6 @@ def method_alias(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    from vdtrain.decode.methods import register_part_schemas
-
-    register_part_schemas()  # the presets' defaults lists name them
     sys.argv = [sys.argv[0], *method_alias(sys.argv[1:])]
     run_app("vdtrain.generate", "generate", _main, check_decoding)
 
