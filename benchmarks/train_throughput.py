@@ -89,7 +89,7 @@ def build(
     target, drafter = random_llamagen(name, device, seed, SMALL if name == "small" else None)
     gpt = target.gpt.config
     target.caption_encoder = RandomCaptions(target.prefix_length, gpt.caption_dim, device)
-    if kind != "eagle1":
+    if kind != drafter.config.kind:
         drafter = Drafter(DrafterConfig.for_target(target, kind=kind)).to(device).start_from(target)
     return cast_for_inference(target, dtype), drafter.attach(target).train()  # fp32 drafter (autocast)
 
@@ -216,11 +216,13 @@ def measure(
             step()
     step_s = sum(step_clock[warmup:]) / steps
     target_s = sum(feature_clock[warmup:]) / steps
-    flops = step_flops(target, module.drafter, batch, ttt_steps if kind == "eagle3" else 1) / step_s
+    unroll = module.drafter.kind.unroll  # None: teacher-forced, one pass
+    unrolled = 1 if unroll is None else unroll(module.drafter.config, ttt_steps)
+    flops = step_flops(target, module.drafter, batch, unrolled) / step_s
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_description(device)), None)
     return Row(
         name,
-        kind if kind == "eagle1" else f"{kind} k={ttt_steps}",
+        kind if unroll is None else f"{kind} k={unrolled}",
         mode,
         dtype,
         batch,

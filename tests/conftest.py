@@ -12,7 +12,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from vdtrain.decode.builders.base import StepOutcome
+from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.decode.schedule import StepPlan
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig, VQModel
@@ -42,6 +45,13 @@ TINY_VQ = VQConfig(
     z_channels=8,
     norm_groups=4,
 )
+
+
+def step_outcome(tree, verdict, verified, p_nodes, roots_at, rng=None, greedy=False) -> StepOutcome:
+    """``observe``'s argument for a step decided by hand: the prompts ``verified`` [B] are the plan's;
+    ``rng`` by default the seed-0 rows a test's ``StepState`` draws from."""
+    rng = rng if rng is not None else RowRandom(torch.zeros(len(verified), dtype=torch.long))
+    return StepOutcome(tree, verdict, StepPlan(verified, None, None), p_nodes, roots_at, rng, greedy)
 
 
 def random_gpt(config: GPTConfig = TINY_GPT, seed: int = 0, std: float = 0.3) -> LlamaGenGPT:

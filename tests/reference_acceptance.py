@@ -67,16 +67,16 @@ def group(rule: Rule, p: torch.Tensor, token: int) -> torch.Tensor:
         near = rule.neighbours[token, : rule.k].to(p.device)
         cumulative = p[near].cumsum(0)
         return near[: int((cumulative <= rule.bound(float(p[token]))).sum())]
-    if isinstance(rule, Grouped) and rule.group_size > 1:
+    if isinstance(rule, Grouped) and rule.config.group_size > 1:
         order = p.sort(descending=True, stable=True).indices
         rank = int((p > p[token]).sum() + (p[:token] == p[token]).sum())  # x's place in ``order``
-        lo = max(0, rank - rule.group_size // 2)
-        window = order[lo : max(0, rank - rule.group_size // 2 + rule.group_size)]
+        lo = max(0, rank - rule.config.group_size // 2)
+        window = order[lo : max(0, rank - rule.config.group_size // 2 + rule.config.group_size)]
         window = window[window != token]
-        close_p = (p[window] - p[token]).abs() < rule.delta_p
+        close_p = (p[window] - p[token]).abs() < rule.config.delta_p
         emb = rule.embeddings.to(p.device)
         dist = (emb[window] - emb[token]).pow(2).sum(-1)
-        return window[close_p & (dist < rule.max_distance)]
+        return window[close_p & (dist < rule.config.max_distance)]
     return p.new_zeros(0, dtype=torch.long)
 
 

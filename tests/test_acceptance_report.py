@@ -12,7 +12,7 @@ import torch
 from conftest import random_drafter, random_gpt, random_vq
 from test_evaluate import PROMPTS, _config, hashed_caption_features
 
-from vdtrain.config import AcceptanceConfig
+from vdtrain.config import AcceptanceReportConfig
 from vdtrain.decode.engine import DecodeStats
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
@@ -102,7 +102,7 @@ def test_measure_reuses_decoded_rows_and_decodes_only_missing_temperatures(
         return evaluate(*args, **kwargs)
 
     monkeypatch.setattr(acceptance, "evaluate", counted)
-    reports = measure(target, drafter, result, AcceptanceConfig(depth=3), seed=0, batch_size=2)
+    reports = measure(target, drafter, result, AcceptanceReportConfig(depth=3), seed=0, batch_size=2)
     assert decodes == [[1.0]]  # T = 0 reused, T = 1 decoded
     assert [r.temperature for r in reports] == [0.0, 1.0]
     row0 = next(r for r in result.rows if r.method == "eagle2")
@@ -130,7 +130,7 @@ def test_the_report_measures_the_null_stream_beside_the_conditional_one(target):
     drafter = random_drafter(target)
     result = evaluate(target, drafter, PROMPTS, ["eagle2"], [0], batch_size=3, progress=False)
     (report,) = measure(
-        target, drafter, result, AcceptanceConfig(temperatures=[0.0], depth=2), seed=0, batch_size=3
+        target, drafter, result, AcceptanceReportConfig(temperatures=[0.0], depth=2), seed=0, batch_size=3
     )
     tokens = result.decoded["ar", 0.0].tokens
     null = target.null_condition(target.encode_captions(PROMPTS))
@@ -148,7 +148,7 @@ def test_the_report_measures_the_null_stream_beside_the_conditional_one(target):
 def test_depth_defaults_to_the_deepest_drafted_tree(target):
     drafter = random_drafter(target)
     result = evaluate(target, drafter, PROMPTS, ["eagle2"], [0], batch_size=3, progress=False)
-    cfg = AcceptanceConfig(temperatures=[0.0])
+    cfg = AcceptanceReportConfig(temperatures=[0.0])
     (report,) = measure(target, drafter, result, cfg, seed=0, batch_size=3)
     deepest = max(d for s in result.decoded["eagle2", 0.0].stats for d in s.depth_per_step)
     assert len(report.depths) == deepest > 1

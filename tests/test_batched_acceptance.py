@@ -18,7 +18,16 @@ from reference_acceptance import Verdict, gumbel_topk, verdicts, walk
 from scipy import stats
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vdtrain.decode.acceptance import EXACT, Grouped, Lantern, LanternPP, accept_batch
+from vdtrain.decode.acceptance import (
+    EXACT,
+    Grouped,
+    GsdConfig,
+    Lantern,
+    LanternConfig,
+    LanternPP,
+    LanternPPConfig,
+    accept_batch,
+)
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree, static_tree
 
@@ -33,14 +42,14 @@ NEIGHBOURS = torch.stack(
 EMBEDDINGS = torch.randn(VOCAB, 3, generator=g_rules)
 RULES = {
     "exact": EXACT,
-    "lantern": Lantern(NEIGHBOURS, k=4, delta=0.8),
-    "lantern_k_all": Lantern(NEIGHBOURS, k=50, delta=0.6),
-    "lantern_pp": LanternPP(NEIGHBOURS, k=5, lam=20.0),
-    "gsd": Grouped(EMBEDDINGS, group_size=5, delta_p=0.5, max_distance=6.0),
-    "gsd_even_wide": Grouped(EMBEDDINGS, group_size=8, delta_p=1.0, max_distance=100.0),
-    "lantern_delta_0": Lantern(NEIGHBOURS, k=4, delta=0.0),
-    "lantern_pp_lam_1": LanternPP(NEIGHBOURS, k=4, lam=1.0),
-    "gsd_g1": Grouped(EMBEDDINGS, group_size=1),
+    "lantern": Lantern(LanternConfig(k=4, delta=0.8), NEIGHBOURS),
+    "lantern_k_all": Lantern(LanternConfig(k=50, delta=0.6), NEIGHBOURS),
+    "lantern_pp": LanternPP(LanternPPConfig(k=5, lam=20.0), NEIGHBOURS),
+    "gsd": Grouped(GsdConfig(group_size=5, delta_p=0.5, max_distance=6.0), EMBEDDINGS),
+    "gsd_even_wide": Grouped(GsdConfig(group_size=8, delta_p=1.0, max_distance=100.0), EMBEDDINGS),
+    "lantern_delta_0": Lantern(LanternConfig(k=4, delta=0.0), NEIGHBOURS),
+    "lantern_pp_lam_1": LanternPP(LanternPPConfig(k=4, lam=1.0), NEIGHBOURS),
+    "gsd_g1": Grouped(GsdConfig(group_size=1), EMBEDDINGS),
 }
 
 

@@ -607,7 +607,7 @@ def test_taps_are_transformers_hidden_states(anole_files):
         ids = torch.tensor([prompt + bpe_ids(newline=False)[tokens[0]].tolist()])
         positions = torch.arange(pad, pad + ids.shape[1])[None]
         ref = hf.model(input_ids=ids, position_ids=positions, output_hidden_states=True).hidden_states
-    _, tapped = split_taps(states, target.hidden_size)
+    _, tapped = split_taps(states, target.hidden_size, len(taps))
     assert len(ref) == len(taps)
     for k in taps:
         got = tapped[0, pad:, k * target.hidden_size : (k + 1) * target.hidden_size]

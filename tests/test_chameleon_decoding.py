@@ -20,7 +20,7 @@ from test_engine import SIGNIFICANCE, chi_square_pvalue, exact_ar_distribution, 
 from test_exactness import EXACT_PRESETS, method
 
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.compiled import DecodeOptions, compile_decoding
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.profiling import count_steps
@@ -187,7 +187,10 @@ def test_drafts_hold_the_end_of_row_token_exactly_where_the_target_forces_it(lum
     target = lumina_target(lumina_files[0])
     sampling = SamplingConfig(cfg_scale=3.0, temperature=1.0)
     engine = SpeculativeEngine(
-        target, random_drafter(target), DynamicTreeBuilder(top_k=4, depth=4, total_tokens=20), sampling
+        target,
+        random_drafter(target),
+        DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=4, total_tokens=20)),
+        sampling,
     )
     trees = []
     build = engine.builder.build
@@ -220,7 +223,7 @@ def test_compile_wraps_the_chameleon_decoder_and_keeps_the_tokens(lumina_files):
     drafter = random_drafter(target)
     sampling = SamplingConfig(cfg_scale=3.0, temperature=0.0)
     cond = target.encode_captions(CAPTIONS)
-    builder = DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16)
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=3, total_tokens=16))
     eager = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None]).tokens
     torch._dynamo.reset()
     backend = compile_decoding(target, drafter, backend="eager")  # traced by dynamo; no kernels to build
@@ -267,7 +270,9 @@ def test_a_chameleon_eagle3_unroll_in_o_k_equals_the_dense_one(lumina_files):
     tokens = generate_ar(target, cond, SamplingConfig(temperature=0.0), [None, None])
     with torch.no_grad():
         hidden, tapped = split_taps(
-            target.sequence_features(cond, tokens, drafter.taps).float(), target.hidden_size
+            target.sequence_features(cond, tokens, drafter.taps).float(),
+            target.hidden_size,
+            len(drafter.taps),
         )
         feats = drafter.input_features(hidden, tapped)
         fast, dense = (

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 import vdtrain.generate
 from vdtrain.decode import compiled as compiled_module
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.compiled import (
     DecodeOptions,
     compile_decoding,
@@ -39,7 +39,7 @@ def decode(
     """AR and EAGLE-2-like tokens at T = 0 for a batch of two captions."""
     cond, sampling = tiny_condition(), SamplingConfig(cfg_scale=2.0, temperature=0.0)
     ar = generate_ar(target, cond, sampling, [None, None])
-    builder = DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16)
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=3, total_tokens=16))
     engine = SpeculativeEngine(target, drafter, builder, sampling, options=options)
     tree = engine.generate(cond, [None, None]).tokens
     return ar, tree

@@ -13,7 +13,7 @@ from torch import nn
 
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.drafter_rows import drafter_inputs, feature_targets, teacher_mask
+from vdtrain.drafter_rows import feature_targets, teacher_inputs, teacher_mask
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 from vdtrain.train.losses import (
     cls_per_row,
@@ -57,7 +57,7 @@ def test_drafter_inputs_pair_feature_s_with_the_token_at_s_plus_1():
     with torch.no_grad():
         embed.weight.copy_((1000 + torch.arange(10.0))[:, None].expand(10, H))
 
-    features, next_embeds = drafter_inputs(hidden, tokens, L, embed)
+    features, next_embeds = teacher_inputs(hidden, tokens, L, embed)
     targets = feature_targets(hidden)
     assert features.shape == next_embeds.shape == targets.shape == (B, L + N - 1, H)
     for b in range(B):
@@ -137,7 +137,7 @@ def test_cached_drafter_matches_the_teacher_forced_pass(tiny_target):
     L = tiny_target.prefix_length
     with torch.no_grad():
         teacher = drafter.forward_teacher(hidden, tokens, cond.mask)
-        features, next_embeds = drafter_inputs(hidden, tokens, L, drafter.embed)
+        features, next_embeds = teacher_inputs(hidden, tokens, L, drafter.embed)
         seq = features.shape[1]
         full_mask = teacher_mask(cond.mask, seq)
         cache = drafter.new_cache(2)
@@ -287,6 +287,8 @@ def test_configs_written_before_the_layer_field_still_load(tiny_target):
 
 def test_layer_overrides_outside_the_familys_settings_are_refused(tiny_target):
     with pytest.raises(ValueError, match=r"cannot override \['num_attention_heads'\] of a llamagen"):
-        DrafterConfig.for_target(tiny_target, num_attention_heads=2)
+        DrafterConfig.for_target(tiny_target, layer={"num_attention_heads": 2})
+    with pytest.raises(ValueError, match=r"\['n_head'\] are not eagle1 choices"):
+        DrafterConfig.for_target(tiny_target, n_head=2)  # layer settings go in ``layer``
     with pytest.raises(ValueError, match="missing"):
         DrafterConfig.from_dict({**DrafterConfig.for_target(tiny_target).to_dict(), "layer": {"n_head": 2}})

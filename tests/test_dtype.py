@@ -12,7 +12,7 @@ from conftest import tiny_condition
 from hydra import compose, initialize_config_dir
 
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
@@ -94,7 +94,7 @@ def test_bf16_speculative_decoding_runs_end_to_end_and_agrees_with_fp32(tiny_tar
     reference = generate_ar(tiny_target, cond, sampling, [None, None])
     target = bf16(tiny_target)
     drafter = Drafter.from_pretrained(folder, target)
-    builder = DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16)
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=3, total_tokens=16))
     result = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None])
     assert result.tokens.shape == reference.shape and result.tokens.max() < target.vocab_size
     assert result.stats[0].target_forwards < target.num_image_tokens  # drafts were accepted

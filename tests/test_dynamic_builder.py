@@ -15,7 +15,12 @@ from test_engine import make_drafter, make_target
 
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
-from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, ranked, topk_low_index_first
+from vdtrain.decode.builders.dynamic import (
+    DynamicTreeBuilder,
+    DynamicTreeConfig,
+    ranked,
+    topk_low_index_first,
+)
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.profiling import Counts, OpCounter
 from vdtrain.decode.rows import DrafterRows
@@ -115,7 +120,7 @@ def assert_same_trees(twin: Twin, a: int = 0, b: int = 1) -> None:
 def test_fixed_shapes_give_the_old_builders_trees(top_k, depth, total_tokens, temperature, cfg_scale):
     twin = Twin(
         ReferenceDynamicTreeBuilder(top_k=top_k, depth=depth, total_tokens=total_tokens),
-        DynamicTreeBuilder(top_k=top_k, depth=depth, total_tokens=total_tokens),
+        DynamicTreeBuilder(DynamicTreeConfig(top_k=top_k, depth=depth, total_tokens=total_tokens)),
     )
     run_twin(twin, temperature, cfg_scale)
     assert_same_trees(twin)
@@ -125,7 +130,10 @@ def test_fixed_shapes_give_the_old_builders_trees(top_k, depth, total_tokens, te
 
 @pytest.mark.parametrize("temperature, cfg_scale", [(0.0, 2.5), (1.0, 1.0)])
 def test_per_row_shapes_give_the_old_builders_trees(temperature, cfg_scale):
-    twin = Twin(OldPerRow(top_k=6, depth=4, total_tokens=20), NewPerRow(top_k=6, depth=4, total_tokens=20))
+    twin = Twin(
+        OldPerRow(top_k=6, depth=4, total_tokens=20),
+        NewPerRow(DynamicTreeConfig(top_k=6, depth=4, total_tokens=20)),
+    )
     run_twin(twin, temperature, cfg_scale, batch=4)
     assert_same_trees(twin)
     depths = torch.stack([t[0][2].max(dim=1).values for t in twin.trees])
@@ -134,8 +142,8 @@ def test_per_row_shapes_give_the_old_builders_trees(temperature, cfg_scale):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_peanut_trees_keep_the_same_deepest_path(temperature):
-    plain = NewPerRow(top_k=5, depth=4, total_tokens=8)
-    twin = Twin(OldPeanut(4, 5, 8), NewPeanut(top_k=5, depth=4, total_tokens=8), plain)
+    plain = NewPerRow(DynamicTreeConfig(top_k=5, depth=4, total_tokens=8))
+    twin = Twin(OldPeanut(4, 5, 8), NewPeanut(DynamicTreeConfig(top_k=5, depth=4, total_tokens=8)), plain)
     run_twin(twin, temperature, 2.0, batch=4)
     assert_same_trees(twin)
     # The small budget pruned deep levels that PEANUT's rule then kept.
@@ -146,10 +154,10 @@ def test_peanut_trees_keep_the_same_deepest_path(temperature):
 @pytest.mark.parametrize(
     "builder",
     [
-        DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16),
-        DynamicTreeBuilder(top_k=10, depth=5, total_tokens=59),
-        NewPerRow(top_k=6, depth=4, total_tokens=20),
-        NewPeanut(top_k=5, depth=4, total_tokens=8),
+        DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=3, total_tokens=16)),
+        DynamicTreeBuilder(DynamicTreeConfig(top_k=10, depth=5, total_tokens=59)),
+        NewPerRow(DynamicTreeConfig(top_k=6, depth=4, total_tokens=20)),
+        NewPeanut(DynamicTreeConfig(top_k=5, depth=4, total_tokens=8)),
     ],
     ids=["eagle2_small", "eagle2_default", "per_row", "peanut"],
 )
@@ -241,7 +249,7 @@ def stub_state(logits: torch.Tensor, batch: int = 1, committed: int = 2, n_img: 
 def test_ties_resolve_by_token_id_then_creation_order(total_tokens, tokens, parents, depths):
     # Tokens 1, 2, 3 tie above token 0: a node's children are always tokens 1, 2 (the lower ids).
     logits = torch.tensor([0.0, 1.0, 1.0, 1.0])
-    builder = DynamicTreeBuilder(top_k=2, depth=2, total_tokens=total_tokens)
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=2, depth=2, total_tokens=total_tokens))
     tree = builder.build(stub_engine(logits), stub_state(logits))
     assert tree.tokens.tolist() == [tokens]
     assert tree.parents.tolist() == [parents]
@@ -251,7 +259,7 @@ def test_ties_resolve_by_token_id_then_creation_order(total_tokens, tokens, pare
 
 def test_a_depth_limit_and_padding_follow_the_old_layout():
     logits = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0])
-    builder = DynamicTreeBuilder(top_k=2, depth=3, total_tokens=12)
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=2, depth=3, total_tokens=12))
     state = stub_state(logits, batch=3, n_img=8)
     state.depth_limit = torch.tensor([2, 0, 1])
     tree = builder.build(stub_engine(logits, n_img=8), state)
@@ -296,13 +304,13 @@ def test_top_k_above_the_vocabulary_is_capped_once_on_the_preset_path():
 @pytest.mark.parametrize("kwargs", [{"top_k": 0}, {"depth": -1}, {"total_tokens": 1}])
 def test_impossible_tensor_trees_are_refused(kwargs):
     with pytest.raises(ValueError, match="dynamic tree"):
-        DynamicTreeBuilder(**kwargs)
+        DynamicTreeBuilder(DynamicTreeConfig(**kwargs))
 
 
 def test_top_k_above_the_vocabulary_is_capped_at_build():
     logits = torch.tensor([0.3, 1.0, -2.0, 0.5])
-    wide = DynamicTreeBuilder(top_k=9, depth=1, total_tokens=30)
-    exact = DynamicTreeBuilder(top_k=4, depth=1, total_tokens=30)
+    wide = DynamicTreeBuilder(DynamicTreeConfig(top_k=9, depth=1, total_tokens=30))
+    exact = DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=1, total_tokens=30))
     got, want = (b.build(stub_engine(logits), stub_state(logits, batch=2)) for b in (wide, exact))
     for x, y in zip(
         (got.tokens, got.parents, got.depths, got.valid),
@@ -322,7 +330,7 @@ class OutOfEnvelope(DynamicTreeBuilder):
 def test_a_shape_outside_the_envelope_is_refused():
     logits = torch.tensor([0.3, 1.0, -2.0, 0.5])
     with pytest.raises(RuntimeError, match="outside envelope"):
-        OutOfEnvelope(top_k=2, depth=1).build(stub_engine(logits), stub_state(logits))
+        OutOfEnvelope(DynamicTreeConfig(top_k=2, depth=1)).build(stub_engine(logits), stub_state(logits))
 
 
 class TooWide(DynamicTreeBuilder):
@@ -333,7 +341,9 @@ class TooWide(DynamicTreeBuilder):
 def test_an_envelope_past_the_scratch_reserved_is_refused():
     logits = torch.zeros(50)
     with pytest.raises(ValueError, match="scratch slots"):
-        TooWide(top_k=4, depth=3, total_tokens=8).build(stub_engine(logits), stub_state(logits))
+        TooWide(DynamicTreeConfig(top_k=4, depth=3, total_tokens=8)).build(
+            stub_engine(logits), stub_state(logits)
+        )
 
 
 # --- host syncs and op counts ---------------------------------------------------------------------------
@@ -375,7 +385,12 @@ def count_builds(
 
 
 @pytest.mark.parametrize(
-    "builder", [DynamicTreeBuilder(4, 3, 16), NewPeanut(5, 4, 8)], ids=["eagle2", "peanut"]
+    "builder",
+    [
+        DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=3, total_tokens=16)),
+        NewPeanut(DynamicTreeConfig(top_k=5, depth=4, total_tokens=8)),
+    ],
+    ids=["eagle2", "peanut"],
 )
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_build_reads_nothing_on_the_host(builder, temperature):
@@ -392,7 +407,10 @@ def test_the_counter_sees_the_old_builders_host_reads():
 def test_build_op_count_does_not_grow_with_the_batch():
     one, eight, old_one, old_eight = (
         count_builds(builder, batch, builds=1)[0].ops
-        for builder in (DynamicTreeBuilder(4, 3, 16), ReferenceDynamicTreeBuilder(4, 3, 16))
+        for builder in (
+            DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=3, total_tokens=16)),
+            ReferenceDynamicTreeBuilder(4, 3, 16),
+        )
         for batch in (1, 8)
     )
     assert eight <= 1.2 * one

@@ -78,7 +78,7 @@ def test_taps_are_the_residual_stream_after_each_layer():
     with torch.no_grad():
         states = reference_states(target, cond, tokens)
         plain = target.sequence_features(cond, tokens)
-        hidden, tapped = split_taps(target.sequence_features(cond, tokens, taps=(0, 3, 6)), 32)
+        hidden, tapped = split_taps(target.sequence_features(cond, tokens, taps=(0, 3, 6)), 32, 3)
     torch.testing.assert_close(hidden, plain)
     for i, k in enumerate((0, 3, 6)):
         torch.testing.assert_close(tapped[..., 32 * i : 32 * (i + 1)], states[k])
@@ -93,7 +93,7 @@ def test_cached_forwards_carry_the_same_taps():
     cond, tokens = sequence(target, batch=1)
     taps = target.default_feature_layers()
     with torch.no_grad():
-        _, full = split_taps(target.sequence_features(cond, tokens, taps), 32)
+        _, full = split_taps(target.sequence_features(cond, tokens, taps), 32, len(taps))
         cache = target.new_cache(1)
         pre = target.prefill(cond, cache, taps)
         n = target.num_image_tokens
@@ -113,7 +113,9 @@ def test_unrolled_step_zero_is_teacher_forcing():
     drafter = eagle3(target)
     cond, tokens = sequence(target)
     with torch.no_grad():
-        hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps), 32)
+        hidden, tapped = split_taps(
+            target.sequence_features(cond, tokens, drafter.taps), 32, len(drafter.taps)
+        )
         feats = drafter.input_features(hidden, tapped)
         first = drafter.unroll(feats, tokens, cond.mask, 1)[0]
         teacher = drafter.forward_teacher(feats, tokens, cond.mask)
@@ -167,7 +169,9 @@ def test_unrolled_steps_see_exactly_what_a_draft_chain_sees(kind):
     cond, tokens = sequence(target)
     prefix = target.prefix_length
     with torch.no_grad():
-        hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps), 32)
+        hidden, tapped = split_taps(
+            target.sequence_features(cond, tokens, drafter.taps), 32, len(drafter.taps)
+        )
         feats = drafter.input_features(hidden, tapped)
         steps = drafter.unroll(feats, tokens, cond.mask, 4)
         for start in (prefix - 1, prefix + 3, prefix + 9):
@@ -183,7 +187,9 @@ def test_unrolled_rows_do_not_read_the_future():
     cond, tokens = sequence(target, batch=1)
     prefix = target.prefix_length
     with torch.no_grad():
-        hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps), 32)
+        hidden, tapped = split_taps(
+            target.sequence_features(cond, tokens, drafter.taps), 32, len(drafter.taps)
+        )
         feats = drafter.input_features(hidden, tapped)
         base = drafter.unroll(feats, tokens, cond.mask, 3)
         start, j = prefix + 4, 2
@@ -211,7 +217,9 @@ def test_the_o_k_unroll_equals_the_dense_one_rows_loss_and_gradients():
     target = deep_target()
     drafter = eagle3(target)
     cond, tokens = sequence(target)
-    hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps).detach(), 32)
+    hidden, tapped = split_taps(
+        target.sequence_features(cond, tokens, drafter.taps).detach(), 32, len(drafter.taps)
+    )
     rows = image_target_mask(cond.mask, tokens.shape[1])
     chains = [chain_rows(cond.mask, rows.shape[1], j) for j in range(4)]
     results = []
@@ -275,7 +283,9 @@ def test_eagle3_export_reloads_exactly_and_records_its_layers(tmp_path):
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in state.items())
     cond, tokens = sequence(target)
     with torch.no_grad():
-        hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps), 32)
+        hidden, tapped = split_taps(
+            target.sequence_features(cond, tokens, drafter.taps), 32, len(drafter.taps)
+        )
         a = drafter.unroll(drafter.input_features(hidden, tapped), tokens, cond.mask, 2)
         b = loaded.unroll(loaded.input_features(hidden, tapped), tokens, cond.mask, 2)
     assert all(
@@ -304,8 +314,11 @@ def test_feature_layers_past_the_target_are_refused():
     target = deep_target()
     with pytest.raises(ValueError, match=r"outside 0 \.\. 6"):
         DrafterConfig.for_target(target, kind="eagle3", feature_layers=(2, 7))
-    with pytest.raises(ValueError, match="fuses target layers"):
+    with pytest.raises(ValueError, match=r"\['feature_layers'\] are not eagle1 choices"):
         DrafterConfig.for_target(target, kind="eagle1", feature_layers=(2,))
+    eagle1 = DrafterConfig.for_target(target).to_dict()
+    with pytest.raises(ValueError, match="a drafter of kind 'eagle1' fuses no target layer"):
+        DrafterConfig.from_dict({**eagle1, "feature_layers": [2]})
     with pytest.raises(ValueError, match="kind must be one of"):
         DrafterConfig.for_target(target, kind="eagle2")
 
@@ -313,8 +326,8 @@ def test_feature_layers_past_the_target_are_refused():
 def test_an_eagle1_config_written_before_kinds_still_loads():
     target = deep_target()
     config = DrafterConfig.for_target(target).to_dict()
-    for key in ("kind", "feature_layers"):
-        config.pop(key)
+    config.pop("kind")
+    assert "feature_layers" not in config  # eagle3's key: an eagle1 config does not write it
     config["target"].pop("num_layers")
     assert DrafterConfig.from_dict(config).kind == "eagle1"
     Drafter(DrafterConfig.from_dict(config)).attach(target)
@@ -327,7 +340,9 @@ def test_the_input_norms_make_the_drafter_blind_to_the_scale_of_its_inputs():
     drafter = eagle3(target, tap_norm=True)
     cond, tokens = sequence(target)
     with torch.no_grad():
-        hidden, tapped = split_taps(target.sequence_features(cond, tokens, drafter.taps), 32)
+        hidden, tapped = split_taps(
+            target.sequence_features(cond, tokens, drafter.taps), 32, len(drafter.taps)
+        )
         scaled = tapped.clone()
         scaled[..., 32:64] *= 7.0  # the second tap only
         fused = drafter.input_features(hidden, tapped)

@@ -331,7 +331,7 @@ def test_taps_are_transformers_hidden_states(emu3_files):
         states = target.sequence_features(target.encode_captions(CAPTIONS[:1]), tokens, taps)
         ids = torch.tensor([prompt + target.vocab_ids[tokens[0]].tolist()])
         ref = hf.model(input_ids=ids, output_hidden_states=True).hidden_states
-    _, tapped = split_taps(states, target.hidden_size)
+    _, tapped = split_taps(states, target.hidden_size, len(taps))
     start, width = target.prefix_length - len(prompt), target.hidden_size
     assert len(ref) == len(taps)
     for k in taps:

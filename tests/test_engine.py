@@ -19,8 +19,8 @@ from scipy.stats import chisquare
 
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.base import DraftTreeBuilder
-from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
-from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
+from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig, probabilities
 from vdtrain.decode.trees import (
@@ -68,7 +68,7 @@ def test_impossible_static_trees_are_refused(paths, message):
 @pytest.mark.parametrize("kwargs", [{"top_k": 0}, {"depth": -1}, {"total_tokens": 1}])
 def test_impossible_dynamic_trees_are_refused(kwargs):
     with pytest.raises(ValueError, match="dynamic tree"):
-        DynamicTreeBuilder(**kwargs)
+        DynamicTreeBuilder(DynamicTreeConfig(**kwargs))
 
 
 def test_ancestor_matrix_of_a_small_tree():
@@ -128,10 +128,10 @@ def test_oracle_drafts_are_accepted_and_tokens_match_ar(cfg_scale):
 @pytest.mark.parametrize(
     "builder",
     [
-        StaticTreeBuilder(static_tree(EAGLE1_PATHS)),
-        StaticTreeBuilder(static_tree(LANTERN_PP_PATHS)),
-        DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16),
-        DynamicTreeBuilder(top_k=10, depth=5, total_tokens=59),
+        StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS)),
+        StaticTreeBuilder(StaticTreeConfig(paths=LANTERN_PP_PATHS)),
+        DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=3, total_tokens=16)),
+        DynamicTreeBuilder(DynamicTreeConfig(top_k=10, depth=5, total_tokens=59)),
     ],
     ids=["eagle1", "lantern_pp_tree", "eagle2_small", "eagle2_default"],
 )
@@ -159,7 +159,7 @@ def test_a_target_with_identity_caption_rope_decodes_exactly_and_its_drafter_fol
     cond = tiny_condition()
     sampling = SamplingConfig(cfg_scale=2.5, temperature=0.0)
     ar = generate_ar(target, cond, sampling, [None, None])
-    builder = DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16)
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=3, total_tokens=16))
     result = SpeculativeEngine(target, drafter, builder, sampling).generate(cond, [None, None])
     assert torch.equal(result.tokens, ar)
 
@@ -211,7 +211,7 @@ def test_a_drafter_for_another_target_is_refused():
     target, other = make_target(), make_target(seed=1)
     drafter = Drafter(DrafterConfig.for_target(other))
     with pytest.raises(ValueError, match="head_fingerprint"):
-        SpeculativeEngine(target, drafter, DynamicTreeBuilder(), SamplingConfig())
+        SpeculativeEngine(target, drafter, DynamicTreeBuilder(DynamicTreeConfig()), SamplingConfig())
 
 
 # --- T > 0: the exact distribution --------------------------------------------------------------------
@@ -312,7 +312,10 @@ def micro():
 
 @pytest.mark.parametrize(
     "builder",
-    [StaticTreeBuilder(static_tree(EAGLE1_PATHS)), DynamicTreeBuilder(top_k=3, depth=2, total_tokens=8)],
+    [
+        StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS)),
+        DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=2, total_tokens=8)),
+    ],
     ids=["eagle1_sampled_static", "eagle2_dynamic"],
 )
 def test_speculative_sampling_has_the_ar_distribution(micro, builder):
@@ -323,7 +326,7 @@ def test_speculative_sampling_has_the_ar_distribution(micro, builder):
 
 def test_the_distribution_test_rejects_a_wrong_verifier(micro):
     target, drafter, cond, sampling, exact = micro
-    builder = StaticTreeBuilder(static_tree(EAGLE1_PATHS))
+    builder = StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))
     engine = RowVerifierEngine(target, drafter, builder, sampling, verify=wrong_verifier)
     assert chi_square_pvalue(sample_images(engine, cond, 6000, seed=2), exact) < SIGNIFICANCE
 

@@ -30,12 +30,12 @@ from test_engine import (
 
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.base import StepState
-from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
-from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
+from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import ARMethod, build_method, decode_config, load_preset, preset_names
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree, static_tree
+from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.targets.base import Condition
 
@@ -144,7 +144,7 @@ def test_static_children_outside_qs_support_are_not_drafted():
     target = make_target(MICRO_GPT, MICRO_VQ, image_size=4, seed=3)
     sampling = SamplingConfig(temperature=1.0, top_k=2)
     engine = SpeculativeEngine(
-        target, confident_drafter(target), StaticTreeBuilder(static_tree(EAGLE1_PATHS)), sampling
+        target, confident_drafter(target), StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS)), sampling
     )
     # q over 4 tokens keeps 2 (top-k): of the root's 4 children only ranks 0 and 1 are drafts.
     logits = torch.tensor([[0.0, 3.0, -1.0, 2.0]])
@@ -205,8 +205,8 @@ def test_a_shrunk_tree_samples_alike_in_a_short_batch_when_the_planned_batch_is_
 @pytest.mark.parametrize(
     "builder",
     [
-        lambda: StaticTreeBuilder(static_tree(LANTERN_PP_PATHS)),  # root width 5
-        lambda: DynamicTreeBuilder(top_k=10, depth=2, total_tokens=12),
+        lambda: StaticTreeBuilder(StaticTreeConfig(paths=LANTERN_PP_PATHS)),  # root width 5
+        lambda: DynamicTreeBuilder(DynamicTreeConfig(top_k=10, depth=2, total_tokens=12)),
     ],
     ids=["static_width_5", "dynamic_top_k_10"],
 )

@@ -240,7 +240,7 @@ def test_eagle3_loss_unrolls_on_null_conditioned_taps(target):
     null = target.null_condition(target.encode_captions(batch["caption"]))
     with torch.no_grad():
         states = target.sequence_features(null, tokens, drafter.taps).float()
-        hidden, tapped = split_taps(states, target.hidden_size)
+        hidden, tapped = split_taps(states, target.hidden_size, len(drafter.taps))
         steps = drafter.unroll(drafter.input_features(hidden, tapped), tokens, null.mask, 3)
         mask = image_target_mask(null.mask, tokens.shape[1])
         chains = [chain_rows(null.mask, mask.shape[1], j) for j in range(3)]

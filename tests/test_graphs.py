@@ -16,19 +16,24 @@ import torch
 from conftest import random_drafter, random_gpt, random_vq, tiny_condition
 
 from vdtrain.decode import graphs
+from vdtrain.decode.builders.peanut import PeanutTreeBuilder
 from vdtrain.decode.compiled import DecodeOptions, compile_decoding
 from vdtrain.decode.graphs import StepGraph, record_fx
-from vdtrain.decode.methods import build_method, load_preset, preset_names
+from vdtrain.decode.methods import SCHEDULES, TREES, build_method, load_preset, preset_names, tree_builder
 from vdtrain.decode.profiling import Counts, OpCounter
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-PEANUT = ["peanut", "peanut_lantern"]
-VVS = ["vvs", "vvs_release", "vvs_uniform"]  # recorded in two parts around the plan's read of the device
-JACOBI = ["sjd", "scd", "scd_gumbel", "sjd_pac", "sjd_pac_gumbel"]
-GRAPH_SAFE = ["eagle1", "eagle2", "gsd", "gsd_tree", "lantern", "lantern_pp", *PEANUT, *JACOBI, *VVS]
-RECORDED = ["ar", *GRAPH_SAFE]  # AR's step is recorded the same way
+# The lists come from the registries, so a preset added later is recorded and checked here too.
+CONFIGS = {name: load_preset(name) for name in preset_names()}
+SPECULATIVE = [n for n, c in CONFIGS.items() if TREES[c.tree.kind].make is not None]
+# Recorded in two parts around the plan's read of the device: the skipping schedules.
+VVS = [n for n in SPECULATIVE if not SCHEDULES[CONFIGS[n].schedule.kind].lossless]
+# Its recorded step pads to the envelope (more drafter forwards than an eager step).
+PEANUT = [n for n in SPECULATIVE if TREES[CONFIGS[n].tree.kind].make is PeanutTreeBuilder]
+GRAPH_SAFE = [n for n in SPECULATIVE if tree_builder(CONFIGS[n].tree).graph_safe]
+RECORDED = [n for n in preset_names() if n not in SPECULATIVE or n in GRAPH_SAFE]  # AR's step too
 
 
 def _engine(name: str, temperature: float, cache_dir, recorder=None, device: str = "cpu", compile=False):
@@ -38,7 +43,7 @@ def _engine(name: str, temperature: float, cache_dir, recorder=None, device: str
     sampling = replace(target.sampling_defaults, temperature=temperature)
     overrides = {"acceptance": {"cache_dir": str(cache_dir)}}
     if name == "sjd_pac":  # its 64-node window would draw the tiny image in a step or two
-        overrides["tree"] = {"window": 8, "width": 2}
+        overrides["tree"] = {"tokens_per_forward": 8, "width": 2}
     config = load_preset(name, overrides)
     drafter = random_drafter(target).to(device) if config.needs_drafter else None
     options = DecodeOptions(step_recorder=recorder)
@@ -59,11 +64,10 @@ def cache_dir(tmp_path_factory):
 
 
 def test_every_speculative_preset_records_its_steps(cache_dir):
-    """The list above is every preset but AR: a preset added later must be recorded or say why."""
-    for name in preset_names():
-        if name != "ar":
-            assert _engine(name, 1.0, cache_dir, record_fx).recorder is not None, name
-    assert sorted(GRAPH_SAFE) == sorted(n for n in preset_names() if n != "ar")
+    """Every speculative preset's builder is graph-safe: a preset added later must be recorded or say why."""
+    for name in SPECULATIVE:
+        assert _engine(name, 1.0, cache_dir, record_fx).recorder is not None, name
+    assert GRAPH_SAFE == SPECULATIVE
 
 
 def _comparable(stats, name: str):

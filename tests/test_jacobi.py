@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY_GPT, TINY_VQ, tiny_condition
+from conftest import TINY_GPT, TINY_VQ, step_outcome, tiny_condition
 from reference_acceptance import Verdict, from_verdicts, verify_exact
 from test_engine import (
     MICRO_GPT,
@@ -24,7 +24,7 @@ from test_engine import (
     sample_images,
 )
 
-from vdtrain.decode.acceptance import EXACT, BatchVerdict, Grouped
+from vdtrain.decode.acceptance import EXACT, BatchVerdict, Grouped, GsdConfig
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.base import StepState
 from vdtrain.decode.builders.jacobi import INITS, JacobiTreeConfig, JacobiWindowBuilder
@@ -47,7 +47,9 @@ def test_greedy_sjd_matches_ar(cfg_scale, init, window):
     cond = tiny_condition()
     sampling = SamplingConfig(cfg_scale=cfg_scale, temperature=0.0)
     ar = generate_ar(target, cond, sampling, [None, None])
-    engine = SpeculativeEngine(target, None, JacobiWindowBuilder(window, init), sampling)
+    engine = SpeculativeEngine(
+        target, None, JacobiWindowBuilder(JacobiTreeConfig(window=window, init=init)), sampling
+    )
     result = engine.generate(cond, [torch.Generator().manual_seed(i) for i in range(2)])
     assert torch.equal(result.tokens, ar)
     n = target.num_image_tokens
@@ -92,7 +94,9 @@ def grid3():
 )
 def test_sjd_sampling_has_the_ar_distribution(fixture, window, init, count, request):
     target, cond, sampling, exact = request.getfixturevalue(fixture)
-    engine = SpeculativeEngine(target, None, JacobiWindowBuilder(window, init), sampling)
+    engine = SpeculativeEngine(
+        target, None, JacobiWindowBuilder(JacobiTreeConfig(window=window, init=init)), sampling
+    )
     samples = sample_images(engine, cond, count, seed=1)
     assert chi_square_pvalue(samples, exact) > SIGNIFICANCE
 
@@ -101,8 +105,9 @@ class KeepDrafts(JacobiWindowBuilder):
     """A plausible bug (GSD's Algorithm 1 read literally): the unaccepted positions take the new
     distributions as q but keep their old tokens instead of being re-drawn from them."""
 
-    def observe(self, tree, verdict, verified, p_nodes, roots_at):
-        super().observe(tree, verdict, verified, p_nodes, roots_at)
+    def observe(self, outcome):
+        super().observe(outcome)
+        tree, verdict, verified = outcome.tree, outcome.verdict, outcome.verified
         win, k = self._windows, torch.arange(self.window)[None]
         old = tree.tokens.gather(1, (verdict.accepted[:, None] + 2 + k).clamp_max(tree.size - 1))
         drafted = verified[:, None] & (k < win.count[:, None] - 1)  # the last entry had no draft
@@ -111,7 +116,7 @@ class KeepDrafts(JacobiWindowBuilder):
 
 def test_the_distribution_test_rejects_refinement_without_redrawing(micro):
     target, cond, sampling, exact = micro
-    engine = SpeculativeEngine(target, None, KeepDrafts(2), sampling)
+    engine = SpeculativeEngine(target, None, KeepDrafts(JacobiTreeConfig(window=2)), sampling)
     assert chi_square_pvalue(sample_images(engine, cond, 6000, seed=2), exact) < SIGNIFICANCE
 
 
@@ -175,7 +180,7 @@ def _is_point_mass(q: torch.Tensor, tokens: torch.Tensor) -> bool:
 
 
 def test_a_window_is_a_chain_of_fresh_point_masses():
-    builder = JacobiWindowBuilder(4)
+    builder = JacobiWindowBuilder(JacobiTreeConfig(window=4))
     builder.reset(1)
     tree = builder.build(_engine(), _state(root=5, committed=1))
     assert tree.tokens[0, 0] == 5 and tree.sampled
@@ -190,7 +195,7 @@ def test_a_window_is_a_chain_of_fresh_point_masses():
 
 
 def test_refinement_redraws_the_positions_after_a_rejection():
-    builder = JacobiWindowBuilder(4)
+    builder = JacobiWindowBuilder(JacobiTreeConfig(window=4))
     builder.reset(1)
     tree = builder.build(_engine(), _state(root=5, committed=1))  # drafts for positions 1 .. 4
     # Node i predicts position 1 + i; positions 3, 4, 5 are spread over two tokens each.
@@ -200,7 +205,7 @@ def test_refinement_redraws_the_positions_after_a_rejection():
     p[0, 3, [5, 6]] = 0.5
     p[0, 4, [6, 7]] = 0.5
     # The draft at position 1 is accepted, the one at position 2 rejected: the bonus replaces it.
-    builder.observe(tree, *batched([Verdict([1], bonus=7)], tree), p, torch.tensor([0]))
+    builder.observe(step_outcome(tree, *batched([Verdict([1], bonus=7)], tree), p, torch.tensor([0])))
     nxt = builder.build(_engine(), _state(root=7, committed=3))
     # Positions 3, 4, 5 (depths 1, 2, 3 of the new chain) carry draws from the distributions just computed
     # for them (p at nodes 2, 3, 4 of the old chain, conditioned on the rejected draft) and those as q.
@@ -215,26 +220,30 @@ def test_refined_tokens_are_drawn_with_the_prompts_row_random():
     p = torch.full((1, 5, V), 1.0 / V)
     runs = []
     for seed in (0, 0, 1):
-        builder = JacobiWindowBuilder(4)
+        builder = JacobiWindowBuilder(JacobiTreeConfig(window=4))
         builder.reset(1)
-        tree = builder.build(_engine(), _state(root=5, committed=1, seed=seed))
-        builder.observe(tree, *batched([Verdict([], bonus=2)], tree), p, torch.tensor([0]))
+        state = _state(root=5, committed=1, seed=seed)
+        tree = builder.build(_engine(), state)
+        builder.observe(
+            step_outcome(tree, *batched([Verdict([], bonus=2)], tree), p, torch.tensor([0]), state.rng)
+        )
         runs.append(builder.build(_engine(), _state(root=2, committed=2)).tokens[0, 1:].tolist())
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
 def test_all_accepted_and_greedy_refinement():
-    builder = JacobiWindowBuilder(3)
+    builder = JacobiWindowBuilder(JacobiTreeConfig(window=3))
     builder.reset(1)
     tree = builder.build(_engine(0.0), _state(root=5, committed=1))
-    builder.observe(
-        tree, *batched([Verdict([1, 2, 3], bonus=0)], tree), _point_masses([1, 2, 3, 4]), torch.tensor([0])
-    )
+    verdict = batched([Verdict([1, 2, 3], bonus=0)], tree)
+    builder.observe(step_outcome(tree, *verdict, _point_masses([1, 2, 3, 4]), torch.tensor([0]), greedy=True))
     nxt = builder.build(_engine(0.0), _state(root=0, committed=5))
     assert _is_point_mass(nxt.q[0, :3], nxt.tokens[0, 1:])  # nothing left to refine: all fresh
     # At T = 0 refinement takes the argmax of the computed distributions (vanilla Jacobi).
     p = torch.softmax(torch.randn(1, 4, V, generator=torch.Generator().manual_seed(0)), -1)
-    builder.observe(nxt, *batched([Verdict([], bonus=1)], nxt), p, torch.tensor([4]))
+    builder.observe(
+        step_outcome(nxt, *batched([Verdict([], bonus=1)], nxt), p, torch.tensor([4]), greedy=True)
+    )
     last = builder.build(_engine(0.0), _state(root=1, committed=6))
     assert torch.equal(last.tokens[0, 1:4], p[0, 1:4].argmax(-1))
 
@@ -252,11 +261,13 @@ def stored(k: int) -> int:
 
 
 def _step_two(init: str, seed: int = 0):
-    builder = JacobiWindowBuilder(4, init)
+    builder = JacobiWindowBuilder(JacobiTreeConfig(window=4, init=init))
     builder.reset(1)
-    first = builder.build(_engine(), _state(root=X0, committed=1, seed=seed))
+    state = _state(root=X0, committed=1, seed=seed)
+    first = builder.build(_engine(), state)
     p = _point_masses([stored(k) for k in range(1, 6)])
-    builder.observe(first, *batched([Verdict([1, 2, 3, 4], bonus=BONUS)], first), p, torch.tensor([0]))
+    verdict = batched([Verdict([1, 2, 3, 4], bonus=BONUS)], first)
+    builder.observe(step_outcome(first, *verdict, p, torch.tensor([0]), state.rng))
     second = builder.build(_engine(), _state(root=BONUS, committed=6, seed=seed))
     board = [X0, *first.tokens[0, 1:].tolist(), BONUS]  # committed tokens of positions 0 .. 5
     fresh = second.tokens[0, 1:].tolist()  # positions 6, 7, 8, 9
@@ -265,7 +276,7 @@ def _step_two(init: str, seed: int = 0):
 
 
 def _first_window(init: str, window: int, seed: int) -> list[int]:
-    builder = JacobiWindowBuilder(window, init)
+    builder = JacobiWindowBuilder(JacobiTreeConfig(window=window, init=init))
     builder.reset(1)
     return builder.build(_engine(), _state(root=X0, committed=1, seed=seed)).tokens[0, 1:].tolist()
 
@@ -314,10 +325,10 @@ def test_stored_distributions_are_the_refined_q_of_drafts_and_p_of_committed_tok
     p = _point_masses([1, 2, 3, 4, 5])
     fresh = {}
     for init in ("horizontal_sample", "vertical_sample"):
-        builder = JacobiWindowBuilder(4, init)
+        builder = JacobiWindowBuilder(JacobiTreeConfig(window=4, init=init))
         builder.reset(1)
         tree = builder.build(_engine(), _state(root=X0, committed=1))
-        builder.observe(tree, *batched([Verdict([1], bonus=0)], tree), p, torch.tensor([0]))
+        builder.observe(step_outcome(tree, *batched([Verdict([1], bonus=0)], tree), p, torch.tensor([0])))
         nxt = builder.build(_engine(), _state(root=0, committed=3))
         assert nxt.tokens[0, 1:4].tolist() == [3, 4, 5]  # refined positions 3, 4, 5
         fresh[init] = int(nxt.tokens[0, 4])  # position 6
@@ -330,12 +341,14 @@ NARROW = (6, 2)
 
 
 def _narrow_step_two(init: str) -> tuple[list[int], list[int]]:
-    builder = JacobiWindowBuilder(3, init)
+    builder = JacobiWindowBuilder(JacobiTreeConfig(window=3, init=init))
     builder.reset(1)
     engine, image = _engine(grid=NARROW), NARROW[0] * NARROW[1]
     first = builder.build(engine, _state(root=X0, committed=1, image=image))
     p = _point_masses([stored(k) for k in range(1, 5)])
-    builder.observe(first, *batched([Verdict([1, 2, 3], bonus=BONUS)], first), p, torch.tensor([0]))
+    builder.observe(
+        step_outcome(first, *batched([Verdict([1, 2, 3], bonus=BONUS)], first), p, torch.tensor([0]))
+    )
     second = builder.build(engine, _state(root=BONUS, committed=5, image=image))
     return [X0, *first.tokens[0, 1:].tolist(), BONUS], second.tokens[0, 1:].tolist()
 
@@ -359,7 +372,7 @@ def test_repeat_past_an_unknown_token_draws_once_and_copies_it():
     above it, draws uniformly, and 7 below it copies that draw; 6 copies the root at 4."""
     seen = set()
     for seed in range(12):
-        builder = JacobiWindowBuilder(3, "vertical_repeat")
+        builder = JacobiWindowBuilder(JacobiTreeConfig(window=3, init="vertical_repeat"))
         builder.reset(1)
         state = _state(root=BONUS, committed=5, seed=seed, image=NARROW[0] * NARROW[1])
         fresh = builder.build(_engine(grid=NARROW), state).tokens[0, 1:].tolist()
@@ -370,9 +383,9 @@ def test_repeat_past_an_unknown_token_draws_once_and_copies_it():
 
 def test_impossible_windows_are_refused():
     with pytest.raises(ValueError, match="at least one draft"):
-        JacobiWindowBuilder(0)
+        JacobiWindowBuilder(JacobiTreeConfig(window=0))
     with pytest.raises(ValueError, match="unknown Jacobi initialisation"):
-        JacobiWindowBuilder(4, "diagonal")
+        JacobiWindowBuilder(JacobiTreeConfig(window=4, init="diagonal"))
 
 
 # --- configuration and GSD on SJD ---------------------------------------------------------------------
@@ -393,7 +406,8 @@ def test_jacobi_config_builds_a_drafter_free_engine():
 
 def _gsd(target, group_size: int) -> Grouped:
     return Grouped(
-        target.token_embedding.weight.detach(), group_size=group_size, delta_p=0.15, max_distance=100.0
+        GsdConfig(group_size=group_size, delta_p=0.15, max_distance=100.0),
+        target.token_embedding.weight.detach(),
     )
 
 
@@ -405,7 +419,11 @@ def test_gsd_with_group_size_one_is_sjd(temperature):
     runs = []
     for accept in (EXACT, _gsd(target, 1)):
         engine = SpeculativeEngine(
-            target, None, JacobiWindowBuilder(6, "horizontal_sample"), sampling, accept
+            target,
+            None,
+            JacobiWindowBuilder(JacobiTreeConfig(window=6, init="horizontal_sample")),
+            sampling,
+            accept,
         )
         runs.append(engine.generate(cond, [torch.Generator().manual_seed(10 + i) for i in range(2)]))
     sjd, gsd = runs
@@ -418,7 +436,9 @@ def test_gsd_groups_accept_more_than_sjd():
     target = make_target()
     cond = tiny_condition()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
-    engine = SpeculativeEngine(target, None, JacobiWindowBuilder(6), sampling, _gsd(target, 14))
+    engine = SpeculativeEngine(
+        target, None, JacobiWindowBuilder(JacobiTreeConfig(window=6)), sampling, _gsd(target, 14)
+    )
     result = engine.generate(cond, [torch.Generator().manual_seed(i) for i in range(2)])
     assert sum(s.relaxed_acceptances for s in result.stats) > 0
 
@@ -442,7 +462,7 @@ def _two_steps(init: str, temperature: float, prompts: list[tuple[int, int, int]
     """Two build + observe steps (each prompt gets the same verdict both times); returns the second
     step's tree and, with ``counted``, that step's (host syncs, ATen ops) as a GPU would see them."""
     batch = len(prompts)
-    builder = JacobiWindowBuilder(5, init)
+    builder = JacobiWindowBuilder(JacobiTreeConfig(window=5, init=init))
     builder.reset(batch)
     engine = _engine(temperature)
     committed = torch.tensor([c for _, c, _ in prompts])
@@ -465,7 +485,7 @@ def _two_steps(init: str, temperature: float, prompts: list[tuple[int, int, int]
         if step and counted:
             counter.__enter__()
         tree = builder.build(engine, state)
-        builder.observe(tree, verdict, verified, p, committed - 1)
+        builder.observe(step_outcome(tree, verdict, verified, p, committed - 1, rng, engine.sampling.greedy))
         if step and counted:
             counter.__exit__(None, None, None)
         committed = committed + verdict.accepted + 1
@@ -494,7 +514,7 @@ def test_a_prompts_window_is_the_same_batched_and_alone(init):
 
 
 def test_the_builder_needs_the_runs_row_random():
-    builder = JacobiWindowBuilder(4)
+    builder = JacobiWindowBuilder(JacobiTreeConfig(window=4))
     state = _state(root=5, committed=1)
     state.rng = None
     with pytest.raises(ValueError, match="RowRandom"):
@@ -502,7 +522,7 @@ def test_the_builder_needs_the_runs_row_random():
 
 
 def test_the_tree_bounds_its_depth_and_width_on_the_host():
-    builder = JacobiWindowBuilder(16)
+    builder = JacobiWindowBuilder(JacobiTreeConfig(window=16))
     builder.reset(1)
     tree = builder.build(_engine(), _state(root=5, committed=1))
     assert (tree.depth_bound, tree.width_bound) == (H * W - 2, 1)

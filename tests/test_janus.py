@@ -317,7 +317,7 @@ def test_taps_are_transformers_hidden_states(janus_files):
         x = hf.get_input_embeddings()(torch.tensor([ids]))
         x = torch.cat([x, hf.prepare_embeddings_for_image_generation(tokens)], dim=1)
         ref = hf.model.language_model(inputs_embeds=x, output_hidden_states=True).hidden_states
-    _, tapped = split_taps(states, target.hidden_size)
+    _, tapped = split_taps(states, target.hidden_size, len(taps))
     start, width = target.prefix_length - len(ids), target.hidden_size
     assert len(ref) == len(taps)
     for k in taps:

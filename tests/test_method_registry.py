@@ -7,18 +7,23 @@ added to the registry alone is shown to give a working method.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pytest
 import torch
 from conftest import tiny_condition
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from test_engine import make_drafter, make_target
 
+from vdtrain.cli import CONF_DIR
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import (
     ACCEPTANCE,
+    PRESETS,
     SCHEDULES,
     TREES,
     AcceptanceConfig,
@@ -31,12 +36,13 @@ from vdtrain.decode.methods import (
     decode_config,
     load_preset,
     preset_names,
+    preset_node,
+    register_part_schemas,
     tree_builder,
     verification_schedule,
 )
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.decode.trees import static_tree
-from vdtrain.decode.vvs import UniformSchedule
+from vdtrain.decode.vvs import UniformSchedule, UniformScheduleConfig
 
 GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
 
@@ -60,28 +66,64 @@ def test_the_presets_use_every_registered_part():
 
 
 def test_the_capabilities_of_the_presets():
-    """What the registry's data must give for the shipped presets (the methods' published properties)."""
+    """A preset's capabilities are its parts' registry flags, and the method table of docs/decoding.md
+    says the same: a preset it lists is lossy there iff its rule or schedule is."""
     names = preset_names()
-    assert {n for n in names if load_preset(n).exact} == {
-        "ar",
-        "eagle1",
-        "eagle2",
-        "peanut",
-        "sjd",
-        "scd",
-        "scd_gumbel",
-        "sjd_pac",
-        "sjd_pac_gumbel",
-    }
-    drafter_free = {"ar", "sjd", "scd", "scd_gumbel", "gsd", "sjd_pac", "sjd_pac_gumbel"}
-    assert {n for n in names if not load_preset(n).needs_drafter} == drafter_free
+    table = (PRESETS.parents[1] / "docs" / "decoding.md").read_text()
+    for name in names:
+        config = load_preset(name)
+        parts = TREES[config.tree.kind], ACCEPTANCE[config.acceptance.kind], SCHEDULES[config.schedule.kind]
+        assert config.exact == (parts[1].lossless and parts[2].lossless)
+        assert config.needs_drafter == parts[0].needs_drafter
+        rows = [line for line in table.splitlines() if line.startswith(f"| `{name}` |")]
+        assert all(("lossy" in row) != config.exact for row in rows), rows
+
+
+def _preset_file(name: str) -> dict:
+    return OmegaConf.to_container(preset_node(PRESETS / f"{name}.yaml"))
+
+
+def test_hydra_composes_each_preset_as_load_preset_reads_it():
+    """The generate app composes ``decode=<preset>`` through the parts' ConfigStore schemas: the same
+    method as ``load_preset``, and a key left at its dataclass default can be overridden and is typed."""
+    register_part_schemas()
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        for name in preset_names():
+            assert decode_config(compose("generate", [f"decode={name}"]).decode) == load_preset(name), name
+        cfg = compose("generate", ["decode=sjd", "decode.tree.window=32", "decode.tree.init=vertical_repeat"])
+        overrides = {"tree": {"window": 32, "init": "vertical_repeat"}}
+        assert decode_config(cfg.decode) == load_preset("sjd", overrides)
+        with pytest.raises(ConfigCompositionException, match=r"decode\.tree\.window"):
+            compose("generate", ["decode=sjd", "decode.tree.window=many"])
+        with pytest.raises(ConfigCompositionException, match=r"decode\.tree\.window"):
+            compose("generate", ["decode=ar", "decode.tree.window=32"])  # AR has no window
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_each_default_lives_in_its_config_class_only(name):
+    """Every field of a preset read with no override is the preset's own value or its config class's
+    default, and a preset never repeats a default (so a default is written once, in its class)."""
+    config, written = load_preset(name, {}), _preset_file(name)
+    for section, parts in (("tree", TREES), ("acceptance", ACCEPTANCE), ("schedule", SCHEDULES)):
+        typed = getattr(config, section)
+        defaults = parts[typed.kind].config()
+        own = written.get(section, {})
+        for f in fields(typed):
+            value = getattr(typed, f.name)
+            if f.name in own:
+                assert value == own[f.name]
+                assert f.name == "kind" or own[f.name] != getattr(defaults, f.name), (
+                    f"{name}: {section}.{f.name} repeats {type(defaults).__name__}'s default"
+                )
+            else:
+                assert value == getattr(defaults, f.name), f"{name}: {section}.{f.name}"
 
 
 @pytest.mark.parametrize("name", preset_names())
 def test_each_preset_agrees_with_the_parts_it_builds(tiny, name, tmp_path):
     target, _ = tiny
     config = _preset(name, tmp_path)
-    if TREES[config.tree.kind].build is None:  # AR: nothing drafted, so nothing to attach a drafter to
+    if TREES[config.tree.kind].make is None:  # AR: nothing drafted, so nothing to attach a drafter to
         assert not config.needs_drafter
         with pytest.raises(ValueError, match="no draft-tree builder"):
             tree_builder(config.tree)
@@ -136,13 +178,17 @@ class ChainConfig(TreeConfig):
 
 
 def _chain(config: ChainConfig) -> StaticTreeBuilder:
-    return StaticTreeBuilder(static_tree([(0,) * d for d in range(1, config.depth + 1)]))
+    return StaticTreeBuilder(StaticTreeConfig(paths=[(0,) * d for d in range(1, config.depth + 1)]))
 
 
 def test_a_registry_entry_is_enough_to_add_a_part(tiny, monkeypatch):
     target, drafter = tiny
     monkeypatch.setitem(TREES, "chain", Part(ChainConfig, _chain, needs_drafter=True))
-    monkeypatch.setitem(SCHEDULES, "every_other", Part(ScheduleConfig, lambda c, t: UniformSchedule(2)))
+    monkeypatch.setitem(
+        SCHEDULES,
+        "every_other",
+        Part(ScheduleConfig, lambda c: UniformSchedule(UniformScheduleConfig(every=2))),
+    )
     cond = tiny_condition()
     ar = generate_ar(target, cond, GREEDY, [None, None])
 

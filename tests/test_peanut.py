@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import TINY_GPT, tiny_condition
+from conftest import TINY_GPT, step_outcome, tiny_condition
 from test_engine import (  # noqa: F401  (micro is a fixture)
     SIGNIFICANCE,
     chi_square_pvalue,
@@ -31,7 +31,7 @@ CHAMELEON = {"l_k": 3, "k_min": 3, "k_max": 14}  # the paper's Anole settings; t
 
 
 def make_builder(grid=(1, 64), batch=1, **kwargs) -> PeanutTreeBuilder:
-    builder = PeanutTreeBuilder(grid=grid, **kwargs)
+    builder = PeanutTreeBuilder(PeanutTreeConfig(**kwargs), grid=grid)
     builder.reset(batch)
     return builder
 
@@ -74,7 +74,9 @@ def step(builder, committed: int, accepted, tree_depth: int | None = None) -> tu
     path = torch.tensor([list(range(1, accepted + 1)) + [-1] * (depth - accepted)])
     verdict = BatchVerdict(path, torch.tensor([accepted]), torch.zeros(1, dtype=torch.long), torch.zeros(1))
     verified = torch.ones(1, dtype=torch.bool)
-    builder.observe(chain(depth), verdict, verified, torch.zeros(1), torch.tensor([committed - 1]))
+    builder.observe(
+        step_outcome(chain(depth), verdict, verified, torch.zeros(1), torch.tensor([committed - 1]))
+    )
     return d, k, committed + accepted + 1
 
 
@@ -111,18 +113,18 @@ def test_width_is_only_restricted_while_the_tree_keeps_more_than_one_level():
 
 
 def test_width_rule_reads_the_unclamped_depth():
-    rule = PeanutTreeBuilder(**CHAMELEON)
+    rule = PeanutTreeBuilder(PeanutTreeConfig(**CHAMELEON))
     assert rule.adapt(2, 13, alpha=0.0) == (1, 16)  # d̃ − l_d = 1: unrestricted
     assert rule.adapt(1, 13, alpha=0.0) == (1, 16)  # d̃ − l_d = 0, clamped to 1: unrestricted
     assert rule.adapt(3, 13, alpha=0.0) == (2, 13)  # d̃ − l_d = 2 > 1: restricted to k < 14
     assert rule.adapt(1, 40, alpha=1.0) == (2, 13)  # d̃ + l_d = 2 > 1: clamped back
-    wide = PeanutTreeBuilder(**CHAMELEON, l_d=2)
+    wide = PeanutTreeBuilder(PeanutTreeConfig(**CHAMELEON, l_d=2))
     assert wide.adapt(3, 13, alpha=0.0) == (1, 16)  # d̃ − l_d = 1 with a step of 2
     assert wide.adapt(4, 13, alpha=0.0) == (2, 13)
 
 
 def test_llamagen_defaults():
-    rule = PeanutTreeBuilder()
+    rule = PeanutTreeBuilder(PeanutTreeConfig())
     assert (rule.beta, rule.l_d, rule.l_k, rule.d_min, rule.d_max, rule.k_min, rule.k_max) == (
         1.0,
         1,
@@ -193,8 +195,8 @@ def test_initialisation_reads_the_adjacent_tree(init, root, source):
 
 
 def test_the_paper_names_of_the_strategies_are_accepted():
-    assert PeanutTreeBuilder(init="horizontal_repeat").init == "horizontal"
-    assert PeanutTreeBuilder(init="vertical_repeat").init == "vertical"
+    assert PeanutTreeBuilder(PeanutTreeConfig(init="horizontal_repeat")).init == "horizontal"
+    assert PeanutTreeBuilder(PeanutTreeConfig(init="vertical_repeat")).init == "vertical"
 
 
 def test_first_tree_uses_the_initial_shape():
@@ -213,7 +215,7 @@ def test_random_initialisation_is_uniform_in_the_open_bounds_and_seeded():
 
 def test_random_initialisation_is_adapted_and_falls_back_to_an_owned_generator():
     def script(seed):
-        builder = make_builder(init="random", **CHAMELEON, seed=seed)
+        builder = make_builder(init="random", **CHAMELEON, init_seed=seed)
         return run_script(builder, [0, "F", 0, "F", 0])
 
     first = script(0)
@@ -242,7 +244,7 @@ def test_reset_forgets_the_grid():
 )
 def test_impossible_peanut_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        PeanutTreeBuilder(**kwargs)
+        PeanutTreeBuilder(PeanutTreeConfig(**kwargs))
 
 
 def test_tree_config_builds_peanut():
@@ -271,7 +273,7 @@ def test_greedy_peanut_matches_ar_and_drafts_trees_of_depth_d(kwargs, cfg_scale)
     cond = tiny_condition()
     sampling = SamplingConfig(cfg_scale=cfg_scale, temperature=0.0)
     ar = generate_ar(target, cond, sampling, [None, None])
-    builder = PeanutTreeBuilder(**kwargs)
+    builder = PeanutTreeBuilder(PeanutTreeConfig(**kwargs))
     result = SpeculativeEngine(target, make_drafter(target), builder, sampling).generate(cond, [None, None])
     assert torch.equal(result.tokens, ar)
     n = target.num_image_tokens
@@ -286,7 +288,7 @@ class OraclePeanut(PeanutTreeBuilder):
     every level is accepted, so the trees must deepen and narrow step after step."""
 
     def __init__(self, truth: torch.Tensor, **kwargs) -> None:
-        super().__init__(**kwargs)
+        super().__init__(PeanutTreeConfig(**kwargs))
         self.truth = truth
 
     def build(self, engine, state) -> DraftTree:
@@ -327,7 +329,18 @@ def test_peanut_sampling_has_the_ar_distribution(micro):  # noqa: F811
     # Random initialisation then adaptation: tree shapes change between steps and draw from the
     # prompt's generator, interleaved with verification's draws. Width capped at the vocabulary (4).
     builder = PeanutTreeBuilder(
-        init="random", l_d=1, l_k=1, d_min=0, d_max=4, k_min=0, k_max=5, d_init=2, k_init=2, total_tokens=8
+        PeanutTreeConfig(
+            init="random",
+            l_d=1,
+            l_k=1,
+            d_min=0,
+            d_max=4,
+            k_min=0,
+            k_max=5,
+            d_init=2,
+            k_init=2,
+            total_tokens=8,
+        )
     )
     samples = sample_images(SpeculativeEngine(target, drafter, builder, sampling), cond, 6000, seed=11)
     assert chi_square_pvalue(samples, exact) > SIGNIFICANCE

@@ -10,11 +10,11 @@ import torch
 from conftest import random_gpt, random_vq, tiny_condition
 
 from vdtrain.decode import profiling
-from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.profiling import OpCounter, PhaseTimer, count_steps
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.decode.trees import EAGLE1_PATHS, static_tree
+from vdtrain.decode.trees import EAGLE1_PATHS
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
@@ -115,7 +115,7 @@ def tiny_engine(cfg_scale: float = 2.0) -> SpeculativeEngine:
     drafter = Drafter(DrafterConfig.for_target(target))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    builder = StaticTreeBuilder(static_tree(EAGLE1_PATHS))
+    builder = StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))
     sampling = SamplingConfig(cfg_scale=cfg_scale, temperature=0)
     return SpeculativeEngine(target, drafter.eval(), builder, sampling)
 
@@ -138,7 +138,7 @@ def test_counts_are_split_at_the_engine_steps():
     assert counts.first.ops > counts.mean_ops  # the prefill is reported apart
     assert all(s.syncs > 0 and s.ops > 0 for s in counts.steps)
 
-    engine.builder = SyncingBuilder(engine.builder.tree)
+    engine.builder = SyncingBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))
     more, _ = count_steps(engine, tiny_condition(2), [None, None])
     assert [s.syncs for s in more.steps] == [s.syncs + 1 for s in counts.steps]
     assert more.first.syncs == counts.first.syncs + 1
@@ -152,7 +152,7 @@ class SlowBuilder(StaticTreeBuilder):
 
 def test_the_phase_timer_charges_each_phase_and_leaves_the_engine_as_it_was():
     engine = tiny_engine()
-    engine.builder = SlowBuilder(engine.builder.tree)
+    engine.builder = SlowBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))
     accept = engine.accept
     with PhaseTimer(engine) as timer:
         engine.generate(tiny_condition(1), [None], on_step=timer.on_step)

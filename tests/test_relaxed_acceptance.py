@@ -29,11 +29,11 @@ from vdtrain.decode.acceptance import (
     Rule,
 )
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
-from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import AcceptanceConfig, DecodeConfig, acceptance_rule, build_method
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.decode.trees import EAGLE1_PATHS, DraftTree, static_tree
+from vdtrain.decode.trees import EAGLE1_PATHS, DraftTree
 
 # --- the latent-neighbour table -----------------------------------------------------------------------
 
@@ -126,7 +126,10 @@ P_ROOT = torch.tensor([0.05, 0.1, 0.5, 0.15, 0.1, 0.1], dtype=torch.float64)
 
 @pytest.mark.parametrize(
     "rule",
-    [Lantern(NEIGHBOURS, k=5, delta=0.6), LanternPP(NEIGHBOURS, k=5, lam=7.0)],
+    [
+        Lantern(LanternConfig(k=5, delta=0.6), NEIGHBOURS),
+        LanternPP(LanternPPConfig(k=5, lam=7.0), NEIGHBOURS),
+    ],
     ids=["lantern", "lantern_pp"],
 )
 def test_relaxed_rules_accept_more_when_a_neighbour_holds_the_mass(rule):
@@ -144,7 +147,7 @@ def test_relaxed_rules_accept_more_when_a_neighbour_holds_the_mass(rule):
 
 def test_lantern_residual_removes_the_draft_and_its_neighbours():
     p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
-    rule = Lantern(torch.tensor([[1, 2, 3], [2, 3, 0], [1, 3, 0], [2, 1, 0]]), k=3, delta=0.3)
+    rule = Lantern(LanternConfig(k=3, delta=0.3), torch.tensor([[1, 2, 3], [2, 3, 0], [1, 3, 0], [2, 1, 0]]))
     assert group(rule, p, 1).tolist() == [2]  # S_1 = 0.3 <= 0.3 (inclusive), S_2 = 0.7 > 0.3
     # Sampled draft with q_x = [0, 0.7, 0, 0.3]: P = 0.2 + 0.3 = 0.5 < 0.7, accepted with 5/7. On rejection:
     # max(0, [0.1, 0.2, 0, 0.4] − q_x) = [0.1, 0, 0, 0.1] → [0.5, 0, 0, 0.5] (exact: [0.2, 0, 0.6, 0.2]).
@@ -170,7 +173,7 @@ def test_gsd_group_on_a_hand_made_example():
     p[[5, 2, 7, 0, 3, 6, 1, 4]] = torch.tensor([0.30, 0.20, 0.15, 0.12, 0.10, 0.08, 0.03, 0.02]).double()
     emb = torch.zeros(8, 2)
     emb[7], emb[3], emb[2] = torch.tensor([0.5, 0.0]), torch.tensor([0.6, 0.0]), torch.tensor([0.1, 0.0])
-    rule = Grouped(emb, group_size=4, delta_p=0.05, max_distance=0.3)
+    rule = Grouped(GsdConfig(group_size=4, delta_p=0.05, max_distance=0.3), emb)
     # x = 0 has rank 3: window = ranks 1..4 = tokens 2, 7, 0, 3. Token 2 is too far in p (0.08 >= 0.05),
     # token 3 too far in embedding space (0.36 >= 0.3): C = {0, 7}.
     credited = group(rule, p, 0)
@@ -179,12 +182,13 @@ def test_gsd_group_on_a_hand_made_example():
     p_mass, q_mass = masses(rule, p, q, 0, credited)
     assert float(p_mass) == pytest.approx(0.27) and float(q_mass) == pytest.approx(0.25)
     # At the top of the ranking the window is clipped, not wrapped: x = 5 sees ranks 0..1 = tokens 5, 2.
-    wide = Grouped(emb, group_size=4, delta_p=1.0, max_distance=10.0)
+    wide = Grouped(GsdConfig(group_size=4, delta_p=1.0, max_distance=10.0), emb)
     assert group(wide, p, 5).tolist() == [2]
-    assert sorted(group(Grouped(emb, group_size=14, delta_p=1.0, max_distance=10.0), p, 0).tolist()) == [
+    widest = Grouped(GsdConfig(group_size=14, delta_p=1.0, max_distance=10.0), emb)
+    assert sorted(group(widest, p, 0).tolist()) == [
         1, 2, 3, 4, 5, 6, 7
     ]  # fmt: skip
-    assert group(Grouped(emb, group_size=1, delta_p=1.0, max_distance=10.0), p, 0).tolist() == []
+    assert group(Grouped(GsdConfig(group_size=1, delta_p=1.0, max_distance=10.0), emb), p, 0).tolist() == []
 
 
 def test_gsd_batched_window_is_the_sorted_one_on_tie_heavy_rows():
@@ -195,7 +199,9 @@ def test_gsd_batched_window_is_the_sorted_one_on_tie_heavy_rows():
         vocab = int(torch.randint(1, 20, (1,), generator=g))
         emb = torch.randn(vocab, 3, generator=g)
         size = int(torch.randint(2, 16, (1,), generator=g))
-        rule = Grouped(emb, group_size=size, delta_p=0.4, max_distance=float(torch.rand(1, generator=g)) * 8)
+        rule = Grouped(
+            GsdConfig(group_size=size, delta_p=0.4, max_distance=float(torch.rand(1, generator=g)) * 8), emb
+        )
         p = (
             torch.randint(0, 4, (vocab,), generator=g).double()
             if trial % 2
@@ -211,7 +217,7 @@ def test_gsd_batched_window_is_the_sorted_one_on_tie_heavy_rows():
 def test_gsd_accepts_with_the_group_mass_for_point_mass_drafts():
     p = torch.tensor([0.05, 0.1, 0.5, 0.15, 0.1, 0.1], dtype=torch.float64)
     emb = torch.zeros(6, 1)  # every token is close: the window and δ_p decide
-    rule = Grouped(emb, group_size=3, delta_p=0.45, max_distance=0.5)
+    rule = Grouped(GsdConfig(group_size=3, delta_p=0.45, max_distance=0.5), emb)
     # By p (ties by id): 2, 3, 1, 4, 5, 0. x = 1 has rank 2: window ranks 1..3 = tokens 3, 1, 4.
     assert sorted(group(rule, p, 1).tolist()) == [3, 4]
     runs = verdicts(rule, one_level_tree([1]), torch.stack([p, p]))
@@ -229,16 +235,18 @@ def test_greedy_relaxed_rule_accepts_a_draft_whose_group_holds_the_argmax():
         tree, p_nodes, p_relax = one_level_tree(children), argmax.expand(n, -1), soft.expand(n, -1)
         return walk(rule, tree, 0, p_nodes, True, None, p_relax=p_relax)
 
-    lantern = Lantern(NEIGHBOURS, k=5, delta=0.35)  # A(1) = {2}: S_1 = 0.3 <= 0.35
+    lantern = Lantern(LanternConfig(k=5, delta=0.35), NEIGHBOURS)  # A(1) = {2}: S_1 = 0.3 <= 0.35
     v = greedy(lantern, [1])
     assert v.path == [1] and v.relaxed == 1 and v.bonus == 2  # the draft is committed, then the argmax
     v = greedy(lantern, [1, 2])  # the exact match wins over an earlier sibling passing by relaxation
     assert v.path == [2] and v.relaxed == 0
-    v = greedy(Lantern(NEIGHBOURS, k=5, delta=0.25), [1])  # A(1) = ∅: rejected, the bonus is the argmax
+    v = greedy(
+        Lantern(LanternConfig(k=5, delta=0.25), NEIGHBOURS), [1]
+    )  # A(1) = ∅: rejected, the bonus is the argmax
     assert v.path == [] and v.bonus == 2 and v.relaxed == 0
     # LANTERN++ at T = 0 bounds the neighbours' mass by (λ − 1)·soft(x) = (λ − 1)·0.2.
-    assert greedy(LanternPP(NEIGHBOURS, k=5, lam=3.0), [1]).path == [1]
-    assert greedy(LanternPP(NEIGHBOURS, k=5, lam=2.0), [1]).path == []
+    assert greedy(LanternPP(LanternPPConfig(k=5, lam=3.0), NEIGHBOURS), [1]).path == [1]
+    assert greedy(LanternPP(LanternPPConfig(k=5, lam=2.0), NEIGHBOURS), [1]).path == []
     # Without p_relax a relaxed rule is exact at T = 0.
     assert walk(lantern, one_level_tree([1]), 0, argmax.expand(2, -1), True, None).path == []
 
@@ -252,15 +260,15 @@ def neighbour_table(target) -> torch.Tensor:
 
 # Each rule at its degenerate setting (off) and at a real relaxation (on).
 RULES = {
-    "lantern": lambda t, on: Lantern(neighbour_table(t), k=10, delta=0.5 if on else 0.0),
-    "lantern_pp": lambda t, on: LanternPP(neighbour_table(t), k=10, lam=4.0 if on else 1.0),
+    "lantern": lambda t, on: Lantern(LanternConfig(k=10, delta=0.5 if on else 0.0), neighbour_table(t)),
+    "lantern_pp": lambda t, on: LanternPP(LanternPPConfig(k=10, lam=4.0 if on else 1.0), neighbour_table(t)),
     "gsd": lambda t, on: Grouped(
-        t.tokenizer.codebook(), group_size=14 if on else 1, delta_p=1.0, max_distance=10.0
+        GsdConfig(group_size=14 if on else 1, delta_p=1.0, max_distance=10.0), t.tokenizer.codebook()
     ),
 }
 BUILDERS = {
-    "static_sampled": lambda: StaticTreeBuilder(static_tree(EAGLE1_PATHS)),
-    "dynamic": lambda: DynamicTreeBuilder(top_k=4, depth=3, total_tokens=16),
+    "static_sampled": lambda: StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS)),
+    "dynamic": lambda: DynamicTreeBuilder(DynamicTreeConfig(top_k=4, depth=3, total_tokens=16)),
 }
 
 
@@ -308,9 +316,9 @@ def test_acceptance_config_builds_each_rule(tiny, tmp_path):
     cache = str(tmp_path)
     assert acceptance_rule(AcceptanceConfig(), target) is EXACT
     rule = acceptance_rule(LanternConfig(k=1000, delta=0.2, cache_dir=cache), target)
-    assert isinstance(rule, Lantern) and rule.neighbours.shape == (24, 23) and rule.delta == 0.2
+    assert isinstance(rule, Lantern) and rule.neighbours.shape == (24, 23) and rule.config.delta == 0.2
     rule = acceptance_rule(LanternPPConfig(k=10, lam=3.0, cache_dir=cache), target)
-    assert isinstance(rule, LanternPP) and rule.neighbours.shape == (24, 10) and rule.lam == 3.0
+    assert isinstance(rule, LanternPP) and rule.neighbours.shape == (24, 10) and rule.config.lam == 3.0
     rule = acceptance_rule(GsdConfig(embedding="codebook"), target)
     assert isinstance(rule, Grouped) and rule.embeddings.shape == (24, 4)
     with pytest.raises(ValueError, match="unknown acceptance"):

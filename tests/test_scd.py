@@ -18,17 +18,21 @@ from test_jacobi import grid3  # noqa: F401  (module fixtures)
 from test_sjd_pac import lumina_forced, sharp3x3  # noqa: F401
 
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.builders.jacobi import JacobiWindowBuilder
-from vdtrain.decode.builders.sjd_pac import SjdPacBuilder
+from vdtrain.decode.builders.jacobi import JacobiTreeConfig, JacobiWindowBuilder
+from vdtrain.decode.builders.sjd_pac import SjdPacBuilder, SjdPacTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import load_preset, tree_builder
 from vdtrain.decode.sampling import SamplingConfig
 
 BUILDERS = {
-    "scd": lambda: JacobiWindowBuilder(6, coupling="maximal"),
-    "scd_gumbel": lambda: JacobiWindowBuilder(6, coupling="gumbel"),
-    "sjd_pac_gumbel": lambda: SjdPacBuilder(9, 2, 3, coupling="gumbel"),
-    "sjd_pac_point_q": lambda: SjdPacBuilder(9, 2, 3, fresh_q="point"),
+    "scd": lambda: JacobiWindowBuilder(JacobiTreeConfig(window=6, coupling="maximal")),
+    "scd_gumbel": lambda: JacobiWindowBuilder(JacobiTreeConfig(window=6, coupling="gumbel")),
+    "sjd_pac_gumbel": lambda: SjdPacBuilder(
+        SjdPacTreeConfig(tokens_per_forward=9, width=2, levels=3, coupling="gumbel")
+    ),
+    "sjd_pac_point_q": lambda: SjdPacBuilder(
+        SjdPacTreeConfig(tokens_per_forward=9, width=2, levels=3, fresh_q="point")
+    ),
 }
 
 
@@ -58,8 +62,9 @@ class KeepTheOldQ(JacobiWindowBuilder):
     """The release's rule: a draft that survives the maximal coupling keeps the q it was drawn from as its
     proposal, where the paper's Algorithm 3 (and ours) stores the p it is now a draw from."""
 
-    def observe(self, tree, verdict, verified, p_nodes, roots_at):
-        super().observe(tree, verdict, verified, p_nodes, roots_at)
+    def observe(self, outcome):
+        super().observe(outcome)
+        tree, verdict, verified, p_nodes = outcome.tree, outcome.verdict, outcome.verified, outcome.p_nodes
         win, last = self._windows, tree.size - 1
         k = torch.arange(self.window)[None]
         nodes = (verdict.accepted[:, None] + 1 + k).clamp_max(last)
@@ -71,5 +76,7 @@ class KeepTheOldQ(JacobiWindowBuilder):
 
 def test_the_distribution_test_rejects_the_releases_old_q(request):
     target, cond, sampling, exact = request.getfixturevalue("sharp3x3")
-    engine = SpeculativeEngine(target, None, KeepTheOldQ(6, coupling="maximal"), sampling)
+    engine = SpeculativeEngine(
+        target, None, KeepTheOldQ(JacobiTreeConfig(window=6, coupling="maximal")), sampling
+    )
     assert bonferroni_pvalue(sample_images(engine, cond, 6000, seed=2), exact) < SIGNIFICANCE

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
-from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
+from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.decode.trees import EAGLE1_PATHS, static_tree
+from vdtrain.decode.trees import EAGLE1_PATHS
 from vdtrain.drafter import Drafter
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.targets.shapes import REPO_ROOT, load_target_folder
@@ -38,9 +38,9 @@ def shipped():
 @pytest.mark.parametrize(
     ("kind", "builder"),
     [
-        ("eagle1", StaticTreeBuilder(static_tree(EAGLE1_PATHS))),
-        ("eagle1", DynamicTreeBuilder(top_k=10, depth=5, total_tokens=59)),
-        ("eagle3", DynamicTreeBuilder(top_k=10, depth=5, total_tokens=59)),
+        ("eagle1", StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))),
+        ("eagle1", DynamicTreeBuilder(DynamicTreeConfig(top_k=10, depth=5, total_tokens=59))),
+        ("eagle3", DynamicTreeBuilder(DynamicTreeConfig(top_k=10, depth=5, total_tokens=59))),
     ],
     ids=["eagle1-drafter-eagle1", "eagle1-drafter-eagle2", "eagle3-drafter-eagle2"],
 )

@@ -13,9 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_condition
+from conftest import step_outcome, tiny_condition
 from image_statistics import bonferroni_pvalue
-from omegaconf import OmegaConf
 from reference_acceptance import Verdict, from_verdicts, residual, verify_exact
 from test_chameleon_decoding import BOS, WORDS, enumerable_target
 from test_engine import (
@@ -37,9 +36,9 @@ from test_jacobi import (
 from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.base import StepState
-from vdtrain.decode.builders.sjd_pac import SjdPacBuilder, tree_nodes
+from vdtrain.decode.builders.sjd_pac import SjdPacBuilder, SjdPacTreeConfig, tree_nodes
 from vdtrain.decode.engine import SpeculativeEngine
-from vdtrain.decode.methods import PRESETS, build_method, load_preset, tree_builder
+from vdtrain.decode.methods import build_method, load_preset, tree_builder
 from vdtrain.decode.profiling import OpCounter
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.sampling import SamplingConfig
@@ -54,7 +53,7 @@ def test_greedy_sjd_pac_matches_ar(cfg_scale, window, width, levels):
     cond = tiny_condition()
     sampling = SamplingConfig(cfg_scale=cfg_scale, temperature=0.0)
     ar = generate_ar(target, cond, sampling, [None, None])
-    builder = SjdPacBuilder(window, width, levels)
+    builder = SjdPacBuilder(SjdPacTreeConfig(tokens_per_forward=window, width=width, levels=levels))
     engine = SpeculativeEngine(target, None, builder, sampling)
     result = engine.generate(cond, [torch.Generator().manual_seed(i) for i in range(2)])
     assert torch.equal(result.tokens, ar)
@@ -110,7 +109,8 @@ def test_sjd_pac_sampling_has_the_ar_distribution(fixture, shape, count, request
     """Whole images, every position and every adjacent pair, under one Bonferroni bound; the fixtures
     other than ``sharp`` (which is there for B1) draft the chain."""
     target, cond, sampling, exact = request.getfixturevalue(fixture)
-    builder = SjdPacBuilder(*shape)
+    length, width, levels = shape
+    builder = SjdPacBuilder(SjdPacTreeConfig(tokens_per_forward=length, width=width, levels=levels))
     engine = SpeculativeEngine(target, None, builder, sampling)
     samples = sample_images(engine, cond, count, seed=1)
     assert set(samples) <= set(exact)  # no impossible image (forced tokens included)
@@ -178,8 +178,8 @@ class RedrawWithoutTheDraft(SjdPacBuilder):
     p without the draft, the residual after its siblings as if q were a point mass on it, instead of from
     norm(max(0, p − q)) at its own node."""
 
-    def _continue(self, drafts, p, q, undrafted, positions):
-        u = self._rng.uniform(Purpose.CONTINUE, drafts.shape[1], 2)
+    def _continue(self, drafts, p, q, undrafted, positions, rng):
+        u = rng.uniform(Purpose.CONTINUE, drafts.shape[1], 2)
         p, q = p.double(), torch.where(undrafted[..., None], 0.0, q.double())
         p_x = p.gather(-1, drafts[..., None]).squeeze(-1)
         q_x = q.gather(-1, drafts[..., None]).squeeze(-1)
@@ -193,8 +193,9 @@ class KeepTheDraftsQ(SjdPacBuilder):
     """B5 (the stale q of SCD's release, here in SJD-PAC's window): a continued draft that survives keeps
     the q it was drafted from as its proposal, instead of the p it now follows."""
 
-    def observe(self, tree, verdict, verified, p_nodes, roots_at):
-        super().observe(tree, verdict, verified, p_nodes, roots_at)
+    def observe(self, outcome):
+        super().observe(outcome)
+        tree, verdict, verified, p_nodes = outcome.tree, outcome.verdict, outcome.verified, outcome.p_nodes
         win, deep, accepted = self._windows, self.main_depth, verdict.accepted
         last = torch.zeros_like(accepted)
         if verdict.path.shape[1]:
@@ -232,11 +233,11 @@ def test_the_distribution_test_rejects_the_release_bugs(fixture, builder, accept
     """Power: on the same fixtures and tests as the exact sampler, each error is rejected (the release's
     B1–B4, and B5 as SCD's release has it)."""
     target, cond, sampling, exact = request.getfixturevalue(fixture)
-    shape = (8, 2, 3) if fixture == "sharp" else (9, 2, 3)
+    config = SjdPacTreeConfig(tokens_per_forward=8 if fixture == "sharp" else 9, width=2, levels=3)
     if accept is None:
-        engine = SpeculativeEngine(target, None, builder(*shape), sampling)
+        engine = SpeculativeEngine(target, None, builder(config), sampling)
     else:
-        engine = RowVerifierEngine(target, None, builder(*shape), sampling, verify=accept)
+        engine = RowVerifierEngine(target, None, builder(config), sampling, verify=accept)
     assert bonferroni_pvalue(sample_images(engine, cond, count, seed=2), exact) < SIGNIFICANCE
 
 
@@ -263,7 +264,7 @@ def _state(root: int, committed: int, seed: int = 0) -> StepState:
 
 
 def _first(window: int = 16, width: int = 3, levels: int = 3, seed: int = 0):
-    builder = SjdPacBuilder(window, width, levels)
+    builder = SjdPacBuilder(SjdPacTreeConfig(tokens_per_forward=window, width=width, levels=levels))
     builder.reset(1)
     return builder, builder.build(_engine(), _state(root=5, committed=1, seed=seed))
 
@@ -292,7 +293,7 @@ def test_siblings_are_drawn_without_replacement_within_q_support():
     builder, tree = _first(window=13, width=3, levels=3)
     p = torch.zeros(1, 13, V)
     p[0, :, [2, 6]] = 0.5
-    builder.observe(tree, *batched([Verdict([], bonus=1)], tree), p, torch.tensor([0]))
+    builder.observe(step_outcome(tree, *batched([Verdict([], bonus=1)], tree), p, torch.tensor([0])))
     nxt = builder.build(_engine(), _state(root=1, committed=2))
     # Depth 1 continues the old depth 2, depth 2 is the position after the window: both q = p (tokens 2, 6).
     assert torch.equal(nxt.q[0, :4], p[0, :4]) and set(nxt.tokens[0, 1:3].tolist()) == {2, 6}
@@ -307,7 +308,7 @@ def test_siblings_are_drawn_without_replacement_within_q_support():
 def test_continuation_keeps_a_passing_draft_and_stores_p_as_its_q():
     builder, tree = _first(window=16)
     p = torch.full((1, 16, V), 1.0 / V)  # p = q (uniform): every draft passes
-    builder.observe(tree, *batched([Verdict([], bonus=7)], tree), p, torch.tensor([0]))
+    builder.observe(step_outcome(tree, *batched([Verdict([], bonus=7)], tree), p, torch.tensor([0])))
     nxt = builder.build(_engine(), _state(root=7, committed=2))
     # Depths 2 .. 5 of the old main path continue as depths 1 .. 4; depth 5 is the draw after the window.
     main = builder.main
@@ -325,7 +326,8 @@ def test_continuation_redraws_from_its_own_nodes_residual():
         builder, tree = _first(window=16, seed=seed)
         p = torch.full((1, 16, V), 1.0 / V)
         p[0, builder.main[1]] = target_p
-        builder.observe(tree, *batched([Verdict([], bonus=7)], tree), p, torch.tensor([0]))
+        rng = RowRandom(torch.tensor([seed]))
+        builder.observe(step_outcome(tree, *batched([Verdict([], bonus=7)], tree), p, torch.tensor([0]), rng))
         seen.append(int(builder._windows.tokens[0, 0]))
         assert torch.equal(builder._windows.q[0, 0], target_p)
     freq = torch.bincount(torch.tensor(seen), minlength=V) / len(seen)
@@ -339,7 +341,7 @@ def test_continuation_follows_the_accepted_path():
     rank1 = 2  # the root's second child
     below = builder.first_child[rank1]
     p = torch.softmax(torch.randn(1, 16, V, generator=torch.Generator().manual_seed(3)), -1)
-    builder.observe(tree, *batched([Verdict([rank1], bonus=0)], tree), p, torch.tensor([0]))
+    builder.observe(step_outcome(tree, *batched([Verdict([rank1], bonus=0)], tree), p, torch.tensor([0])))
     window = builder._windows
     assert window.start.item() == 3 and window.count.item() == 4  # depths 3, 4, 5 and 6 (past the window)
     assert torch.equal(window.q[0, :4], p[0, [below, *builder.main[3:6]]])
@@ -348,14 +350,16 @@ def test_continuation_follows_the_accepted_path():
 def test_an_accepted_main_path_leaves_a_fresh_uniform_window():
     builder, tree = _first(window=16)
     p = torch.full((1, 16, V), 1.0 / V)
-    builder.observe(tree, *batched([Verdict(builder.main[1:], bonus=3)], tree), p, torch.tensor([0]))
+    builder.observe(
+        step_outcome(tree, *batched([Verdict(builder.main[1:], bonus=3)], tree), p, torch.tensor([0]))
+    )
     nxt = builder.build(_engine(), _state(root=3, committed=7))
     depths = nxt.depths[0]
     assert torch.allclose(nxt.q[0, depths < 5], torch.full((int((depths < 5).sum()), V), 1.0 / V))
 
 
 def test_a_window_never_passes_the_last_image_token():
-    builder = SjdPacBuilder(16, 3, 3)
+    builder = SjdPacBuilder(SjdPacTreeConfig(tokens_per_forward=16, width=3, levels=3))
     builder.reset(1)
     state = _state(root=5, committed=H * W - 2)  # one image token left to draft
     tree = builder.build(_engine(), state)
@@ -363,11 +367,13 @@ def test_a_window_never_passes_the_last_image_token():
 
 
 def test_greedy_continuation_takes_the_argmax():
-    builder = SjdPacBuilder(16, 3, 3)
+    builder = SjdPacBuilder(SjdPacTreeConfig(tokens_per_forward=16, width=3, levels=3))
     builder.reset(1)
     tree = builder.build(_engine(0.0), _state(root=5, committed=1))
     p = torch.softmax(torch.randn(1, 16, V, generator=torch.Generator().manual_seed(0)), -1)
-    builder.observe(tree, *batched([Verdict([], bonus=1)], tree), p, torch.tensor([0]))
+    builder.observe(
+        step_outcome(tree, *batched([Verdict([], bonus=1)], tree), p, torch.tensor([0]), greedy=True)
+    )
     main = builder.main
     assert builder._windows.tokens[0, :5].tolist() == p[0, main[1:6]].argmax(-1).tolist()
 
@@ -377,13 +383,13 @@ def test_greedy_continuation_takes_the_argmax():
     [
         ({"width": 0}, "width >= 1"),
         ({"levels": 0}, "levels >= 1"),
-        ({"window": 12}, "cannot hold its tree"),
-        ({"window": 1, "width": 1, "levels": 1}, "at least one draft"),
+        ({"tokens_per_forward": 12}, "cannot hold its tree"),
+        ({"tokens_per_forward": 1, "width": 1, "levels": 1}, "at least one draft"),
     ],
 )
 def test_impossible_windows_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SjdPacBuilder(**{"window": 64, "width": 3, "levels": 3, **kwargs})
+        SjdPacBuilder(SjdPacTreeConfig(**kwargs))
 
 
 # --- batched: a step reads nothing from the device --------------------------------------------------
@@ -392,7 +398,7 @@ def test_impossible_windows_are_refused(kwargs, message):
 def _batch_step(batch: int, temperature: float) -> tuple[int, int]:
     """(host syncs, ATen ops) of one build and one observe for ``batch`` prompts at different progress,
     counted as a GPU would see them, after a first step that lays the window out."""
-    builder = SjdPacBuilder(16, 3, 3)
+    builder = SjdPacBuilder(SjdPacTreeConfig(tokens_per_forward=16, width=3, levels=3))
     builder.reset(batch)
     engine = _engine(temperature)
     committed = torch.arange(batch) % 12 + 1
@@ -410,11 +416,12 @@ def _batch_step(batch: int, temperature: float) -> tuple[int, int]:
     verdicts = [rows[b % 3] for b in range(batch)]
     tree = builder.build(engine, state)
     verdict = batched(verdicts, tree)
-    builder.observe(tree, *verdict, p, committed - 1)
+    greedy = engine.sampling.greedy
+    builder.observe(step_outcome(tree, *verdict, p, committed - 1, state.rng, greedy))
     state.committed = committed + torch.tensor([len(v.path) + 1 for v in verdicts])
     with OpCounter(as_if_gpu=True) as counter:
         tree = builder.build(engine, state)
-        builder.observe(tree, *verdict, p, state.committed - 1)
+        builder.observe(step_outcome(tree, *verdict, p, state.committed - 1, state.rng, greedy))
     return counter.counts.syncs, counter.counts.ops
 
 
@@ -427,7 +434,7 @@ def test_a_step_reads_nothing_and_costs_the_same_ops_at_any_batch(temperature):
 
 
 def test_the_builder_needs_the_runs_row_random():
-    builder = SjdPacBuilder(16, 3, 3)
+    builder = SjdPacBuilder(SjdPacTreeConfig(tokens_per_forward=16, width=3, levels=3))
     state = _state(root=5, committed=1)
     state.rng = None
     with pytest.raises(ValueError, match="RowRandom"):
@@ -437,21 +444,16 @@ def test_the_builder_needs_the_runs_row_random():
 # --- configuration ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("overrides", "window"), [({}, 64), ({"tree": {"window": 16}}, 16)])
-def test_the_preset_builds_a_drafter_free_engine(overrides, window):
+@pytest.mark.parametrize(("overrides", "length"), [({}, 64), ({"tree": {"tokens_per_forward": 16}}, 16)])
+def test_the_preset_builds_a_drafter_free_engine(overrides, length):
     """``sjd_pac`` is the release's default (L 64); its CLI's L 16 is the documented override."""
     config = load_preset("sjd_pac", overrides)
     assert config.name == "sjd_pac" and not config.needs_drafter and config.exact
     builder = tree_builder(config.tree)
     assert isinstance(builder, SjdPacBuilder)
-    assert (builder.window, builder.width, builder.levels) == (window, 3, 3)
+    assert (builder.tokens_per_forward, builder.width, builder.levels) == (length, 3, 3)
     method = build_method(config, make_target(), None, SamplingConfig())
     assert isinstance(method, SpeculativeEngine) and method.drafter is None
-
-
-def test_sjd_pac_is_in_the_default_evaluation():
-    methods = OmegaConf.load(PRESETS.parent / "eval" / "default.yaml").methods
-    assert "sjd_pac" in methods and "sjd" in methods
 
 
 def batched(verdicts: list[Verdict], tree) -> tuple[BatchVerdict, torch.Tensor]:

@@ -20,10 +20,10 @@ from conftest import random_drafter as make_drafter
 from omegaconf import OmegaConf
 from test_engine import assert_cache_is_fresh_prefill
 
-from vdtrain.decode.acceptance import Lantern
+from vdtrain.decode.acceptance import Lantern, LanternConfig
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
-from vdtrain.decode.builders.static import StaticTreeBuilder
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
+from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import (
     ScheduleConfig,
@@ -37,7 +37,7 @@ from vdtrain.decode.neighbours import latent_neighbours
 from vdtrain.decode.profiling import OpCounter
 from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.decode.trees import EAGLE1_PATHS, DraftTree, static_tree
+from vdtrain.decode.trees import EAGLE1_PATHS, DraftTree
 from vdtrain.decode.vvs import (
     SimilaritySchedule,
     SimilarityScheduleConfig,
@@ -98,15 +98,17 @@ def run_traced(engine, cond, sampling_gens):
 
 @pytest.mark.parametrize(
     "schedule",
-    [UniformSchedule(every=1), "similarity_always"],
+    [UniformSchedule(UniformScheduleConfig(every=1)), "similarity_always"],
     ids=["uniform_every_1", "similarity_t_sim_-1"],
 )
 def test_never_skips_twice_in_a_row(schedule):
     target = make_target()
     if schedule == "similarity_always":
-        schedule = SimilaritySchedule(target.tokenizer.codebook(), t_sim=-1.0, alpha=0.8)
+        schedule = SimilaritySchedule(
+            SimilarityScheduleConfig(t_sim=-1.0, alpha=0.8), target.tokenizer.codebook()
+        )
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
-    builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
     engine = SpeculativeEngine(target, make_drafter(target), builder, sampling, schedule=schedule)
     result, trace = run_traced(engine, tiny_condition(), generators(2))
     for b, kinds in enumerate(trace.kinds):
@@ -124,8 +126,14 @@ def test_never_skips_twice_in_a_row(schedule):
 def test_uniform_schedule_skips_every_ith_step():
     target = make_target()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
-    builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
-    engine = SpeculativeEngine(target, make_drafter(target), builder, sampling, schedule=UniformSchedule(3))
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
+    engine = SpeculativeEngine(
+        target,
+        make_drafter(target),
+        builder,
+        sampling,
+        schedule=UniformSchedule(UniformScheduleConfig(every=3)),
+    )
     _, trace = run_traced(engine, tiny_condition(), generators(2))
     for kinds in trace.kinds:
         text = "".join(kinds)
@@ -139,19 +147,21 @@ def test_the_releases_uniform_phase_and_warmup():
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
 
     def trace(schedule):
-        builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
+        builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
         engine = SpeculativeEngine(target, make_drafter(target), builder, sampling, schedule=schedule)
         return run_traced(engine, tiny_condition(), generators(2))[1]
 
-    for kinds in trace(UniformSchedule(3, phase=1)).kinds:
+    for kinds in trace(UniformSchedule(UniformScheduleConfig(every=3, phase=1))).kinds:
         assert "".join(kinds)[:6] == "VSVVSV"
-    warm = trace(UniformSchedule(2, phase=1, warmup=6))
+    warm = trace(UniformSchedule(UniformScheduleConfig(every=2, phase=1, warmup=6)))
     for kinds, starts in zip(warm.kinds, warm.starts, strict=True):
         skipped_at = [m for k, m in zip(kinds, starts, strict=True) if k == "S"]
         assert skipped_at and min(skipped_at) > 6
         first = next(i for i, m in enumerate(starts) if m > 6)  # the first step allowed to skip
         assert kinds[:first] == ["V"] * first
-    ours = trace(UniformSchedule(2))  # phase every − 1 = 1 as well, but no warm-up
+    ours = trace(
+        UniformSchedule(UniformScheduleConfig(every=2))
+    )  # phase every − 1 = 1 as well, but no warm-up
     for kinds, starts in zip(ours.kinds, ours.starts, strict=True):
         assert kinds[:2] == ["V", "S"] and starts[1] <= 5  # a depth-3 tree commits at most 4 tokens
 
@@ -163,18 +173,22 @@ def test_the_releases_uniform_phase_and_warmup():
 def test_a_schedule_that_never_skips_is_its_base_method(temperature, tmp_path):
     target = make_target()
     drafter = make_drafter(target)
-    lantern = Lantern(latent_neighbours(target.tokenizer.codebook(), 8, str(tmp_path)), 8, delta=0.2)
+    lantern = Lantern(
+        LanternConfig(k=8, delta=0.2), latent_neighbours(target.tokenizer.codebook(), 8, str(tmp_path))
+    )
     sampling = SamplingConfig(cfg_scale=2.0, temperature=temperature)
     cond = tiny_condition()
 
     def run(schedule):
-        builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
+        builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
         engine = SpeculativeEngine(target, drafter, builder, sampling, lantern, schedule=schedule)
         return engine.generate(cond, generators(2, seed=11))
 
     base = run(None)
-    never = SimilaritySchedule(target.tokenizer.codebook(), t_sim=2.0, alpha=0.8)  # S̄ <= 1 < 2
-    for result in (run(never), run(UniformSchedule(every=10**6))):
+    never = SimilaritySchedule(
+        SimilarityScheduleConfig(t_sim=2.0, alpha=0.8), target.tokenizer.codebook()
+    )  # S̄ <= 1 < 2
+    for result in (run(never), run(UniformSchedule(UniformScheduleConfig(every=10**6)))):
         assert torch.equal(result.tokens, base.tokens)
         for a, b in zip(result.stats, base.stats, strict=True):
             assert a.committed_per_step == b.committed_per_step and a.skipped_steps == 0
@@ -193,9 +207,11 @@ def test_plans_read_the_device_once_and_cost_the_same_at_any_batch(kind):
     counts = []
     for batch in (1, 8):
         schedule = {
-            "always": lambda: VerificationSchedule(),
-            "uniform": lambda: UniformSchedule(every=1),
-            "similarity": lambda: SimilaritySchedule(codebook, t_sim=-1.0, alpha=0.8),
+            "always": lambda: VerificationSchedule(ScheduleConfig()),
+            "uniform": lambda: UniformSchedule(UniformScheduleConfig(every=1)),
+            "similarity": lambda: SimilaritySchedule(
+                SimilarityScheduleConfig(t_sim=-1.0, alpha=0.8), codebook
+            ),
         }[kind]()
         tree = repeat_rows(hand_tree(), batch)
         schedule.reset(batch)
@@ -217,8 +233,14 @@ def test_plans_read_the_device_once_and_cost_the_same_at_any_batch(kind):
 def test_a_step_every_prompt_skips_runs_no_target_forward():
     target = make_target()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
-    builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
-    engine = SpeculativeEngine(target, make_drafter(target), builder, sampling, schedule=UniformSchedule(2))
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
+    engine = SpeculativeEngine(
+        target,
+        make_drafter(target),
+        builder,
+        sampling,
+        schedule=UniformSchedule(UniformScheduleConfig(every=2)),
+    )
     forwards = []
     forward_tokens = target.forward_tokens
 
@@ -239,8 +261,14 @@ def test_a_step_every_prompt_skips_runs_no_target_forward():
 def test_tpf_exceeds_tau_when_steps_are_skipped():
     target = make_target()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
-    builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
-    engine = SpeculativeEngine(target, make_drafter(target), builder, sampling, schedule=UniformSchedule(2))
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
+    engine = SpeculativeEngine(
+        target,
+        make_drafter(target),
+        builder,
+        sampling,
+        schedule=UniformSchedule(UniformScheduleConfig(every=2)),
+    )
     result = engine.generate(tiny_condition(), generators(2))
     summary = summarize(result.stats, target.num_image_tokens)
     assert summary["skipped_steps"] > 0 and summary["TPF"] > summary["tau"]
@@ -263,11 +291,13 @@ def test_caches_equal_a_fresh_pass_after_every_verified_step(builder_kind):
     cond = tiny_condition()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
     builder = (
-        DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
+        DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
         if builder_kind == "dynamic"
-        else StaticTreeBuilder(static_tree(EAGLE1_PATHS))
+        else StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))
     )
-    engine = SpeculativeEngine(target, drafter, builder, sampling, schedule=UniformSchedule(2))
+    engine = SpeculativeEngine(
+        target, drafter, builder, sampling, schedule=UniformSchedule(UniformScheduleConfig(every=2))
+    )
     stream = cond.cat(target.null_condition(cond))
     prefix, batch = target.prefix_length, len(cond)
     previous_pending = [0] * batch
@@ -310,8 +340,10 @@ def test_skipped_rows_use_the_most_recent_cached_features():
     drafter = make_drafter(target)
     cond = tiny_condition(batch=1)
     sampling = SamplingConfig(cfg_scale=1.0, temperature=1.0)
-    builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
-    engine = SpeculativeEngine(target, drafter, builder, sampling, schedule=UniformSchedule(2))
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
+    engine = SpeculativeEngine(
+        target, drafter, builder, sampling, schedule=UniformSchedule(UniformScheduleConfig(every=2))
+    )
     prefix, seen = target.prefix_length, []
     state = {"m": 1, "cache": None}
 
@@ -433,7 +465,7 @@ def test_path_choice_and_truncation_on_a_hand_made_tree():
     assert int(leaf_paths(tree_of_paths([[1], [1, 2, 3], [1, 4, 6]])).mean_floor[0]) == 2
     # Drawn with RowRandom, one row per seed: uniform over the three leaves.
     many = repeat_rows(tree, 600)
-    rng, schedule = RowRandom(torch.arange(600)), UniformSchedule(every=1)
+    rng, schedule = RowRandom(torch.arange(600)), UniformSchedule(UniformScheduleConfig(every=1))
     schedule.reset(600)
     one, zero = torch.ones(600, dtype=torch.long), torch.zeros(600, dtype=torch.long)
     plan = schedule.plan(many, one.bool(), one, zero)
@@ -488,7 +520,7 @@ def test_similarity_score_on_a_hand_made_codebook():
         None,
         False,
     )  # paths by leaf index: [2], [0, 1], [0, 3] (tokens)
-    schedule = SimilaritySchedule(codebook, t_sim=0.5, alpha=alpha, stride=1)
+    schedule = SimilaritySchedule(SimilarityScheduleConfig(t_sim=0.5, alpha=alpha, stride=1), codebook)
     want = reference_similarity([[2], [0, 1], [0, 3]], codebook, alpha, stride=1)
     assert math.isclose(float(schedule.score(shared)[0]), want, rel_tol=1e-6)
 
@@ -518,10 +550,12 @@ def test_batched_paths_and_scores_match_the_per_prompt_reference(formula):
     target = make_target()
     drafter = make_drafter(target)
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
-    builder = DynamicTreeBuilder(top_k=3, depth=3, total_tokens=12)
+    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
     few = "skip" if formula == "level_mean" else "verify"
     codebook = target.tokenizer.codebook()
-    schedule = SimilaritySchedule(codebook, t_sim=2.0, alpha=0.8, stride=2, formula=formula, few_paths=few)
+    schedule = SimilaritySchedule(
+        SimilarityScheduleConfig(t_sim=2.0, alpha=0.8, stride=2, formula=formula, few_paths=few), codebook
+    )
     reference = reference_similarity if formula == "level_mean" else release_similarity
     engine = SpeculativeEngine(target, drafter, builder, sampling, schedule=schedule)
     seen = []

@@ -60,17 +60,19 @@ class OptimConfig:
 
 @dataclass
 class DrafterTrainConfig:
-    kind: str = "eagle1"  # eagle1 | eagle3 (fused target layers, training-time test): docs/training.md
-    feature_layers: list[int] | None = None  # eagle3: target layers fused; null: the family's choice
+    kind: str = "eagle1"  # a row of vdtrain.drafter_kinds.DRAFTERS (eagle1, eagle3, ...)
     layer: dict[str, Any] = field(default_factory=dict)  # DrafterConfig layer overrides (n_head, ...)
-    input_norm: bool = True  # eagle3: RMSNorm the token embedding and the features before fc (EAGLE-3)
-    tap_norm: bool = False  # eagle3: RMSNorm each tapped layer before the fusion (EAGLE-3.1)
+    # Keys a kind owns (DrafterConfig's); null: the kind's default for a new drafter.
+    feature_layers: list[int] | None = None  # eagle3: target layers fused (the family's choice)
+    input_norm: bool | None = None  # eagle3: RMSNorm the token embedding and the features before fc
+    tap_norm: bool | None = None  # eagle3: RMSNorm each tapped layer before the fusion (EAGLE-3.1)
+    options: dict[str, Any] = field(default_factory=dict)  # the kind's own settings (DrafterKind.options)
     w_cls: float = 0.1  # eagle1: weight of the soft cross-entropy term
     w_feature: float = 0.0  # eagle3: weight of the optional feature loss (EAGLE-3 drops it)
     # the token-distribution term: soft_ce (EAGLE's) | acceptance (1 - Σ min(p, q)) | log_acceptance
     cls_loss: str = "soft_ce"
     ttt_steps: int = 7  # eagle3: drafter steps unrolled on its own outputs per sample (EAGLE-3's 7)
-    ttt_decay: float = 0.8  # eagle3: weight decay^j of unrolled step j's loss (EAGLE-3's 0.8)
+    ttt_decay: float = 0.8  # unrolled kinds: weight decay^j of unrolled step j's loss (EAGLE-3's 0.8)
     feature_noise: float = 0.1  # uniform input-feature noise U(-a, a) (eagle3: on the fused layers)
     val_depth: int = 5  # draft depth unrolled at validation for per-depth agreement and tau_sim
     init_from: str | None = None  # a saved drafter folder to start from
@@ -107,7 +109,7 @@ class LoggerConfig:
 
 
 @dataclass
-class AcceptanceConfig:
+class AcceptanceReportConfig:
     """The acceptance report (vdtrain/eval/acceptance.py): simulated vs real acceptance per draft depth."""
 
     enabled: bool = True
@@ -131,7 +133,9 @@ class EvalCallbackConfig:
     seed: int = 0  # prompt i uses seed + i, so epochs are compared on identical draws
     log_images: bool = True  # AR-vs-method sample grid to TensorBoard / wandb (always saved as PNG)
     at_fit_end: bool = True  # also measure the final drafter when training stops mid-epoch
-    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)  # simulated vs real, per depth
+    acceptance: AcceptanceReportConfig = field(
+        default_factory=AcceptanceReportConfig
+    )  # simulated vs real, per depth
 
 
 @dataclass
@@ -164,6 +168,15 @@ class FitConfig:
 
 
 RECORD = ".hydra"  # a run's own record of its launch: config.yaml, hydra.yaml, overrides.yaml
+
+
+DECODE_PRESETS = Path(__file__).resolve().parents[1] / "conf" / "decode"
+
+
+def presets_except(*left_out: str) -> list[str]:
+    """Every method preset (``conf/decode/<name>.yaml``) but ``left_out``, sorted: the ``presets_except``
+    resolver of conf/eval/default.yaml, so a preset added there is evaluated without a list to edit."""
+    return sorted(p.stem for p in DECODE_PRESETS.glob("*.yaml") if p.stem not in left_out)
 
 
 def register_configs() -> None:

@@ -1,14 +1,13 @@
-"""The EAGLE-style feature drafter: fc over ``[embed(x_{t+1}); f_t]`` + one decoder layer of the target's.
+"""The drafter: a kind's own modules between the target's borrowed token embedding and head.
 
-The drafter owns ``fc = Linear(2H → H)`` and ONE decoder layer: the family's ``DraftLayer``
-(``vdtrain.targets.draft_layers()``), which also brings the family's positional encoding. The token
-embedding and the output head are *borrowed* from the frozen target (``Drafter.attach``): they are neither
-parameters of the drafter nor in its saved weights. Two kinds (``DrafterConfig.kind``): ``eagle1`` reads
-the target's last hidden state; ``eagle3`` fuses low, middle and high layers (``fuse``) and normalises its
-output before the head (docs/training.md, "EAGLE-3 drafters").
+What a drafter holds and does is its kind's (``DrafterConfig.kind``, a row of
+``vdtrain.drafter_kinds.DRAFTERS``): EAGLE's ``fc`` and one decoder layer of the target's family
+(``eagle1``, ``eagle3``), or Medusa-style heads (``medusa``). The token embedding and the output head are
+*borrowed* from the frozen target (``Drafter.attach``): they are neither parameters of the drafter nor in
+its saved weights.
 
 Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}``, with a zero embedding
-where slot ``s + 1`` is a caption row; ``drafter_rows.drafter_inputs`` is the only place that builds it.
+where slot ``s + 1`` is a caption row; ``drafter_rows.teacher_inputs`` is the only place that builds it.
 The alignment, positions and mask are derived in docs/training.md, "The drafter's sequence alignment".
 """
 
@@ -26,7 +25,8 @@ import torch
 from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
-from vdtrain.drafter_rows import after_prefix_rows, drafter_inputs, teacher_mask
+from vdtrain.drafter_kinds import DRAFTERS, DrafterKind, drafter_kind
+from vdtrain.drafter_rows import after_prefix_rows, teacher_inputs, teacher_mask
 from vdtrain.export_format import CONFIG_FILE, REPO_ID, WEIGHTS_FILE, download
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets import draft_layer_class
@@ -51,7 +51,6 @@ LLAMAGEN_LAYER_FIELDS = (
 # are the ``drafter.``-prefixed entries of the checkpoint's state dict.
 CHECKPOINT_CONFIG_KEY = "drafter_config"
 CHECKPOINT_PREFIX = "drafter."
-KINDS = ("eagle1", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -69,26 +68,34 @@ class DrafterConfig:
     family: str = "llamagen"
     layer: dict[str, Any] = field(default_factory=dict)
     target: dict[str, Any] = field(default_factory=dict)
-    kind: str = "eagle1"  # eagle1: the target's last hidden state; eagle3: fused layers (feature_layers)
+    kind: str = "eagle1"  # a row of DRAFTERS: eagle1 | eagle3 | medusa
+    # The kind's own settings (``DrafterKind.options`` names them and holds their defaults).
+    options: dict[str, Any] = field(default_factory=dict)
+    # eagle3's keys (``DrafterKind.keys``), kept at the top level as configs written before ``options``
+    # have them; another kind keeps these defaults, which are what such configs built.
     feature_layers: tuple[int, ...] = ()  # eagle3: the target layers fused (hidden_states[k] indices)
-    # eagle3 architecture choices; the defaults are what configs written before them built
-    input_norm: bool = False  # RMSNorm on the token embedding and on the features before fc (EAGLE-3)
-    tap_norm: bool = False  # RMSNorm on each tapped layer before the fusion (EAGLE-3.1)
+    input_norm: bool = False  # eagle3: RMSNorm on the token embedding and on the features before fc
+    tap_norm: bool = False  # eagle3: RMSNorm on each tapped layer before the fusion (EAGLE-3.1)
 
     def __post_init__(self) -> None:
         # JSON turns tuples into lists: normalise so a round trip compares equal.
         object.__setattr__(self, "grid", tuple(int(g) for g in self.grid))
         object.__setattr__(self, "layer", dict(self.layer))
         object.__setattr__(self, "feature_layers", tuple(int(k) for k in self.feature_layers))
-        if self.kind not in KINDS:
-            raise ValueError(f"drafter kind must be one of {list(KINDS)}, got {self.kind!r}")
-        if (self.kind == "eagle3") != bool(self.feature_layers):
-            raise ValueError(
-                "an eagle3 drafter fuses target layers (feature_layers) and an eagle1 drafter none; got "
-                f"kind {self.kind!r} with feature_layers {list(self.feature_layers)}"
-            )
-        if self.kind != "eagle3" and (self.input_norm or self.tap_norm):
-            raise ValueError(f"input_norm and tap_norm are eagle3 choices; this drafter is {self.kind!r}")
+        kind = drafter_kind(self.kind)
+        unknown = sorted(set(self.options) - set(kind.options))
+        if unknown:
+            raise ValueError(f"{unknown} are not {self.kind} options; its options: {list(kind.options)}")
+        object.__setattr__(self, "options", {**kind.options, **self.options})
+        if kind.reads_layers != bool(self.feature_layers):
+            reads = "fuses target layers (feature_layers)" if kind.reads_layers else "fuses no target layer"
+            got = list(self.feature_layers)
+            raise ValueError(f"a drafter of kind {self.kind!r} {reads}; got feature_layers {got}")
+        foreign = [name for name in _owned_keys() - set(kind.keys) if getattr(self, name) != _DEFAULTS[name]]
+        if foreign:
+            raise ValueError(f"{foreign} are not {self.kind} choices; its own keys: {list(kind.keys)}")
+        if kind.check is not None:
+            kind.check(self)
         if any(k < 0 for k in self.feature_layers):
             raise ValueError(f"feature_layers must be >= 0, got {list(self.feature_layers)}")
         if self.target:
@@ -131,6 +138,10 @@ class DrafterConfig:
         return draft_layer_class(self.family)
 
     @property
+    def drafter_kind(self) -> DrafterKind:
+        return DRAFTERS[self.kind]
+
+    @property
     def num_image_tokens(self) -> int:
         return self.grid[0] * self.grid[1]
 
@@ -146,47 +157,56 @@ class DrafterConfig:
         cls,
         target: Target,
         kind: str = "eagle1",
-        feature_layers: tuple[int, ...] | None = None,
-        input_norm: bool = True,
-        tap_norm: bool = False,
-        **layer_overrides: Any,
+        layer: Mapping[str, Any] | None = None,
+        **options: Any,
     ) -> DrafterConfig:
-        """The drafter of ``target``'s family, with the target's own layer hyper-parameters.
+        """A new ``kind`` drafter of ``target``'s family, with the target's own layer hyper-parameters.
 
-        ``layer_overrides`` may change the family layer's ``settings_fields`` (heads, FFN size, ...),
-        never the width. An ``eagle3`` drafter fuses ``feature_layers``, by default the family's choice
-        (``Target.default_feature_layers``), and normalises its inputs as ``input_norm`` and ``tap_norm``
-        say (an eagle1 drafter ignores them: it reads final-norm states).
+        ``layer`` may change the family layer's ``settings_fields`` (heads, FFN size, ...), never the
+        width. ``options`` set the kind's keys (``DrafterKind.keys``: an eagle3 drafter's
+        ``feature_layers``, ``input_norm``, ``tap_norm``) over its defaults for a new drafter
+        (``DrafterKind.defaults``: eagle3 fuses the family's choice of layers), and its ``options``
+        (``DrafterKind.options``: a medusa drafter's ``heads``).
         """
-        ident = target.identity
-        if kind == "eagle3" and feature_layers is None:
-            feature_layers = target.default_feature_layers()
+        ident, owner = target.identity, drafter_kind(kind)
+        unknown = sorted(set(options) - set(owner.keys) - set(owner.options))
+        if unknown:
+            raise ValueError(
+                f"{unknown} are not {kind} choices; its own keys: {[*owner.keys, *owner.options]}"
+            )
         layer_class = draft_layer_class(ident.family)
-        unknown = sorted(set(layer_overrides) - set(layer_class.settings_fields))
+        overrides = dict(layer or {})
+        unknown = sorted(set(overrides) - set(layer_class.settings_fields))
         if unknown:
             raise ValueError(
                 f"cannot override {unknown} of a {ident.family} drafter layer; "
                 f"allowed: {list(layer_class.settings_fields)}"
             )
+        given = {k: v for k, v in options.items() if v is not None}
+        own = {**owner.defaults(target), **{k: v for k, v in given.items() if k in owner.keys}}
+        own["options"] = {k: v for k, v in given.items() if k in owner.options}
         return cls(
             hidden_size=ident.hidden_size,
             prefix_length=ident.prefix_length,
             grid=ident.grid,
             vocab_size=ident.vocab_size,
             family=ident.family,
-            layer={**layer_class.settings_of(target), **layer_overrides},
+            layer={**layer_class.settings_of(target), **overrides},
             target=dataclasses.asdict(ident),
             kind=kind,
-            feature_layers=tuple(feature_layers or ()),
-            input_norm=input_norm and kind == "eagle3",
-            tap_norm=tap_norm and kind == "eagle3",
+            **own,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready (tuples become lists; ``from_dict`` restores them)."""
+        """JSON-ready (tuples become lists; ``from_dict`` restores them), without the keys other kinds own."""
         out = dataclasses.asdict(self)
+        for name in _owned_keys() - set(self.drafter_kind.keys):
+            del out[name]
+        if not out["options"]:
+            del out["options"]
         out["grid"] = list(self.grid)
-        out["feature_layers"] = list(self.feature_layers)
+        if "feature_layers" in out:
+            out["feature_layers"] = list(self.feature_layers)
         if "grid" in out["target"]:
             out["target"]["grid"] = list(out["target"]["grid"])
         return out
@@ -204,6 +224,14 @@ class DrafterConfig:
             return cls(**data)
         except TypeError as err:  # a required key missing, or a value of the wrong type (a number for grid)
             raise ValueError(f"incomplete or mistyped drafter config: {err}") from err
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DrafterConfig)}
+
+
+def _owned_keys() -> set[str]:
+    """The ``DrafterConfig`` keys some kind owns."""
+    return {key for kind in DRAFTERS.values() for key in kind.keys}
 
 
 def _nest_legacy_layer(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -227,22 +255,15 @@ class _Borrowed:
 
 
 class Drafter(nn.Module):
-    """``fc`` + one decoder layer; the target's embedding and head are borrowed via ``attach``."""
+    """Its kind's modules (``DrafterKind.modules``); the target's embedding and head are borrowed via
+    ``attach``."""
 
     def __init__(self, config: DrafterConfig, target: Target | None = None) -> None:
         super().__init__()
         self.config = config
-        hidden = config.hidden_size
-        if config.kind == "eagle3":  # as EAGLE-3: a bias-free fusion, a norm before the head
-            self.fuse = nn.Linear(len(config.feature_layers) * hidden, hidden, bias=False)
-            self.norm = nn.RMSNorm(hidden, eps=1e-6)
-        if config.tap_norm:
-            self.tap_norms = nn.ModuleList(nn.RMSNorm(hidden, eps=1e-6) for _ in config.feature_layers)
-        if config.input_norm:  # the embedding (~0.08) and the features (~1.7) put on one scale
-            self.embed_norm = nn.RMSNorm(hidden, eps=1e-6)
-            self.feature_norm = nn.RMSNorm(hidden, eps=1e-6)
-        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
-        self.layer = config.layer_class(hidden, config.prefix_length, config.grid, config.layer)
+        self.kind = config.drafter_kind
+        for name, module in self.kind.modules(config).items():
+            self.add_module(name, module)
         self._borrowed: _Borrowed | None = None
         self.metadata: dict[str, Any] = {}  # what ``from_pretrained`` found saved next to the weights
         if target is not None:
@@ -284,35 +305,24 @@ class Drafter(nn.Module):
         self._borrowed = _Borrowed(embedding, head, ident)
         return self
 
-    @torch.no_grad()
     def start_from(self, target: Target) -> Drafter:
-        """A new drafter's initialisation from its target: an eagle3 drafter's norm starts as the target's
-        final norm (``transformer.norm``), so its first logits are on the head's scale."""
-        final_norm = getattr(target.transformer, "norm", None)
-        if self.config.kind == "eagle3" and final_norm is not None:
-            self.norm.weight.copy_(final_norm.weight.float())
+        """A new drafter's initialisation from its target, as its kind does it (``DrafterKind.start_from``:
+        an eagle3 drafter's norm starts as the target's final norm)."""
+        if self.kind.start_from is not None:
+            self.kind.start_from(self, target)
         return self
 
     @property
     def taps(self) -> tuple[int, ...]:
         """The target layers whose residual stream this drafter reads (``Target.forward_*``'s ``taps``);
-        empty for eagle1, which reads the final-norm hidden state."""
+        empty for a kind that reads only the final-norm hidden state."""
         return self.config.feature_layers
 
     def input_features(self, hidden: torch.Tensor, tapped: torch.Tensor | None) -> torch.Tensor:
-        """The target's contribution to drafter rows [.., H]: ``hidden`` (eagle1), or the fusion of the
-        ``tapped`` layers [.., k·H] (eagle3). Every target feature enters the drafter through here."""
-        if not self.taps:
-            return hidden
-        if tapped is None:
-            raise ValueError(
-                f"an eagle3 drafter reads target layers {list(self.taps)}: run the target with taps"
-            )
-        tapped = tapped.to(self.fuse.weight.dtype)
-        if self.config.tap_norm:
-            parts = tapped.split(self.config.hidden_size, dim=-1)
-            tapped = torch.cat([norm(part) for norm, part in zip(self.tap_norms, parts, strict=True)], -1)
-        return self.fuse(tapped)
+        """The target's contribution to drafter rows: from ``hidden`` [.., H] and the ``tapped`` layers
+        [.., k·H] (None without taps), as the kind reads them. Every target feature enters the drafter
+        through here."""
+        return self.kind.input_features(self, hidden, tapped)
 
     @property
     def attached(self) -> bool:
@@ -328,16 +338,14 @@ class Drafter(nn.Module):
         return self._require().embedding(tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target head applied to drafter features ``f̂`` (normalised first by an eagle3 drafter);
+        """The target head applied to drafter features ``f̂`` (as the kind hands them to it, ``normed``);
         fp32 image-token logits."""
         return self.head_logits(self.normed(hidden))
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Drafter features as the head reads them: an eagle3 drafter's own norm; eagle1's f̂ as is (it
-        regresses final-norm states)."""
-        if self.config.kind == "eagle3":
-            return self.norm(hidden.to(self.norm.weight.dtype))
-        return hidden
+        """Drafter features ``f̂`` as the head reads them (``DrafterKind.head_input``): eagle1's as is (it
+        regresses final-norm states), eagle3's through its own norm, medusa's through the next head."""
+        return self.kind.head_input(self, hidden)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The borrowed target head alone: fp32 logits of final-norm states (the target's, in training)."""
@@ -357,25 +365,21 @@ class Drafter(nn.Module):
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Rows ``fc([next_embeds; features])`` at RoPE ``positions`` ([S] or [B, S]) → ``f̂`` [B, S, H].
+        """One drafter call on rows pairing ``features`` [B, S, F] with ``next_embeds`` [B, S, H] at RoPE
+        ``positions`` ([S] or [B, S]) → ``f̂`` [B, S, F] (the kind's ``forward``; F = H but for medusa).
 
         Like ``LlamaGenGPT.forward``: with a ``cache`` the keys/values go to ``slots`` and ``mask``
         [B, 1, S, kv_len] covers the first ``kv_len`` cache slots.
         """
-        dtype = self.fc.weight.dtype
-        next_embeds, features = next_embeds.to(dtype), features.to(dtype)
-        if self.config.input_norm:  # a zero embedding (prefix rows) stays zero
-            next_embeds, features = self.embed_norm(next_embeds), self.feature_norm(features)
-        x = self.fc(torch.cat([next_embeds, features], dim=-1))
         if positions.dim() == 1:
-            positions = positions.expand(x.shape[0], -1)
-        return self.layer(x, positions, mask, cache, slots)
+            positions = positions.expand(features.shape[0], -1)
+        return self.kind.forward(self, features, next_embeds, positions, mask, cache, slots)
 
     def forward_teacher(
         self, target_hidden: torch.Tensor, tokens: torch.Tensor, cond_mask: torch.Tensor
     ) -> torch.Tensor:
         """Teacher-forced ``f̂`` for slots ``1 .. L+N-1`` [B, L+N-1, H]; targets: ``target_hidden[:, 1:]``."""
-        features, next_embeds = drafter_inputs(target_hidden, tokens, self.config.prefix_length, self.embed)
+        features, next_embeds = teacher_inputs(target_hidden, tokens, self.config.prefix_length, self.embed)
         seq = features.shape[1]
         positions = torch.arange(seq, device=features.device)
         return self(features, next_embeds, positions, teacher_mask(cond_mask, seq))
@@ -411,8 +415,10 @@ class Drafter(nn.Module):
         next_embeds = after_prefix_rows(self.embed(first_tokens), length)
         return self(prefix_hidden, next_embeds, slots, teacher_mask(cond_mask, length), cache, slots)
 
-    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
-        return self.layer.new_cache(batch, max_len or self.config.max_seq_len)
+    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache | None:
+        """The kind's cache for ``batch`` rows of ``max_len`` slots; None for a kind that attends to
+        nothing."""
+        return self.kind.new_cache(self, batch, max_len or self.config.max_seq_len)
 
     # --- saving and loading -----------------------------------------------------------------------
     def save_pretrained(

@@ -15,7 +15,7 @@ import torch
 from vdtrain.targets.base import prefix_causal_mask
 
 
-def drafter_inputs(
+def teacher_inputs(
     target_hidden: torch.Tensor,
     tokens: torch.Tensor,
     prefix_length: int,

@@ -22,7 +22,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import run_app, user_errors
+from vdtrain.config import presets_except
 from vdtrain.preflight import check_decoding
+
+OmegaConf.register_new_resolver("presets_except", presets_except, replace=True)  # conf/eval/default.yaml
 
 if TYPE_CHECKING:
     from vdtrain.drafter import Drafter
@@ -71,7 +74,7 @@ def run(cfg: DictConfig) -> EvalResult | None:
 def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     import torch
 
-    from vdtrain.config import AcceptanceConfig
+    from vdtrain.config import AcceptanceReportConfig
     from vdtrain.eval.acceptance import acceptance_markdown, measure, write_report
     from vdtrain.eval.plots import plot_acceptance, write_plots
     from vdtrain.eval.quality import QualityConfig
@@ -87,7 +90,9 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     if needy and not cfg.drafter:
         raise ValueError(f"methods {needy} need a drafter: set drafter=<export folder, .ckpt or Hub repo id>")
     quality = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QualityConfig), cfg.quality))
-    acceptance = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AcceptanceConfig), cfg.acceptance))
+    acceptance = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(AcceptanceReportConfig), cfg.acceptance)
+    )
     prompts = prompts_for_run(cfg.prompts, cfg.num_prompts, cfg.caption_column)
     target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device

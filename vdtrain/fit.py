@@ -86,36 +86,40 @@ def build_logger(cfg: FitConfig, run_dir: Path):
 
 
 def build_drafter(cfg: FitConfig, target) -> Drafter:
+    """The drafter to train: ``drafter.init_from``'s (which must agree with the kind's keys given), or a
+    new one of ``drafter.kind`` with the keys its kind owns (``DrafterKind.keys``) that are set."""
     from vdtrain.drafter import Drafter, DrafterConfig
+    from vdtrain.drafter_kinds import DRAFTERS, drafter_kind
 
+    kind = drafter_kind(cfg.drafter.kind)
+    owned = {key for other in DRAFTERS.values() for key in other.keys}
+    set_keys = {key for key in owned if cfg.drafter.get(key) is not None}
+    foreign = sorted(set_keys - set(kind.keys))
+    if foreign:
+        raise ValueError(f"drafter.{foreign} are not {cfg.drafter.kind} choices; its keys: {list(kind.keys)}")
+    given = {key: cfg.drafter[key] for key in sorted(set_keys)}
+    given = {k: tuple(v) if OmegaConf.is_list(v) else v for k, v in given.items()}
     if cfg.drafter.init_from:
         drafter = Drafter.from_pretrained(cfg.drafter.init_from, target)
-        layers = cfg.drafter.feature_layers
-        if layers is not None and tuple(layers) != drafter.config.feature_layers:
+        saved = drafter.config
+        clash = [
+            f"{k}={v!r} (saved {getattr(saved, k)!r})" for k, v in given.items() if getattr(saved, k) != v
+        ]
+        options = cfg.drafter.options or {}
+        clash += [
+            f"options.{k}={v!r} (saved {saved.options.get(k)!r})"
+            for k, v in options.items()
+            if saved.options.get(k) != v
+        ]
+        if saved.kind != cfg.drafter.kind or clash:
             raise ValueError(
-                f"drafter.init_from={cfg.drafter.init_from!r} fuses layers "
-                f"{list(drafter.config.feature_layers)} but drafter.feature_layers={list(layers)}"
-            )
-        if drafter.config.kind != cfg.drafter.kind:
-            raise ValueError(
-                f"drafter.init_from={cfg.drafter.init_from!r} is an {drafter.config.kind} drafter but "
-                f"drafter.kind={cfg.drafter.kind!r}"
+                f"drafter.init_from={cfg.drafter.init_from!r} is a {saved.kind} drafter that disagrees with "
+                f"drafter.kind={cfg.drafter.kind!r} " + "; ".join(clash)
             )
         return drafter
     layer = OmegaConf.to_container(cfg.drafter.layer) if cfg.drafter.layer else {}
-    layers = cfg.drafter.feature_layers
-    if layers is not None and cfg.drafter.kind != "eagle3":
-        raise ValueError(
-            f"drafter.feature_layers is for eagle3 drafters; drafter.kind is {cfg.drafter.kind!r}"
-        )
-    config = DrafterConfig.for_target(
-        target,
-        cfg.drafter.kind,
-        None if layers is None else tuple(layers),
-        cfg.drafter.input_norm,
-        cfg.drafter.tap_norm,
-        **layer,
-    )
+    options = OmegaConf.to_container(cfg.drafter.options) if cfg.drafter.options else {}
+    config = DrafterConfig.for_target(target, cfg.drafter.kind, layer, **given, **options)
     return Drafter(config).start_from(target)
 
 

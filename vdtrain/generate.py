@@ -12,6 +12,7 @@ the missing batches, and rank 0 writes ``stats.json`` and ``grid.png`` from all 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -24,17 +25,22 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import run_app, user_errors
+from vdtrain.decode.methods import register_part_schemas
 from vdtrain.preflight import check_decoding
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from vdtrain.decode.methods import DecodeConfig
     from vdtrain.decode.sampling import SamplingConfig
     from vdtrain.eval.quality import Scorer
     from vdtrain.sharding import Ranks, UnitStore
     from vdtrain.targets import Target
 
 log = logging.getLogger(__name__)
+# conf/generate.yaml's decode presets pull their parts' config dataclasses in by their defaults lists: they
+# must be in Hydra's ConfigStore before the config is composed (by main, or by a caller composing it).
+register_part_schemas()
 # Why a speculative method can be slower than AR here (README.md and docs/decoding.md say the same).
 CPU_SPEED_NOTE = (
     "on a CPU: {method}'s S (image tokens per target step, in stats.json) is the gain a GPU step would see; "
@@ -180,7 +186,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     if not ranks.is_main:
         return None
     return write_stats(cfg, out, store, units_of(len(prompts), cfg.batch_size), ranks, target, sampling,
-                       method_cfg.name, drafter is not None, options.step_recorder is not None)  # fmt: skip
+                       method_cfg, drafter is not None, options.step_recorder is not None)  # fmt: skip
 
 
 def write_stats(
@@ -191,7 +197,7 @@ def write_stats(
     ranks: Ranks,
     target: Target,
     sampling: SamplingConfig,
-    method: str,
+    method: DecodeConfig,
     has_drafter: bool,
     cuda_graphs: bool,
 ) -> dict:
@@ -212,8 +218,8 @@ def write_stats(
     for r in records:
         busy[r["rank"]] = busy.get(r["rank"], 0.0) + r["samples"][0]["batch_latency_with_vq_decode_s"]
     summary = {
-        "method": method,
-        "decode": OmegaConf.to_container(cfg.decode),
+        "method": method.name,
+        "decode": dataclasses.asdict(method),  # every key, its config class's defaults included
         "drafter": str(resolve_folder(cfg.drafter)) if has_drafter else None,
         "target": asdict(target.identity),
         "sampling": asdict(sampling),

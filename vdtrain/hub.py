@@ -222,37 +222,17 @@ def _front_matter(ident: TargetIdentity) -> str:
 
 
 def _intro(drafter: Drafter, ident: TargetIdentity) -> str:
-    c = drafter.config
+    """The card's first paragraph: the kind's design sentence (``DrafterKind.card``) and shape line."""
+    c, kind = drafter.config, drafter.kind
     params = sum(p.numel() for p in drafter.parameters())
-    if c.kind == "eagle3":
-        norms = "".join(
-            note
-            for on, note in (
-                (c.tap_norm, "each layer RMS-normalised, "),
-                (c.input_norm, "the embedding and `g_t` RMS-normalised before `fc`, "),
-            )
-            if on
-        )
-        design = (
-            f"An EAGLE-3 drafter trained with vdtrain: the target's layers {list(c.feature_layers)} "
-            "(residual stream after that many decoder layers) are fused into `g_t = fuse([h_k; ...])`, "
-            f"{norms}`fc([embed(x_{{t+1}}); g_t])` followed by one {c.family} decoder layer and a norm "
-            "drafts the next token, trained on its own unrolled outputs (training-time test), and "
-        )
-    else:
-        design = (
-            "A speculative-decoding drafter trained with vdtrain: `fc([embed(x_{t+1}); f_t])` followed"
-            f" by one {c.family} decoder layer predicts the target's next hidden state, and "
-        )
     return (
-        f"# EAGLE drafter for `{ident.name}`\n\n"
-        + design
+        f"# {kind.title} for `{ident.name}`\n\n"
+        + kind.card(drafter)
         + "the target's own head turns it into draft tokens that the target then verifies (with exact "
         "acceptance the images are the target's own samples). The target's token embedding and output "
         f"head are borrowed when the drafter is loaded, so `{WEIGHTS_FILE}` holds only the drafter's "
         f"{params:,} parameters.\n\n"
-        f"Layer: hidden size {c.hidden_size}, {drafter.layer.describe()}; condition prefix "
-        f"{c.prefix_length} rows, image grid {c.grid[0]}×{c.grid[1]}."
+        f"{kind.shape(drafter)}; condition prefix {c.prefix_length} rows, image grid {c.grid[0]}×{c.grid[1]}."
     )
 
 

@@ -9,6 +9,16 @@ their T = 0 forms and why δ = 0, λ = 1, G = 1 reproduce exact verification bit
 walk the batched form must match lives with the tests (``tests/reference_acceptance.py``).
 """
 
+# Glossary (the words every rule, verdict and stat here uses):
+# - accepted: a drafted child the walk keeps. Exactly, with u · q(x) < p(x); ``BatchVerdict.accepted``
+#   counts them per row, and they form ``BatchVerdict.path`` from the root down.
+# - relaxed: accepted only because the rule credits x with its group's mass (LANTERN, LANTERN++, GSD);
+#   exact verification would have rejected it (``BatchVerdict.relaxed``, ``DecodeStats.relaxed_acceptances``).
+# - bonus: the one token the target adds after the last accepted node: a draw from the residual there (or
+#   from p when no child was tried), so every verified step commits accepted + 1 tokens.
+# - residual: what is left to draw from after a rejection, ``norm(max(0, p_G − q_x))`` (exact: p − q_x);
+#   the next sibling is judged against it, the bonus is drawn from the last one.
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -40,21 +50,26 @@ class AcceptanceConfig:
 
 
 @dataclass
-class LanternConfig(AcceptanceConfig):
-    """``Lantern``: the neighbours' target mass bounded additively."""
+class NeighbourConfig(AcceptanceConfig):
+    """What the LANTERN-style rules share: how many latent neighbours they read."""
 
-    kind: str = "lantern"
-    delta: float = 0.1  # bound on the neighbours' target mass
     k: int = 1000  # latent neighbours considered (≤ 1000, clamped to V − 1)
 
 
 @dataclass
-class LanternPPConfig(AcceptanceConfig):
+class LanternConfig(NeighbourConfig):
+    """``Lantern``: the neighbours' target mass bounded additively."""
+
+    kind: str = "lantern"
+    delta: float = 0.1  # bound on the neighbours' target mass
+
+
+@dataclass
+class LanternPPConfig(NeighbourConfig):
     """``LanternPP``: the neighbours' target mass bounded by (λ − 1)·p(x)."""
 
     kind: str = "lantern_pp"
     lam: float = 2.0  # λ
-    k: int = 1000  # latent neighbours considered (≤ 1000, clamped to V − 1)
 
 
 @dataclass
@@ -88,14 +103,19 @@ class Rule:
 EXACT = Rule()
 
 
+def exact_rule(config: AcceptanceConfig) -> Rule:
+    """Kind ``exact``'s rule: the one stateless ``EXACT`` (it has no key of its own)."""
+    return EXACT
+
+
 @dataclass(frozen=True, eq=False)
 class _NeighbourRule(Rule):
     """LANTERN-style relaxation: A(x) = the longest prefix of x's first ``k`` latent neighbours (all K
     when k ≥ K) whose cumulative target mass S_j stays ≤ ``bound``. S_j never decreases, so the prefix
     is a count."""
 
+    config: NeighbourConfig
     neighbours: torch.Tensor  # [V, K] latent neighbour table (``vdtrain.decode.neighbours``)
-    k: int
 
     needs_soft_p: ClassVar[bool] = True
     removes_group: ClassVar[bool] = True
@@ -104,6 +124,10 @@ class _NeighbourRule(Rule):
     def __post_init__(self) -> None:
         if self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
+
+    @property
+    def k(self) -> int:
+        return self.config.k
 
     def bound(self, p_token: float | torch.Tensor) -> float | torch.Tensor:
         raise NotImplementedError
@@ -117,32 +141,32 @@ class _NeighbourRule(Rule):
 
 @dataclass(frozen=True, eq=False)
 class Lantern(_NeighbourRule):
-    """LANTERN: additive bound, Σ_A p ≤ δ."""
+    """LANTERN: additive bound, Σ_A p ≤ δ (``LanternConfig.delta``)."""
 
-    delta: float = 0.1
+    config: LanternConfig
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.delta < 0:
-            raise ValueError(f"LANTERN needs delta >= 0, got {self.delta}")
+        if self.config.delta < 0:
+            raise ValueError(f"LANTERN needs delta >= 0, got {self.config.delta}")
 
     def bound(self, p_token: float | torch.Tensor) -> float:
-        return self.delta
+        return self.config.delta
 
 
 @dataclass(frozen=True, eq=False)
 class LanternPP(_NeighbourRule):
-    """LANTERN++: multiplicative bound, Σ_A p ≤ (λ − 1)·p(x), so p'(x) ≤ λ·p(x)."""
+    """LANTERN++: multiplicative bound, Σ_A p ≤ (λ − 1)·p(x), so p'(x) ≤ λ·p(x) (``LanternPPConfig.lam``)."""
 
-    lam: float = 2.0
+    config: LanternPPConfig
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.lam < 1:
-            raise ValueError(f"LANTERN++ needs lam >= 1, got {self.lam}")
+        if self.config.lam < 1:
+            raise ValueError(f"LANTERN++ needs lam >= 1, got {self.config.lam}")
 
     def bound(self, p_token: float | torch.Tensor) -> float | torch.Tensor:
-        return (self.lam - 1.0) * p_token
+        return (self.config.lam - 1.0) * p_token
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,26 +182,24 @@ class Grouped(Rule):
     ``norm(max(0, p − q_x))`` over the full vocabulary.
     """
 
+    config: GsdConfig  # the group's size G, delta_p and max_distance
     embeddings: torch.Tensor  # [V, E]: the target's input token embeddings (or the codebook), kept in fp64
-    group_size: int = 14
-    delta_p: float = 0.15
-    max_distance: float = 0.5
 
     needs_soft_p: ClassVar[bool] = True
     credits_q: ClassVar[bool] = True
     relaxes: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        if self.group_size < 1:
-            raise ValueError(f"GSD needs group_size >= 1, got {self.group_size}")
+        if self.config.group_size < 1:
+            raise ValueError(f"GSD needs group_size >= 1, got {self.config.group_size}")
         # Distances are taken in fp64: converting the table once (exact) spares a conversion of every
         # gathered window, the bulk of this rule's work at large batches.
         object.__setattr__(self, "embeddings", self.embeddings.double())
 
     def group_batch(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.group_size == 1:
+        if self.config.group_size == 1:
             return super().group_batch(p, x)
-        vocab, size = p.shape[-1], self.group_size
+        vocab, size = p.shape[-1], self.config.group_size
         order = p.sort(dim=-1, descending=True, stable=True).indices  # ties by token id
         place = torch.empty_like(order).scatter_(
             -1, order, torch.arange(vocab, device=p.device).expand_as(order)
@@ -186,10 +208,10 @@ class Grouped(Rule):
         slots = start.clamp_min(0) + torch.arange(size, device=p.device)
         in_window = (slots < start + size) & (slots < vocab)
         window = order.gather(-1, slots.clamp_max(vocab - 1))  # [..., G]
-        close_p = (p.gather(-1, window) - p.gather(-1, x.unsqueeze(-1))).abs() < self.delta_p
+        close_p = (p.gather(-1, window) - p.gather(-1, x.unsqueeze(-1))).abs() < self.config.delta_p
         emb = self.embeddings.to(p.device)
         dist = (emb[window] - emb[x].unsqueeze(-2)).pow(2).sum(-1)
-        return window, in_window & (window != x.unsqueeze(-1)) & close_p & (dist < self.max_distance)
+        return window, in_window & (window != x.unsqueeze(-1)) & close_p & (dist < self.config.max_distance)
 
 
 # --- batched acceptance ------------------------------------------------------------------------------

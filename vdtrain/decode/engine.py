@@ -2,7 +2,7 @@
 
 Drafting (``builders``), acceptance (``acceptance``) and the verification schedule (``vvs``) are policy;
 the engine owns every forward and every write: the target's verification forward (post-verified tokens
-first, ``verify``), the drafter's forwards (through ``DraftContext``), and the commits of verified and
+first, ``target_forward``), the drafter's forwards (through ``DraftContext``), and the commits of verified and
 of unverified (VVS-skipped) tokens. It runs a batch of prompts, each at its own pace, with CFG as a
 batch of two streams. Every tensor of a step has a shape fixed by the method, so a step can be
 recorded once as a CUDA graph and replayed. docs/decoding.md, "The engine's bookkeeping", has the
@@ -19,7 +19,7 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, node_budget
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepOutcome, StepState, node_budget
 from vdtrain.decode.compiled import DecodeOptions
 from vdtrain.decode.graphs import DeviceLog, Recorder, SplitStepGraph, StepGraph
 from vdtrain.decode.kernels import compiled_step_kernels, step_kernel
@@ -41,8 +41,8 @@ from vdtrain.decode.sampling import (
     processed_logits,
     split_cfg,
 )
+from vdtrain.decode.schedule import ScheduleConfig, StepPlan, VerificationSchedule
 from vdtrain.decode.trees import DraftTree
-from vdtrain.decode.vvs import StepPlan, VerificationSchedule
 from vdtrain.drafter import Drafter
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Condition, Target, TargetOutput
@@ -90,8 +90,8 @@ LOG_FIELDS = ("verified", "skipped", "committed", "depth", "root", "accepted", "
 class StepCalls(NamedTuple):
     """A step's drafter forwards, host ints (a recorded step replays the same calls)."""
 
-    verify: int  # what a verified step cost (tree + catch-up)
-    skip: int  # what a skipped step cost (tree + stale catch-up)
+    verified: int  # what a verified step cost (tree + catch-up)
+    skipped: int  # what a skipped step cost (tree + stale catch-up)
 
 
 @dataclass
@@ -202,7 +202,7 @@ class SpeculativeEngine:
         self.builder = builder
         self.sampling = sampling
         self.accept = accept
-        self.schedule = schedule if schedule is not None else VerificationSchedule()
+        self.schedule = schedule if schedule is not None else VerificationSchedule(ScheduleConfig())
         self.options = options if options is not None else DecodeOptions()
         # The target layers the drafter reads besides the last (an eagle3 drafter's), every forward.
         self.taps = drafter.taps if drafter is not None and builder.needs_drafter else ()
@@ -219,8 +219,9 @@ class SpeculativeEngine:
         return processed_logits(*split_cfg(logits, self.sampling), self.sampling)
 
     def draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """q: the drafter's distribution made by the one pipeline; at T=0 a softmax of the same
-        filtered logits (so top-k ranking and cumulative scores are defined)."""
+        """Drafter ``logits`` [R, ..., V] → q [B, ..., V]: the drafter's distribution made by the one
+        pipeline; at T=0 a softmax of the same filtered logits (so top-k ranking and cumulative scores
+        are defined)."""
         if self.sampling.greedy:
             return self.draft_logits(logits).softmax(-1)
         return probabilities(*split_cfg(logits, self.sampling), self.sampling)
@@ -235,8 +236,10 @@ class SpeculativeEngine:
         next_embeds: torch.Tensor | None = None,
     ) -> DrafterRows:
         """The drafter's inputs for rows pairing features with the next ``tokens`` [B, S] at image indices
-        ``token_index`` [B, S], for every CFG stream. A row sits at the RoPE position of its feature's
-        slot, ``rope_positions(token_index - 1)``."""
+        ``token_index`` [B, S], for every CFG stream: drafter cache ``slots`` [B, S], ``image_vis``
+        [B, S, K] the image slots each row sees, ``next_embeds`` [R, S, H] when the embeddings are at hand
+        (else made from ``tokens``). A row sits at the RoPE position of its feature's slot,
+        ``rope_positions(token_index - 1)``."""
         run = self.run
         if next_embeds is None:
             next_embeds = self.drafter.embed(tokens.repeat(run.streams, 1))
@@ -251,8 +254,8 @@ class SpeculativeEngine:
         return self.drafter.embed(tokens.repeat(self.run.streams, 1))
 
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features [R, S, H] through the drafter at ``rows`` → (f̂ [R, S, H], logits [R, S, V] carrying
-        the target's forced tokens)."""
+        """Features ``feats`` [R, S, H] through the drafter at ``rows`` → (f̂ [R, S, H], logits [R, S, V]
+        carrying the target's forced tokens)."""
         run = self.run
         out = self.drafter(feats, rows.embeds, rows.positions, rows.mask, run.dcache, rows.slots)
         run.draft_calls += 1
@@ -284,7 +287,7 @@ class SpeculativeEngine:
     ) -> DecodeResult:
         target, sampling, schedule = self.target, self.sampling, self.schedule
         start_time = time.perf_counter()
-        batch, n_img, prefix = len(cond), target.num_image_tokens, target.prefix_length
+        batch, n_img = len(cond), target.num_image_tokens
         stream = cfg_batch(target, cond, sampling)
         streams = len(stream) // batch
         device = target.token_embedding.weight.device
@@ -293,7 +296,6 @@ class SpeculativeEngine:
         extra = self.builder.max_nodes() + 1
         skipping = schedule.can_skip
         chain = extra if skipping else 0  # post-verification feeds [unverified tokens ⊕ tree]
-        use_drafter = self.builder.needs_drafter
         recorder = self.recorder
         key = (batch, extra, *((t.shape, t.dtype) for t in (stream.features, stream.mask)), device)
         if recorder is not None and self._recorded is not None and self._recorded.key == key:
@@ -310,22 +312,34 @@ class SpeculativeEngine:
         self.run = run
         self.builder.reset(batch)
         schedule.reset(batch, device)
+        prefill_calls = self._prefill(generators, extra + chain)
 
-        # Prefill the target, sample x_0 like AR, and catch the drafter up on the prefix.
-        stream = run.stream
+        while int(run.committed.amin()) < n_img:  # the loop's one read of the device
+            run.calls.append(step())
+            if on_step is not None:
+                on_step(run.tcache, run.committed, run.out[:, :n_img])
+        tokens = run.out[:, :n_img].clone()
+        return DecodeResult(tokens, self._stats(prefill_calls), time.perf_counter() - start_time)
+
+    def _prefill(self, generators: Sequence[torch.Generator | None], spare: int) -> int:
+        """The step before the loop: prefill the target, sample x_0 like AR, and catch the drafter up on
+        the prefix (its first root's feature and logits; VVS: the prefix's features into the feature
+        cache, ``spare`` slots past the image). Returns the drafter forwards it ran."""
+        run, target, sampling = self.run, self.target, self.sampling
+        stream, prefix = run.stream, target.prefix_length
         pre = target.prefill(stream, run.tcache, self.taps)
         run.out[:, 0] = next_tokens(*split_cfg(pre.logits[:, -1], sampling), sampling, generators)
-        if use_drafter:
+        if self.builder.needs_drafter:
             features = self.drafter.input_features(pre.hidden, pre.taps)
-            if skipping:
+            if self.schedule.can_skip:
                 if run.fcache is None:  # a reused run keeps its own, zeroed by ``restart``
                     run.fcache = features.new_zeros(
-                        len(stream), target.max_seq_len + extra + chain, features.shape[-1]
+                        len(stream), target.max_seq_len + spare, features.shape[-1]
                     )
                 run.fcache[:, :prefix] = features
             # Drafter rows 0 .. L-1: zero embeddings inside the prefix, then x_0 (as in training).
             feat = self.drafter.forward_prefix(
-                features, run.out[:, :1].repeat(streams, 1), stream.mask, run.dcache
+                features, run.out[:, :1].repeat(run.streams, 1), stream.mask, run.dcache
             )
             run.draft_calls += 1
             feats = feat[:, -1]
@@ -337,14 +351,7 @@ class SpeculativeEngine:
             else:  # a reused run: in place
                 run.root_feats.copy_(feats)
                 run.root_logits.copy_(logits)
-        prefill_calls = run.draft_calls
-
-        while int(run.committed.amin()) < n_img:  # the loop's one read of the device
-            run.calls.append(step())
-            if on_step is not None:
-                on_step(run.tcache, run.committed, run.out[:, :n_img])
-        tokens = run.out[:, :n_img].clone()
-        return DecodeResult(tokens, self._stats(prefill_calls), time.perf_counter() - start_time)
+        return run.draft_calls
 
     def _new_run(
         self, stream: Condition, batch: int, generators: Sequence[torch.Generator | None], chain: int
@@ -415,9 +422,10 @@ class SpeculativeEngine:
         roots = RootDraft(run.root_feats, run.root_logits)
         verdict, verify_calls, skip_calls = None, 0, 0
         if plan.any_verify:  # every prompt skipping: no target forward
-            hidden, logits = self.verify(tree, plan.lead if plan.any_lead else None)
+            hidden, logits = self.target_forward(tree, plan.lead if plan.any_lead else None)
             p_nodes, verdict = self.judge(tree, logits)
-            self.builder.observe(tree, verdict, plan.verify, p_nodes, drafted.roots_at)
+            greedy = self.sampling.greedy
+            self.builder.observe(StepOutcome(tree, verdict, plan, p_nodes, drafted.roots_at, run.rng, greedy))
             roots, verify_calls = self._counted(self.commit, tree, verdict, plan, hidden, roots)
         skipped = torch.zeros_like(run.committed)
         if plan.any_skip:
@@ -437,7 +445,7 @@ class SpeculativeEngine:
         out = fn(*args)
         return out, self.run.draft_calls - before
 
-    def verify(self, tree: DraftTree, lead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def target_forward(self, tree: DraftTree, lead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's target forward → (the drafter's view of its features [R, S, H]
         (``Drafter.input_features``; the hidden states without a drafter), logits at the tree nodes
         [R, T, V]). ``lead`` [B]: unverified committed tokens fed before each tree in the same forward
@@ -462,15 +470,17 @@ class SpeculativeEngine:
 
     @step_kernel
     def judge(self, tree: DraftTree, logits: torch.Tensor) -> tuple[torch.Tensor, BatchVerdict]:
-        """The target's logits at the tree nodes [R, T, V] → (p [B, T, V], every row's verdict). At T = 0
-        rules that ask for it also see the softmax of the same filtered logits."""
+        """The target's ``logits`` at the ``tree`` nodes [R, T, V] → (p [B, T, V], every row's verdict).
+        At T = 0 rules that ask for it also see the softmax of the same filtered logits."""
         processed = processed_logits(*split_cfg(logits, self.sampling), self.sampling)
         p_nodes = distribution(processed, self.sampling)
         p_relax = processed.softmax(-1) if self.sampling.greedy and self.accept.needs_soft_p else None
         return p_nodes, self._accept(tree, p_nodes, p_relax)
 
     def _accept(self, tree: DraftTree, p_nodes: torch.Tensor, p_relax: torch.Tensor | None) -> BatchVerdict:
-        """Every row's verdict at once, with this step's per-prompt uniforms."""
+        """Every row's verdict at once, with this step's per-prompt uniforms: ``p_nodes`` [B, T, V] the
+        target's distribution at the nodes, ``p_relax`` [B, T, V] its T = 1 softmax for the rules that
+        read soft mass at T = 0 (else None)."""
         batch, size = tree.tokens.shape
         if self.sampling.greedy:  # no draws: the argmax decides
             u_accept = p_nodes.new_zeros(batch, size, dtype=torch.float64)
@@ -480,29 +490,31 @@ class SpeculativeEngine:
         return accept_batch(self.accept, tree, p_nodes, self.sampling.greedy, u_accept, u_bonus, p_relax)
 
     def commit(
-        self, tree: DraftTree, verdict: BatchVerdict, plan: StepPlan, hidden, roots: RootDraft
+        self, tree: DraftTree, verdict: BatchVerdict, plan: StepPlan, hidden: torch.Tensor, roots: RootDraft
     ) -> RootDraft:
         """Write the verified prompts' accepted tokens, move their KV into place, and catch the drafter up
-        on them, in fixed shapes: ``W = chain + 1 + D`` rows per prompt.
+        on them, in fixed shapes: ``W = chain + 1 + D`` rows per prompt. ``hidden`` [R, S, F]: the
+        verification forward's features (``target_forward``), S = lead rows + tree nodes.
 
         With a lead (VVS post-verification) the rows of the unverified tokens before the root, at the
         start of ``hidden``, are caught up too: their KV is already in place, their drafter rows (made
         from stale features) are recomputed from the target's true features, and the feature cache gets
         their features. Returns the next root's drafter view, unchanged for the prompts not verified."""
-        run, verify = self.run, plan.verify
+        run, verified = self.run, plan.verified
         cache_rows, src, dst, counts, last, catch_up = self._commit_rows(
-            tree, verdict, verify, hidden, plan.lead
+            tree, verdict, verified, hidden, plan.lead
         )
         run.tcache.move(cache_rows, src, dst)
         run.committed += counts
         if catch_up is None:
             return RootDraft(None, None)
         f_hat, logits = self.drafter_forward(*catch_up)
-        return self._next_roots(f_hat, logits, last, verify, roots)
+        return self._next_roots(f_hat, logits, last, verified, roots)
 
     @step_kernel
-    def _commit_rows(self, tree, verdict: BatchVerdict, verify, hidden, lead):
-        """``commit``'s tensor work: writes the tokens (``run.out``) and the VVS feature cache; returns
+    def _commit_rows(self, tree: DraftTree, verdict: BatchVerdict, verified, hidden, lead):
+        """``commit``'s tensor work for ``verified`` [B] (bool), ``hidden`` [R, S, F] and ``lead`` [B] (None:
+        no lead): writes the tokens (``run.out``) and the VVS feature cache; returns
         the target KV moves (cache rows, source and destination slots), the tokens committed per prompt,
         the last caught-up row and the catch-up's drafter inputs (features, rows), None without a
         drafter."""
@@ -535,13 +547,13 @@ class SpeculativeEngine:
         src = target.image_slot(base[:, None] + node)
         col = base[:, None] + j  # row j's image slot
         slots = target.image_slot(col)
-        dst = torch.where(verify[:, None], torch.minimum(slots, src), src)
+        dst = torch.where(verified[:, None], torch.minimum(slots, src), src)
         cache_rows = torch.arange(batch * streams, device=device)
         # Tokens: the accepted drafts then the bonus, at image indices committed ..
         k = torch.arange(depth + 1, device=device)[None]
         new = torch.nn.functional.pad(tree.tokens.gather(1, path.clamp_min(0)), (0, 1))
         new.scatter_(1, acc, verdict.bonus[:, None])  # the bonus after the accepted drafts
-        counts = (accepted + 1) * verify  # 0 where not verified
+        counts = (accepted + 1) * verified  # 0 where not verified
         at = committed[:, None] + k
         run.out.scatter_(1, at, torch.where(k < counts[:, None], new, run.out.gather(1, at)))
         src, dst = per_stream(src, streams), per_stream(dst, streams)
@@ -551,7 +563,7 @@ class SpeculativeEngine:
         node = per_stream(node, streams)
         feats = hidden.gather(1, node[..., None].expand(-1, -1, hidden.shape[-1]))
         if run.fcache is not None:
-            write = per_stream(verify[:, None] & (j < rows), streams)[..., None]
+            write = per_stream(verified[:, None] & (j < rows), streams)[..., None]
             at_f = per_stream(slots, streams)[..., None].expand(-1, -1, feats.shape[-1])
             run.fcache.scatter_(1, at_f, torch.where(write, feats, run.fcache.gather(1, at_f)))
         after = col + 1  # image index of the token after row j's
@@ -616,27 +628,28 @@ class SpeculativeEngine:
 
     def _keep(self, roots: RootDraft, plan: StepPlan, skipped: torch.Tensor) -> None:
         """The step's results into the run, in place: the next root's drafter view, and each prompt's
-        unverified tokens (a skip's count; 0 once verified)."""
+        unverified tokens (``skipped`` [B]: a skip's count; 0 once verified)."""
         run = self.run
         if run.root_feats is not None:
             run.root_feats.copy_(roots.feats)
             run.root_logits.copy_(roots.logits)
         if plan.skipped is not None:
-            run.pending.copy_(torch.where(plan.skipped, skipped, torch.where(plan.verify, 0, run.pending)))
+            run.pending.copy_(torch.where(plan.skipped, skipped, torch.where(plan.verified, 0, run.pending)))
 
     def _log(
         self, plan: StepPlan, verdict: BatchVerdict | None, skipped: torch.Tensor, drafted: Drafted
     ) -> None:
-        """This step's per-prompt counts (``LOG_FIELDS``) appended to ``run.log``."""
-        run, verify = self.run, plan.verify
+        """This step's per-prompt counts (``LOG_FIELDS``) appended to ``run.log`` (``skipped`` [B]: the
+        tokens each skipping prompt committed)."""
+        run, verified = self.run, plan.verified
         none = torch.zeros_like(run.committed)
         accepted = verdict.accepted if verdict is not None else none
         run.log.append(
             torch.stack(
                 [
-                    verify.long(),
+                    verified.long(),
                     plan.skipped.long() if plan.skipped is not None else none,
-                    torch.where(verify, accepted + 1, skipped),
+                    torch.where(verified, accepted + 1, skipped),
                     drafted.depth,
                     drafted.roots_at,
                     accepted,
@@ -657,7 +670,7 @@ class SpeculativeEngine:
                 if verified:
                     st.steps += 1
                     st.target_forwards += 1
-                    st.drafter_forwards += calls.verify
+                    st.drafter_forwards += calls.verified
                     st.committed_per_step.append(count)
                     st.depth_per_step.append(depth)
                     st.accept_map.append((root, accepted))
@@ -665,5 +678,5 @@ class SpeculativeEngine:
                 elif skipped:
                     st.skipped_steps += 1
                     st.committed_per_skip.append(count)
-                    st.drafter_forwards += calls.skip
+                    st.drafter_forwards += calls.skipped
         return stats

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from vdtrain.config import DECODE_PRESETS
 from vdtrain.decode.acceptance import (
-    EXACT,
     AcceptanceConfig,
     Grouped,
     GsdConfig,
@@ -28,27 +29,28 @@ from vdtrain.decode.acceptance import (
     LanternConfig,
     LanternPP,
     LanternPPConfig,
+    NeighbourConfig,
     Rule,
+    exact_rule,
 )
 from vdtrain.decode.ar import ARDecoder
 from vdtrain.decode.builders.base import DraftTreeBuilder, TreeConfig
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.builders.jacobi import JacobiTreeConfig, JacobiWindowBuilder
-from vdtrain.decode.builders.peanut import PeanutTreeConfig, peanut_builder
+from vdtrain.decode.builders.peanut import PeanutTreeBuilder, PeanutTreeConfig
 from vdtrain.decode.builders.sjd_pac import SjdPacBuilder, SjdPacTreeConfig
-from vdtrain.decode.builders.static import StaticTreeConfig, static_builder
+from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.compiled import DecodeOptions
 from vdtrain.decode.engine import DecodeResult, DecodeStats, SpeculativeEngine
 from vdtrain.decode.kernels import compiled_step_kernels
 from vdtrain.decode.neighbours import latent_neighbours
 from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.decode.schedule import ScheduleConfig, VerificationSchedule
 from vdtrain.decode.vvs import (
-    ScheduleConfig,
     SimilaritySchedule,
     SimilarityScheduleConfig,
     UniformSchedule,
     UniformScheduleConfig,
-    VerificationSchedule,
 )
 from vdtrain.drafter import Drafter
 from vdtrain.targets.base import Condition, Target
@@ -71,7 +73,7 @@ class DecodeConfig:
         return _acceptance_part(self.acceptance.kind).lossless and _schedule_part(self.schedule.kind).lossless
 
 
-PRESETS = Path(__file__).resolve().parents[2] / "conf" / "decode"
+PRESETS = DECODE_PRESETS
 
 
 def decode_config(node: Any) -> DecodeConfig:
@@ -110,97 +112,106 @@ def load_preset(name: str, overrides: Mapping[str, Any] | None = None) -> Decode
     path = PRESETS / f"{name}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown method preset {name!r}; known: {preset_names()}")
-    return decode_config(OmegaConf.merge(OmegaConf.load(path), overrides or {}))
+    return decode_config(OmegaConf.merge(preset_node(path), overrides or {}))
 
 
-def _neighbour_table(config: LanternConfig | LanternPPConfig, target: Target) -> torch.Tensor:
+def preset_node(path: Path) -> DictConfig:
+    """A preset file read without Hydra: its defaults list (``/decode_parts/<section>@<section>: <kind>``)
+    becomes each section's ``kind``, under the keys the file sets itself (``_self_`` comes last)."""
+    node = OmegaConf.load(path)
+    for entry in node.pop("defaults", []):
+        if entry != "_self_":
+            ((group, kind),) = entry.items()
+            section = group.rpartition("@")[2]
+            node[section] = OmegaConf.merge({"kind": kind}, node.get(section) or {})
+    return node
+
+
+PART_SCHEMAS = "decode_parts"  # the ConfigStore group of the parts' config dataclasses
+
+
+def register_part_schemas() -> None:
+    """Every part's config dataclass as ``decode_parts/<section>/<kind>`` in Hydra's ConfigStore. A preset's
+    defaults list pulls its parts' schemas in, so each key a part has (its dataclass default included)
+    can be overridden on the command line (``decode.tree.window=32``) and is typed there, while the
+    preset file sets only what differs."""
+    store = ConfigStore.instance()
+    for section, parts in SECTIONS.items():
+        for kind, part in parts.items():
+            store.store(group=f"{PART_SCHEMAS}/{section}", name=kind, node=part.config)
+
+
+def _neighbour_table(config: NeighbourConfig, target: Target) -> tuple[torch.Tensor]:
     table = latent_neighbours(target.tokenizer.codebook(), config.k, config.cache_dir)
-    return table.to(target.token_embedding.weight.device)
+    return (table.to(target.token_embedding.weight.device),)
 
 
-def _gsd_embeddings(config: GsdConfig, target: Target) -> torch.Tensor:
+def _gsd_embeddings(config: GsdConfig, target: Target) -> tuple[torch.Tensor]:
     if config.embedding == "token_embedding":
-        return target.token_embedding.weight.detach()
+        return (target.token_embedding.weight.detach(),)
     if config.embedding == "codebook":
-        return target.tokenizer.codebook().to(target.token_embedding.weight.device)
+        return (target.tokenizer.codebook().to(target.token_embedding.weight.device),)
     raise ValueError(f"unknown GSD embedding {config.embedding!r}; use token_embedding or codebook")
 
 
-def _similarity(config: SimilarityScheduleConfig, target: Target) -> SimilaritySchedule:
-    codebook = target.tokenizer.codebook().to(target.token_embedding.weight.device)
-    return SimilaritySchedule(
-        codebook,
-        config.t_sim,
-        config.alpha,
-        config.stride,
-        formula=config.formula,
-        few_paths=config.few_paths,
-        warmup=config.warmup,
-    )
+def _codebook(config: SimilarityScheduleConfig, target: Target) -> tuple[torch.Tensor]:
+    return (target.tokenizer.codebook().to(target.token_embedding.weight.device),)
 
 
 @dataclass(frozen=True)
 class Part:
-    """One registered part of a method: its config, how to build it and what it implies, as data.
+    """One registered part of a method: its config, what makes it and what it implies, as data.
 
-    ``config`` is the kind's config dataclass: its fields are the keys the kind's section may hold.
-    ``build`` takes the part's config section (trees) or the section and the target (acceptance rules,
-    schedules); None for the one part with nothing to build (tree ``none``: AR). Each capability is read
-    for one family only: ``needs_drafter`` for trees, ``lossless`` for rules and schedules,
-    ``needs_soft_p`` for rules. They must agree with the built objects' own flags
-    (``DraftTreeBuilder.needs_drafter``, ``Rule.needs_soft_p``, ``VerificationSchedule.can_skip``);
-    tests/test_method_registry.py checks that.
+    ``config`` is the kind's config dataclass: its fields are the keys the kind's section may hold, and
+    it alone holds their defaults. ``make`` is the part's class (or, for the stateless exact rule, a
+    function), called with the config section and what ``lends`` takes from the target (a rule's
+    neighbour table, a schedule's codebook); None for the one part with nothing to build (tree
+    ``none``: AR). Each capability is read for one family only: ``needs_drafter`` for trees,
+    ``lossless`` for rules and schedules, ``needs_soft_p`` for rules. They must agree with the built
+    objects' own flags (``DraftTreeBuilder.needs_drafter``, ``Rule.needs_soft_p``,
+    ``VerificationSchedule.can_skip``); tests/test_method_registry.py checks that.
     """
 
     config: type
-    build: Callable[..., Any] | None
+    make: Callable[..., Any] | None
+    lends: Callable[[Any, Target], tuple] | None = None  # the target's tables the part is made with
     needs_drafter: bool = False  # tree: drafts with the drafter model (else none is attached)
     lossless: bool = False  # rule: keeps the target distribution; schedule: verifies every step
     needs_soft_p: bool = False  # rule: reads p beyond p(x) (a group's mass): at T = 0, the T = 1 softmax
 
+    def build(self, config: Any, target: Target | None = None) -> Any:
+        """The part ``config`` describes (``target``: where ``lends`` takes its tables from)."""
+        return self.make(config, *(self.lends(config, target) if self.lends else ()))
+
 
 TREES: dict[str, Part] = {
     "none": Part(TreeConfig, None),  # AR: one target forward per token
-    "static": Part(StaticTreeConfig, static_builder, needs_drafter=True),  # fixed ranks (EAGLE-1, LANTERN++)
-    "dynamic": Part(  # EAGLE-2: expanded by the drafter's cumulative confidence
-        DynamicTreeConfig, lambda c: DynamicTreeBuilder(c.top_k, c.depth, c.total_tokens), needs_drafter=True
-    ),
-    "peanut": Part(PeanutTreeConfig, peanut_builder, needs_drafter=True),  # per-tree depth and width
+    "static": Part(StaticTreeConfig, StaticTreeBuilder, needs_drafter=True),  # ranks (EAGLE-1, LANTERN++)
+    "dynamic": Part(DynamicTreeConfig, DynamicTreeBuilder, needs_drafter=True),  # EAGLE-2: by confidence
+    "peanut": Part(PeanutTreeConfig, PeanutTreeBuilder, needs_drafter=True),  # per-tree depth and width
     # SJD: a window of the target's own drafts; SJD-PAC: the same with a proactive tree. No drafter.
-    "jacobi": Part(JacobiTreeConfig, lambda c: JacobiWindowBuilder(c.window, c.init, c.coupling)),
-    "sjd_pac": Part(
-        SjdPacTreeConfig, lambda c: SjdPacBuilder(c.window, c.width, c.levels, c.coupling, c.fresh_q)
-    ),
+    "jacobi": Part(JacobiTreeConfig, JacobiWindowBuilder),
+    "sjd_pac": Part(SjdPacTreeConfig, SjdPacBuilder),
 }
 
 ACCEPTANCE: dict[str, Part] = {
     # u·q(x) < p(x): only the drafted token's target probability.
-    "exact": Part(AcceptanceConfig, lambda c, t: EXACT, lossless=True),
+    "exact": Part(AcceptanceConfig, exact_rule, lossless=True),
     # Credits x with the mass of its latent neighbours A(x) (Σ_A p ≤ δ): p beyond p(x).
-    "lantern": Part(
-        LanternConfig, lambda c, t: Lantern(_neighbour_table(c, t), c.k, delta=c.delta), needs_soft_p=True
-    ),
+    "lantern": Part(LanternConfig, Lantern, _neighbour_table, needs_soft_p=True),
     # The same with Σ_A p ≤ (λ − 1)·p(x).
-    "lantern_pp": Part(
-        LanternPPConfig, lambda c, t: LanternPP(_neighbour_table(c, t), c.k, lam=c.lam), needs_soft_p=True
-    ),
+    "lantern_pp": Part(LanternPPConfig, LanternPP, _neighbour_table, needs_soft_p=True),
     # Credits x with its group's mass (rank window by p, filtered by |p(c) − p(x)| and embedding distance).
-    "gsd": Part(
-        GsdConfig,
-        lambda c, t: Grouped(
-            _gsd_embeddings(c, t), group_size=c.group_size, delta_p=c.delta_p, max_distance=c.max_distance
-        ),
-        needs_soft_p=True,
-    ),
+    "gsd": Part(GsdConfig, Grouped, _gsd_embeddings, needs_soft_p=True),
 }
 
 SCHEDULES: dict[str, Part] = {
-    "always": Part(ScheduleConfig, lambda c, t: VerificationSchedule(), lossless=True),  # every step verified
-    "uniform": Part(  # skips every `every`-th step
-        UniformScheduleConfig, lambda c, t: UniformSchedule(c.every, c.phase, c.warmup)
-    ),
-    "similarity": Part(SimilarityScheduleConfig, _similarity),  # skips when the paths agree (S̄ >= t_sim)
+    "always": Part(ScheduleConfig, VerificationSchedule, lossless=True),  # every step verified
+    "uniform": Part(UniformScheduleConfig, UniformSchedule),  # skips every `every`-th step
+    "similarity": Part(SimilarityScheduleConfig, SimilaritySchedule, _codebook),  # skips when paths agree
 }
+
+SECTIONS: dict[str, dict[str, Part]] = {"tree": TREES, "acceptance": ACCEPTANCE, "schedule": SCHEDULES}
 
 
 def _part(parts: Mapping[str, Part], kind: str, what: str) -> Part:
@@ -232,10 +243,10 @@ def verification_schedule(config: ScheduleConfig, target: Target) -> Verificatio
 
 
 def tree_builder(config: TreeConfig) -> DraftTreeBuilder:
-    build = _tree_part(config.kind).build
-    if build is None:
+    part = _tree_part(config.kind)
+    if part.make is None:
         raise ValueError(f"tree kind {config.kind!r} drafts nothing: it has no draft-tree builder (AR)")
-    builder = build(config)
+    builder = part.build(config)
     builder.max_rows = config.max_rows
     return builder
 
@@ -293,7 +304,7 @@ def build_method(
 ) -> ARMethod | SpeculativeEngine:
     """The method ``config`` names, decoding with ``options`` (``prepare_decoding``'s; default: eager)."""
     skips = not _schedule_part(config.schedule.kind).lossless
-    if _tree_part(config.tree.kind).build is None:
+    if _tree_part(config.tree.kind).make is None:
         if not _acceptance_part(config.acceptance.kind).lossless:
             kind = config.acceptance.kind
             raise ValueError(f"method {config.name!r} has no draft tree to apply acceptance {kind!r} to")

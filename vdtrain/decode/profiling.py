@@ -336,7 +336,7 @@ def phase_methods(engine: Any) -> dict[str, list[tuple[Any, str]]]:
     drafter = [] if engine.drafter is None else [(engine.drafter, "forward"), (engine.drafter, "logits")]
     return {
         "draft": [(engine.builder, "build"), (engine.builder, "observe")],
-        "verify": [(engine, "verify")],
+        "verify": [(engine, "target_forward")],
         "accept": [(engine, "judge")],
         "commit": [(engine, "commit"), (engine, "commit_unverified")],
         "forward": [(engine.target, "forward_tokens"), *drafter],

@@ -2,10 +2,10 @@
 
 After a step's trees are drafted the schedule plans, for every prompt at once, whether the step is
 verified (``VerificationSchedule.plan_on_device``) and which unverified path a skipping prompt commits
-(``unverified_paths``); the engine does every forward and every write. ``always`` (the default) verifies
-every step: the plain engine, bit for bit and op for op. ``UniformSchedule`` skips every ``every``-th
-step, ``SimilaritySchedule`` skips when the candidate paths agree (S̄ ≥ ``t_sim``). The plan reads the
-device once, for the three decisions the loop takes on the host.
+(``unverified_paths``); the engine does every forward and every write. The default, ``always``, lives in
+``vdtrain.decode.schedule``. ``UniformSchedule`` skips every ``every``-th step, ``SimilaritySchedule``
+skips when the candidate paths agree (S̄ ≥ ``t_sim``). The plan reads the device once, for the three
+decisions the loop takes on the host.
 
 docs/decoding.md, "VVS", has the hard rules, our reading of S̄, the stale features, post-verification
 and the release's knobs (``conf/decode/vvs_release.yaml``).
@@ -13,45 +13,14 @@ and the release's knobs (``conf/decode/vvs_release.yaml``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import ClassVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from vdtrain.decode.rng import Purpose, RowRandom
+from vdtrain.decode.schedule import ScheduleConfig, StepPlan, VerificationSchedule
 from vdtrain.decode.trees import DraftTree, ancestor_matrix
-
-
-@dataclass
-class StepPlan:
-    """One step's verification plan for the batch. ``skipped`` and ``lead`` are None for a schedule
-    that never skips (no tensor work at all); the three flags are host booleans, read in one go from
-    ``flags`` (``read``; the engine reads them between the two recorded parts of a step)."""
-
-    verify: torch.Tensor  # [B] bool: prompts verified this step
-    skipped: torch.Tensor | None  # [B] bool: prompts committing a drafted path without the target
-    lead: torch.Tensor | None  # [B]: unverified tokens fed before each verified tree (0 elsewhere)
-    any_verify: bool = True  # a target forward is needed
-    any_lead: bool = False  # some verified prompt post-verifies tokens (the forward feeds a chain)
-    any_skip: bool = False  # some prompt commits an unverified path
-    paths: LeafPaths | None = None  # the trees' leaf paths (skipping schedules), for the path pick
-    flags: torch.Tensor | None = None  # [3] bool on the device: the three flags, until ``read``
-
-    def flag_values(self) -> tuple[bool, bool, bool]:
-        """(any_verify, any_lead, any_skip), read from the device if still there (the one read)."""
-        if self.flags is None:
-            return self.any_verify, self.any_lead, self.any_skip
-        return tuple(self.flags.tolist())
-
-    def with_flags(self, values: tuple[bool, bool, bool]) -> StepPlan:
-        """The plan with these flag values on the host."""
-        any_verify, any_lead, any_skip = values
-        return replace(self, any_verify=any_verify, any_lead=any_lead, any_skip=any_skip, flags=None)
-
-    def read(self) -> StepPlan:
-        """The plan with its flags on the host."""
-        return self if self.flags is None else self.with_flags(self.flag_values())
 
 
 @dataclass
@@ -144,33 +113,33 @@ def path_similarity(
     return torch.where(n[:, 0] >= 2, score, 1.0 if few_paths == "skip" else 0.0)
 
 
-class VerificationSchedule:
-    """``always``: every step is verified (the plain engine; its plan costs no tensor op)."""
+@dataclass
+class SkippingScheduleConfig(ScheduleConfig):
+    """What every skipping schedule's section holds besides its own keys."""
 
-    can_skip: ClassVar[bool] = False
+    warmup: int = 0  # no skip while <= warmup image tokens are committed (release: 6)
 
-    def reset(self, batch: int, device: torch.device | str | None = None) -> None:
-        """A new ``generate`` call with ``batch`` prompts begins."""
 
-    def plan(
-        self, tree: DraftTree, active: torch.Tensor, committed: torch.Tensor, pending: torch.Tensor
-    ) -> StepPlan:
-        """Which of the ``active`` prompts verify this step; ``committed`` [B] tokens so far, of which
-        the last ``pending`` [B] are unverified (a skip's path)."""
-        return self.plan_on_device(tree, active, committed, pending).read()
+@dataclass
+class UniformScheduleConfig(SkippingScheduleConfig):
+    """``UniformSchedule``: skip every ``every``-th step."""
 
-    def plan_on_device(
-        self, tree: DraftTree, active: torch.Tensor, committed: torch.Tensor, pending: torch.Tensor
-    ) -> StepPlan:
-        """``plan`` before its flags are read: tensor work only (a recorded step ends here, and the
-        engine reads the flags before the rest of the step, recorded once per flag combination)."""
-        return StepPlan(verify=active, skipped=None, lead=None)
+    kind: str = "uniform"
+    every: int = 3  # paper: 2, 3, 4
+    phase: int | None = None  # skip step s (from 0) if s % every == phase; null: every-1 (release 1)
 
-    def unverified_paths(
-        self, tree: DraftTree, plan: StepPlan, rng: RowRandom
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(nodes [B, D], γ [B]) of the path each prompt would commit without verification."""
-        raise NotImplementedError(f"{type(self).__name__} never skips a step")
+
+@dataclass
+class SimilarityScheduleConfig(SkippingScheduleConfig):
+    """``SimilaritySchedule``: skip when the candidate paths' similarity S̄ >= ``t_sim``. Where the
+    authors' release differs: docs/decoding.md, "VVS"; preset vvs_release."""
+
+    kind: str = "similarity"
+    t_sim: float = 0.7  # paper: 0.65 - 0.8
+    alpha: float = 0.8  # depth decay of the weights w_l ∝ alpha^l (not given by the paper)
+    stride: int = 2  # keep every `stride`-th candidate path
+    formula: str = "level_mean"  # level_mean (ours) | release (0.9^l over longest path, gaps 0)
+    few_paths: str = "skip"  # < 2 candidate paths: skip (ours, S̄ = 1) | verify (release, S̄ = 0)
 
 
 class SkippingSchedule(VerificationSchedule):
@@ -180,7 +149,9 @@ class SkippingSchedule(VerificationSchedule):
 
     can_skip = True
 
-    def __init__(self, warmup: int = 0) -> None:
+    def __init__(self, config: SkippingScheduleConfig) -> None:
+        super().__init__(config)
+        warmup = config.warmup
         if warmup < 0:
             raise ValueError(f"the schedule's warmup counts committed tokens: >= 0, got {warmup}")
         self.warmup = warmup
@@ -197,10 +168,10 @@ class SkippingSchedule(VerificationSchedule):
         if self.warmup:
             allowed = allowed & (committed > self.warmup)
         skipped = allowed & self.wants_skip(tree, paths, active, allowed)
-        verify = active & ~skipped
-        lead = torch.where(verify, pending, 0)
-        flags = torch.stack([verify.any(), (lead > 0).any(), skipped.any()])
-        return StepPlan(verify, skipped, lead, paths=paths, flags=flags)
+        verified = active & ~skipped
+        lead = torch.where(verified, pending, 0)
+        flags = torch.stack([verified.any(), (lead > 0).any(), skipped.any()])
+        return StepPlan(verified, skipped, lead, paths=paths, flags=flags)
 
     def unverified_paths(self, tree: DraftTree, plan: StepPlan, rng: RowRandom):
         return unverified_paths(tree, plan.paths, rng.uniform(Purpose.PATH, 1)[:, 0])
@@ -211,8 +182,9 @@ class UniformSchedule(SkippingSchedule):
     (0-based, skipped steps counted) when ``s % every == phase``; ``phase`` None is ``every − 1`` (ours:
     after ``every − 1`` verified steps), the release's is 1."""
 
-    def __init__(self, every: int, phase: int | None = None, warmup: int = 0) -> None:
-        super().__init__(warmup)
+    def __init__(self, config: UniformScheduleConfig) -> None:
+        super().__init__(config)
+        every, phase = config.every, config.phase
         if every < 1:
             raise ValueError(f"the uniform schedule needs every >= 1, got every={every}")
         phase = every - 1 if phase is None else phase
@@ -240,17 +212,11 @@ class UniformSchedule(SkippingSchedule):
 class SimilaritySchedule(SkippingSchedule):
     """Skip when the candidate paths' similarity S̄ reaches ``t_sim`` (VVS-D, Algorithm 1)."""
 
-    def __init__(
-        self,
-        codebook: torch.Tensor,
-        t_sim: float,
-        alpha: float,
-        stride: int = 2,
-        formula: str = "level_mean",
-        few_paths: str = "skip",
-        warmup: int = 0,
-    ) -> None:
-        super().__init__(warmup)
+    def __init__(self, config: SimilarityScheduleConfig, codebook: torch.Tensor) -> None:
+        """``codebook`` [V, d]: the image tokens' codebook rows (``ImageTokenizer.codebook``)."""
+        super().__init__(config)
+        t_sim, alpha, stride = config.t_sim, config.alpha, config.stride
+        formula, few_paths = config.formula, config.few_paths
         if alpha <= 0 or stride < 1:
             raise ValueError(f"the similarity schedule needs alpha > 0, stride >= 1: got {alpha}, {stride}")
         if formula not in FORMULAS:
@@ -276,35 +242,3 @@ class SimilaritySchedule(SkippingSchedule):
         s = self.score(tree, paths)
         self.scores.append(torch.where(allowed, s, torch.nan))
         return s >= self.t_sim
-
-
-@dataclass
-class ScheduleConfig:
-    """A method's ``schedule`` section: its ``kind``; each skipping schedule's config below adds its own
-    keys. This class alone is kind ``always``: every step verified."""
-
-    kind: str = "always"
-
-
-@dataclass
-class UniformScheduleConfig(ScheduleConfig):
-    """``UniformSchedule``: skip every ``every``-th step."""
-
-    kind: str = "uniform"
-    every: int = 3  # paper: 2, 3, 4
-    phase: int | None = None  # skip step s (from 0) if s % every == phase; null: every-1 (release 1)
-    warmup: int = 0  # no skip while <= warmup image tokens are committed (release: 6)
-
-
-@dataclass
-class SimilarityScheduleConfig(ScheduleConfig):
-    """``SimilaritySchedule``: skip when the candidate paths' similarity S̄ >= ``t_sim``. Where the
-    authors' release differs: docs/decoding.md, "VVS"; preset vvs_release."""
-
-    kind: str = "similarity"
-    t_sim: float = 0.7  # paper: 0.65 - 0.8
-    alpha: float = 0.8  # depth decay of the weights w_l ∝ alpha^l (not given by the paper)
-    stride: int = 2  # keep every `stride`-th candidate path
-    formula: str = "level_mean"  # level_mean (ours) | release (0.9^l over longest path, gaps 0)
-    few_paths: str = "skip"  # < 2 candidate paths: skip (ours, S̄ = 1) | verify (release, S̄ = 0)
-    warmup: int = 0  # no skip while <= warmup image tokens are committed (release: 6)

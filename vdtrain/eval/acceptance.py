@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vdtrain.config import AcceptanceConfig
+from vdtrain.config import AcceptanceReportConfig
 from vdtrain.decode.engine import DecodeStats
 from vdtrain.drafter import Drafter
 from vdtrain.eval.quality import QualityConfig
@@ -127,7 +127,7 @@ def measure(
     target: Target,
     drafter: Drafter,
     result: EvalResult,
-    cfg: AcceptanceConfig,
+    cfg: AcceptanceReportConfig,
     *,
     seed: int,
     batch_size: int,

@@ -31,7 +31,7 @@ def logit_lens(target: Target, captions: list[str], seed: int = 5000, batch_size
         gens = [torch.Generator().manual_seed(seed + start + i) for i in range(len(cond))]
         tokens = generate_ar(target, cond, replace(target.sampling_defaults), gens)
         states = target.sequence_features(cond, tokens, tuple(range(n + 1)))
-        hidden, tapped = split_taps(states, target.hidden_size)
+        hidden, tapped = split_taps(states, target.hidden_size, n + 1)
         top = target.head(hidden[:, span]).argmax(-1)
         layers = tapped[:, span].unflatten(-1, (n + 1, target.hidden_size))
         for k in range(n + 1):

@@ -117,9 +117,12 @@ def tap_kwargs(taps: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
     return {"taps": taps} if taps else {}
 
 
-def split_taps(states: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A transformer's output with ``taps`` → (final-norm hidden [.., H], tapped layers [.., k·H] or None)."""
-    if states.shape[-1] == hidden_size:
+def split_taps(states: torch.Tensor, hidden_size: int, taps: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A transformer's output [.., (1 + taps)·H] with ``taps`` layers asked for → (final-norm hidden
+    [.., H], tapped layers [.., taps·H], None without taps)."""
+    if states.shape[-1] != (1 + taps) * hidden_size:
+        raise ValueError(f"states of width {states.shape[-1]} do not hold {taps} taps of {hidden_size}")
+    if not taps:
         return states, None
     return states[..., :hidden_size], states[..., hidden_size:]
 
@@ -348,7 +351,7 @@ class Target(nn.Module, ABC):
         slots = torch.arange(length, device=x.device)
         mask = prefix_causal_mask(cond.mask, length)
         states = self.transformer(x, slots, mask, cache, slots, **tap_kwargs(taps))
-        hidden, tapped = split_taps(states, self.hidden_size)
+        hidden, tapped = split_taps(states, self.hidden_size, len(taps))
         return TargetOutput(hidden, self.logits(hidden, slots - (length - 1)), tapped)
 
     def forward_tokens(
@@ -369,7 +372,7 @@ class Target(nn.Module, ABC):
         mask = prefix_and_image_mask(cond.mask, image_visibility)
         x = self.token_embedding(tokens)
         states = self.transformer(x, self.rope_positions(image_index), mask, cache, slots, **tap_kwargs(taps))
-        hidden, tapped = split_taps(states, self.hidden_size)
+        hidden, tapped = split_taps(states, self.hidden_size, len(taps))
         return TargetOutput(hidden, self.logits(hidden, image_index + 1), tapped)
 
     def causal_visibility(

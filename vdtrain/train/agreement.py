@@ -45,5 +45,5 @@ def depth_agreement(
     teacher-forced on the target's sequence (``cond``, image ``tokens`` [B, N]) and unrolled on the
     drafter's own features the way a tree step sees them. Works for every drafter kind."""
     states = target.sequence_features(cond, tokens, drafter.taps)
-    hidden, tapped = split_taps(states.float(), target.hidden_size)
+    hidden, tapped = split_taps(states.float(), target.hidden_size, len(drafter.taps))
     return unrolled_agreement(drafter, hidden, tapped, tokens, cond.mask, depth)

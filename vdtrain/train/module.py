@@ -1,7 +1,7 @@
-"""The Lightning module that trains an EAGLE drafter against a frozen target.
+"""The Lightning module that trains a drafter against a frozen target.
 
-An ``eagle1`` drafter regresses the target's next feature, teacher-forced; an ``eagle3`` drafter reads
-fused target layers and is trained on its own unrolled outputs (training-time test, ``Drafter.unroll``).
+How is its kind's (``DrafterKind``): teacher-forced feature regression (eagle1), or its own unrolled
+outputs (training-time test, ``Drafter.unroll``: eagle3), with a feature loss or logits only.
 
 The target is *not* a registered submodule: its weights never enter checkpoints, optimisers or DDP
 buckets; the module moves it to its own device. Features come from the target on the fly (``online``,
@@ -98,7 +98,7 @@ class DrafterModule(L.LightningModule):
         self, batch: dict, null_rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens [B, N], condition mask [B, L], target states [B, L+N, H]: the final-norm hidden, followed
-        by the layers an eagle3 drafter taps, ``split_taps`` parts them).
+        by the layers the drafter taps, ``split_taps`` parts them).
 
         Online: the target runs on the captions, with ``null_rows`` null-conditioned, so the drafter's
         inputs *and* its regression targets come from the same (possibly null) condition. Offline: the
@@ -142,16 +142,20 @@ class DrafterModule(L.LightningModule):
         generator: torch.Generator | None,
         noise: float,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The drafter's loss on ``prepare``'s output, with input-feature noise ``U(-noise, noise)``."""
-        hidden, tapped = split_taps(states, self.target.hidden_size)
+        """The drafter's loss on ``prepare``'s output (``states`` [B, L+N, (1 + taps)·H]), with noise
+        ``U(-noise, noise)`` on what the drafter reads of the target (its taps, else the last state)."""
+        cfg, drafter, kind = self.train_cfg, self.drafter, self.drafter.kind
+        hidden, tapped = split_taps(states, self.target.hidden_size, len(drafter.taps))
         mask = image_target_mask(cond_mask, tokens.shape[1])
-        cfg, drafter = self.train_cfg, self.drafter
-        if tapped is None:  # eagle1: teacher-forced, feature regression + soft CE
+        if kind.unroll is None:  # teacher-forced: feature regression + soft CE (EAGLE-1)
             noisy = uniform_feature_noise(hidden, noise, generator)
             pred = drafter.forward_teacher(noisy, tokens, cond_mask)
             return drafter_loss(pred, hidden[:, 1:], drafter.logits, mask, cfg.w_cls, cfg.cls_loss)
-        feats = drafter.input_features(hidden, uniform_feature_noise(tapped, noise, generator))
-        steps = drafter.unroll(feats, tokens, cond_mask, cfg.ttt_steps)
+        if tapped is None:
+            feats = drafter.input_features(uniform_feature_noise(hidden, noise, generator), None)
+        else:
+            feats = drafter.input_features(hidden, uniform_feature_noise(tapped, noise, generator))
+        steps = drafter.unroll(feats, tokens, cond_mask, kind.unroll(drafter.config, cfg.ttt_steps))
         chains = [chain_rows(cond_mask, mask.shape[1], j) for j in range(len(steps))]
         return unrolled_loss(
             steps,
@@ -161,7 +165,7 @@ class DrafterModule(L.LightningModule):
             mask,
             chains,
             cfg.ttt_decay,
-            cfg.w_feature,
+            cfg.w_feature if kind.feature_loss else 0.0,
             cfg.cls_loss,
         )
 
@@ -207,7 +211,7 @@ class DrafterModule(L.LightningModule):
         size: int,
         prog_bar: bool = False,
     ) -> None:
-        hidden, tapped = split_taps(states, self.target.hidden_size)
+        hidden, tapped = split_taps(states, self.target.hidden_size, len(self.drafter.taps))
         acc = unrolled_agreement(self.drafter, hidden, tapped, tokens, cond_mask, self.train_cfg.val_depth)
         for d, a in enumerate(acc, start=1):
             self.log(f"{prefix}top1_depth{d}", a, batch_size=size, sync_dist=True)

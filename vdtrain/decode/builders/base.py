@@ -11,6 +11,7 @@ import torch
 from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.rows import DrafterRows, TargetGeometry
+from vdtrain.decode.schedule import StepPlan
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
@@ -43,7 +44,9 @@ class DraftContext(Protocol):
         image_vis: torch.Tensor,
         next_embeds: torch.Tensor | None = None,
     ) -> DrafterRows:
-        """Drafter rows for the next ``tokens`` [B, S] at image indices ``token_index``, every stream."""
+        """Drafter rows for the next ``tokens`` [B, S] at image indices ``token_index`` [B, S], every stream
+        (``slots`` [B, S] drafter cache slots, ``image_vis`` [B, S, K] the image slots each row sees,
+        ``next_embeds`` [R, S, H] instead of ``tokens``' embeddings)."""
         ...
 
     def drafter_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -52,7 +55,7 @@ class DraftContext(Protocol):
         ...
 
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features [R, S, H] at ``rows`` → (f̂ [R, S, H], logits [R, S, V])."""
+        """Features ``feats`` [R, S, H] at ``rows`` → (f̂ [R, S, H], logits [R, S, V])."""
         ...
 
 
@@ -78,6 +81,24 @@ class StepState:
     depth_limit: torch.Tensor  # [B] max tree depth allowed (image tokens left to draft)
     generators: Sequence[torch.Generator | None]
     rng: RowRandom | None = None  # the run's per-row counter-based uniforms (this step's draws)
+
+
+@dataclass
+class StepOutcome:
+    """What one step's verification decided, all ``observe`` reads: a builder keeps nothing of a step
+    (its randomness, its temperature) for later."""
+
+    tree: DraftTree  # the step's trees [B, T]
+    verdict: BatchVerdict  # every row's walk; meaningful where ``plan.verified``
+    plan: StepPlan  # ``plan.verified`` [B] bool: the prompts the target verified this step
+    p_nodes: torch.Tensor  # [B, T, V] the target's distribution at every node
+    roots_at: torch.Tensor  # [B] the image index of each tree's root
+    rng: RowRandom | None  # the run's per-row uniforms at this step's counter (as ``StepState.rng``)
+    greedy: bool  # T = 0: a redraw is the argmax
+
+    @property
+    def verified(self) -> torch.Tensor:
+        return self.plan.verified
 
 
 # Rows one GPU forward verifies at about the cost of one (its compute/bandwidth ridge: H200 ~206 rows,
@@ -122,16 +143,8 @@ class DraftTreeBuilder:
     def reset(self, batch: int) -> None:
         """A new ``generate`` call with ``batch`` prompts begins."""
 
-    def observe(
-        self,
-        tree: DraftTree,
-        verdict: BatchVerdict,
-        verified: torch.Tensor,
-        p_nodes: torch.Tensor,
-        roots_at: torch.Tensor,
-    ) -> None:
-        """After verification: every row's ``verdict`` (meaningful where ``verified`` [B] is set), the
-        target distribution at every node ``p_nodes`` [B, T, V], and each tree's root image index."""
+    def observe(self, outcome: StepOutcome) -> None:
+        """After verification: what the step decided (``StepOutcome``)."""
 
 
 def write_in_place(state: object, new: object) -> None:

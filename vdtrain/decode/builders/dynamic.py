@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 
 def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest float32 ``values`` along the last dim, equal values in ascending index order.
+    """The ``k`` largest float32 ``values`` [..., N] along the last dim, equal values in ascending index
+    order → (values, indices), [..., k] each.
 
     One ``topk`` over an int64 key: the float's order-preserving int32 image in the high half, the
     reversed index in the low half (so the key is unique and ties resolve the same on every device).
@@ -48,7 +49,8 @@ def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, to
 
 
 def ranked(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` best entries along the last dim: valid ones first, by (−score, index)."""
+    """Indices [..., k] of the ``k`` best entries of ``scores`` [..., N] along the last dim: the ``valid``
+    [..., N] ones first, by (−score, index)."""
     key = torch.where(valid, scores, float("-inf"))
     return key.sort(dim=-1, descending=True, stable=True).indices[..., :k]
 
@@ -86,6 +88,16 @@ class Frontier:
     plan: BuildPlan
 
 
+@dataclass
+class DynamicTreeConfig(TreeConfig):
+    """EAGLE-2's dynamic tree (``DynamicTreeBuilder``)."""
+
+    kind: str = "dynamic"
+    top_k: int = 10  # children per expanded node and frontier width
+    depth: int = 5  # expansion rounds after the root's children
+    total_tokens: int = 59  # nodes kept, root included
+
+
 class DynamicTreeBuilder(DraftTreeBuilder):
     """EAGLE-2's dynamic tree in padded tensor shapes, with per-prompt ``depth`` and ``top_k`` (``shape``).
 
@@ -99,7 +111,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     keep_deepest_path: ClassVar[bool] = False
     graph_safe: ClassVar[bool] = True
 
-    def __init__(self, top_k: int = 10, depth: int = 5, total_tokens: int = 59) -> None:
+    def __init__(self, config: DynamicTreeConfig) -> None:
+        top_k, depth, total_tokens = config.top_k, config.depth, config.total_tokens
         if top_k < 1 or depth < 0 or total_tokens < 2:
             raise ValueError(
                 f"dynamic tree needs top_k >= 1, depth >= 0 and total_tokens >= 2 "
@@ -138,6 +151,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
 
     @staticmethod
     def _logq(ctx: DraftContext, logits: torch.Tensor) -> torch.Tensor:
+        """Drafter ``logits`` [R, ..., V] → log q [B, ..., V] (q floored at 1e-30: ranks stay defined)."""
         return ctx.draft_probs(logits).clamp_min(1e-30).log()
 
     def _top_children(self, ctx: DraftContext, logits: torch.Tensor, size: int, index: torch.Tensor):
@@ -174,13 +188,14 @@ class DynamicTreeBuilder(DraftTreeBuilder):
                 layer, front, rows = self._expand(ctx, state, front, f_hat, logits, r, depth_cap, size)
                 grown = [*grown, layer]
             else:
-                return self._last_round(ctx, state, front, f_hat, logits, grown, depth_cap, size)
+                return self._last_round(ctx, state, front, logits, grown, depth_cap, size)
         return self._select(*(torch.cat(column, 1) for column in zip(*grown, strict=True)), depth_cap, size)
 
     @step_kernel
     def _root_children(self, ctx, state: StepState, rounds, widths, depth_cap: int, size: int):
-        """Depth 1 (the root's children, round 1's frontier in rank order) and round 1's drafter rows.
-        Returns ([the root's layer, depth 1's], the ``Frontier``, the drafter rows: None without rounds).
+        """Depth 1 (the root's children, round 1's frontier in rank order) and round 1's drafter rows, for
+        ``rounds`` [B] expansion rounds and ``widths`` [B] top-k per prompt (``shape``). Returns ([the
+        root's layer, depth 1's], the ``Frontier``, the drafter rows: None without rounds).
 
         Every round's row layout (positions, slots, the committed columns and the row's own scratch
         column in its mask) and every round's candidate validity are made here once; a round only adds
@@ -245,7 +260,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         )
 
     def _candidates(self, ctx, state: StepState, front: Frontier, logits, r: int, size: int) -> Layer:
-        """Round ``r``'s ``K·K`` candidates: frontier node ``j``'s child of rank ``c`` at ``j·K + c``."""
+        """Round ``r``'s ``K·K`` candidates from the frontier's drafter ``logits`` [R, K, V]: frontier node
+        ``j``'s child of rank ``c`` at ``j·K + c``."""
         plan = front.plan
         kid_s, kid_tok = self._top_children(ctx, logits, size, plan.index)  # [B, K, K]
         tokens = kid_tok.flatten(1)
@@ -266,8 +282,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     def _expand(
         self, ctx, state: StepState, front: Frontier, f_hat, logits, r: int, depth_cap: int, size: int
     ):
-        """Round ``r``'s candidates, the best ``K`` of them as round ``r + 1``'s frontier, and its drafter
-        rows."""
+        """Round ``r``'s candidates (from the frontier's ``f_hat`` [R, K, H] and ``logits`` [R, K, V]), the
+        best ``K`` of them as round ``r + 1``'s frontier, and its drafter rows."""
         layer = self._candidates(ctx, state, front, logits, r, size)
         # Valid candidates first by (score, index): invalid ones score +inf (``ranked`` without a mask).
         ranking = layer.scores.sort(dim=-1, stable=True)
@@ -286,10 +302,9 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         return layer, nxt, self._frontier_rows(ctx, nxt, r + 1, size)
 
     @step_kernel
-    def _last_round(
-        self, ctx, state: StepState, front: Frontier, f_hat, logits, grown, depth_cap: int, size: int
-    ):
-        """The last round's candidates, then the tree."""
+    def _last_round(self, ctx, state: StepState, front: Frontier, logits, grown, depth_cap: int, size: int):
+        """The last round's candidates (from the frontier's ``logits`` [R, K, V]) added to the layers
+        ``grown`` so far, then the tree."""
         grown = [*grown, self._candidates(ctx, state, front, logits, depth_cap, size)]
         return self._select(*(torch.cat(column, 1) for column in zip(*grown, strict=True)), depth_cap, size)
 
@@ -302,8 +317,9 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         depth_cap: int,
         width: int,
     ) -> DraftTree:
-        """Keep the best ``total_tokens − 1`` nodes (a parent outranks its children: log q <= 0), laid
-        out by depth then creation order; padding nodes as the old builder writes them. The envelope
+        """Keep the best ``total_tokens − 1`` of the candidate nodes (``tokens``, ``scores``, ``parents``,
+        ``depths``, ``valid``: [B, N] each; a parent outranks its children: log q <= 0), laid out by depth
+        then creation order; padding nodes as the old builder writes them. The envelope
         bounds the tree's depth and widest node on the host (batched acceptance loops that often)."""
         batch, count = tokens.shape
         if self.keep_deepest_path:
@@ -349,7 +365,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         scores: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, valid: torch.Tensor, depth_cap: int
     ) -> torch.Tensor:
         """[B, N] bool: the non-root nodes on the path to the best (first on ties) deepest node, where the
-        deepest level is 2 or more."""
+        deepest level is 2 or more (``scores``, ``parents``, ``depths``, ``valid``: [B, N] each)."""
         deepest = torch.where(valid, depths, -1).max(dim=1, keepdim=True).values
         best = torch.where(valid & (depths == deepest), scores, float("inf")).argmin(dim=1, keepdim=True)
         on_path = torch.zeros_like(valid)
@@ -359,13 +375,3 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             node = parents.gather(1, node).clamp_min(0)
         on_path[:, 0] = False
         return on_path & (deepest >= 2)
-
-
-@dataclass
-class DynamicTreeConfig(TreeConfig):
-    """EAGLE-2's dynamic tree (``DynamicTreeBuilder``)."""
-
-    kind: str = "dynamic"
-    top_k: int = 10  # children per expanded node and frontier width
-    depth: int = 5  # expansion rounds after the root's children
-    total_tokens: int = 59  # nodes kept, root included

@@ -17,8 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vdtrain.decode.acceptance import BatchVerdict
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig, write_in_place
+from vdtrain.decode.builders.base import (
+    DraftTreeBuilder,
+    StepOutcome,
+    StepState,
+    TreeConfig,
+    write_in_place,
+)
 from vdtrain.decode.coupling import COUPLINGS, gumbel_max, maximal_coupling
 from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
@@ -59,13 +64,24 @@ class _Windows:
         return self
 
 
+@dataclass
+class JacobiTreeConfig(TreeConfig):
+    """SJD's Jacobi window (``JacobiWindowBuilder``); no drafter."""
+
+    kind: str = "jacobi"
+    window: int = 16  # W: draft tokens per Jacobi window
+    init: str = "random"  # fresh drafts: random | {horizontal,vertical}_{repeat,sample}
+    coupling: str = "none"  # an old draft's next one: none (a fresh draw, SJD) | maximal | gumbel (SCD)
+
+
 class JacobiWindowBuilder(DraftTreeBuilder):
     """SJD's Jacobi window as a chain tree of ``window`` drafts, kept and refined across steps."""
 
     needs_drafter = False
     graph_safe = True  # the window is made at the first step and then updated in place
 
-    def __init__(self, window: int = 16, init: str = "random", coupling: str = "none") -> None:
+    def __init__(self, config: JacobiTreeConfig) -> None:
+        window, init, coupling = config.window, config.init, config.coupling
         if window < 1:
             raise ValueError(f"the Jacobi window needs at least one draft token, got window={window}")
         if init not in INITS:
@@ -90,8 +106,6 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         win = self._windows
         same = win is not None and win.tokens.shape[0] == batch and win.tokens.shape[1] == self.window
         self._windows = win.restart() if same else None
-        self._rng: RowRandom | None = None
-        self._greedy = False
 
     def _arange(self, length: int, device: torch.device) -> torch.Tensor:
         """``arange(length)`` on ``device``, made once (node depths, window entries, ring slots)."""
@@ -131,7 +145,6 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         target = ctx.target
         batch, device = len(state.roots), state.roots.device
         win = self._windows_for(batch, target.num_image_tokens, target.vocab_size, target.grid[1], device)
-        self._rng, self._greedy = state.rng, ctx.sampling.greedy
         size = self.window + 1
         return self._draft(ctx, state, win, self._arange(size, device), self._chain_ancestors(size, device))
 
@@ -139,8 +152,8 @@ class JacobiWindowBuilder(DraftTreeBuilder):
     def _draft(
         self, ctx: DraftContext, state: StepState, win: _Windows, chain: torch.Tensor, ancestors: torch.Tensor
     ) -> DraftTree:
-        """The window as a chain tree: the kept refined drafts, then fresh ones (``chain``: arange(W + 1),
-        ``ancestors``: the chain's ancestor matrix)."""
+        """The window as a chain tree: the kept refined drafts, then fresh ones (``chain`` [W + 1]:
+        arange(W + 1), ``ancestors`` [W + 1, W + 1]: the chain's ancestor matrix)."""
         target = ctx.target
         batch = len(state.roots)
         n_img, vocab, size = target.num_image_tokens, target.vocab_size, self.window
@@ -182,7 +195,9 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         u: torch.Tensor,
         entries: torch.Tensor,
     ) -> torch.Tensor:
-        """[B, W]: the freshly initialised token of every window entry (meaningful where it is fresh).
+        """[B, W]: the freshly initialised token of every window entry (meaningful where it is fresh),
+        from ``keep`` [B] refined entries kept, ``uniform`` [B, W] random tokens, ``u`` [B, W] draws for
+        the ``_sample`` inits and ``entries`` [1, W] (arange).
 
         The fresh positions are ``first = m + keep`` onwards; the walk from position ``k`` goes left
         (``step`` 1) or up (``step`` = the grid's width) and may take ``reach`` steps before leaving the
@@ -217,26 +232,25 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         return torch.where(has, inverse_cdf(dists, u), uniform)
 
     # --- after verification --------------------------------------------------------------------------
-    def observe(
-        self,
-        tree: DraftTree,
-        verdict: BatchVerdict,
-        verified: torch.Tensor,
-        p_nodes: torch.Tensor,
-        roots_at: torch.Tensor,
-    ) -> None:
+    def observe(self, outcome: StepOutcome) -> None:
         win = self._windows
         if win is None:
             raise RuntimeError("JacobiWindowBuilder.observe before build: no window to refine")
-        device = p_nodes.device
+        o, device = outcome, outcome.p_nodes.device
         ring = None if win.stored is None else self._arange(win.stored.shape[1], device)
         chain = self._arange(self.window + 1, device)
-        write_in_place(win, self._refine(tree, verdict, verified, p_nodes, roots_at, win, chain, ring))
+        new = self._refine(
+            o.tree, o.verdict, o.verified, o.p_nodes, o.roots_at, win, chain, ring, o.rng, o.greedy
+        )
+        write_in_place(win, new)
 
     @step_kernel
-    def _refine(self, tree, verdict, verified, p_nodes, roots_at, win: _Windows, chain, ring) -> _Windows:
-        """The next window: every entry refined from the target's p (``chain``: arange(W + 1), ``ring``:
-        arange(S) of the stored distributions)."""
+    def _refine(
+        self, tree, verdict, verified, p_nodes, roots_at, win: _Windows, chain, ring, rng, greedy
+    ) -> _Windows:
+        """The next window: every entry refined from the target's p ``p_nodes`` [B, T, V] where
+        ``verified`` [B] (``roots_at`` [B]: each root's image index; ``chain``: arange(W + 1), ``ring``:
+        arange(S) of the stored distributions; ``rng``, ``greedy``: the step's, ``StepOutcome``)."""
         win = replace(win)  # a new state: the kernel changes none of its inputs' attributes
         size, vocab, last = self.window, p_nodes.shape[-1], tree.size - 1
         m, accepted = roots_at + 1, verdict.accepted
@@ -246,7 +260,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         p = p_nodes.gather(1, nodes[..., None].expand(-1, -1, vocab))  # [B, W, V]
         count = (tree.max_depth() - accepted).clamp_min(0)  # positions m + a + 1 .. m + n
         start = m + accepted + 1
-        refined = self._redraw(tree, nodes, p, start, count)
+        refined = self._redraw(tree, nodes, p, start, count, rng, greedy)
         if win.board is not None:  # committed: the a accepted drafts (positions m ..) and the bonus
             at = m[:, None] + entries
             drafts = tree.tokens.gather(1, (entries + 1).clamp_max(last).expand(len(m), -1))
@@ -268,31 +282,22 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         win.q = torch.where(verified[:, None, None], p.to(win.q.dtype), win.q)
         return win
 
-    def _redraw(self, tree, nodes, p, start, count) -> torch.Tensor:
-        """Each entry's next draft, a draw from its new ``p`` [B, W, V] (``nodes``: the node whose p it is;
-        entry k is image position ``start + k``; ``count``: the entries the forward drafted before, plus
-        one): afresh (SJD), or coupled with the old draft (SCD); the argmax at T = 0."""
+    def _redraw(self, tree, nodes, p, start, count, rng: RowRandom, greedy: bool) -> torch.Tensor:
+        """Each entry's next draft, a draw from its new ``p`` [B, W, V] (``nodes`` [B, W]: the node whose p
+        it is; entry k is image position ``start + k``, ``start`` [B]; ``count`` [B]: the entries the
+        forward drafted before, plus one): afresh (SJD), or coupled with the old draft in ``tree`` (SCD);
+        the argmax at T = 0."""
         size = p.shape[1]
-        if self._greedy:
+        if greedy:
             return p.argmax(-1)
         if self.coupling == "gumbel":
             positions = start[:, None] + self._arange(size, p.device)[None]
-            return gumbel_max(p, self._rng.keyed(Purpose.GUMBEL, positions, p.shape[-1]))
+            return gumbel_max(p, rng.keyed(Purpose.GUMBEL, positions, p.shape[-1]))
         if self.coupling == "maximal":
             last = tree.size - 1
             drafted = self._arange(size, p.device)[None] < count[:, None] - 1  # the last had no draft
             old = tree.tokens.gather(1, (nodes + 1).clamp_max(last))
             q = tree.q.gather(1, nodes[..., None].expand(-1, -1, p.shape[-1]))
-            u = self._rng.uniform(Purpose.REFINE, size, 2)
+            u = rng.uniform(Purpose.REFINE, size, 2)
             return maximal_coupling(old, p, torch.where(drafted[..., None], q, 0.0), u[..., 0], u[..., 1])
-        return inverse_cdf(p, self._rng.uniform(Purpose.REFINE, size))
-
-
-@dataclass
-class JacobiTreeConfig(TreeConfig):
-    """SJD's Jacobi window (``JacobiWindowBuilder``); no drafter."""
-
-    kind: str = "jacobi"
-    window: int = 16  # W: draft tokens per Jacobi window
-    init: str = "random"  # fresh drafts: random | {horizontal,vertical}_{repeat,sample}
-    coupling: str = "none"  # an old draft's next one: none (a fresh draw, SJD) | maximal | gumbel (SCD)
+        return inverse_cdf(p, rng.uniform(Purpose.REFINE, size))

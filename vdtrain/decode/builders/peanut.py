@@ -11,14 +11,13 @@ kept, so a tree really has d̂ levels. The grids, α and the plan are device ten
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from vdtrain.decode.acceptance import BatchVerdict
-from vdtrain.decode.builders.base import StepState, TreeConfig
-from vdtrain.decode.builders.dynamic import DynamicTreeBuilder
+from vdtrain.decode.builders.base import StepOutcome, StepState, TreeConfig
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.graphs import DeviceLog, recording
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.trees import DraftTree
@@ -27,8 +26,28 @@ if TYPE_CHECKING:
     from vdtrain.decode.builders.base import DraftContext
 
 PEANUT_INITS = ("horizontal", "vertical", "random")
-# The paper's names ("Horizontal Repeat", ...), as TreeConfig.init spells them (shared with SJD's inits).
+# The paper's names ("Horizontal Repeat", ...), as PeanutTreeConfig.init spells them (shared with SJD's).
 _INIT_ALIASES = {"horizontal_repeat": "horizontal", "vertical_repeat": "vertical"}
+
+
+@dataclass
+class PeanutTreeConfig(TreeConfig):
+    """PEANUT's EAGLE-2 trees adapted per tree (``PeanutTreeBuilder``). ``d`` counts draft levels
+    (= dynamic depth + 1)."""
+
+    kind: str = "peanut"
+    init: str = "horizontal_repeat"  # horizontal_repeat (the paper's default) | vertical_repeat | random
+    total_tokens: int = 59  # nodes kept, root included
+    beta: float = 1.0  # positive threshold on α = accepted drafts / tree depth
+    l_d: int = 1  # depth step
+    l_k: int = 10  # width (top-k) step (paper: 10 for LlamaGen, 3 for Chameleon-family targets)
+    d_min: int = 0  # open bounds d_min < d < d_max
+    d_max: int = 10
+    k_min: int = 3  # open bounds k_min < k < k_max (paper: (3, 40) LlamaGen, (3, 14) Chameleon)
+    k_max: int = 40
+    d_init: int = 5  # the first tree's depth (draft levels) and width
+    k_init: int = 10
+    init_seed: int = 0  # random init: seed of the fallback generators (when the engine passes none)
 
 
 class PeanutTreeBuilder(DynamicTreeBuilder):
@@ -44,22 +63,10 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
     # step); in a recorded step they are the widest and deepest any tree can have (``envelope``).
     graph_safe = True
 
-    def __init__(
-        self,
-        init: str = "horizontal",
-        beta: float = 1.0,
-        l_d: int = 1,
-        l_k: int = 10,
-        d_min: int = 0,
-        d_max: int = 10,
-        k_min: int = 3,
-        k_max: int = 40,
-        d_init: int = 5,
-        k_init: int = 10,
-        total_tokens: int = 59,
-        seed: int = 0,
-        grid: tuple[int, int] | None = None,
-    ) -> None:
+    def __init__(self, config: PeanutTreeConfig, grid: tuple[int, int] | None = None) -> None:
+        init, l_d, l_k, total_tokens = config.init, config.l_d, config.l_k, config.total_tokens
+        d_min, d_max, d_init = config.d_min, config.d_max, config.d_init
+        k_min, k_max, k_init = config.k_min, config.k_max, config.k_init
         init = _INIT_ALIASES.get(init, init)
         if init not in PEANUT_INITS:
             raise ValueError(
@@ -77,10 +84,10 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
                 f"PEANUT's initial tree must lie inside the bounds: d_init={d_init} in ({d_min}, {d_max}), "
                 f"k_init={k_init} in ({k_min}, {k_max})"
             )
-        super().__init__(top_k=k_init, depth=d_init - 1, total_tokens=total_tokens)
-        self.init, self.beta, self.l_d, self.l_k = init, beta, l_d, l_k
+        super().__init__(DynamicTreeConfig(top_k=k_init, depth=d_init - 1, total_tokens=total_tokens))
+        self.init, self.beta, self.l_d, self.l_k = init, config.beta, l_d, l_k
         self.d_min, self.d_max, self.k_min, self.k_max = d_min, d_max, k_min, k_max
-        self.d_init, self.k_init, self.seed = d_init, k_init, seed
+        self.d_init, self.k_init, self.seed = d_init, k_init, config.init_seed
         self.k_ceiling = max(total_tokens - 1, k_max - 1)  # widest tree ever (an unrestricted width)
         self.grid = grid
         self.planned: torch.Tensor | None = None
@@ -93,7 +100,7 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
 
     def adapt(self, d, k, alpha):
         """Bisectional adaptation of the initial (d̃, k̃) given the previous tree's acceptance rate α
-        (ints or tensors of one shape)."""
+        (``d``, ``k``, ``alpha``: ints, or tensors [B] of one shape)."""
         d, k, alpha = torch.as_tensor(d), torch.as_tensor(k), torch.as_tensor(alpha)
         positive = alpha >= self.beta
         raw_d = torch.where(positive, d + self.l_d, d - self.l_d)
@@ -194,15 +201,10 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         rounds, width = self.planned.amax(0).tolist()
         return rounds - 1, width
 
-    def observe(
-        self,
-        tree: DraftTree,
-        verdict: BatchVerdict,
-        verified: torch.Tensor,
-        p_nodes: torch.Tensor,
-        roots_at: torch.Tensor,
-    ) -> None:
+    def observe(self, outcome: StepOutcome) -> None:
+        verdict, verified, roots_at = outcome.verdict, outcome.verified, outcome.roots_at
         n = self.depth_grid.shape[1] - 1
+        tree = outcome.tree
         depth, accepted = tree.max_depth(), verdict.accepted
         # The tree's (d̂, k̂) at its root, its accepted drafts and its bonus; other columns → scratch.
         j = torch.arange(verdict.path.shape[1] + 2, device=roots_at.device)[None]
@@ -232,30 +234,3 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         """The depth and width grids as [B, h, w] (−1 where no tree has been yet)."""
         h, w = self.grid
         return self.depth_grid[:, :-1].reshape(-1, h, w), self.width_grid[:, :-1].reshape(-1, h, w)
-
-
-@dataclass
-class PeanutTreeConfig(TreeConfig):
-    """PEANUT's EAGLE-2 trees adapted per tree (``PeanutTreeBuilder``). ``d`` counts draft levels
-    (= dynamic depth + 1)."""
-
-    kind: str = "peanut"
-    init: str = "random"  # horizontal_repeat | vertical_repeat | random
-    total_tokens: int = 59  # nodes kept, root included
-    beta: float = 1.0  # positive threshold on α = accepted drafts / tree depth
-    l_d: int = 1  # depth step
-    l_k: int = 10  # width (top-k) step (paper: 10 for LlamaGen, 3 for Chameleon-family targets)
-    d_min: int = 0  # open bounds d_min < d < d_max
-    d_max: int = 10
-    k_min: int = 3  # open bounds k_min < k < k_max (paper: (3, 40) LlamaGen, (3, 14) Chameleon)
-    k_max: int = 40
-    d_init: int = 5  # the first tree's depth (draft levels) and width
-    k_init: int = 10
-    init_seed: int = 0  # random init: seed of the fallback generators (when the engine passes none)
-
-
-def peanut_builder(config: PeanutTreeConfig) -> PeanutTreeBuilder:
-    """The builder of ``config`` (its keys are the builder's arguments; ``init_seed`` is its ``seed``)."""
-    skip = ("kind", "max_rows", "init_seed")  # max_rows: the engine's (``tree_builder`` sets it)
-    own = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in skip}
-    return PeanutTreeBuilder(**own, seed=config.init_seed)

@@ -1,8 +1,8 @@
 """SJD-PAC (Kang et al., CVPR 2026): SJD with proactive drafting and adaptive continuation, lossless.
 
-A drafter-free tree builder on the engine's unchanged exact walk (``sampled=True``). A window of
-``window`` = L tokens per forward (the root included) is a full ``width``-ary tree of ``levels`` levels
-and a chain off the all-rank-0 leaf; each depth has one column (a proposal and up to W draws from it
+A drafter-free tree builder on the engine's unchanged exact walk (``sampled=True``). A window of L
+(``tokens_per_forward``, the root included) is a full ``width``-ary tree of ``levels`` levels and a
+chain off the all-rank-0 leaf; each depth has one column (a proposal and up to W draws from it
 without replacement), so whichever node the walk reaches its children are draws from its stored ``q``.
 ``observe`` continues every later position along the continuation path (keep a draft with
 min(1, p/q), else redraw from its own node's residual), so the next window's drafts are draws from p.
@@ -18,8 +18,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vdtrain.decode.acceptance import BatchVerdict
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig, write_in_place
+from vdtrain.decode.builders.base import (
+    DraftTreeBuilder,
+    StepOutcome,
+    StepState,
+    TreeConfig,
+    write_in_place,
+)
 from vdtrain.decode.coupling import COUPLINGS, gumbel_max, maximal_coupling
 from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
@@ -67,20 +72,29 @@ class _Layout:
     onward: torch.Tensor  # [T, M + 1]: the continuation path from each node, its node at every depth
 
 
+@dataclass
+class SjdPacTreeConfig(TreeConfig):
+    """SJD-PAC's window (``SjdPacBuilder``): a full ``width``-ary tree of ``levels`` levels, then a chain;
+    no drafter. ``tokens_per_forward`` is L (the release's max_num_new_tokens; its CLI's default is 16).
+    SJD's window W (``JacobiTreeConfig.window``) counts drafts only; SJD-PAC's W is ``width``."""
+
+    kind: str = "sjd_pac"
+    tokens_per_forward: int = 64  # L: tokens per forward, the root included (docs/decoding.md)
+    width: int = 3  # W: tokens drafted per tree level (proactive drafting)
+    levels: int = 3  # D: tree levels, the root included (the release's tree_depth)
+    coupling: str = "maximal"  # continuation: maximal (the release's, SCD's π_MC) | gumbel (SCD's π_GS)
+    fresh_q: str = "uniform"  # a fresh draft's q: uniform (the release) | point (its point mass, SCD)
+
+
 class SjdPacBuilder(DraftTreeBuilder):
     """SJD-PAC's window: a full W-ary tree of D levels plus a chain, L nodes, carried across steps."""
 
     needs_drafter = False
     graph_safe = True  # the window is made at the first step and then updated in place
 
-    def __init__(
-        self,
-        window: int = 64,
-        width: int = 3,
-        levels: int = 3,
-        coupling: str = "maximal",
-        fresh_q: str = "uniform",
-    ) -> None:
+    def __init__(self, config: SjdPacTreeConfig) -> None:
+        length, width, levels = config.tokens_per_forward, config.width, config.levels
+        coupling, fresh_q = config.coupling, config.fresh_q
         if width < 1 or levels < 1:
             raise ValueError(f"SJD-PAC needs width >= 1 and levels >= 1, got width={width}, levels={levels}")
         if coupling not in COUPLINGS[1:]:
@@ -89,13 +103,13 @@ class SjdPacBuilder(DraftTreeBuilder):
             raise ValueError(f"unknown fresh_q {fresh_q!r}; known: {list(FRESH_Q)}")
         self.coupling, self.fresh_q = coupling, fresh_q
         nodes = tree_nodes(width, levels)
-        if window < max(nodes, 2):
+        if length < max(nodes, 2):
             raise ValueError(
-                f"SJD-PAC window={window} cannot hold its tree: a {width}-ary tree of {levels} levels has "
-                f"{nodes} nodes (root included) and the window needs at least one draft"
+                f"SJD-PAC tokens_per_forward={length} cannot hold its tree: a {width}-ary tree of {levels} "
+                f"levels has {nodes} nodes (root included) and the window needs at least one draft"
             )
-        self.window, self.width, self.levels = window, width, levels
-        self.main_depth = levels - 1 + window - nodes
+        self.tokens_per_forward, self.width, self.levels = length, width, levels
+        self.main_depth = levels - 1 + length - nodes
         level: list[tuple[int, ...]] = [()]
         paths = [(0,) * d for d in range(levels, self.main_depth + 1)]  # the chain
         for _ in range(levels - 1):
@@ -113,13 +127,11 @@ class SjdPacBuilder(DraftTreeBuilder):
         self.reset(0)
 
     def max_nodes(self) -> int:
-        return self.window
+        return self.tokens_per_forward
 
     def reset(self, batch: int) -> None:
         win = self._windows
         self._windows = win.restart() if win is not None and win.tokens.shape[0] == batch else None
-        self._rng: RowRandom | None = None
-        self._greedy = False
 
     def layout(self, device: torch.device) -> _Layout:
         """The host-side tree layout on ``device``, made once."""
@@ -175,7 +187,6 @@ class SjdPacBuilder(DraftTreeBuilder):
             raise ValueError("SjdPacBuilder draws from the run's RowRandom: StepState.rng is None")
         batch, device = len(state.roots), state.roots.device
         win = self._windows_for(batch, ctx.target.vocab_size, device)
-        self._rng, self._greedy = state.rng, ctx.sampling.greedy
         return self._draft(ctx, state, self.layout(device), win)
 
     @step_kernel
@@ -226,24 +237,22 @@ class SjdPacBuilder(DraftTreeBuilder):
         )
 
     # --- after verification --------------------------------------------------------------------------
-    def observe(
-        self,
-        tree: DraftTree,
-        verdict: BatchVerdict,
-        verified: torch.Tensor,
-        p_nodes: torch.Tensor,
-        roots_at: torch.Tensor,
-    ) -> None:
+    def observe(self, outcome: StepOutcome) -> None:
         if self._windows is None:
             raise RuntimeError("SjdPacBuilder.observe before build: no window to continue")
-        lay = self.layout(p_nodes.device)
-        new = self._continue_window(tree, verdict, verified, p_nodes, roots_at, lay, self._windows)
+        o, lay = outcome, self.layout(outcome.p_nodes.device)
+        new = self._continue_window(
+            o.tree, o.verdict, o.verified, o.p_nodes, o.roots_at, lay, self._windows, o.rng, o.greedy
+        )
         write_in_place(self._windows, new)
 
     @step_kernel
-    def _continue_window(self, tree, verdict, verified, p_nodes, roots_at, lay: _Layout, win: _Windows):
+    def _continue_window(
+        self, tree, verdict, verified, p_nodes, roots_at, lay: _Layout, win: _Windows, rng, greedy
+    ):
         """The next window: the continuation of the accepted path, kept or redrawn (SJD-PAC's adaptive
-        continuation)."""
+        continuation), from ``p_nodes`` [B, T, V] where ``verified`` [B] (``roots_at`` [B]: each root's
+        image index; ``rng``, ``greedy``: the step's, ``StepOutcome``)."""
         win, deep = replace(win), self.main_depth  # a new state: no input's attributes change
         vocab = p_nodes.shape[-1]
         accepted = verdict.accepted
@@ -259,13 +268,13 @@ class SjdPacBuilder(DraftTreeBuilder):
         spread = holder[..., None].expand(-1, -1, vocab)
         p = p_nodes.gather(1, spread)  # [B, M, V]
         count = (tree.max_depth() - accepted).clamp_min(0)  # depths a + 2 .. n, and n + 1 (undrafted)
-        if self._greedy:
+        if greedy:
             out = p.argmax(-1)
         else:
             undrafted = k >= count[:, None] - 1
             positions = (roots_at + accepted + 2)[:, None] + k if self.coupling == "gumbel" else None
             out = self._continue(
-                tree.tokens.gather(1, node), p, tree.q.gather(1, spread), undrafted, positions
+                tree.tokens.gather(1, node), p, tree.q.gather(1, spread), undrafted, positions, rng
             )
         win.start = torch.where(verified, roots_at + accepted + 2, win.start)
         win.count = torch.where(verified, count, win.count)
@@ -273,26 +282,13 @@ class SjdPacBuilder(DraftTreeBuilder):
         win.q = torch.where(verified[:, None, None], p.to(win.q.dtype), win.q)
         return win
 
-    def _continue(self, drafts, p, q, undrafted, positions) -> torch.Tensor:
+    def _continue(self, drafts, p, q, undrafted, positions, rng: RowRandom) -> torch.Tensor:
         """Each later position's next draft, a draw from its ``p`` [B, M, V]: the draft coupled with it
         (maximal: kept with min(1, p(x)/q(x)), else from norm(max(0, p − q)); gumbel: argmax(log p + G)
-        with G fixed per image position, ``positions`` [B, M]). ``undrafted`` entries (past the deepest
-        draft) are drawn from p."""
+        with G fixed per image position, ``positions`` [B, M]; ``drafts`` [B, M] the drafts, ``q``
+        [B, M, V] what they were drawn from). ``undrafted`` [B, M] entries (past the deepest draft) are
+        drawn from p."""
         if self.coupling == "gumbel":
-            return gumbel_max(p, self._rng.keyed(Purpose.GUMBEL, positions, p.shape[-1]))
-        u = self._rng.uniform(Purpose.CONTINUE, drafts.shape[1], 2)  # [B, M, 2]: keep test, redraw
+            return gumbel_max(p, rng.keyed(Purpose.GUMBEL, positions, p.shape[-1]))
+        u = rng.uniform(Purpose.CONTINUE, drafts.shape[1], 2)  # [B, M, 2]: keep test, redraw
         return maximal_coupling(drafts, p, torch.where(undrafted[..., None], 0.0, q), u[..., 0], u[..., 1])
-
-
-@dataclass
-class SjdPacTreeConfig(TreeConfig):
-    """SJD-PAC's window (``SjdPacBuilder``): a full ``width``-ary tree of ``levels`` levels, then a chain;
-    no drafter. Its ``window`` is L, the tokens per forward (the release's max_num_new_tokens), not
-    SJD's W: that is ``width`` here."""
-
-    kind: str = "sjd_pac"
-    window: int = 16  # L: tokens per forward, the root included
-    width: int = 3  # W: tokens drafted per tree level (proactive drafting)
-    levels: int = 3  # D: tree levels, the root included (the release's tree_depth)
-    coupling: str = "maximal"  # continuation: maximal (the release's, SCD's π_MC) | gumbel (SCD's π_GS)
-    fresh_q: str = "uniform"  # a fresh draft's q: uniform (the release) | point (its point mass, SCD)

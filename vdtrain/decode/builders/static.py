@@ -35,7 +35,7 @@ class _Layout(NamedTuple):
     levels: list[torch.Tensor]  # per depth: its nodes
 
 
-class Drafted(NamedTuple):
+class LevelBuffers(NamedTuple):
     """The tree's buffers while its levels are drawn."""
 
     tokens: torch.Tensor  # [B, T]
@@ -44,14 +44,29 @@ class Drafted(NamedTuple):
     u: torch.Tensor | None  # [B, T] each node's draw (T > 0)
 
 
+@dataclass
+class StaticTreeConfig(TreeConfig):
+    """A fixed tree of drafter ranks: a named one (``preset``) or explicit rank ``paths``."""
+
+    kind: str = "static"
+    preset: str | None = None  # a named tree (eagle1, lantern_pp)
+    paths: list[list[int]] | None = None  # explicit rank paths instead of a preset
+
+
 class StaticTreeBuilder(DraftTreeBuilder):
     """A fixed tree: top-k children at T = 0; at T > 0 children sampled without replacement from q."""
 
     graph_safe = True
 
-    def __init__(self, tree: StaticTree) -> None:
-        self.configured_tree = tree
-        self._use(tree)
+    def __init__(self, config: StaticTreeConfig) -> None:
+        """``config``'s tree; exactly one of ``preset`` and ``paths`` names it."""
+        if (config.preset is None) == (config.paths is None):
+            raise ValueError("a static tree needs exactly one of tree.preset or tree.paths")
+        if config.preset is not None and config.preset not in STATIC_TREES:
+            raise ValueError(f"unknown static tree {config.preset!r}; known: {sorted(STATIC_TREES)}")
+        paths = STATIC_TREES[config.preset] if config.preset else [tuple(p) for p in config.paths]
+        self.configured_tree = static_tree(paths)
+        self._use(self.configured_tree)
 
     def limit_nodes(self, nodes: int | None) -> None:
         """The first ``nodes - 1`` rank paths (shortest first, then by rank: every kept path's parent and
@@ -113,9 +128,10 @@ class StaticTreeBuilder(DraftTreeBuilder):
 
     @step_kernel
     def _draw(self, ctx, state: StepState, layout: _Layout, depth: int, drafted, feats_of, logits_of):
-        """Level ``depth``'s children from their parents' drafter logits (``drafted`` None: the first
-        level, with the tree's buffers made here); then, unless it is the deepest level, the drafter rows
-        of this level's nodes (their parents' features, the inputs). Returns (``Drafted``, rows or None)."""
+        """Level ``depth``'s children from their parents' drafter logits (``logits_of``: node → [R, V];
+        ``feats_of``: node → [R, H]; ``drafted`` None: the first level, with the tree's buffers made
+        here); then, unless it is the deepest level, the drafter rows of this level's nodes (their
+        parents' features, the inputs). Returns (``LevelBuffers``, rows or None)."""
         t, sampling = self.tree, ctx.sampling
         batch, device = len(state.roots), state.roots.device
         size, vocab = t.size, state.root_logits.shape[-1]
@@ -127,7 +143,7 @@ class StaticTreeBuilder(DraftTreeBuilder):
             valid[:, 0] = True
             q_nodes = None if sampling.greedy else torch.zeros(batch, size, vocab, device=device)
             u = None if sampling.greedy else state.rng.uniform(Purpose.DRAFT, size)
-            drafted = Drafted(tokens, valid, q_nodes, u)
+            drafted = LevelBuffers(tokens, valid, q_nodes, u)
         tokens, valid, q_nodes, u = drafted
         reach = state.depth_limit >= depth  # [B]
         for parent, kids in self.families[depth - 1]:
@@ -158,22 +174,3 @@ class StaticTreeBuilder(DraftTreeBuilder):
         seen = layout.ancestors[level_t][:, 1:].expand(batch, -1, -1)  # [B, S, T-1] over non-root nodes
         vis = visibility(base, base, seen, n_img - 1 + size - 1)
         return drafted, (parent_feats, ctx.drafter_inputs(tokens[:, level_t], index, slots, vis))
-
-
-@dataclass
-class StaticTreeConfig(TreeConfig):
-    """A fixed tree of drafter ranks: a named one (``preset``) or explicit rank ``paths``."""
-
-    kind: str = "static"
-    preset: str | None = None  # a named tree (eagle1, lantern_pp)
-    paths: list[list[int]] | None = None  # explicit rank paths instead of a preset
-
-
-def static_builder(config: StaticTreeConfig) -> StaticTreeBuilder:
-    """The builder of ``config``'s tree; exactly one of ``preset`` and ``paths`` names it."""
-    if (config.preset is None) == (config.paths is None):
-        raise ValueError("a static tree needs exactly one of tree.preset or tree.paths")
-    if config.preset is not None and config.preset not in STATIC_TREES:
-        raise ValueError(f"unknown static tree {config.preset!r}; known: {sorted(STATIC_TREES)}")
-    paths = STATIC_TREES[config.preset] if config.preset else [tuple(p) for p in config.paths]
-    return StaticTreeBuilder(static_tree(paths))
