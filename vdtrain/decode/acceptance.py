@@ -26,8 +26,9 @@ from typing import ClassVar
 
 import torch
 
+from vdtrain.decode.kernels import shared_arange
 from vdtrain.decode.rng import inverse_cdf
-from vdtrain.decode.trees import DraftTree
+from vdtrain.decode.trees import DraftTree, first_flagged_child
 
 
 def _normalise_rows(p: torch.Tensor) -> torch.Tensor:
@@ -201,11 +202,9 @@ class Grouped(Rule):
             return super().group_batch(p, x)
         vocab, size = p.shape[-1], self.config.group_size
         order = p.sort(dim=-1, descending=True, stable=True).indices  # ties by token id
-        place = torch.empty_like(order).scatter_(
-            -1, order, torch.arange(vocab, device=p.device).expand_as(order)
-        )
+        place = torch.empty_like(order).scatter_(-1, order, shared_arange(vocab, p.device).expand_as(order))
         start = place.gather(-1, x.unsqueeze(-1)) - size // 2  # [..., 1]: x's rank minus half the window
-        slots = start.clamp_min(0) + torch.arange(size, device=p.device)
+        slots = start.clamp_min(0) + shared_arange(size, p.device)
         in_window = (slots < start + size) & (slots < vocab)
         window = order.gather(-1, slots.clamp_max(vocab - 1))  # [..., G]
         close_p = (p.gather(-1, window) - p.gather(-1, x.unsqueeze(-1))).abs() < self.config.delta_p
@@ -311,16 +310,6 @@ def _check_shapes(
         raise ValueError(f"a sampled tree needs q of p_nodes' shape {tuple(p_nodes.shape)}")
 
 
-def _first_per_parent(flag: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """[B, T]: for each node, its first (lowest-stored) child with ``flag`` set, −1 where none."""
-    size = flag.shape[1]
-    nodes = torch.arange(size, device=flag.device).expand_as(flag)
-    first = torch.full_like(parents, size).scatter_reduce(
-        1, parents.clamp_min(0), torch.where(flag, nodes, size), reduce="amin"
-    )
-    return torch.where(first < size, first, -1)
-
-
 def _follow(
     child_of: torch.Tensor, relaxed_at: torch.Tensor, depth: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -333,7 +322,7 @@ def _follow(
     node = torch.zeros_like(child_of[:, :1])  # [B, 1]: the root
     if depth == 0:
         return child_of[:, :0], node.squeeze(1), torch.zeros_like(node.squeeze(1))
-    nodes = torch.arange(size, device=child_of.device)
+    nodes = shared_arange(size, child_of.device)
     jump = torch.where(child_of >= 0, child_of, nodes)  # f, then f^m
     reach = jump[:, :1]  # [B, m]: f(root) .. f^m(root)
     while reach.shape[1] < depth:
@@ -356,14 +345,14 @@ def _greedy_choices(
     parents = tree.parents.clamp_min(0)
     is_child = tree.valid & (tree.parents >= 0)
     best_at_parent = best.gather(1, parents)
-    first_hit = _first_per_parent(is_child & (tree.tokens == best_at_parent), parents)
+    first_hit = first_flagged_child(is_child & (tree.tokens == best_at_parent), parents)
     if p_relax is None:
         return first_hit, torch.zeros_like(tree.valid)
     vocab = p_relax.shape[-1]
     soft = p_relax.double().gather(1, parents[..., None].expand(-1, -1, vocab))  # each child's parent row
     candidates, member = rule.group_batch(soft, tree.tokens)
     holds_best = ((candidates == best_at_parent[..., None]) & member).any(-1)
-    first_group = _first_per_parent(is_child & holds_best, parents)
+    first_group = first_flagged_child(is_child & holds_best, parents)
     relaxed_at = (first_hit < 0) & (first_group >= 0)
     return torch.where(first_hit >= 0, first_hit, first_group), relaxed_at
 
@@ -379,12 +368,12 @@ def _exact_choices(tree: DraftTree, p_nodes: torch.Tensor, u_accept: torch.Tenso
     p_child = p.reshape(batch, size * vocab).gather(1, parents * vocab + tree.tokens)
     # A token repeated among siblings was zeroed when its first copy was rejected.
     repeated = (earlier & (tree.tokens[:, :, None] == tree.tokens[:, None, :])).any(-1)
-    p_child = torch.where(repeated, 0.0, p_child)
+    p_child = p_child.masked_fill(repeated, 0.0)
     removed = (earlier.double() @ p_child[..., None]).squeeze(-1)
     left = torch.where(earlier.any(-1), p.sum(-1).gather(1, parents) - removed, 1.0)
     # ``left`` <= 0: the walk's p was exhausted and fell back to a point mass on token 0.
     accept = torch.where(left > 0, u_accept.double() * left < p_child, tree.tokens == 0)
-    return _first_per_parent(is_child & accept, parents)
+    return first_flagged_child(is_child & accept, parents)
 
 
 def _exact_residual(tree: DraftTree, p_nodes: torch.Tensor, final: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,33 @@ def step_kernel(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
+_SHARED: dict[tuple[str, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def shared_arange(n: int, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``torch.arange(n)`` on ``device``, made once and shared (``_shared``)."""
+    return _shared(("arange", n, dtype, device), lambda: torch.arange(n, dtype=dtype, device=device))
+
+
+def shared_eye(n: int, device: torch.device) -> torch.Tensor:
+    """The bool ``torch.eye(n)`` on ``device``, made once and shared (``_shared``)."""
+    return _shared(("eye", n, torch.bool, device), lambda: torch.eye(n, dtype=torch.bool, device=device))
+
+
+def _shared(
+    key: tuple[str, int, torch.dtype, torch.device], make: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """``make()``, kept under ``key`` for every later step: read it, never write it (a GPU step is bound
+    by launches). Made afresh while compiling (inductor folds it) or while capturing a CUDA graph (whose
+    kernels run only on replay, so a tensor made then holds nothing before one)."""
+    device = key[3]
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return make()
+    if key not in _SHARED:
+        _SHARED[key] = make()
+    return _SHARED[key]
+
+
 def _limit_name() -> str:
     """Dynamo's recompile-limit setting: ``recompile_limit`` (torch 2.7+), ``cache_size_limit`` before."""
     config = torch._dynamo.config

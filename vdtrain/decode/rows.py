@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from vdtrain.decode.kernels import step_kernel
+from vdtrain.decode.kernels import shared_arange, shared_eye, step_kernel
 from vdtrain.decode.trees import DraftTree, ancestor_matrix
 from vdtrain.targets.base import prefix_and_image_mask
 
@@ -34,8 +34,9 @@ class TargetGeometry(Protocol):
 
 
 def per_stream(t: torch.Tensor, streams: int) -> torch.Tensor:
-    """``t`` [B, ...] repeated for every CFG stream: [streams·B, ...]."""
-    return t.repeat(streams, *([1] * (t.dim() - 1)))
+    """``t`` [B, ...] repeated for every CFG stream: [streams·B, ...]; a broadcast view of ``t`` (no
+    kernel) where B = 1 or one stream, else a copy. Read it, never write it."""
+    return t.expand(streams, *t.shape).flatten(0, 1)
 
 
 class ImageColumns(NamedTuple):
@@ -57,8 +58,8 @@ def image_columns(
     """Per row: image columns ``< committed_cols[b]`` visible, and a block of ``block`` columns at
     ``block_cols[b] ..`` whose visibility each row brings; ``width`` columns in all."""
     device = committed_cols.device
-    cols = torch.arange(width, device=device)
-    place = block_cols[:, None] + torch.arange(block, device=device)[None, :]
+    cols = shared_arange(width, device)
+    place = block_cols[:, None] + shared_arange(block, device)[None, :]
     return ImageColumns(cols[None, :] < committed_cols[:, None], place)
 
 
@@ -75,8 +76,8 @@ def chain_visibility(base: torch.Tensor, width: int, n_img: int) -> torch.Tensor
     columns before it, then the chain up to itself."""
     # Row i sees every column up to its own, base + i: the committed ones, then the chain (one compare
     # where placing a causal block among the committed columns took seven kernels).
-    cols = torch.arange(n_img - 1 + width, device=base.device)
-    last = base[:, None] + torch.arange(width, device=base.device)  # [B, width]
+    cols = shared_arange(n_img - 1 + width, base.device)
+    last = base[:, None] + shared_arange(width, base.device)  # [B, width]
     return cols[None, None, :] <= last[:, :, None]
 
 
@@ -116,11 +117,11 @@ def tree_rows(tree: DraftTree, committed: torch.Tensor, geometry: TargetGeometry
     base = committed - 1  # image slot of the root
     anc = tree.ancestors if tree.ancestors is not None else ancestor_matrix(tree.parents, tree.depth_bound)
     anc = anc & tree.valid[:, None, :]
-    anc |= torch.eye(tree.size, dtype=torch.bool, device=anc.device)
+    anc |= shared_eye(tree.size, anc.device)
     vis = visibility(base, base, anc, n_img - 1 + tree.size)
     # Padding nodes may lie past the image; clamp their (ignored) positions into the RoPE table.
     index = (base[:, None] + tree.depths).clamp_max(n_img - 1)
-    slots = geometry.image_slot(base[:, None] + torch.arange(tree.size, device=base.device))
+    slots = geometry.image_slot(base[:, None] + shared_arange(tree.size, base.device))
     return tuple(per_stream(t, streams) for t in (tree.tokens, index, slots, vis))
 
 
@@ -140,8 +141,8 @@ def post_verified_rows(
     width_rows = chain + size
     base = committed - 1 - lead  # image index of the first token the target has not seen
     anc = ancestor_matrix(tree.parents) & tree.valid[:, None, :]
-    anc |= torch.eye(size, dtype=torch.bool, device=device)
-    j = torch.arange(width_rows, device=device)
+    anc |= shared_eye(size, device)
+    j = shared_arange(width_rows, device)
     u = lead[:, None]
     in_chain, in_tree = j[None] < u, (j[None] >= u) & (j[None] < u + size)
     node = (j[None] - u).clamp(0, size - 1)  # [B, S]: tree node of row j

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
-from vdtrain.decode.kernels import step_kernel
+from vdtrain.decode.kernels import shared_arange, shared_eye, step_kernel
 from vdtrain.decode.rows import DrafterRows, image_columns, per_stream
 from vdtrain.decode.trees import DraftTree
 
@@ -157,12 +157,14 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     def _top_children(self, ctx: DraftContext, logits: torch.Tensor, size: int, index: torch.Tensor):
         """(−log q [..., K], tokens [..., K]): the ``K`` likeliest tokens by ``_logq``, ties to the lower
         id, as ``topk_low_index_first`` ranks them, in fewer kernels: −log q is >= 0 (−0.0 where q = 1,
-        the only zero), so its float bits order it as int32 with no sign fix (``index``: arange(V))."""
+        the only zero), so its float bits order it as int32 with no sign fix (``index``: arange(V)). The
+        chosen keys' high words are the chosen −log q: read as float32, with no gather."""
         surprisal = self._logq(ctx, logits).neg()
         words = [index.expand_as(surprisal), surprisal.view(torch.int32)]
-        key = torch.stack(words if sys.byteorder == "little" else words[::-1], -1).view(torch.int64)
-        tokens = key.squeeze(-1).topk(size, dim=-1, largest=False).indices
-        return surprisal.gather(-1, tokens), tokens
+        little = sys.byteorder == "little"
+        key = torch.stack(words if little else words[::-1], -1).view(torch.int64)
+        top = key.squeeze(-1).topk(size, dim=-1, largest=False)
+        return top.values.view(torch.int32)[..., 1 if little else 0 :: 2].view(torch.float32), top.indices
 
     def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
         vocab, device = state.root_logits.shape[-1], state.roots.device
@@ -202,9 +204,9 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         its rows' embeddings and ancestors (a GPU step is bound by kernel launches)."""
         roots, limit = state.roots, state.depth_limit
         batch, device = len(roots), roots.device
-        col = torch.arange(size, device=device)
+        col = shared_arange(size, device)
         vocab = state.root_logits.shape[-1]
-        index = torch.arange(vocab, dtype=torch.int32, device=device)
+        index = shared_arange(vocab, device, torch.int32)
         front_s, front_tok = self._top_children(ctx, state.root_logits, size, index)
         first_ok = (limit >= 1)[:, None] & (col < widths[:, None])
         # Scores are cumulative −log q, +inf where a node is not in the tree (ranking reads no mask).
@@ -218,14 +220,14 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         first = Layer(front_tok, front_score, torch.zeros_like(front_tok), first_ok)
         # Round r grows a row's candidates j·K + c (j, c < its width) if it has r rounds and room below.
         kid_ok = (col[None, :, None] < widths[:, None, None]) & (col[None, None, :] < widths[:, None, None])
-        r = torch.arange(1, depth_cap + 1, device=device)
+        r = shared_arange(depth_cap + 1, device)[1:]
         grow = (rounds[:, None] >= r) & (limit[:, None] > r)  # [B, rounds]
         valid = grow[:, :, None] & kid_ok.flatten(1)[:, None]  # [B, rounds, K·K]
         rows = None
         if depth_cap:  # the rows of every round: frontier node j of round r at scratch column (r−1)·K + j
             n_img, base = ctx.target.num_image_tokens, state.committed - 1
-            cols = torch.arange(depth_cap * size, device=device)
-            own = torch.eye(depth_cap * size, dtype=torch.bool, device=device).expand(batch, -1, -1)
+            cols = shared_arange(depth_cap * size, device)
+            own = shared_eye(depth_cap * size, device).expand(batch, -1, -1)
             columns = image_columns(base, base, depth_cap * size, n_img - 1 + depth_cap * size)
             rows = ctx.drafter_inputs(
                 None,
@@ -323,7 +325,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         bounds the tree's depth and widest node on the host (batched acceptance loops that often)."""
         batch, count = tokens.shape
         if self.keep_deepest_path:
-            depths = self._depths(torch.arange(count, device=tokens.device), width)
+            depths = self._depths(shared_arange(count, tokens.device), width)
             scores = scores.masked_fill(
                 self._deepest_path(scores, parents, depths, valid, depth_cap), float("-inf")
             )
@@ -337,7 +339,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         node_bad = F.pad(kept_bad, (1, pad), value=True)
         node_bad[:, 0] = False
         new_index = torch.zeros_like(tokens).scatter_(
-            1, kept, torch.arange(1, keep + 1, device=tokens.device).expand(batch, -1)
+            1, kept, shared_arange(keep + 1, tokens.device)[1:].expand(batch, -1)
         )
         new_parents = new_index.gather(1, parents.gather(1, nodes).clamp_min(0))
         new_parents[:, 0] = -1
