@@ -22,7 +22,7 @@ from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepOutcome, StepState, node_budget
 from vdtrain.decode.compiled import DecodeOptions
 from vdtrain.decode.graphs import DeviceLog, Recorder, SplitStepGraph, StepGraph
-from vdtrain.decode.kernels import compiled_step_kernels, shared_arange, step_kernel
+from vdtrain.decode.kernels import compiled_step_kernels, shared_arange, shared_full, step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.rows import (
     DrafterRows,
@@ -426,7 +426,7 @@ class SpeculativeEngine:
             greedy = self.sampling.greedy
             self.builder.observe(StepOutcome(tree, verdict, plan, p_nodes, drafted.roots_at, run.rng, greedy))
             roots, verify_calls = self._counted(self.commit, tree, verdict, plan, hidden, roots)
-        skipped = torch.zeros_like(run.committed)
+        skipped = shared_full(0, run.committed.device, torch.long).expand_as(run.committed)
         if plan.any_skip:
             (roots, skipped), skip_calls = self._counted(self.commit_unverified, tree, plan, roots)
         self._keep(roots, plan, skipped)
@@ -641,13 +641,13 @@ class SpeculativeEngine:
         """This step's per-prompt counts (``LOG_FIELDS``) appended to ``run.log`` (``skipped`` [B]: the
         tokens each skipping prompt committed)."""
         run, verified = self.run, plan.verified
-        none = torch.zeros_like(run.committed)
+        none = shared_full(0, run.committed.device, torch.long).expand_as(run.committed)
         accepted = verdict.accepted if verdict is not None else none
         run.log.append(
             torch.stack(
                 [
-                    verified.long(),
-                    plan.skipped.long() if plan.skipped is not None else none,
+                    verified,  # bool: ``stack`` promotes it to long
+                    plan.skipped if plan.skipped is not None else none,
                     torch.where(verified, accepted + 1, skipped),
                     drafted.depth,
                     drafted.roots_at,

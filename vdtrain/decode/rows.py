@@ -48,8 +48,8 @@ class ImageColumns(NamedTuple):
     def rows(self, block_vis: torch.Tensor) -> torch.Tensor:
         """Rows' visibility [B, S, W] from their visibility within the block [B, S, S']."""
         batch, steps, _ = block_vis.shape
-        vis = self.prior[:, None, :].expand(batch, steps, -1).clone()
-        return vis.scatter_(2, self.place[:, None, :].expand(batch, steps, -1), block_vis)
+        vis = self.prior[:, None, :].expand(batch, steps, -1)  # scattered out of place: no clone first
+        return vis.scatter(2, self.place[:, None, :].expand(batch, steps, -1), block_vis)
 
 
 def image_columns(

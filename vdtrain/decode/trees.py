@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vdtrain.decode.kernels import shared_arange, shared_eye
+from vdtrain.decode.kernels import shared_arange, shared_eye, shared_full
 
 # EAGLE-1's default static tree (25 draft nodes, depth 5): paths of child ranks from the root.
 EAGLE1_PATHS: tuple[tuple[int, ...], ...] = (
@@ -107,8 +107,10 @@ def first_flagged_child(flag: torch.Tensor, parents: torch.Tensor) -> torch.Tens
     that no flagged child reaches keeps the −1 it starts with."""
     batch, size = flag.shape
     nodes = shared_arange(size, flag.device).expand(batch, size)
-    first = parents.new_full((batch, size + 1), -1).scatter_reduce(
-        1, parents.masked_fill(~flag, size), nodes, reduce="amin", include_self=False
+    first = (
+        shared_full(-1, flag.device, torch.long)
+        .expand(batch, size + 1)
+        .scatter_reduce(1, parents.masked_fill(~flag, size), nodes, reduce="amin", include_self=False)
     )
     return first[:, :size]
 

@@ -12,6 +12,7 @@ docs/decoding.md, "Drafting", gives the keys.
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from dataclasses import dataclass
@@ -21,12 +22,15 @@ import torch
 import torch.nn.functional as F
 
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
-from vdtrain.decode.kernels import shared_arange, shared_eye, step_kernel
+from vdtrain.decode.kernels import shared_arange, shared_eye, shared_full, step_kernel
 from vdtrain.decode.rows import DrafterRows, image_columns, per_stream
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
     from vdtrain.decode.builders.base import DraftContext
+
+
+LOG_Q_FLOOR = math.log(1e-30)  # the least log q a draft ranks by: tokens filtered out (q = 0) tie there
 
 
 def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,9 +64,10 @@ class Layer(NamedTuple):
 
     tokens: torch.Tensor  # [B, n]
     scores: torch.Tensor  # [B, n] cumulative −log q (lower is likelier), float64; +inf outside the tree
-    parents: torch.Tensor  # [B, n] flat node index of the parent
+    parents: torch.Tensor  # [B, n / K or 1] flat node index of the parent of each K nodes (root: −1)
     valid: torch.Tensor  # [B, n]
-    # A node's depth follows from its flat index (``_depths``): the root, K children, K·K a round.
+    # A node's depth follows from its flat index (``_depths``): the root, K children, K·K a round; its
+    # parent too: the layers' ``parents`` joined hold node i's at (i + K − 1) // K (``_parents``).
 
 
 class BuildPlan(NamedTuple):
@@ -141,8 +146,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         """(expansion rounds [B], top_k [B]) for this step's trees, on the state's device."""
         batch, device = len(state.roots), state.roots.device
         return (
-            torch.full((batch,), self.depth, dtype=torch.long, device=device),
-            torch.full((batch,), self.top_k, dtype=torch.long, device=device),
+            shared_full(self.depth, device, torch.long).expand(batch),
+            shared_full(self.top_k, device, torch.long).expand(batch),
         )
 
     def envelope(self, state: StepState) -> tuple[int, int]:
@@ -151,8 +156,10 @@ class DynamicTreeBuilder(DraftTreeBuilder):
 
     @staticmethod
     def _logq(ctx: DraftContext, logits: torch.Tensor) -> torch.Tensor:
-        """Drafter ``logits`` [R, ..., V] → log q [B, ..., V] (q floored at 1e-30: ranks stay defined)."""
-        return ctx.draft_probs(logits).clamp_min(1e-30).log()
+        """Drafter ``logits`` [R, ..., V] → log q [B, ..., V]: the log-softmax of the pipeline's processed
+        logits (one kernel where softmax, clamp and log took three), floored at log 1e-30 so that ranks
+        and sums stay finite."""
+        return ctx.draft_logits(logits).log_softmax(-1).clamp_min(LOG_Q_FLOOR)
 
     def _top_children(self, ctx: DraftContext, logits: torch.Tensor, size: int, index: torch.Tensor):
         """(−log q [..., K], tokens [..., K]): the ``K`` likeliest tokens by ``_logq``, ties to the lower
@@ -210,14 +217,16 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         front_s, front_tok = self._top_children(ctx, state.root_logits, size, index)
         first_ok = (limit >= 1)[:, None] & (col < widths[:, None])
         # Scores are cumulative −log q, +inf where a node is not in the tree (ranking reads no mask).
-        front_score = front_s.double().masked_fill(~first_ok, float("inf"))
+        # float32 −log q widened to float64 exactly, by the ``where`` itself (one kernel).
+        inf = shared_full(float("inf"), device, torch.float64).expand(batch, size)  # not 0-dim: it promotes
+        front_score = torch.where(first_ok, front_s, inf)
         root = Layer(
             roots[:, None],
-            front_score.new_zeros(batch, 1),
-            torch.full_like(roots[:, None], -1),
-            torch.ones_like(roots[:, None], dtype=torch.bool),
+            shared_full(0.0, device, front_score.dtype).expand(batch, 1),
+            shared_full(-1, device, torch.long).expand(batch, 1),
+            shared_full(True, device, torch.bool).expand(batch, 1),
         )
-        first = Layer(front_tok, front_score, torch.zeros_like(front_tok), first_ok)
+        first = Layer(front_tok, front_score, shared_full(0, device, torch.long).expand(batch, 1), first_ok)
         # Round r grows a row's candidates j·K + c (j, c < its width) if it has r rounds and room below.
         kid_ok = (col[None, :, None] < widths[:, None, None]) & (col[None, None, :] < widths[:, None, None])
         r = shared_arange(depth_cap + 1, device)[1:]
@@ -231,7 +240,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             columns = image_columns(base, base, depth_cap * size, n_img - 1 + depth_cap * size)
             rows = ctx.drafter_inputs(
                 None,
-                (base[:, None] + 1 + cols // size).clamp_max(n_img),
+                (state.committed[:, None] + cols // size).clamp_max(n_img),  # base + 1 + round
                 ctx.target.image_slot(base[:, None] + cols),
                 columns.rows(own),
                 next_embeds=state.root_feats[:, None, :0],  # a round brings its own (``_frontier_rows``)
@@ -273,12 +282,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             .flatten(1)
             .masked_fill(plan.invalid[:, r - 1], float("inf"))
         )
-        return Layer(
-            tokens,
-            scores,
-            front.node[:, :, None].expand(-1, -1, size).flatten(1),
-            plan.valid[:, r - 1],
-        )
+        return Layer(tokens, scores, front.node, plan.valid[:, r - 1])
 
     @step_kernel
     def _expand(
@@ -319,16 +323,17 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         depth_cap: int,
         width: int,
     ) -> DraftTree:
-        """Keep the best ``total_tokens − 1`` of the candidate nodes (``tokens``, ``scores``, ``parents``,
-        ``depths``, ``valid``: [B, N] each; a parent outranks its children: log q <= 0), laid out by depth
-        then creation order; padding nodes as the old builder writes them. The envelope
+        """Keep the best ``total_tokens − 1`` of the candidate nodes (``tokens``, ``scores``, ``valid``:
+        [B, N] each, ``parents`` as the layers hold them; a parent outranks its children: log q <= 0), laid
+        out by depth then creation order; padding nodes as the old builder writes them. The envelope
         bounds the tree's depth and widest node on the host (batched acceptance loops that often)."""
         batch, count = tokens.shape
         if self.keep_deepest_path:
-            depths = self._depths(shared_arange(count, tokens.device), width)
-            scores = scores.masked_fill(
-                self._deepest_path(scores, parents, depths, valid, depth_cap), float("-inf")
+            every = shared_arange(count, tokens.device)
+            path = self._deepest_path(
+                scores, self._parents(parents, every, width), self._depths(every, width), valid, depth_cap
             )
+            scores = scores.masked_fill(path, float("-inf"))
         keep = min(self.total_tokens, count) - 1
         # ``ranked`` by −log q, without its mask: a node outside the tree already scores +inf.
         kept = 1 + scores[:, 1:].sort(dim=-1, stable=True).indices[:, :keep]
@@ -336,12 +341,14 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         kept, kept_bad = order % count, order >= count
         pad = self.total_tokens - 1 - keep
         nodes = F.pad(kept, (1, pad))  # the root first; padding nodes are node 0
-        node_bad = F.pad(kept_bad, (1, pad), value=True)
-        node_bad[:, 0] = False
-        new_index = torch.zeros_like(tokens).scatter_(
-            1, kept, shared_arange(keep + 1, tokens.device)[1:].expand(batch, -1)
+        node_bad = F.pad(kept_bad, (1, 0))  # the root is good; padding nodes are not
+        node_bad = F.pad(node_bad, (0, pad), value=True) if pad else node_bad
+        new_index = (
+            shared_full(0, tokens.device, torch.long)
+            .expand_as(tokens)
+            .scatter(1, kept, shared_arange(keep + 1, tokens.device)[1:].expand(batch, -1))
         )
-        new_parents = new_index.gather(1, parents.gather(1, nodes).clamp_min(0))
+        new_parents = new_index.gather(1, self._parents(parents, nodes, width).clamp_min(0))
         new_parents[:, 0] = -1
         return DraftTree(
             tokens.gather(1, nodes).masked_fill(node_bad, 0),
@@ -352,6 +359,14 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             False,
             depth_bound=min(depth_cap + 1, self.total_tokens - 1),
             width_bound=min(width, self.total_tokens - 1),
+        )
+
+    @staticmethod
+    def _parents(parents: torch.Tensor, nodes: torch.Tensor, width: int) -> torch.Tensor:
+        """The parent of flat node indices ``nodes`` [..., n] from the layers' joined ``parents`` [B, ·]
+        (the root's −1, the root for depth 1, then each round's frontier: one entry per K children)."""
+        return parents.gather(
+            1, (nodes + (width - 1)).div(width, rounding_mode="floor").expand(len(parents), -1)
         )
 
     @staticmethod
