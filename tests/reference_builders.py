@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
-from vdtrain.decode.builders.dynamic import LOG_Q_FLOOR
 from vdtrain.decode.rows import visibility
 from vdtrain.decode.trees import DraftTree
 
@@ -63,7 +62,7 @@ class ReferenceDynamicTreeBuilder(DraftTreeBuilder):
         rounds, widths = self.shape(state)
         widths = widths.clamp_max(state.root_logits.shape[-1])  # no more children than tokens
         limit = state.depth_limit.cpu()
-        logq = ctx.draft_logits(state.root_logits).log_softmax(-1).clamp_min(LOG_Q_FLOOR).cpu()  # [B, V]
+        logq = ctx.draft_probs(state.root_logits).clamp_min(1e-30).log().cpu()  # [B, V]
         nodes: list[list[_Node]] = [[_Node(int(state.roots[b]), -1, 0, 0.0)] for b in range(batch)]
         frontier: list[list[int]] = []
         for b in range(batch):
@@ -112,7 +111,7 @@ class ReferenceDynamicTreeBuilder(DraftTreeBuilder):
             vis_full = visibility(base, base, vis.to(device), int(base.max()) + width)
             rows = ctx.drafter_inputs(toks, index[:, None].expand(-1, size), slots, vis_full)
             f_hat, logits = ctx.drafter_forward(parent_feats, rows)
-            child_logq = ctx.draft_logits(logits).log_softmax(-1).clamp_min(LOG_Q_FLOOR).cpu()  # [B, S, V]
+            child_logq = ctx.draft_probs(logits).clamp_min(1e-30).log().cpu()  # [B, S, V]
             for b in grow:
                 k = int(widths[b])
                 layer = []

@@ -210,7 +210,7 @@ def stub_engine(logits: torch.Tensor, n_img: int = 16, prefix: int = 3) -> Simpl
         target=SimpleNamespace(
             prefix_length=prefix, num_image_tokens=n_img, image_slot=lambda index: index + prefix
         ),
-        draft_logits=lambda x: x,
+        draft_probs=lambda x: x.softmax(-1),
         # Rows as ``drafter_inputs`` lays them out (one stream): the builder slices them per round.
         drafter_inputs=lambda tokens, token_index, slots, vis, next_embeds=None: DrafterRows(
             next_embeds, token_index, vis[:, None], slots, token_index + 1

@@ -525,11 +525,12 @@ class SpeculativeEngine:
         width = run.chain + 1 + depth
         j = shared_arange(width, device)[None]  # [1, W]
         acc = accepted[:, None]
+        one_more = acc + 1  # tokens a verified prompt commits: its accepted drafts and the bonus
         # Rows of ``hidden`` to commit: the lead, the root, then the accepted nodes; padded by repeating
         # the last (moving a slot onto itself and recomputing a drafter row are harmless).
         if lead is None:  # no lead: the root (node 0), then the path; its last caught-up row is ``acc``
             node = torch.nn.functional.pad(path, (1, 0))  # [B, 1 + D]: width is 1 + D here
-            rows = acc + 1  # caught-up rows [B, 1]
+            rows = one_more  # caught-up rows [B, 1]
             node = torch.where(j < rows, node, node.gather(1, acc))
             base, last = committed - 1, accepted  # image slot of the first row; the last caught-up row
         else:
@@ -538,7 +539,7 @@ class SpeculativeEngine:
                 path.gather(1, (j - u - 1).clamp(0, max(depth - 1, 0))) if depth else torch.zeros_like(j)
             )
             node = torch.where(j < u, j, u + torch.where(j == u, 0, on_path))
-            rows = u + acc + 1  # caught-up rows [B, 1]
+            rows = u + one_more  # caught-up rows [B, 1]
             node = torch.where(j < rows, node, node.gather(1, rows - 1))
             base = committed - 1 - lead  # image slot of the first row
             last = rows[:, 0] - 1
@@ -552,7 +553,7 @@ class SpeculativeEngine:
         k = shared_arange(depth + 1, device)[None]
         new = torch.nn.functional.pad(tree.tokens.gather(1, path.clamp_min(0)), (0, 1))
         new.scatter_(1, acc, verdict.bonus[:, None])  # the bonus after the accepted drafts
-        counts = (accepted + 1) * verified  # 0 where not verified
+        counts = one_more[:, 0] * verified  # 0 where not verified
         at = committed[:, None] + k
         run.out.scatter_(1, at, torch.where(k < counts[:, None], new, run.out.gather(1, at)))
         src, dst = per_stream(src, streams), per_stream(dst, streams)
@@ -568,7 +569,7 @@ class SpeculativeEngine:
         after = col + 1  # image index of the token after row j's
         next_tokens_ = run.out.gather(1, after)
         index = after.clamp_max(n_img)  # padding rows only
-        vis = chain_visibility(base, width, n_img)
+        vis = chain_visibility(col, n_img)
         return (
             cache_rows,
             src,
@@ -603,9 +604,10 @@ class SpeculativeEngine:
         stale = target.image_slot(committed[:, None] - 1 - gamma[:, None] + j).clamp(0, fcache.shape[1] - 1)
         feats = fcache.gather(1, per_stream(stale, streams)[..., None].expand(-1, -1, fcache.shape[-1]))
         base = committed - 1  # image slot of the root, the first row's token
-        slots = target.image_slot(base[:, None] + j)
+        col = base[:, None] + j  # row j's image slot
+        slots = target.image_slot(col)
         index = at.clamp_max(target.num_image_tokens)
-        vis = chain_visibility(base, width, target.num_image_tokens)
+        vis = chain_visibility(col, target.num_image_tokens)
         rows = self.drafter_inputs(run.out.gather(1, at), index, slots, vis)
         f_hat, logits = self.drafter_forward(feats, rows)
         committed += gamma

@@ -71,13 +71,12 @@ def visibility(
     return image_columns(committed_cols, block_cols, block_vis.shape[2], width).rows(block_vis)
 
 
-def chain_visibility(base: torch.Tensor, width: int, n_img: int) -> torch.Tensor:
-    """``width`` causal rows per prompt from image column ``base[b]`` on: each sees the committed
-    columns before it, then the chain up to itself."""
-    # Row i sees every column up to its own, base + i: the committed ones, then the chain (one compare
-    # where placing a causal block among the committed columns took seven kernels).
-    cols = shared_arange(n_img - 1 + width, base.device)
-    last = base[:, None] + shared_arange(width, base.device)  # [B, width]
+def chain_visibility(last: torch.Tensor, n_img: int) -> torch.Tensor:
+    """Causal rows per prompt at image columns ``last`` [B, width] (``base[b] + i`` for row i): each sees
+    the committed columns before it, then the chain up to itself."""
+    # Row i sees every column up to its own: the committed ones, then the chain (one compare where
+    # placing a causal block among the committed columns took seven kernels).
+    cols = shared_arange(n_img - 1 + last.shape[1], last.device)
     return cols[None, None, :] <= last[:, :, None]
 
 

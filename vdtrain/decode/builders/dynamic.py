@@ -12,7 +12,6 @@ docs/decoding.md, "Drafting", gives the keys.
 
 from __future__ import annotations
 
-import math
 import sys
 import warnings
 from dataclasses import dataclass
@@ -28,9 +27,6 @@ from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
     from vdtrain.decode.builders.base import DraftContext
-
-
-LOG_Q_FLOOR = math.log(1e-30)  # the least log q a draft ranks by: tokens filtered out (q = 0) tie there
 
 
 def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,10 +152,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
 
     @staticmethod
     def _logq(ctx: DraftContext, logits: torch.Tensor) -> torch.Tensor:
-        """Drafter ``logits`` [R, ..., V] → log q [B, ..., V]: the log-softmax of the pipeline's processed
-        logits (one kernel where softmax, clamp and log took three), floored at log 1e-30 so that ranks
-        and sums stay finite."""
-        return ctx.draft_logits(logits).log_softmax(-1).clamp_min(LOG_Q_FLOOR)
+        """Drafter ``logits`` [R, ..., V] → log q [B, ..., V] (q floored at 1e-30: ranks stay defined)."""
+        return ctx.draft_probs(logits).clamp_min(1e-30).log()
 
     def _top_children(self, ctx: DraftContext, logits: torch.Tensor, size: int, index: torch.Tensor):
         """(−log q [..., K], tokens [..., K]): the ``K`` likeliest tokens by ``_logq``, ties to the lower
