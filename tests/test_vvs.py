@@ -28,8 +28,8 @@ from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import (
     ScheduleConfig,
     build_method,
-    decode_config,
     load_preset,
+    preset_node,
     verification_schedule,
 )
 from vdtrain.decode.metrics import summarize
@@ -593,12 +593,12 @@ def test_batched_paths_and_scores_match_the_per_prompt_reference(formula):
 
 def test_every_preset_has_a_valid_schedule():
     for path in sorted((CONF / "decode").glob("*.yaml")):
-        config = decode_config(OmegaConf.load(path))
+        config = load_preset(path.stem)
         want = {"vvs": "similarity", "vvs_release": "similarity", "vvs_uniform": "uniform"}.get(
             path.stem, "always"
         )
         assert config.schedule.kind == want, path.stem
-    vvs = decode_config(OmegaConf.load(CONF / "decode" / "vvs.yaml"))
+    vvs = load_preset("vvs")
     assert (vvs.tree.kind, vvs.acceptance.kind, vvs.acceptance.delta, vvs.acceptance.k) == (
         "dynamic",
         "lantern",
@@ -607,7 +607,7 @@ def test_every_preset_has_a_valid_schedule():
     )
     assert (vvs.schedule.t_sim, vvs.schedule.stride) == (0.7, 2)
     # Ours vs the release (docs/decoding.md, VVS): the same method but for the knobs of issue #16.
-    release = decode_config(OmegaConf.load(CONF / "decode" / "vvs_release.yaml"))
+    release = load_preset("vvs_release")
     assert (vvs.tree.depth, release.tree.depth) == (5, 4)  # 6 vs 5 draft levels
     assert release.acceptance == vvs.acceptance and release.schedule.t_sim == vvs.schedule.t_sim
     knobs = lambda s: (s.formula, s.alpha, s.few_paths, s.warmup)  # noqa: E731
@@ -689,7 +689,7 @@ def test_skipping_presets_never_skipping_with_exact_acceptance_are_eagle2(
     cond = tiny_condition(batch=2, seed=3)
     exact = {"schedule": {"t_sim": 2.0}, "acceptance": {"delta": 0.0, "cache_dir": str(tmp_path)}}
     never = preset_engine(name, target, drafter, sampling, tmp_path, **exact).generate(cond, generators(2, 5))
-    tree = OmegaConf.to_container(OmegaConf.load(CONF / "decode" / f"{name}.yaml").tree)
+    tree = OmegaConf.to_container(preset_node(CONF / "decode" / f"{name}.yaml").tree)
     eagle2 = preset_engine("eagle2", target, drafter, sampling, tmp_path, tree=tree).generate(
         cond, generators(2, 5)
     )

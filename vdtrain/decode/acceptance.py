@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
+from vdtrain.decode.kernels import shared_arange, shared_full
 from vdtrain.decode.rng import inverse_cdf
-from vdtrain.decode.trees import DraftTree
+from vdtrain.decode.trees import DraftTree, first_flagged_child
 
 
 def _normalise_rows(p: torch.Tensor) -> torch.Tensor:
@@ -201,11 +203,9 @@ class Grouped(Rule):
             return super().group_batch(p, x)
         vocab, size = p.shape[-1], self.config.group_size
         order = p.sort(dim=-1, descending=True, stable=True).indices  # ties by token id
-        place = torch.empty_like(order).scatter_(
-            -1, order, torch.arange(vocab, device=p.device).expand_as(order)
-        )
+        place = torch.empty_like(order).scatter_(-1, order, shared_arange(vocab, p.device).expand_as(order))
         start = place.gather(-1, x.unsqueeze(-1)) - size // 2  # [..., 1]: x's rank minus half the window
-        slots = start.clamp_min(0) + torch.arange(size, device=p.device)
+        slots = start.clamp_min(0) + shared_arange(size, p.device)
         in_window = (slots < start + size) & (slots < vocab)
         window = order.gather(-1, slots.clamp_max(vocab - 1))  # [..., G]
         close_p = (p.gather(-1, window) - p.gather(-1, x.unsqueeze(-1))).abs() < self.config.delta_p
@@ -274,9 +274,9 @@ def accept_batch(
         path, final, relaxed = _follow(child_of, relaxed_at, depth)
         bonus = best.gather(1, final[:, None]).squeeze(1)
     elif not tree.sampled and not rule.relaxes:
-        child_of = _exact_choices(tree, p_nodes, u_accept)
-        path, final, relaxed = _follow(child_of, None, depth)
-        bonus = inverse_cdf(_exact_residual(tree, p_nodes, final), u_bonus)
+        p = p_nodes.double()  # one conversion for both
+        path, final, relaxed = _follow(_exact_choices(tree, p, u_accept), None, depth)
+        bonus = inverse_cdf(_exact_residual(tree, p, final), u_bonus)
     else:
         width = size - 1 if tree.width_bound is None else tree.width_bound
         child_of, relaxed_at, p_left = _tried_choices(rule, tree, p_nodes, u_accept, width)
@@ -311,16 +311,6 @@ def _check_shapes(
         raise ValueError(f"a sampled tree needs q of p_nodes' shape {tuple(p_nodes.shape)}")
 
 
-def _first_per_parent(flag: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """[B, T]: for each node, its first (lowest-stored) child with ``flag`` set, −1 where none."""
-    size = flag.shape[1]
-    nodes = torch.arange(size, device=flag.device).expand_as(flag)
-    first = torch.full_like(parents, size).scatter_reduce(
-        1, parents.clamp_min(0), torch.where(flag, nodes, size), reduce="amin"
-    )
-    return torch.where(first < size, first, -1)
-
-
 def _follow(
     child_of: torch.Tensor, relaxed_at: torch.Tensor, depth: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -330,10 +320,10 @@ def _follow(
     The walk is the powers of ``f`` (a node's accepted child, itself where none) at the root, found by
     doubling: about 3·log2(depth) ops instead of 5 per level (a GPU step is bound by kernel launches)."""
     size = child_of.shape[1]
-    node = torch.zeros_like(child_of[:, :1])  # [B, 1]: the root
     if depth == 0:
-        return child_of[:, :0], node.squeeze(1), torch.zeros_like(node.squeeze(1))
-    nodes = torch.arange(size, device=child_of.device)
+        root = torch.zeros_like(child_of[:, 0])
+        return child_of[:, :0], root, torch.zeros_like(root)
+    nodes = shared_arange(size, child_of.device)
     jump = torch.where(child_of >= 0, child_of, nodes)  # f, then f^m
     reach = jump[:, :1]  # [B, m]: f(root) .. f^m(root)
     while reach.shape[1] < depth:
@@ -341,10 +331,10 @@ def _follow(
         if reach.shape[1] < depth:
             jump = jump.gather(1, jump)
     reach = reach[:, :depth]
-    before = torch.cat([node, reach[:, :-1]], 1)  # the node each level's step starts from
+    before = F.pad(reach[:, :-1], (1, 0))  # the node each level's step starts from: the root first
     path = reach.masked_fill(reach == before, -1)  # a node is never its own child: equal means none
     if relaxed_at is None:  # a rule that relaxes nothing
-        return path, reach[:, -1], torch.zeros_like(reach[:, -1])
+        return path, reach[:, -1], shared_full(0, child_of.device, torch.long).expand(len(path))
     relaxed = relaxed_at.long().gather(1, before).sum(1)  # zero at the last node: it has no child
     return path, reach[:, -1], relaxed
 
@@ -356,44 +346,44 @@ def _greedy_choices(
     parents = tree.parents.clamp_min(0)
     is_child = tree.valid & (tree.parents >= 0)
     best_at_parent = best.gather(1, parents)
-    first_hit = _first_per_parent(is_child & (tree.tokens == best_at_parent), parents)
+    first_hit = first_flagged_child(is_child & (tree.tokens == best_at_parent), parents)
     if p_relax is None:
         return first_hit, torch.zeros_like(tree.valid)
     vocab = p_relax.shape[-1]
     soft = p_relax.double().gather(1, parents[..., None].expand(-1, -1, vocab))  # each child's parent row
     candidates, member = rule.group_batch(soft, tree.tokens)
     holds_best = ((candidates == best_at_parent[..., None]) & member).any(-1)
-    first_group = _first_per_parent(is_child & holds_best, parents)
+    first_group = first_flagged_child(is_child & holds_best, parents)
     relaxed_at = (first_hit < 0) & (first_group >= 0)
     return torch.where(first_hit >= 0, first_hit, first_group), relaxed_at
 
 
-def _exact_choices(tree: DraftTree, p_nodes: torch.Tensor, u_accept: torch.Tensor) -> torch.Tensor:
+def _exact_choices(tree: DraftTree, p: torch.Tensor, u_accept: torch.Tensor) -> torch.Tensor:
     """T > 0, exact rule, deterministic drafts: the first accepted child of every node [B, T] in one
-    shot (see the section comment)."""
-    batch, size, vocab = p_nodes.shape
-    p = p_nodes.double()
+    shot (see the section comment); ``p`` [B, T, V] float64."""
+    batch, size, vocab = p.shape
     parents = tree.parents.clamp_min(0)
     is_child = tree.valid & (tree.parents >= 0)
     earlier = tree.earlier_siblings()  # [B, T, T]
     p_child = p.reshape(batch, size * vocab).gather(1, parents * vocab + tree.tokens)
     # A token repeated among siblings was zeroed when its first copy was rejected.
     repeated = (earlier & (tree.tokens[:, :, None] == tree.tokens[:, None, :])).any(-1)
-    p_child = torch.where(repeated, 0.0, p_child)
+    p_child = p_child.masked_fill(repeated, 0.0)
     removed = (earlier.double() @ p_child[..., None]).squeeze(-1)
-    left = torch.where(earlier.any(-1), p.sum(-1).gather(1, parents) - removed, 1.0)
+    one = shared_full(1.0, p.device, p.dtype)
+    left = torch.where(earlier.any(-1), p.sum(-1).gather(1, parents) - removed, one)
     # ``left`` <= 0: the walk's p was exhausted and fell back to a point mass on token 0.
     accept = torch.where(left > 0, u_accept.double() * left < p_child, tree.tokens == 0)
-    return _first_per_parent(is_child & accept, parents)
+    return first_flagged_child(is_child & accept, parents)
 
 
 def _exact_residual(tree: DraftTree, p_nodes: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
-    """[B, V]: p at each row's last accepted node once all its children were rejected: the children's
-    tokens zeroed, renormalised (untouched at a leaf)."""
+    """[B, V]: p (``p_nodes`` [B, T, V] float64) at each row's last accepted node once all its children
+    were rejected: the children's tokens zeroed, renormalised (untouched at a leaf)."""
     batch, _, vocab = p_nodes.shape
-    p = p_nodes.double().gather(1, final[:, None, None].expand(batch, 1, vocab)).squeeze(1)
+    p = p_nodes.gather(1, final[:, None, None].expand(batch, 1, vocab)).squeeze(1)
     tried = tree.valid & (tree.parents == final[:, None])  # [B, T]
-    hit = torch.zeros_like(p).scatter_add_(1, tree.tokens, tried.double()) > 0
+    hit = shared_full(0.0, p.device, p.dtype).expand_as(p).scatter_add(1, tree.tokens, tried.double()) > 0
     return torch.where(tried.any(1, keepdim=True), _normalise_rows(p.masked_fill(hit, 0.0)), p)
 
 

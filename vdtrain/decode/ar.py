@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from vdtrain.decode.graphs import Recorder, StepGraph
-from vdtrain.decode.kernels import step_kernel
+from vdtrain.decode.kernels import shared_arange, step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
+from vdtrain.decode.rows import per_stream
 from vdtrain.decode.sampling import SamplingConfig, cfg_batch, next_tokens, probabilities, split_cfg
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Condition, Target
@@ -38,8 +39,7 @@ class ARRun:
     def restart(self, stream: Condition, generators: Sequence[torch.Generator | None]) -> None:
         self.stream.features.copy_(stream.features)
         self.stream.mask.copy_(stream.mask)
-        self.cache.k.zero_()
-        self.cache.v.zero_()
+        self.cache.kv.zero_()
         self.out.zero_()
         self.index.zero_()
         self.rng.reseed(RowRandom.seeds_of(generators, self.out.device))
@@ -111,8 +111,8 @@ def ar_inputs(out: torch.Tensor, index: torch.Tensor, streams: int) -> tuple[tor
     """The step's input: the last token of ``out`` [B, N] at ``index`` [1] for every CFG stream [R, 1],
     and the image slots it sees [1, 1, N]."""
     batch, n_img = out.shape
-    feed = out.gather(1, index.expand(batch, 1)).repeat(streams, 1)
-    return feed, (torch.arange(n_img, device=index.device) <= index)[None, None]
+    feed = per_stream(out.gather(1, index.expand(batch, 1)), streams)
+    return feed, (shared_arange(n_img, index.device) <= index)[None, None]
 
 
 @step_kernel

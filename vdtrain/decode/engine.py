@@ -22,7 +22,7 @@ from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepOutcome, StepState, node_budget
 from vdtrain.decode.compiled import DecodeOptions
 from vdtrain.decode.graphs import DeviceLog, Recorder, SplitStepGraph, StepGraph
-from vdtrain.decode.kernels import compiled_step_kernels, step_kernel
+from vdtrain.decode.kernels import compiled_step_kernels, shared_arange, shared_full, step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.rows import (
     DrafterRows,
@@ -128,8 +128,7 @@ class DecodeRun:
         self.generators = generators
         for cache in (self.tcache, self.dcache):
             if cache is not None:
-                cache.k.zero_()
-                cache.v.zero_()
+                cache.kv.zero_()
         self.out.zero_()
         self.pending.zero_()
         if self.fcache is not None:
@@ -242,7 +241,7 @@ class SpeculativeEngine:
         ``rope_positions(token_index - 1)``."""
         run = self.run
         if next_embeds is None:
-            next_embeds = self.drafter.embed(tokens.repeat(run.streams, 1))
+            next_embeds = per_stream(self.drafter.embed(tokens), run.streams)
         positions = self.target.rope_positions(token_index - 1)
         return drafter_rows(
             next_embeds, positions, run.stream.mask, token_index, slots, image_vis, run.streams
@@ -251,7 +250,7 @@ class SpeculativeEngine:
     def drafter_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
         """The drafter's embeddings [R, S, H] of the next ``tokens`` [B, S], for every CFG stream (the
         ``embeds`` of ``drafter_inputs``' rows)."""
-        return self.drafter.embed(tokens.repeat(self.run.streams, 1))
+        return per_stream(self.drafter.embed(tokens), self.run.streams)
 
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
         """Features ``feats`` [R, S, H] through the drafter at ``rows`` → (f̂ [R, S, H], logits [R, S, V]
@@ -339,7 +338,7 @@ class SpeculativeEngine:
                 run.fcache[:, :prefix] = features
             # Drafter rows 0 .. L-1: zero embeddings inside the prefix, then x_0 (as in training).
             feat = self.drafter.forward_prefix(
-                features, run.out[:, :1].repeat(run.streams, 1), stream.mask, run.dcache
+                features, per_stream(run.out[:, :1], run.streams), stream.mask, run.dcache
             )
             run.draft_calls += 1
             feats = feat[:, -1]
@@ -427,7 +426,7 @@ class SpeculativeEngine:
             greedy = self.sampling.greedy
             self.builder.observe(StepOutcome(tree, verdict, plan, p_nodes, drafted.roots_at, run.rng, greedy))
             roots, verify_calls = self._counted(self.commit, tree, verdict, plan, hidden, roots)
-        skipped = torch.zeros_like(run.committed)
+        skipped = shared_full(0, run.committed.device, torch.long).expand_as(run.committed)
         if plan.any_skip:
             (roots, skipped), skip_calls = self._counted(self.commit_unverified, tree, plan, roots)
         self._keep(roots, plan, skipped)
@@ -459,7 +458,7 @@ class SpeculativeEngine:
             tree, lead, run.out, run.committed, run.chain, target, run.streams
         )
         result = target.forward_tokens(run.stream, tokens, index, run.tcache, slots, vis, self.taps)
-        rows = per_stream(lead[:, None] + torch.arange(tree.size, device=lead.device)[None, :], run.streams)
+        rows = per_stream(lead[:, None] + shared_arange(tree.size, lead.device)[None, :], run.streams)
         logits = result.logits.gather(1, rows[..., None].expand(-1, -1, result.logits.shape[-1]))
         return self._features(result), logits
 
@@ -524,13 +523,14 @@ class SpeculativeEngine:
         path, accepted = verdict.path, verdict.accepted
         depth = path.shape[1]
         width = run.chain + 1 + depth
-        j = torch.arange(width, device=device)[None]  # [1, W]
+        j = shared_arange(width, device)[None]  # [1, W]
         acc = accepted[:, None]
+        one_more = acc + 1  # tokens a verified prompt commits: its accepted drafts and the bonus
         # Rows of ``hidden`` to commit: the lead, the root, then the accepted nodes; padded by repeating
         # the last (moving a slot onto itself and recomputing a drafter row are harmless).
         if lead is None:  # no lead: the root (node 0), then the path; its last caught-up row is ``acc``
             node = torch.nn.functional.pad(path, (1, 0))  # [B, 1 + D]: width is 1 + D here
-            rows = acc + 1  # caught-up rows [B, 1]
+            rows = one_more  # caught-up rows [B, 1]
             node = torch.where(j < rows, node, node.gather(1, acc))
             base, last = committed - 1, accepted  # image slot of the first row; the last caught-up row
         else:
@@ -539,7 +539,7 @@ class SpeculativeEngine:
                 path.gather(1, (j - u - 1).clamp(0, max(depth - 1, 0))) if depth else torch.zeros_like(j)
             )
             node = torch.where(j < u, j, u + torch.where(j == u, 0, on_path))
-            rows = u + acc + 1  # caught-up rows [B, 1]
+            rows = u + one_more  # caught-up rows [B, 1]
             node = torch.where(j < rows, node, node.gather(1, rows - 1))
             base = committed - 1 - lead  # image slot of the first row
             last = rows[:, 0] - 1
@@ -548,12 +548,12 @@ class SpeculativeEngine:
         col = base[:, None] + j  # row j's image slot
         slots = target.image_slot(col)
         dst = torch.where(verified[:, None], torch.minimum(slots, src), src)
-        cache_rows = torch.arange(batch * streams, device=device)
+        cache_rows = shared_arange(batch * streams, device)
         # Tokens: the accepted drafts then the bonus, at image indices committed ..
-        k = torch.arange(depth + 1, device=device)[None]
+        k = shared_arange(depth + 1, device)[None]
         new = torch.nn.functional.pad(tree.tokens.gather(1, path.clamp_min(0)), (0, 1))
         new.scatter_(1, acc, verdict.bonus[:, None])  # the bonus after the accepted drafts
-        counts = (accepted + 1) * verified  # 0 where not verified
+        counts = one_more[:, 0] * verified  # 0 where not verified
         at = committed[:, None] + k
         run.out.scatter_(1, at, torch.where(k < counts[:, None], new, run.out.gather(1, at)))
         src, dst = per_stream(src, streams), per_stream(dst, streams)
@@ -569,7 +569,7 @@ class SpeculativeEngine:
         after = col + 1  # image index of the token after row j's
         next_tokens_ = run.out.gather(1, after)
         index = after.clamp_max(n_img)  # padding rows only
-        vis = chain_visibility(base, width, n_img)
+        vis = chain_visibility(col, n_img)
         return (
             cache_rows,
             src,
@@ -595,7 +595,7 @@ class SpeculativeEngine:
         nodes, gamma = self.schedule.unverified_paths(tree, plan, run.rng)
         gamma = torch.where(plan.skipped, gamma, 0)
         width = nodes.shape[1]
-        j = torch.arange(width, device=committed.device)[None]  # [1, D]
+        j = shared_arange(width, committed.device)[None]  # [1, D]
         at = committed[:, None] + j
         write = j < gamma[:, None]
         run.out.scatter_(1, at, torch.where(write, tree.tokens.gather(1, nodes), run.out.gather(1, at)))
@@ -604,9 +604,10 @@ class SpeculativeEngine:
         stale = target.image_slot(committed[:, None] - 1 - gamma[:, None] + j).clamp(0, fcache.shape[1] - 1)
         feats = fcache.gather(1, per_stream(stale, streams)[..., None].expand(-1, -1, fcache.shape[-1]))
         base = committed - 1  # image slot of the root, the first row's token
-        slots = target.image_slot(base[:, None] + j)
+        col = base[:, None] + j  # row j's image slot
+        slots = target.image_slot(col)
         index = at.clamp_max(target.num_image_tokens)
-        vis = chain_visibility(base, width, target.num_image_tokens)
+        vis = chain_visibility(col, target.num_image_tokens)
         rows = self.drafter_inputs(run.out.gather(1, at), index, slots, vis)
         f_hat, logits = self.drafter_forward(feats, rows)
         committed += gamma
@@ -642,13 +643,13 @@ class SpeculativeEngine:
         """This step's per-prompt counts (``LOG_FIELDS``) appended to ``run.log`` (``skipped`` [B]: the
         tokens each skipping prompt committed)."""
         run, verified = self.run, plan.verified
-        none = torch.zeros_like(run.committed)
+        none = shared_full(0, run.committed.device, torch.long).expand_as(run.committed)
         accepted = verdict.accepted if verdict is not None else none
         run.log.append(
             torch.stack(
                 [
-                    verified.long(),
-                    plan.skipped.long() if plan.skipped is not None else none,
+                    verified,  # bool: ``stack`` promotes it to long
+                    plan.skipped if plan.skipped is not None else none,
                     torch.where(verified, accepted + 1, skipped),
                     drafted.depth,
                     drafted.roots_at,

@@ -7,6 +7,7 @@ per gap between forwards: eagerly plain calls (the reference every test compares
 break is a bug). ``DecodeOptions.compile_steps`` turns this on. A kernel must be a pure function of its
 arguments (it may change tensors in place, never Python caches or attributes), or every decode would
 trace it anew; each compiles once per shape and set of Python constants, bounded by ``RECOMPILE_LIMIT``.
+``shared_arange`` and its kin keep constant tensors across steps, a cache bypassed while compiling.
 docs/decoding.md, "Step kernels".
 """
 
@@ -43,6 +44,40 @@ def step_kernel(fn: F) -> F:
 
     call.step_kernel = fn  # marks the wrapper (benchmarks/step_kernels.py finds the kernels by it)
     return call  # type: ignore[return-value]
+
+
+_SHARED: dict[tuple[str, int | str, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def shared_arange(n: int, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``torch.arange(n)`` on ``device``, made once and shared (``_shared``)."""
+    return _shared(("arange", n, dtype, device), lambda: torch.arange(n, dtype=dtype, device=device))
+
+
+def shared_eye(n: int, device: torch.device) -> torch.Tensor:
+    """The bool ``torch.eye(n)`` on ``device``, made once and shared (``_shared``)."""
+    return _shared(("eye", n, torch.bool, device), lambda: torch.eye(n, dtype=torch.bool, device=device))
+
+
+def shared_full(value: float | bool, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A 0-dim ``value`` on ``device``, made once and shared (``_shared``): expand it to a constant, or
+    hand it to ``torch.where``, where a Python number is one more fill kernel on a GPU."""
+    key = ("full", repr(value), dtype, device)
+    return _shared(key, lambda: torch.tensor(value, dtype=dtype, device=device))
+
+
+def _shared(
+    key: tuple[str, int | str, torch.dtype, torch.device], make: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """``make()``, kept under ``key`` for every later step: read it, never write it (a GPU step is bound
+    by launches). Made afresh while compiling (inductor folds it) or while capturing a CUDA graph (whose
+    kernels run only on replay, so a tensor made then holds nothing before one)."""
+    device = key[3]
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return make()
+    if key not in _SHARED:
+        _SHARED[key] = make()
+    return _SHARED[key]
 
 
 def _limit_name() -> str:

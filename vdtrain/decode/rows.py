@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from vdtrain.decode.kernels import step_kernel
+from vdtrain.decode.kernels import shared_arange, shared_eye, step_kernel
 from vdtrain.decode.trees import DraftTree, ancestor_matrix
 from vdtrain.targets.base import prefix_and_image_mask
 
@@ -34,8 +34,9 @@ class TargetGeometry(Protocol):
 
 
 def per_stream(t: torch.Tensor, streams: int) -> torch.Tensor:
-    """``t`` [B, ...] repeated for every CFG stream: [streams·B, ...]."""
-    return t.repeat(streams, *([1] * (t.dim() - 1)))
+    """``t`` [B, ...] repeated for every CFG stream: [streams·B, ...]; a broadcast view of ``t`` (no
+    kernel) where B = 1 or one stream, else a copy. Read it, never write it."""
+    return t.expand(streams, *t.shape).flatten(0, 1)
 
 
 class ImageColumns(NamedTuple):
@@ -47,8 +48,8 @@ class ImageColumns(NamedTuple):
     def rows(self, block_vis: torch.Tensor) -> torch.Tensor:
         """Rows' visibility [B, S, W] from their visibility within the block [B, S, S']."""
         batch, steps, _ = block_vis.shape
-        vis = self.prior[:, None, :].expand(batch, steps, -1).clone()
-        return vis.scatter_(2, self.place[:, None, :].expand(batch, steps, -1), block_vis)
+        vis = self.prior[:, None, :].expand(batch, steps, -1)  # scattered out of place: no clone first
+        return vis.scatter(2, self.place[:, None, :].expand(batch, steps, -1), block_vis)
 
 
 def image_columns(
@@ -57,8 +58,8 @@ def image_columns(
     """Per row: image columns ``< committed_cols[b]`` visible, and a block of ``block`` columns at
     ``block_cols[b] ..`` whose visibility each row brings; ``width`` columns in all."""
     device = committed_cols.device
-    cols = torch.arange(width, device=device)
-    place = block_cols[:, None] + torch.arange(block, device=device)[None, :]
+    cols = shared_arange(width, device)
+    place = block_cols[:, None] + shared_arange(block, device)[None, :]
     return ImageColumns(cols[None, :] < committed_cols[:, None], place)
 
 
@@ -70,13 +71,12 @@ def visibility(
     return image_columns(committed_cols, block_cols, block_vis.shape[2], width).rows(block_vis)
 
 
-def chain_visibility(base: torch.Tensor, width: int, n_img: int) -> torch.Tensor:
-    """``width`` causal rows per prompt from image column ``base[b]`` on: each sees the committed
-    columns before it, then the chain up to itself."""
-    # Row i sees every column up to its own, base + i: the committed ones, then the chain (one compare
-    # where placing a causal block among the committed columns took seven kernels).
-    cols = torch.arange(n_img - 1 + width, device=base.device)
-    last = base[:, None] + torch.arange(width, device=base.device)  # [B, width]
+def chain_visibility(last: torch.Tensor, n_img: int) -> torch.Tensor:
+    """Causal rows per prompt at image columns ``last`` [B, width] (``base[b] + i`` for row i): each sees
+    the committed columns before it, then the chain up to itself."""
+    # Row i sees every column up to its own: the committed ones, then the chain (one compare where
+    # placing a causal block among the committed columns took seven kernels).
+    cols = shared_arange(n_img - 1 + last.shape[1], last.device)
     return cols[None, None, :] <= last[:, :, None]
 
 
@@ -116,11 +116,11 @@ def tree_rows(tree: DraftTree, committed: torch.Tensor, geometry: TargetGeometry
     base = committed - 1  # image slot of the root
     anc = tree.ancestors if tree.ancestors is not None else ancestor_matrix(tree.parents, tree.depth_bound)
     anc = anc & tree.valid[:, None, :]
-    anc |= torch.eye(tree.size, dtype=torch.bool, device=anc.device)
+    anc |= shared_eye(tree.size, anc.device)
     vis = visibility(base, base, anc, n_img - 1 + tree.size)
     # Padding nodes may lie past the image; clamp their (ignored) positions into the RoPE table.
     index = (base[:, None] + tree.depths).clamp_max(n_img - 1)
-    slots = geometry.image_slot(base[:, None] + torch.arange(tree.size, device=base.device))
+    slots = geometry.image_slot(base[:, None] + shared_arange(tree.size, base.device))
     return tuple(per_stream(t, streams) for t in (tree.tokens, index, slots, vis))
 
 
@@ -140,8 +140,8 @@ def post_verified_rows(
     width_rows = chain + size
     base = committed - 1 - lead  # image index of the first token the target has not seen
     anc = ancestor_matrix(tree.parents) & tree.valid[:, None, :]
-    anc |= torch.eye(size, dtype=torch.bool, device=device)
-    j = torch.arange(width_rows, device=device)
+    anc |= shared_eye(size, device)
+    j = shared_arange(width_rows, device)
     u = lead[:, None]
     in_chain, in_tree = j[None] < u, (j[None] >= u) & (j[None] < u + size)
     node = (j[None] - u).clamp(0, size - 1)  # [B, S]: tree node of row j

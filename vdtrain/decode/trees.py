@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vdtrain.decode.kernels import shared_arange, shared_eye, shared_full
+
 # EAGLE-1's default static tree (25 draft nodes, depth 5): paths of child ranks from the root.
 EAGLE1_PATHS: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (2,), (3,),
@@ -99,6 +101,20 @@ def static_tree(paths: tuple[tuple[int, ...], ...] | list[list[int]]) -> StaticT
     return StaticTree(tuple(unique), tuple(parents), tuple(depths), tuple(ranks))
 
 
+def first_flagged_child(flag: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """[B, T]: each node's first (lowest-stored) child with ``flag`` [B, T] set, −1 where none
+    (``parents`` [B, T]; a flagged node has one). Unflagged nodes scatter to a spare column, so a node
+    that no flagged child reaches keeps the −1 it starts with."""
+    batch, size = flag.shape
+    nodes = shared_arange(size, flag.device).expand(batch, size)
+    first = (
+        shared_full(-1, flag.device, torch.long)
+        .expand(batch, size + 1)
+        .scatter_reduce(1, parents.masked_fill(~flag, size), nodes, reduce="amin", include_self=False)
+    )
+    return first[:, :size]
+
+
 def ancestor_matrix(parents: torch.Tensor, depth_bound: int | None = None) -> torch.Tensor:
     """``parents`` [B, T] (−1 at the root) → [B, T, T] bool: node ``i`` sees ``j`` iff ``j`` is ``i``
     or one of its ancestors. Each pass composes the relation with itself, doubling the path length it
@@ -106,8 +122,8 @@ def ancestor_matrix(parents: torch.Tensor, depth_bound: int | None = None) -> to
     (default T − 1): a fixed count, with no read of the device."""
     size = parents.shape[1]
     depth = size - 1 if depth_bound is None else min(depth_bound, size - 1)
-    eye = torch.eye(size, dtype=torch.bool, device=parents.device)
-    cols = torch.arange(size, device=parents.device)
+    eye = shared_eye(size, parents.device)
+    cols = shared_arange(size, parents.device)
     anc = eye | (parents[..., None] == cols)  # itself and its parent
     passes = max(0, depth - 1).bit_length()  # 2^passes >= depth
     if not passes:
@@ -153,7 +169,7 @@ class DraftTree:
     def earlier_siblings(self) -> torch.Tensor:
         """[B, T, T] bool: ``j`` is a valid sibling stored before ``i`` (tried before it). The root and
         invalid nodes have none."""
-        index = torch.arange(self.size, device=self.parents.device)
+        index = shared_arange(self.size, self.parents.device)
         same_parent = self.parents[:, :, None] == self.parents[:, None, :]
         before = index[None, :, None] > index[None, None, :]
         has_parent = (self.parents >= 0) & self.valid
@@ -165,16 +181,11 @@ class DraftTree:
         later are left out."""
         batch, size = self.parents.shape
         if width == 1:  # each node's first valid child: no sibling ranks needed (a chain, SJD's window)
-            keep = self.valid & (self.parents >= 0)
-            slot = self.parents.masked_fill(~keep, size)  # a spare slot
-            nodes = torch.arange(size, device=self.parents.device).expand(batch, size)
-            first = torch.full((batch, size + 1), size, dtype=torch.long, device=self.parents.device)
-            first = first.scatter_reduce_(1, slot, nodes, reduce="amin")[:, :size]
-            return first.masked_fill(first == size, -1)[..., None]
+            return first_flagged_child(self.valid & (self.parents >= 0), self.parents)[..., None]
         ranks = self.earlier_siblings().sum(-1)
         keep = self.valid & (self.parents >= 0) & (ranks < width)
         slot = torch.where(keep, self.parents.clamp_min(0) * width + ranks, size * width)  # spare slot
-        nodes = torch.arange(size, device=self.parents.device).expand(batch, size)
+        nodes = shared_arange(size, self.parents.device).expand(batch, size)
         table = torch.full((batch, size * width + 1), -1, dtype=torch.long, device=self.parents.device)
         table.scatter_(1, slot, torch.where(keep, nodes, -1))
         return table[:, :-1].view(batch, size, width)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vdtrain.decode.kernels import shared_arange
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.schedule import ScheduleConfig, StepPlan, VerificationSchedule
 from vdtrain.decode.trees import DraftTree, ancestor_matrix
@@ -39,14 +40,14 @@ def leaf_paths(tree: DraftTree) -> LeafPaths:
     """Root-to-leaf paths of every row's valid tree, ordered by leaf node index, the root excluded."""
     size, device = tree.size, tree.parents.device
     levels = max(1, min(tree.depth_bound or size - 1, size - 1))
-    index = torch.arange(size, device=device)
+    index = shared_arange(size, device)
     drafted = tree.valid & (index > 0)[None]
     parent_of_valid = torch.where(drafted, tree.parents, size)  # the root's -1 and padding → spare column
     has_child = torch.zeros(tree.parents.shape[0], size + 1, dtype=torch.bool, device=device)
     has_child.scatter_(1, parent_of_valid, True)
     is_leaf = drafted & ~has_child[:, :size]
     anc = ancestor_matrix(tree.parents) & drafted[:, None, :]  # [B, T, T]: drafted ancestors, self included
-    depth = torch.arange(1, levels + 1, device=device)
+    depth = shared_arange(levels + 1, device)[1:]
     at_level = anc[:, :, None, :] & (tree.depths[:, None, None, :] == depth[None, None, :, None])  # [B,T,D,T]
     nodes = (at_level.long() * index).sum(-1)
     on_path = at_level.any(-1)

@@ -258,28 +258,19 @@ def evaluate(
     merge_only: bool = False,
     keep_decoded: bool = True,
 ) -> EvalResult | None:
-    """Rows, per-position maps and images for AR and every method at every temperature.
+    """Rows, per-position maps and images for AR and every method (preset names or typed configs) at every
+    temperature; relaxed methods are left out at T = 0 with ``exact_only_at_zero``.
 
-    ``methods`` are preset names of ``conf/decode`` or typed configs. At T = 0 with
-    ``exact_only_at_zero``, relaxed (lossy) methods are left out: greedy decoding makes them meaningless.
-    ``quality`` None scores shapes-world captions by consistency and other prompts by the real-image
-    metrics (each "not available" unless configured, see ``QualityConfig``). With ``image_dir``, every
-    image is saved as ``<image_dir>/<method>_T<t>/<prompt index:04d>.png``. ``warmup`` first decodes
-    untimed with each method (``warm_up``): GPU start-up costs, step capture and compilation stay out of
-    the timings, and the row's ``startup_seconds`` says what they cost. ``cuda_graphs`` (``auto``: on a GPU)
-    records every method's step, AR's too; ``compile`` wraps the target's and the drafter's forwards in
-    ``torch.compile`` (in place, ``vdtrain.decode.compiled.prepare_decoding``). ``ar_runs`` (AR's units per
-    (temperature, start)) is filled on first use and reused after: a caller evaluating the same frozen
-    target on the same prompts again (``EvalAfterEpoch``) decodes AR, and its noise floor, once.
-    ``decode_overrides`` (the target config's ``decode``) sets the target's own knobs of named presets.
-
-    Prompts are decoded in units of ``batch_size`` (``vdtrain.sharding``): with ``ranks`` each process
-    decodes its part and the rows are merged in prompt order, the same whatever the world size but for
-    wall-clock columns. With ``store`` finished units are saved as they go and loaded instead of decoded
-    again; then only the main rank merges (the others return None). ``keep_images`` keeps the first that
-    many images of each row in memory (None: all). ``merge_only`` refuses to decode: every unit must
-    be in ``store`` already. ``keep_decoded`` False leaves ``EvalResult.decoded`` empty: the merge then
-    holds one row's tokens and stats at a time (30 000 prompts' stats per row are gigabytes).
+    ``quality`` None: consistency for shapes captions, else the real-image metrics (``QualityConfig``).
+    ``image_dir`` saves ``<method>_T<t>/<index:04d>.png``. ``warmup`` decodes untimed first (start-up,
+    capture and compilation go to ``startup_seconds``); ``cuda_graphs`` records every step, ``compile``
+    wraps the forwards (``prepare_decoding``). ``ar_runs`` caches AR's units for a caller that evaluates
+    again (``EvalAfterEpoch``); ``decode_overrides`` are the target's own knobs. Prompts go in units of
+    ``batch_size`` (``vdtrain.sharding``): with ``ranks`` each process decodes its part, merged in prompt
+    order whatever the world size; ``store`` saves finished units and loads them instead of decoding
+    (then only the main rank merges, the others return None); ``merge_only`` decodes nothing;
+    ``keep_images`` keeps that many images per row in memory; ``keep_decoded`` False keeps
+    ``EvalResult.decoded`` empty, so a merge holds one row's stats at a time.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate (the prompt set is empty)")

@@ -12,7 +12,8 @@ import torch
 
 
 class KVCache:
-    """Keys and values of every layer, shaped ``[layers, batch, kv_heads, max_len, head_dim]``."""
+    """Keys and values of every layer, shaped ``[layers, batch, kv_heads, max_len, head_dim]``: views
+    ``k`` and ``v`` of one tensor ``kv`` [2, layers, ...], so a move is one gather and one write."""
 
     def __init__(
         self,
@@ -24,9 +25,8 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        shape = (n_layer, batch, n_kv_head, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros((2, n_layer, batch, n_kv_head, max_len, head_dim), dtype=dtype, device=device)
+        self.k, self.v = self.kv
 
     @property
     def batch(self) -> int:
@@ -48,9 +48,7 @@ class KVCache:
         destination is written, so overlapping ranges are safe.
         """
         r = rows[:, None]
-        for cache in (self.k, self.v):
-            moved = cache[:, r, :, src]  # [layers, R, S, H, D]
-            cache[:, r, :, dst] = moved
+        self.kv[:, :, r, :, dst] = self.kv[:, :, r, :, src]  # the right side is read (a copy) first
 
 
 class LayerCache:

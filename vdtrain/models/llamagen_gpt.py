@@ -136,10 +136,11 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 def attention_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """A boolean mask (True = may attend) as the additive bias (0 / -inf) attention adds, made once per
-    forward: given the boolean mask, attention converts it again in every layer."""
+    forward: given the boolean mask, attention converts it again in every layer. The bias is the mask's
+    log (log 1 = 0, log 0 = -inf exactly): one kernel in the default float dtype."""
     if mask is None or mask.dtype != torch.bool:
         return mask
-    return torch.full(mask.shape, float("-inf"), dtype=dtype, device=mask.device).masked_fill_(mask, 0.0)
+    return torch.log(mask).to(dtype)
 
 
 class MLP(nn.Module):

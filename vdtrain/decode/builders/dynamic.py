@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
-from vdtrain.decode.kernels import step_kernel
+from vdtrain.decode.kernels import shared_arange, shared_eye, shared_full, step_kernel
 from vdtrain.decode.rows import DrafterRows, image_columns, per_stream
 from vdtrain.decode.trees import DraftTree
 
@@ -60,9 +60,10 @@ class Layer(NamedTuple):
 
     tokens: torch.Tensor  # [B, n]
     scores: torch.Tensor  # [B, n] cumulative −log q (lower is likelier), float64; +inf outside the tree
-    parents: torch.Tensor  # [B, n] flat node index of the parent
+    parents: torch.Tensor  # [B, n / K or 1] flat node index of the parent of each K nodes (root: −1)
     valid: torch.Tensor  # [B, n]
-    # A node's depth follows from its flat index (``_depths``): the root, K children, K·K a round.
+    # A node's depth follows from its flat index (``_depths``): the root, K children, K·K a round; its
+    # parent too: the layers' ``parents`` joined hold node i's at (i + K − 1) // K (``_parents``).
 
 
 class BuildPlan(NamedTuple):
@@ -141,8 +142,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         """(expansion rounds [B], top_k [B]) for this step's trees, on the state's device."""
         batch, device = len(state.roots), state.roots.device
         return (
-            torch.full((batch,), self.depth, dtype=torch.long, device=device),
-            torch.full((batch,), self.top_k, dtype=torch.long, device=device),
+            shared_full(self.depth, device, torch.long).expand(batch),
+            shared_full(self.top_k, device, torch.long).expand(batch),
         )
 
     def envelope(self, state: StepState) -> tuple[int, int]:
@@ -157,12 +158,14 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     def _top_children(self, ctx: DraftContext, logits: torch.Tensor, size: int, index: torch.Tensor):
         """(−log q [..., K], tokens [..., K]): the ``K`` likeliest tokens by ``_logq``, ties to the lower
         id, as ``topk_low_index_first`` ranks them, in fewer kernels: −log q is >= 0 (−0.0 where q = 1,
-        the only zero), so its float bits order it as int32 with no sign fix (``index``: arange(V))."""
+        the only zero), so its float bits order it as int32 with no sign fix (``index``: arange(V)). The
+        chosen keys' high words are the chosen −log q: read as float32, with no gather."""
         surprisal = self._logq(ctx, logits).neg()
         words = [index.expand_as(surprisal), surprisal.view(torch.int32)]
-        key = torch.stack(words if sys.byteorder == "little" else words[::-1], -1).view(torch.int64)
-        tokens = key.squeeze(-1).topk(size, dim=-1, largest=False).indices
-        return surprisal.gather(-1, tokens), tokens
+        little = sys.byteorder == "little"
+        key = torch.stack(words if little else words[::-1], -1).view(torch.int64)
+        top = key.squeeze(-1).topk(size, dim=-1, largest=False)
+        return top.values.view(torch.int32)[..., 1 if little else 0 :: 2].view(torch.float32), top.indices
 
     def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
         vocab, device = state.root_logits.shape[-1], state.roots.device
@@ -202,34 +205,36 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         its rows' embeddings and ancestors (a GPU step is bound by kernel launches)."""
         roots, limit = state.roots, state.depth_limit
         batch, device = len(roots), roots.device
-        col = torch.arange(size, device=device)
+        col = shared_arange(size, device)
         vocab = state.root_logits.shape[-1]
-        index = torch.arange(vocab, dtype=torch.int32, device=device)
+        index = shared_arange(vocab, device, torch.int32)
         front_s, front_tok = self._top_children(ctx, state.root_logits, size, index)
         first_ok = (limit >= 1)[:, None] & (col < widths[:, None])
         # Scores are cumulative −log q, +inf where a node is not in the tree (ranking reads no mask).
-        front_score = front_s.double().masked_fill(~first_ok, float("inf"))
+        # float32 −log q widened to float64 exactly, by the ``where`` itself (one kernel).
+        inf = shared_full(float("inf"), device, torch.float64).expand(batch, size)  # not 0-dim: it promotes
+        front_score = torch.where(first_ok, front_s, inf)
         root = Layer(
             roots[:, None],
-            front_score.new_zeros(batch, 1),
-            torch.full_like(roots[:, None], -1),
-            torch.ones_like(roots[:, None], dtype=torch.bool),
+            shared_full(0.0, device, front_score.dtype).expand(batch, 1),
+            shared_full(-1, device, torch.long).expand(batch, 1),
+            shared_full(True, device, torch.bool).expand(batch, 1),
         )
-        first = Layer(front_tok, front_score, torch.zeros_like(front_tok), first_ok)
+        first = Layer(front_tok, front_score, shared_full(0, device, torch.long).expand(batch, 1), first_ok)
         # Round r grows a row's candidates j·K + c (j, c < its width) if it has r rounds and room below.
         kid_ok = (col[None, :, None] < widths[:, None, None]) & (col[None, None, :] < widths[:, None, None])
-        r = torch.arange(1, depth_cap + 1, device=device)
+        r = shared_arange(depth_cap + 1, device)[1:]
         grow = (rounds[:, None] >= r) & (limit[:, None] > r)  # [B, rounds]
         valid = grow[:, :, None] & kid_ok.flatten(1)[:, None]  # [B, rounds, K·K]
         rows = None
         if depth_cap:  # the rows of every round: frontier node j of round r at scratch column (r−1)·K + j
             n_img, base = ctx.target.num_image_tokens, state.committed - 1
-            cols = torch.arange(depth_cap * size, device=device)
-            own = torch.eye(depth_cap * size, dtype=torch.bool, device=device).expand(batch, -1, -1)
+            cols = shared_arange(depth_cap * size, device)
+            own = shared_eye(depth_cap * size, device).expand(batch, -1, -1)
             columns = image_columns(base, base, depth_cap * size, n_img - 1 + depth_cap * size)
             rows = ctx.drafter_inputs(
                 None,
-                (base[:, None] + 1 + cols // size).clamp_max(n_img),
+                (state.committed[:, None] + cols // size).clamp_max(n_img),  # base + 1 + round
                 ctx.target.image_slot(base[:, None] + cols),
                 columns.rows(own),
                 next_embeds=state.root_feats[:, None, :0],  # a round brings its own (``_frontier_rows``)
@@ -271,12 +276,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             .flatten(1)
             .masked_fill(plan.invalid[:, r - 1], float("inf"))
         )
-        return Layer(
-            tokens,
-            scores,
-            front.node[:, :, None].expand(-1, -1, size).flatten(1),
-            plan.valid[:, r - 1],
-        )
+        return Layer(tokens, scores, front.node, plan.valid[:, r - 1])
 
     @step_kernel
     def _expand(
@@ -317,16 +317,17 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         depth_cap: int,
         width: int,
     ) -> DraftTree:
-        """Keep the best ``total_tokens − 1`` of the candidate nodes (``tokens``, ``scores``, ``parents``,
-        ``depths``, ``valid``: [B, N] each; a parent outranks its children: log q <= 0), laid out by depth
-        then creation order; padding nodes as the old builder writes them. The envelope
+        """Keep the best ``total_tokens − 1`` of the candidate nodes (``tokens``, ``scores``, ``valid``:
+        [B, N] each, ``parents`` as the layers hold them; a parent outranks its children: log q <= 0), laid
+        out by depth then creation order; padding nodes as the old builder writes them. The envelope
         bounds the tree's depth and widest node on the host (batched acceptance loops that often)."""
         batch, count = tokens.shape
         if self.keep_deepest_path:
-            depths = self._depths(torch.arange(count, device=tokens.device), width)
-            scores = scores.masked_fill(
-                self._deepest_path(scores, parents, depths, valid, depth_cap), float("-inf")
+            every = shared_arange(count, tokens.device)
+            path = self._deepest_path(
+                scores, self._parents(parents, every, width), self._depths(every, width), valid, depth_cap
             )
+            scores = scores.masked_fill(path, float("-inf"))
         keep = min(self.total_tokens, count) - 1
         # ``ranked`` by −log q, without its mask: a node outside the tree already scores +inf.
         kept = 1 + scores[:, 1:].sort(dim=-1, stable=True).indices[:, :keep]
@@ -334,12 +335,14 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         kept, kept_bad = order % count, order >= count
         pad = self.total_tokens - 1 - keep
         nodes = F.pad(kept, (1, pad))  # the root first; padding nodes are node 0
-        node_bad = F.pad(kept_bad, (1, pad), value=True)
-        node_bad[:, 0] = False
-        new_index = torch.zeros_like(tokens).scatter_(
-            1, kept, torch.arange(1, keep + 1, device=tokens.device).expand(batch, -1)
+        node_bad = F.pad(kept_bad, (1, 0))  # the root is good; padding nodes are not
+        node_bad = F.pad(node_bad, (0, pad), value=True) if pad else node_bad
+        new_index = (
+            shared_full(0, tokens.device, torch.long)
+            .expand_as(tokens)
+            .scatter(1, kept, shared_arange(keep + 1, tokens.device)[1:].expand(batch, -1))
         )
-        new_parents = new_index.gather(1, parents.gather(1, nodes).clamp_min(0))
+        new_parents = new_index.gather(1, self._parents(parents, nodes, width).clamp_min(0))
         new_parents[:, 0] = -1
         return DraftTree(
             tokens.gather(1, nodes).masked_fill(node_bad, 0),
@@ -350,6 +353,14 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             False,
             depth_bound=min(depth_cap + 1, self.total_tokens - 1),
             width_bound=min(width, self.total_tokens - 1),
+        )
+
+    @staticmethod
+    def _parents(parents: torch.Tensor, nodes: torch.Tensor, width: int) -> torch.Tensor:
+        """The parent of flat node indices ``nodes`` [..., n] from the layers' joined ``parents`` [B, ·]
+        (the root's −1, the root for depth 1, then each round's frontier: one entry per K children)."""
+        return parents.gather(
+            1, (nodes + (width - 1)).div(width, rounding_mode="floor").expand(len(parents), -1)
         )
 
     @staticmethod

@@ -25,7 +25,7 @@ from vdtrain.decode.builders.base import (
     write_in_place,
 )
 from vdtrain.decode.coupling import COUPLINGS, gumbel_max, maximal_coupling
-from vdtrain.decode.kernels import step_kernel
+from vdtrain.decode.kernels import shared_arange, step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree
 
@@ -90,7 +90,6 @@ class JacobiWindowBuilder(DraftTreeBuilder):
             raise ValueError(f"unknown Jacobi coupling {coupling!r}; known: {list(COUPLINGS)}")
         self.window, self.init, self.coupling = window, init, coupling
         self.configured_window = window
-        self._ranges: dict[tuple[torch.device, int], torch.Tensor] = {}
         self._chains: dict[tuple[torch.device, int], torch.Tensor] = {}
         self._windows: _Windows | None = None
         self.reset(0)
@@ -106,12 +105,6 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         win = self._windows
         same = win is not None and win.tokens.shape[0] == batch and win.tokens.shape[1] == self.window
         self._windows = win.restart() if same else None
-
-    def _arange(self, length: int, device: torch.device) -> torch.Tensor:
-        """``arange(length)`` on ``device``, made once (node depths, window entries, ring slots)."""
-        if (device, length) not in self._ranges:
-            self._ranges[device, length] = torch.arange(length, device=device)
-        return self._ranges[device, length]
 
     def _chain_ancestors(self, length: int, device: torch.device) -> torch.Tensor:
         """[1, length, length] bool: a chain's ancestor matrix (node i sees j <= i), made once."""
@@ -146,7 +139,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         batch, device = len(state.roots), state.roots.device
         win = self._windows_for(batch, target.num_image_tokens, target.vocab_size, target.grid[1], device)
         size = self.window + 1
-        return self._draft(ctx, state, win, self._arange(size, device), self._chain_ancestors(size, device))
+        return self._draft(ctx, state, win, shared_arange(size, device), self._chain_ancestors(size, device))
 
     @step_kernel
     def _draft(
@@ -237,8 +230,8 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         if win is None:
             raise RuntimeError("JacobiWindowBuilder.observe before build: no window to refine")
         o, device = outcome, outcome.p_nodes.device
-        ring = None if win.stored is None else self._arange(win.stored.shape[1], device)
-        chain = self._arange(self.window + 1, device)
+        ring = None if win.stored is None else shared_arange(win.stored.shape[1], device)
+        chain = shared_arange(self.window + 1, device)
         new = self._refine(
             o.tree, o.verdict, o.verified, o.p_nodes, o.roots_at, win, chain, ring, o.rng, o.greedy
         )
@@ -291,11 +284,11 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         if greedy:
             return p.argmax(-1)
         if self.coupling == "gumbel":
-            positions = start[:, None] + self._arange(size, p.device)[None]
+            positions = start[:, None] + shared_arange(size, p.device)[None]
             return gumbel_max(p, rng.keyed(Purpose.GUMBEL, positions, p.shape[-1]))
         if self.coupling == "maximal":
             last = tree.size - 1
-            drafted = self._arange(size, p.device)[None] < count[:, None] - 1  # the last had no draft
+            drafted = shared_arange(size, p.device)[None] < count[:, None] - 1  # the last had no draft
             old = tree.tokens.gather(1, (nodes + 1).clamp_max(last))
             q = tree.q.gather(1, nodes[..., None].expand(-1, -1, p.shape[-1]))
             u = rng.uniform(Purpose.REFINE, size, 2)

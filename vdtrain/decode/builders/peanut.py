@@ -19,6 +19,7 @@ import torch
 from vdtrain.decode.builders.base import StepOutcome, StepState, TreeConfig
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.graphs import DeviceLog, recording
+from vdtrain.decode.kernels import shared_arange
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.trees import DraftTree
 
@@ -207,7 +208,7 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         tree = outcome.tree
         depth, accepted = tree.max_depth(), verdict.accepted
         # The tree's (d̂, k̂) at its root, its accepted drafts and its bonus; other columns → scratch.
-        j = torch.arange(verdict.path.shape[1] + 2, device=roots_at.device)[None]
+        j = shared_arange(verdict.path.shape[1] + 2, roots_at.device)[None]
         write = verified[:, None] & (j <= accepted[:, None] + 1)
         at = torch.where(write, roots_at[:, None] + j, n)
         self.depth_grid.scatter_(1, at, self.planned[:, :1].expand_as(at))

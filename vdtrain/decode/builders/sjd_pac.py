@@ -26,7 +26,7 @@ from vdtrain.decode.builders.base import (
     write_in_place,
 )
 from vdtrain.decode.coupling import COUPLINGS, gumbel_max, maximal_coupling
-from vdtrain.decode.kernels import step_kernel
+from vdtrain.decode.kernels import shared_arange, step_kernel
 from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree, static_tree
 
@@ -197,7 +197,7 @@ class SjdPacBuilder(DraftTreeBuilder):
         vocab, width, deep = ctx.target.vocab_size, self.width, self.main_depth
         n = state.depth_limit.clamp(0, deep)  # never draft past the last image token
         keep = torch.where(win.start == state.committed, torch.minimum(win.count, n), 0)
-        continued = torch.arange(deep, device=device)[None] < keep[:, None]  # [B, M]
+        continued = shared_arange(deep, device)[None] < keep[:, None]  # [B, M]
         u = state.rng.uniform(Purpose.DRAFT, deep, width)  # [B, M, W]: (column, rank)
         fresh = (u[..., 0] * vocab).long().clamp_max(vocab - 1)
         rank0 = torch.where(continued, win.tokens, fresh)
@@ -262,7 +262,7 @@ class SjdPacBuilder(DraftTreeBuilder):
             last = torch.where(accepted > 0, verdict.path.gather(1, at).squeeze(1), last)
         onward = lay.onward.index_select(0, last)  # [B, M + 1]: the continuation path by depth
         # Entry k of the next window is depth j = a + 2 + k: its draft sits at c_j, its p and q at c_{j−1}.
-        k = torch.arange(deep, device=p_nodes.device)[None]
+        k = shared_arange(deep, p_nodes.device)[None]
         holder = onward.gather(1, (accepted[:, None] + 1 + k).clamp_max(deep))
         node = onward.gather(1, (accepted[:, None] + 2 + k).clamp_max(deep))
         spread = holder[..., None].expand(-1, -1, vocab)
