@@ -123,17 +123,17 @@ def test_never_skips_twice_in_a_row(schedule):
         assert st.target_forwards == 1 + st.steps
 
 
-def test_uniform_schedule_skips_every_ith_step():
+def uniform_engine(every: int) -> SpeculativeEngine:
+    """A 12-node dynamic tree at T = 1 whose uniform schedule skips every ``every``-th step."""
     target = make_target()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
     builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
-    engine = SpeculativeEngine(
-        target,
-        make_drafter(target),
-        builder,
-        sampling,
-        schedule=UniformSchedule(UniformScheduleConfig(every=3)),
-    )
+    schedule = UniformSchedule(UniformScheduleConfig(every=every))
+    return SpeculativeEngine(target, make_drafter(target), builder, sampling, schedule=schedule)
+
+
+def test_uniform_schedule_skips_every_ith_step():
+    engine = uniform_engine(3)
     _, trace = run_traced(engine, tiny_condition(), generators(2))
     for kinds in trace.kinds:
         text = "".join(kinds)
@@ -231,16 +231,8 @@ def test_plans_read_the_device_once_and_cost_the_same_at_any_batch(kind):
 
 
 def test_a_step_every_prompt_skips_runs_no_target_forward():
-    target = make_target()
-    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
-    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
-    engine = SpeculativeEngine(
-        target,
-        make_drafter(target),
-        builder,
-        sampling,
-        schedule=UniformSchedule(UniformScheduleConfig(every=2)),
-    )
+    engine = uniform_engine(2)
+    target = engine.target
     forwards = []
     forward_tokens = target.forward_tokens
 
@@ -259,16 +251,8 @@ def test_a_step_every_prompt_skips_runs_no_target_forward():
 
 
 def test_tpf_exceeds_tau_when_steps_are_skipped():
-    target = make_target()
-    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
-    builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
-    engine = SpeculativeEngine(
-        target,
-        make_drafter(target),
-        builder,
-        sampling,
-        schedule=UniformSchedule(UniformScheduleConfig(every=2)),
-    )
+    engine = uniform_engine(2)
+    target = engine.target
     result = engine.generate(tiny_condition(), generators(2))
     summary = summarize(result.stats, target.num_image_tokens)
     assert summary["skipped_steps"] > 0 and summary["TPF"] > summary["tau"]
