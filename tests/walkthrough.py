@@ -77,25 +77,19 @@ def follow(section: str, root: Path, registries: tuple[str, ...]) -> dict[str, s
 
 def run_pytest(root: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m pytest -q -x *args`` in the copy, importing the copy's ``vdtrain``."""
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return _run(root, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args], str(root), timeout)
 
 
 def run_python(root: Path, code: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """``code`` run by a fresh interpreter in the copy, importing the copy's ``vdtrain``."""
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
+    return _run(root, ["-c", code], f"{root}{os.pathsep}{root / 'tests'}", timeout)
+
+
+def _run(root: Path, args: list[str], pythonpath: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", code],
+        [sys.executable, *args],
         cwd=root,
-        env=env,
+        env={**os.environ, "PYTHONPATH": pythonpath},
         capture_output=True,
         text=True,
         timeout=timeout,
