@@ -38,13 +38,20 @@ def _absolute_paths(text: str) -> list[str]:
     return [w for w in words if (os.path.isabs(w) and len(w) > 1 and "/" in w[1:]) or w.startswith("~/")]
 
 
+def _without_defaults_list(data: object) -> object:
+    """A Hydra defaults list names config groups (``/decode_parts/tree@tree``), not folders."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if k != "defaults"}
+    return data
+
+
 def test_no_tracked_config_or_result_names_a_local_folder():
     files = _tracked(".json", ".yaml", ".yml")
     assert any(f.name == "config.json" and "drafter" in f.parts for f in files)
     found = {}
     for path in files:
         text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else _without_defaults_list(yaml.safe_load(text))
         bad = [p for s in _strings(data) for p in _absolute_paths(s)]
         if bad:
             found[str(path.relative_to(ROOT))] = bad[:3]
@@ -55,3 +62,10 @@ def test_the_check_sees_an_absolute_path():
     assert _absolute_paths("python -m vdtrain.fit out_dir=/work/runs/a") == ["/work/runs/a"]
     assert _absolute_paths("/home/me/drafter") == ["/home/me/drafter"]
     assert _absolute_paths("checkpoints/shapes/target $OUT/shapes.json a/b /hydra/job_logging") == []
+
+
+def test_a_defaults_list_is_not_read_as_folders_but_its_values_still_are():
+    preset = yaml.safe_load("defaults:\n  - /decode_parts/tree@tree: dynamic\nout_dir: /work/runs/a\n")
+    assert [p for s in _strings(_without_defaults_list(preset)) for p in _absolute_paths(s)] == [
+        "/work/runs/a"
+    ]
