@@ -154,3 +154,17 @@ def eagle2_and_ar_tokens(
     engine = build_method(config, target, random_drafter(target), sampling)
     gens = [torch.Generator().manual_seed(i) for i in range(len(cond))]
     return engine.generate(cond, gens).tokens, expected
+
+
+def one_per_part(names: list[str]) -> list[str]:
+    """The first of ``names`` to use each tree kind, acceptance rule and schedule: every part once."""
+    from vdtrain.decode.methods import load_preset
+
+    configs = {name: load_preset(name) for name in names}
+    chosen: list[str] = []
+    for section in ("tree", "acceptance", "schedule"):
+        for name in names:
+            kind = getattr(configs[name], section).kind
+            if all(getattr(configs[c], section).kind != kind for c in chosen):
+                chosen.append(name)
+    return chosen

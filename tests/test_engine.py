@@ -328,7 +328,8 @@ def test_the_distribution_test_rejects_a_wrong_verifier(micro):
     target, drafter, cond, sampling, exact = micro
     builder = StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))
     engine = RowVerifierEngine(target, drafter, builder, sampling, verify=wrong_verifier)
-    assert chi_square_pvalue(sample_images(engine, cond, 6000, seed=2), exact) < SIGNIFICANCE
+    # 1 500 samples reject it with p below 1e-45 (seeds 2, 3, 4); the exact samplers get 6 000.
+    assert chi_square_pvalue(sample_images(engine, cond, 1500, seed=2), exact) < SIGNIFICANCE
 
 
 def test_ar_sampling_itself_passes_the_distribution_test(micro):

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import random_drafter, random_gpt, random_vq, tiny_condition
+from conftest import one_per_part, random_drafter, random_gpt, random_vq, tiny_condition
 
 from vdtrain.decode import graphs
 from vdtrain.decode.builders.peanut import PeanutTreeBuilder
@@ -34,17 +34,6 @@ VVS = [n for n in SPECULATIVE if not SCHEDULES[CONFIGS[n].schedule.kind].lossles
 PEANUT = [n for n in SPECULATIVE if TREES[CONFIGS[n].tree.kind].make is PeanutTreeBuilder]
 GRAPH_SAFE = [n for n in SPECULATIVE if tree_builder(CONFIGS[n].tree).graph_safe]
 RECORDED = [n for n in preset_names() if n not in SPECULATIVE or n in GRAPH_SAFE]  # AR's step too
-
-
-def one_per_part(names: list[str]) -> list[str]:
-    """The first of ``names`` to use each tree kind, acceptance rule and schedule: every part once."""
-    chosen: list[str] = []
-    for section in ("tree", "acceptance", "schedule"):
-        for name in names:
-            kind = getattr(CONFIGS[name], section).kind
-            if all(getattr(CONFIGS[c], section).kind != kind for c in chosen):
-                chosen.append(name)
-    return chosen
 
 
 # Every recorded preset at T > 0, where it samples; at T = 0 (argmax in the same kernels) each part once.

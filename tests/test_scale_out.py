@@ -176,9 +176,10 @@ def test_self_generate_with_eagle2_on_two_processes_gives_the_one_process_shards
 
 
 # --- the after-epoch callback under DDP ------------------------------------------------------------------
-# lr 0: both runs measure the same (initial) drafter, whatever data each rank trained on.
+# lr 0: both runs measure the same (initial) drafter, whatever data each rank trained on. One step is
+# one epoch (4 samples), so the callback decodes once.
 CALLBACK = ("eval.enabled=true", "eval.num_prompts=4", "eval.batch_size=2", "optim.lr=0",
-            "trainer.max_steps=2", "data.samples_per_epoch=4", "trainer.threads=1")  # fmt: skip
+            "trainer.max_steps=1", "data.samples_per_epoch=4", "trainer.threads=1")  # fmt: skip
 
 
 def test_the_callback_under_two_process_ddp_logs_the_one_process_numbers(tiny_folder, tmp_path):

@@ -23,12 +23,12 @@ DRAFTERS = {
 
 
 SAMPLING = SamplingConfig(cfg_scale=3.0, temperature=0.0)
-PROMPTS = 8  # decoded as one batch: the trees grow with it, and the CPU pays for every row
+PROMPTS = 4  # decoded as one batch: the trees grow with it, and the CPU pays for every row
 
 
 @pytest.fixture(scope="module")
 def shipped():
-    """The shipped target, 8 held-out captions and their AR tokens, decoded once for the module."""
+    """The shipped target, 4 held-out captions and their AR tokens, decoded once for the module."""
     with torch.no_grad():  # for this module's tests only: grad mode is restored at its teardown
         target = load_target_folder()
         cond = target.encode_captions(shapes_heldout_captions(PROMPTS))
