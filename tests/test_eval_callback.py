@@ -4,7 +4,9 @@ exported model card."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 
 import pytest
@@ -28,14 +30,17 @@ EVAL_ON = (
 
 @pytest.fixture(scope="module")
 def eval_run(tiny_folder, tmp_path_factory):
+    """One training run with evaluation after each epoch, shared by the module: its folder, its summary
+    and what it printed."""
     run = tmp_path_factory.mktemp("eval") / "run"
     cfg = fit_config(tiny_folder, run, *EVAL_ON, "best_metric=eval/eagle2_T0/S")
-    return run, fit(cfg)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        summary = fit(cfg)
+    return run, summary, printed.getvalue()
 
 
-def test_the_table_is_printed_after_every_epoch(tiny_folder, tmp_path, capsys):
-    fit(fit_config(tiny_folder, tmp_path / "run", *EVAL_ON))
-    out = capsys.readouterr().out
+def test_the_table_is_printed_after_every_epoch(eval_run):
+    out = eval_run[2]
     assert "EvalAfterEpoch (epoch000, step 2, 2 prompts)" in out
     assert "EvalAfterEpoch (epoch001, step 4, 2 prompts)" in out
     assert "EvalAfterEpoch (final" not in out  # the last epoch already measured the final drafter
@@ -43,7 +48,7 @@ def test_the_table_is_printed_after_every_epoch(tiny_folder, tmp_path, capsys):
 
 
 def test_metrics_reach_the_csv_log_and_the_run_folder(eval_run):
-    run, summary = eval_run
+    run, summary, _ = eval_run
     with open(run / "logs" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     for name in ("S", "tau", "mean_depth", "TPF", "speedup"):
@@ -60,7 +65,7 @@ def test_metrics_reach_the_csv_log_and_the_run_folder(eval_run):
 
 def test_the_acceptance_gap_is_logged_and_its_table_and_plot_written(eval_run):
     """eagle2 at T = 0 reused from the table, at T = 1 decoded for the report (docs/evaluation.md)."""
-    run_dir, summary = eval_run
+    run_dir, summary, _ = eval_run
     with open(run_dir / "logs" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("eval/acceptance/tau_gap_T0")]
     assert [r["step"] for r in rows] == ["2", "4"]  # once per epoch
@@ -78,7 +83,7 @@ def test_the_acceptance_gap_is_logged_and_its_table_and_plot_written(eval_run):
 
 
 def test_the_measured_speed_picks_the_best_checkpoint(eval_run):
-    run, _ = eval_run
+    run, *_ = eval_run
     best = torch.load(run / "checkpoints" / "best.ckpt", map_location="cpu", weights_only=False)
     state = next(v for k, v in best["callbacks"].items() if "eval/eagle2_T0/S" in k)
     results, _ = read_results(run / "eval" / "latest")
@@ -87,7 +92,7 @@ def test_the_measured_speed_picks_the_best_checkpoint(eval_run):
 
 
 def test_the_export_model_card_carries_the_last_table(eval_run):
-    run, _ = eval_run
+    run, *_ = eval_run
     card = (run / "drafter" / "README.md").read_text()
     assert "| eagle2 | 0 |" in card
 

@@ -757,3 +757,12 @@ def test_config_files_compose_with_fit_yaml(tiny_folder, tmp_path, group_option)
     for key, value in raw.items():
         if f"{group}.{key}" not in {o.split("=")[0] for o in SMALL}:
             assert OmegaConf.to_container(cfg[group])[key] == value
+
+
+def test_the_closing_line_says_what_was_learned_with_or_without_validation():
+    from vdtrain.fit import _learned
+
+    validated = {"val/total": 0.5, "val/top1": 0.75, "val/tau_sim": 3.0, "train/total": 9.0}
+    assert _learned(validated) == "val loss 0.5000, top-1 0.750, tau_sim 3.00"
+    unvalidated = {"train/total": 0.8, "train/top1": 0.7, "train/tau_sim_chain1": 2.9}
+    assert "nan" not in _learned(unvalidated) and "no validation" in _learned(unvalidated)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -339,14 +339,27 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(PREEMPTED_EXIT_CODE)
     if summary.get("drafter"):
         print(json.dumps(summary, indent=2))
-        nan = float("nan")
         print(
             f"trained {summary['steps']} steps in {summary['minutes']:.1f} min "
-            f"({summary['samples_per_s']:.1f} samples/s): val loss {summary.get('val/total', nan):.4f}, "
-            f"top-1 {summary.get('val/top1', nan):.3f}, tau_sim {summary.get('val/tau_sim', nan):.2f} "
-            f"-> {summary['drafter']}"
+            f"({summary['samples_per_s']:.1f} samples/s): {_learned(summary)} -> {summary['drafter']}"
         )
         print(f"wall time {duration(time.monotonic() - started)} (loading, training, validation, export)")
+
+
+def _learned(summary: dict[str, Any]) -> str:
+    """What the run learned, as its summary has it: validation's numbers, or the last training batch's
+    when validation was switched off (``data.val_samples=0``)."""
+    if "val/total" in summary:
+        return (
+            f"val loss {summary['val/total']:.4f}, top-1 {summary['val/top1']:.3f}, "
+            f"tau_sim {summary.get('val/tau_sim', float('nan')):.2f}"
+        )
+    nan = float("nan")
+    return (
+        f"no validation; last training batch: loss {summary.get('train/total', nan):.4f}, "
+        f"top-1 {summary.get('train/top1', nan):.3f}, "
+        f"tau_sim (one chain) {summary.get('train/tau_sim_chain1', nan):.2f}"
+    )
 
 
 def main() -> None:
