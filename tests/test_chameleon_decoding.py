@@ -64,10 +64,11 @@ def test_a_chameleon_target_gets_a_chameleon_drafter_layer(lumina_files):
 
 
 # Every exact preset on Lumina-mGPT (its forced end-of-row column is the harder case), each part on Anole.
-@pytest.mark.parametrize(
-    ("family", "name"),
-    [("anole", n) for n in one_per_part(EXACT_PRESETS)] + [("lumina", n) for n in EXACT_PRESETS],
-)
+FAMILY_PRESETS = [("anole", n) for n in one_per_part(EXACT_PRESETS)]
+FAMILY_PRESETS += [("lumina_mgpt", n) for n in EXACT_PRESETS]
+
+
+@pytest.mark.parametrize(("family", "name"), FAMILY_PRESETS)
 def test_exact_methods_give_the_ar_tokens_at_t0(name, family, anole_files, lumina_files, tmp_path):
     target = anole_target(anole_files[0]) if family == "anole" else lumina_target(lumina_files[0])
     sampling = SamplingConfig(cfg_scale=3.0, temperature=0.0)
@@ -154,12 +155,8 @@ def test_the_enumerable_lumina_target_forces_its_end_of_row_column():
     assert all(x[2] == x[5] == 3 and max(x[:2] + x[3:5]) < 3 for x in possible)
 
 
-# Every exact preset on Lumina-mGPT's target, each part on Anole's (the fixture's param is the family).
-@pytest.mark.parametrize(
-    ("enumerable", "name"),
-    [("anole", n) for n in one_per_part(EXACT_PRESETS)] + [("lumina_mgpt", n) for n in EXACT_PRESETS],
-    indirect=["enumerable"],
-)
+# FAMILY_PRESETS again; the fixture's param is the family.
+@pytest.mark.parametrize(("enumerable", "name"), FAMILY_PRESETS, indirect=["enumerable"])
 def test_exact_methods_keep_the_ar_distribution_at_t1(enumerable, name, tmp_path):
     target, cond, sampling, exact = enumerable
     engine = method(name, target, random_drafter(target, std=0.4), sampling, tmp_path)

@@ -45,6 +45,10 @@ def _without_defaults_list(data: object) -> object:
     return data
 
 
+def _local_paths(data: object) -> list[str]:
+    return [p for s in _strings(data) for p in _absolute_paths(s)]
+
+
 def test_no_tracked_config_or_result_names_a_local_folder():
     files = _tracked(".json", ".yaml", ".yml")
     assert any(f.name == "config.json" and "drafter" in f.parts for f in files)
@@ -52,7 +56,7 @@ def test_no_tracked_config_or_result_names_a_local_folder():
     for path in files:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else _without_defaults_list(yaml.safe_load(text))
-        bad = [p for s in _strings(data) for p in _absolute_paths(s)]
+        bad = _local_paths(data)
         if bad:
             found[str(path.relative_to(ROOT))] = bad[:3]
     assert not found, found
@@ -66,6 +70,4 @@ def test_the_check_sees_an_absolute_path():
 
 def test_a_defaults_list_is_not_read_as_folders_but_its_values_still_are():
     preset = yaml.safe_load("defaults:\n  - /decode_parts/tree@tree: dynamic\nout_dir: /work/runs/a\n")
-    assert [p for s in _strings(_without_defaults_list(preset)) for p in _absolute_paths(s)] == [
-        "/work/runs/a"
-    ]
+    assert _local_paths(_without_defaults_list(preset)) == ["/work/runs/a"]
