@@ -15,6 +15,7 @@ import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import lightning as L
@@ -23,6 +24,7 @@ import pytest
 import torch
 from conftest import TINY_GPT, random_gpt, random_vq
 from hydra import compose, initialize_config_dir
+from lightning.pytorch.callbacks import Timer
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -261,6 +263,31 @@ def test_the_acceptance_loss_option_trains_both_kinds(target, kind):
     assert 0 < parts["cls"] < bound and module.drafter.fc.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="cls_loss"):
         DrafterModule(target, module.drafter, DrafterTrainConfig(cls_loss="tv"), OptimConfig())
+
+
+def test_the_learning_rate_schedule_ends_with_the_time_budget(target):
+    """A run stopped by trainer.max_minutes decays to the floor as a run stopped by max_steps does: the
+    cosine reads whichever share of the two budgets is larger, from the Timer checkpoints keep."""
+    module = make_module(target)
+    module.max_steps = 300
+    factor = module.configure_optimizers()["lr_scheduler"]["scheduler"].lr_lambdas[0]
+    timer = Timer(duration={"minutes": 1})
+    module._trainer = SimpleNamespace(callbacks=[timer])
+    warmup, floor = OptimConfig().warmup_steps, OptimConfig().min_lr_ratio  # 100, 0.1
+
+    def cosine(progress: float) -> float:
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    assert factor(warmup + 100) == pytest.approx(cosine(0.5))  # no time budget: steps only
+    module.max_minutes = 1.0
+    timer._offset = 45.0  # seconds; a resumed run starts from the checkpoint's elapsed time
+    assert module.budget_spent() == pytest.approx(0.75)
+    assert factor(warmup + 100) == pytest.approx(cosine(0.75))
+    assert factor(9) == pytest.approx(10 / warmup)  # warm-up follows steps only
+    timer._offset = 90.0
+    assert factor(warmup + 1) == pytest.approx(floor)
+    timer._offset = 6.0
+    assert factor(warmup + 160) == pytest.approx(cosine(0.8))  # steps ahead of the clock
 
 
 def test_fit_trains_evaluates_and_exports_an_eagle3_drafter(tiny_folder, tmp_path):

@@ -54,7 +54,7 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.0
     warmup_steps: int = 100
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at trainer.max_steps or max_minutes
     grad_clip: float = 0.5
 
 
@@ -87,7 +87,8 @@ class TrainerConfig:
     precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed
     max_steps: int = 300
     max_epochs: int = -1
-    max_minutes: float | None = None  # stop after this wall-clock time (checkpoints are still written)
+    # stop after this wall-clock time (checkpoints are still written); the LR cosine then ends with it
+    max_minutes: float | None = None
     accumulate_grad_batches: int = 1
     log_every_n_steps: int = 10
     # a plain progress line (step, loss, top-1, samples/s, ETA) this often; null: every max_steps // 10

@@ -18,6 +18,7 @@ import math
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Timer
 
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter
@@ -57,6 +58,7 @@ class DrafterModule(L.LightningModule):
         p_null: float = 0.1,
         seed: int = 0,
         max_steps: int = 1000,
+        max_minutes: float | None = None,
     ) -> None:
         super().__init__()
         if features not in ("online", "offline"):
@@ -69,6 +71,7 @@ class DrafterModule(L.LightningModule):
         self.drafter = drafter.attach(target)
         self.train_cfg, self.optim_cfg = train, optim
         self.features, self.p_null, self.seed, self.max_steps = features, p_null, seed, max_steps
+        self.max_minutes = max_minutes
 
     @property
     def target(self) -> Target:
@@ -218,6 +221,15 @@ class DrafterModule(L.LightningModule):
         self.log(f"{prefix}tau_sim", simulated_tau(acc), prog_bar=prog_bar, batch_size=size, sync_dist=True)
 
     # --- optimisation ------------------------------------------------------------------------------
+    def budget_spent(self) -> float:
+        """The share of ``trainer.max_minutes`` the run has used, so the cosine ends when the time budget
+        does if that comes before ``max_steps`` (a run stopped by the clock otherwise keeps its peak rate).
+        Lightning's Timer keeps the elapsed time in checkpoints, so a resumed run continues the schedule."""
+        if self.max_minutes is None or self._trainer is None:
+            return 0.0
+        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None)
+        return 0.0 if timer is None else timer.time_elapsed() / (60.0 * self.max_minutes)
+
     def configure_optimizers(self):
         o = self.optim_cfg
         params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -226,7 +238,8 @@ class DrafterModule(L.LightningModule):
         def factor(step: int) -> float:
             if step < o.warmup_steps:
                 return (step + 1) / o.warmup_steps
-            progress = min(1.0, (step - o.warmup_steps) / max(1, self.max_steps - o.warmup_steps))
+            progress = (step - o.warmup_steps) / max(1, self.max_steps - o.warmup_steps)
+            progress = min(1.0, max(progress, self.budget_spent()))
             return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
