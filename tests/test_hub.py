@@ -25,6 +25,7 @@ from test_fit import CONF, REPO, fit_config, run_cli, sub_env
 from vdtrain import export_format, hub
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.config import TargetConfig
+from vdtrain.data.shards import MANIFEST, SCHEMA_VERSION
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter, DrafterConfig
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
@@ -187,6 +188,44 @@ def test_model_card_carries_the_evaluation_table(tiny_target, tmp_path):
         export_drafter(drafter, tmp_path / "f", target=tiny_target, eval_results=tmp_path / "nothing")
 
 
+def test_the_card_says_what_the_drafter_trained_on(tiny_target, tmp_path):
+    """A drafter trained on the target's own samples says so, with how they were drawn, read from the
+    shard set's manifest while its local folder is still known (the exported config only has <local>)."""
+    shards = tmp_path / "home" / "shards"
+    shards.mkdir(parents=True)
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "self_generate",
+        "target": {},
+        "fields": ["tokens", "caption"],
+        "shapes": {"tokens": [256]},
+        "shards": [],
+        "num_samples": 4096,
+        "source": {
+            "captions": str(tmp_path / "captions.txt"),
+            "method": "ar",
+            "sampling": {"cfg_scale": 3.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0},
+            "seed": 0,
+        },
+    }
+    (shards / MANIFEST).write_text(json.dumps(manifest))
+    data = {"source": "shards", "shards": str(shards), "p_null": 0.1}
+    metadata = {"fit": {"steps": 512, "minutes": 2.0, "samples_per_s": 68.26666666}, "config": {"data": data}}
+    folder = export_drafter(make_drafter(tiny_target), tmp_path / "e", target=tiny_target, metadata=metadata)
+    card = (folder / "README.md").read_text()
+    expected = (
+        "Data: 4,096 images the target drew itself (`python -m data_prep.self_generate`: ar, CFG 3.0, T 1.0, "
+        "top-k 0, seed 0) from the captions of `captions.txt`; 8,192 samples seen (2.0 epochs); "
+        "10% of rows null-conditioned."
+    )
+    assert expected in card and str(tmp_path) not in card
+    shutil.rmtree(shards)
+    again = export_drafter(folder, tmp_path / "again", target=tiny_target)  # the export kept what it read
+    assert expected in (again / "README.md").read_text()
+    lost = export_drafter(make_drafter(tiny_target), tmp_path / "lost", target=tiny_target, metadata=metadata)
+    assert "a shard set whose manifest was not readable at export" in (lost / "README.md").read_text()
+
+
 def vocab_target(vocab: int) -> LlamaGenTarget:
     gpt = random_gpt(replace(TINY_GPT, vocab_size=vocab))
     vq = random_vq(replace(TINY_VQ, codebook_size=vocab))
@@ -305,7 +344,8 @@ def test_fit_ends_with_a_valid_export_and_a_dry_run_push(fit_run, folder_target)
     assert (
         exported.metadata["fit"]["steps"] == 2 and exported.metadata["config"]["push"]["repo_id"] == REPO_ID
     )
-    assert (folder / "README.md").is_file()
+    card = (folder / "README.md").read_text()
+    assert "Data: procedural images of the target's world" in card and "10% of rows null-conditioned" in card
 
 
 def test_export_cli_composes_exports_and_plans_the_push(fit_run, tiny_folder, tmp_path, capsys, no_network):

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict
+from vdtrain.data.shards import ShardError, read_manifest
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.eval.table import EvalRow, read_results, to_markdown
 from vdtrain.export_format import CARD_FILE, CONFIG_FILE, EXPORT_FILES, WEIGHTS_FILE
@@ -83,6 +84,8 @@ def export_drafter(
     merged = dict(drafter.metadata if metadata is None else metadata)
     if training_command:
         merged["training_command"] = training_command
+    if "data" not in merged and isinstance(merged.get("config"), Mapping):
+        merged["data"] = training_data(merged["config"].get("data") or {})  # before its paths are redacted
     merged = redact_local_paths(merged)
     card_file = Path(out_dir) / CARD_FILE
     _check_card_overwrite(card_file, overwrite_card)
@@ -142,6 +145,55 @@ def _redact_command(command: str) -> str:
             word = _redact_path(word)
         redacted.append(word)
     return command if redacted == words else shlex.join(redacted)
+
+
+def training_data(data: Mapping[str, Any]) -> dict[str, Any]:
+    """What a drafter trained on, for its card: the data source and, for a shard set, what its manifest
+    says made it (the target's own samples, VQ-encoded images or stored features). Read at export time,
+    while the shards' folder is still the one the run read."""
+    out: dict[str, Any] = {"source": data.get("source"), "p_null": data.get("p_null")}
+    if data.get("source") != "shards" or not data.get("shards"):
+        return out
+    try:
+        manifest = read_manifest(data["shards"])
+    except ShardError:
+        return out
+    source = manifest.get("source") or {}
+    out |= {"kind": manifest.get("kind"), "num_samples": manifest.get("num_samples")}
+    if manifest.get("kind") == "self_generate":
+        captions = source.get("captions")
+        out |= {
+            "method": source.get("method"),
+            "sampling": source.get("sampling"),
+            "seed": source.get("seed"),
+            "captions": Path(captions).name if captions else None,
+        }
+    return out
+
+
+def _data_sentence(data: Mapping[str, Any], samples_seen: int | None) -> str:
+    kind, n = data.get("kind"), data.get("num_samples") or 0
+    if kind == "self_generate":
+        s = data.get("sampling") or {}
+        how = f"{data.get('method')}, CFG {s.get('cfg_scale')}, T {s.get('temperature')}"
+        how += f", top-k {s.get('top_k')}"
+        what = (
+            f"{n:,} images the target drew itself (`python -m data_prep.self_generate`: {how}, "
+            f"seed {data.get('seed')}) from the captions of `{data.get('captions')}`"
+        )
+    elif kind:
+        what = f"a `{kind}` shard set of {n:,} samples"
+    elif data.get("source") == "shapes":
+        what = "procedural images of the target's world, drawn on the fly (`data=shapes`)"
+    elif data.get("source") == "shards":
+        what = "a shard set whose manifest was not readable at export"
+    else:
+        what = f"`data.source={data.get('source')}`"
+    seen = f"; {samples_seen:,} samples seen" if samples_seen else ""
+    if samples_seen and n:
+        seen += f" ({samples_seen / n:.1f} epochs)"
+    null = f"; {data['p_null']:.0%} of rows null-conditioned" if data.get("p_null") is not None else ""
+    return f"Data: {what}{seen}{null}."
 
 
 def redact_local_paths(value: Any) -> Any:
@@ -270,6 +322,10 @@ def _training_section(metadata: Mapping[str, Any]) -> str:
     if fit:
         speed = f" ({fit['samples_per_s']:.1f} samples/s)" if "samples_per_s" in fit else ""
         lines.append(f"Trained for {fit.get('steps', '?')} steps in {fit.get('minutes', 0):.1f} min{speed}.")
+    if metadata.get("data"):
+        seen = round(fit["samples_per_s"] * fit["minutes"] * 60) if fit and "samples_per_s" in fit else None
+        lines.append(_data_sentence(metadata["data"], seen))
+    if fit:
         metrics = {k: v for k, v in fit.items() if k.startswith("val/")}
         if metrics:
             lines.append(
