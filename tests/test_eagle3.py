@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -351,21 +350,28 @@ def test_the_input_norms_make_the_drafter_blind_to_the_scale_of_its_inputs():
         torch.testing.assert_close(drafter.forward_teacher(10.0 * fused, tokens, cond.mask), rows)
 
 
-def test_a_drafter_config_written_before_the_norms_reloads_unchanged():
-    """The shipped eagle3 drafter (its config predates input_norm and tap_norm) builds the architecture it
-    was trained as: no norms, the same weights, rows = layer(fc([e; f]))."""
-    folder = Path(__file__).resolve().parents[1] / "checkpoints" / "shapes" / "drafter_eagle3"
-    assert "input_norm" not in json.loads((folder / "config.json").read_text())
+def test_a_drafter_config_written_before_the_norms_reloads_unchanged(tmp_path):
+    """An eagle3 export whose config predates input_norm and tap_norm (the first shipped shapes eagle3
+    drafter was one) builds the architecture it was trained as: no norms, the same weights,
+    rows = layer(fc([e; f]))."""
+    target = deep_target()
+    trained = eagle3(target, input_norm=False, tap_norm=False)
+    folder = trained.save_pretrained(tmp_path / "old")
+    config = json.loads((folder / "config.json").read_text())
+    del config["input_norm"], config["tap_norm"]
+    (folder / "config.json").write_text(json.dumps(config))
     drafter = Drafter.from_pretrained(folder)
-    config = drafter.config
-    assert (config.input_norm, config.tap_norm, config.feature_layers) == (False, False, (1, 2, 3))
+    assert (drafter.config.input_norm, drafter.config.tap_norm) == (False, False)
+    assert drafter.config.feature_layers == trained.config.feature_layers
     assert set(drafter.state_dict()) == set(safetensors.torch.load_file(folder / "model.safetensors"))
     g = torch.Generator().manual_seed(0)
-    feats, embeds = torch.randn(2, 5, 256, generator=g), torch.randn(2, 5, 256, generator=g)
+    h = target.hidden_size
+    feats, embeds = torch.randn(2, 5, h, generator=g), torch.randn(2, 5, h, generator=g)
     positions = torch.arange(5)
     with torch.no_grad():
         old = drafter.layer(drafter.fc(torch.cat([embeds, feats], -1)), positions.expand(2, -1), None)
         torch.testing.assert_close(drafter(feats, embeds, positions, None), old)
+        torch.testing.assert_close(trained(feats, embeds, positions, None), old)
 
 
 def test_the_logit_lens_reads_every_layer_and_ends_at_the_target_itself(tiny_folder):
