@@ -178,11 +178,13 @@ def test_export_writes_no_absolute_local_paths(tiny_target, tmp_path):
 
 def test_model_card_carries_the_evaluation_table(tiny_target, tmp_path):
     row = EvalRow("eagle2", 1.0, 2.0, 3.1, 2.4, 3.0, 1.8, 1.6, 1.0, 1.8)
-    write_tables([row], tmp_path / "eval" / "latest", {"num_prompts": 4, "device": "cpu"})
+    command = f"python -m vdtrain.evaluate drafter={tmp_path}/run/drafter num_prompts=4"
+    write_tables([row], tmp_path / "eval" / "latest", {"num_prompts": 4, "device": "cpu", "command": command})
     drafter = make_drafter(tiny_target)
     folder = export_drafter(drafter, tmp_path / "e", target=tiny_target, eval_results=tmp_path / "eval")
     card = (folder / "README.md").read_text()
     assert to_markdown([row]).rstrip() in card and "`num_prompts=4`" in card
+    assert "'drafter=<local>/drafter' num_prompts=4" in card and str(tmp_path) not in card
     assert "No evaluation was run" not in card
     with pytest.raises(FileNotFoundError, match=r"no results\.json"):
         export_drafter(drafter, tmp_path / "f", target=tiny_target, eval_results=tmp_path / "nothing")

@@ -352,6 +352,7 @@ def _evaluation_section(results: tuple[list[EvalRow], dict[str, Any]] | None) ->
             "(`python -m vdtrain.evaluate drafter=<path>` makes one)."
         )
     rows, settings = results
+    settings = redact_local_paths(settings)  # the evaluation's command and drafter folder
     scalars = ", ".join(f"`{k}={v}`" for k, v in settings.items() if isinstance(v, str | int | float | bool))
     text = "## Evaluation\n\n" + to_markdown(rows).rstrip()
     return text + (f"\n\nSettings: {scalars}." if scalars else "")
