@@ -225,9 +225,13 @@ def test_the_shipped_grain_target_is_as_unsure_as_a_real_visual_ar_model(shipped
     assert conditional["mean_entropy_nats"] > 2.5
 
 
-def test_the_shipped_grain_drafter_decodes_ars_tokens(shipped_grain):
+@pytest.mark.parametrize(
+    ("folder", "kind", "min_tau"), [("drafter", "eagle1", 1.3), ("drafter_eagle3", "eagle3", 1.2)]
+)
+def test_the_shipped_grain_drafters_decode_ars_tokens(shipped_grain, folder, kind, min_tau):
     target = shipped_grain
-    drafter = Drafter.from_pretrained(GRAIN / "drafter", target)
+    drafter = Drafter.from_pretrained(GRAIN / folder, target)
+    assert drafter.config.kind == kind
     greedy = SamplingConfig(cfg_scale=3.0, temperature=0.0)
     cond = target.encode_captions(shapes_heldout_captions(2))
     with torch.no_grad():
@@ -235,7 +239,7 @@ def test_the_shipped_grain_drafter_decodes_ars_tokens(shipped_grain):
         engine = build_method(load_preset("eagle2"), target, drafter, greedy)
         result = engine.generate(cond, [None] * 2)
     assert torch.equal(result.tokens, ar)
-    assert sum(s.tau for s in result.stats) / 2 > 1.3  # the trained drafter really drafts
+    assert sum(s.tau for s in result.stats) / 2 > min_tau  # the trained drafter really drafts
 
 
 def test_knobs_are_chosen_on_validation_captions_not_held_out_ones():
