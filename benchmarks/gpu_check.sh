@@ -42,10 +42,12 @@ if [[ $device == cuda ]]; then
   xl="llamagen-xl --dtype bf16" pair="eagle2 sjd" scale=1 big=16 prompts=8 eval_prompts=16 eval= graphs=graphs compiled=compiled presets=all
   profile="--target llamagen-xl --dtype bf16 --steps 4"
   train="--targets llamagen-xl --drafters eagle1 eagle3 --modes eager zero2 compiled --batch 8 --steps 3 --warmup 2"
+  scaling="--target grain --minutes 2 --points 2048 --batch 16 --precision bf16-mixed"
 else  # the script's own test: the same steps on a CPU, eager, at small sizes, each given 4x its budget
   xl="shapes --dtype fp32" pair=sjd scale=4 big=2 prompts=2 eval_prompts=2 eval="eval=fast acceptance.enabled=false" graphs=eager compiled=steps presets=scd
   profile="--target shapes --steps 1 --skip 1"
   train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 1 --steps 1 --warmup 1"
+  scaling="--target shapes --minutes 0.3 --points 16 --batch 2 --val-samples 4 --ttt-steps 2 --threads 2"
 fi
 step_cost="python -m benchmarks.step_cost --device $device"
 
@@ -62,14 +64,20 @@ steps=(
   "train|90|python -m benchmarks.train_throughput --device $device $train --out $stage/train.json"
   "evaluate|60|python -m vdtrain.evaluate $eval device=$device num_prompts=$eval_prompts batch_size=$big plots=false save_images=false out_dir=$stage/evaluate && cp $stage/evaluate/results.json $stage/evaluate.json"
   "xl_eager|80|$step_cost --targets $xl --modes eager --batch 1 --presets $pair --out $stage/xl_eager.json"
+  # optional: only when named (bash benchmarks/gpu_check.sh --steps scaling 400 OUT): issue #35's curve
+  "scaling|330|python -m benchmarks.data_scaling --device $device $scaling --work-dir $stage/scaling --out $stage/scaling.json"
 )
 
-if [[ -n $only ]]; then
-  chosen=()
-  for s in "${steps[@]}"; do [[ $only == *",${s%%|*},"* ]] && chosen+=("$s"); done
-  if [[ ${#chosen[@]} -eq 0 ]]; then echo "gpu_check: no step named in --steps ${only:1:-1}" >&2; exit 2; fi
-  steps=("${chosen[@]}")
-fi
+optional=",scaling,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
+chosen=()
+for s in "${steps[@]}"; do
+  name=${s%%|*}
+  if [[ -n $only ]]; then [[ $only == *",$name,"* ]] && chosen+=("$s")
+  elif [[ $optional != *",$name,"* ]]; then chosen+=("$s")
+  fi
+done
+if [[ ${#chosen[@]} -eq 0 ]]; then echo "gpu_check: no step named in --steps ${only:1:-1}" >&2; exit 2; fi
+steps=("${chosen[@]}")
 
 if [[ $dry -eq 1 ]]; then
   echo "gpu_check dry run: deadline ${deadline}s, output $out, wheels $wheels, device $device"

@@ -57,6 +57,14 @@ def test_a_rerun_takes_chosen_steps_in_priority_order(tmp_path):
     assert _run("--dry-run", "--steps", "nothing", str(tmp_path)).returncode == 2
 
 
+def test_the_data_scaling_curve_runs_only_when_named(tmp_path):
+    """Issue #35's optional step: minutes of training per drafter kind, left out of a full run."""
+    assert "scaling" not in [name for name, _ in _steps(_run("--dry-run", str(tmp_path)).stdout)]
+    done = _run("--dry-run", "--steps", "scaling,train", str(tmp_path))
+    assert [name for name, _ in _steps(done.stdout)] == ["train", "scaling"]
+    assert "benchmarks.data_scaling --device cuda --target grain" in done.stdout
+
+
 def test_the_cpu_mode_lists_small_steps(tmp_path):
     done = _run("--dry-run", "--device", "cpu", str(tmp_path))
     assert done.returncode == 0, done.stderr
