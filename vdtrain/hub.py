@@ -84,8 +84,9 @@ def export_drafter(
     merged = dict(drafter.metadata if metadata is None else metadata)
     if training_command:
         merged["training_command"] = training_command
-    if "data" not in merged and isinstance(merged.get("config"), Mapping):
-        merged["data"] = training_data(merged["config"].get("data") or {})  # before its paths are redacted
+    data = merged["config"].get("data") if isinstance(merged.get("config"), Mapping) else None
+    if "data" not in merged and data:
+        merged["data"] = training_data(data)  # before its paths are redacted
     merged = redact_local_paths(merged)
     card_file = Path(out_dir) / CARD_FILE
     _check_card_overwrite(card_file, overwrite_card)
