@@ -62,13 +62,14 @@ def read_curve(metrics_csv: Path, batch: int) -> list[dict]:
             depths = sorted((int(m.group(1)), k) for k in row if (m := DEPTH.match(k)) and row[k] != "")
             if not depths:
                 continue
-            points.append(
-                {
-                    "samples": (int(row["step"]) + 1) * batch,
-                    "top1_depth": [round(float(row[k]), 4) for _, k in depths],
-                    "tau_sim": round(float(row["val/tau_sim"]), 4) if row.get("val/tau_sim") else None,
-                }
-            )
+            point = {
+                "samples": (int(row["step"]) + 1) * batch,
+                "top1_depth": [round(float(row[k]), 4) for _, k in depths],
+                "tau_sim": round(float(row["val/tau_sim"]), 4) if row.get("val/tau_sim") else None,
+            }
+            same = points and {**points[-1], "samples": point["samples"]} == point
+            if not same:  # fit validates the final weights once more when the clock stops it
+                points.append(point)
     return points
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from benchmarks.data_scaling import fit_command, read_curve, to_markdown
+from vdtrain.config import register_configs
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -20,6 +21,7 @@ def test_each_kinds_run_is_a_valid_fit_config_that_validates_every_point(tmp_pat
     command = fit_command(args, "eagle3", tmp_path / "eagle3")
     assert command[1:3] == ["-m", "vdtrain.fit"]
     overrides = [o for o in command[3:] if not o.startswith("hydra.")]
+    register_configs()  # fit's schema, as `python -m vdtrain.fit` registers it
     with initialize_config_dir(str(CONF), version_base=None):
         cfg = compose("fit", overrides=overrides)
     assert cfg.drafter.kind == "eagle3" and cfg.drafter.ttt_steps == 3
@@ -37,6 +39,7 @@ def test_the_curve_has_one_point_per_validation(tmp_path):
         "0,9,0.1,,,,\n"
         "0,127,,1.5,0.40,0.30,0.05\n"
         "1,255,,1.7,0.45,0.35,0.07\n"
+        "1,256,,1.7,0.45,0.35,0.07\n"  # the final weights validated again at the end of fit
     )
     curve = read_curve(log, batch=16)
     assert curve == [
