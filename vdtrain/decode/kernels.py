@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from vdtrain.decode.graphs import recording
+
 _COMPILED: ContextVar[str | None] = ContextVar("vdtrain_step_kernels", default=None)  # backend or None
 RECOMPILE_LIMIT = 64  # graphs per kernel: shapes x methods x batch sizes of one process
 
@@ -61,19 +63,25 @@ def shared_eye(n: int, device: torch.device) -> torch.Tensor:
 
 def shared_full(value: float | bool, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A 0-dim ``value`` on ``device``, made once and shared (``_shared``): expand it to a constant, or
-    hand it to ``torch.where``, where a Python number is one more fill kernel on a GPU."""
+    hand it to ``torch.where``, where a Python number is one more fill kernel on a GPU. Made by a fill,
+    not copied from the host: a CUDA graph's capture refuses a copy from pageable memory."""
     key = ("full", repr(value), dtype, device)
-    return _shared(key, lambda: torch.tensor(value, dtype=dtype, device=device))
+    return _shared(key, lambda: torch.full((), value, dtype=dtype, device=device))
 
 
 def _shared(
     key: tuple[str, int | str, torch.dtype, torch.device], make: Callable[[], torch.Tensor]
 ) -> torch.Tensor:
     """``make()``, kept under ``key`` for every later step: read it, never write it (a GPU step is bound
-    by launches). Made afresh while compiling (inductor folds it) or while capturing a CUDA graph (whose
-    kernels run only on replay, so a tensor made then holds nothing before one)."""
+    by launches). Made afresh while compiling (inductor folds it) or while a step is warmed up and
+    recorded (a CUDA graph's kernels run only on replay, so a tensor made then holds nothing before one;
+    the CPU tests record alike, so they see what a capture would run)."""
     device = key[3]
-    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if (
+        torch.compiler.is_compiling()
+        or recording()
+        or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    ):
         return make()
     if key not in _SHARED:
         _SHARED[key] = make()

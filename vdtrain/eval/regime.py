@@ -25,7 +25,11 @@ def _summary(logits: torch.Tensor, temperature: float) -> dict[str, object]:
     entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
     return {
         "top1_quantiles": dict(
-            zip(map(str, QUANTILES), top1.quantile(torch.tensor(QUANTILES)).tolist(), strict=True)
+            zip(
+                map(str, QUANTILES),
+                top1.quantile(torch.tensor(QUANTILES, device=top1.device)).tolist(),
+                strict=True,
+            )
         ),
         "top1_median": float(top1.median()),
         "share_top1_below_0.2": float((top1 < AMBIGUOUS).float().mean()),
