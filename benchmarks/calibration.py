@@ -3,11 +3,14 @@
 python -m benchmarks.calibration                                   # 32 held-out captions, T = 1
 python -m benchmarks.calibration --split validation --num-prompts 16 --methods lantern \
     --decode lantern.acceptance.delta=0.2                          # a knob tried on validation captions
+python -m benchmarks.calibration --device cuda --num-prompts 512 --batch-size 64 --units /tmp/units
+    # on a GPU; captions past the shipped 32 cached first (python -m data_prep.captions target=grain)
 
 Decodes AR, EAGLE-1, EAGLE-2, LANTERN, LANTERN++ (λ 2 and 3), SJD, GSD and VVS on the same captions and
 seeds (``vdtrain.eval.runner.evaluate``) with the target's own sampling defaults and the presets as the
 target's config sets them, measures the target's next-token regime on the same captions, and prints the
-criteria with the papers' figures. ``--out`` keeps results.{md,csv,json}, regime.json and calibration.md.
+criteria with the papers' figures. ``--out`` keeps results.{md,csv,json}, regime.json and calibration.md;
+``--units`` keeps each finished batch, so a stopped run goes on where it stopped (same settings only).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import torch
 from omegaconf import OmegaConf
 
 from vdtrain.decode.methods import load_preset
+from vdtrain.devices import pick_device
 from vdtrain.eval.regime import confidence_on
 from vdtrain.eval.runner import evaluate
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
 from vdtrain.evaluate import load_drafter
 from vdtrain.prompts import shapes_heldout_captions, shapes_validation_captions
+from vdtrain.sharding import Ranks, UnitStore
 from vdtrain.targets.registry import load_target
 
 METHODS = ["eagle1", "eagle2", "lantern", "lantern_pp", "lantern_pp_lam3", "sjd", "gsd", "vvs"]
@@ -33,11 +38,12 @@ METHODS = ["eagle1", "eagle2", "lantern", "lantern_pp", "lantern_pp_lam3", "sjd"
 
 def method_list(methods: list[str], decode_overrides: dict) -> list:
     """The presets with the target's own knobs (``decode`` in its config); ``lantern_pp_lam3`` is
-    LANTERN++ at λ 3."""
+    LANTERN++ at λ 3. Trees never shrink to fit a GPU batch (``tree.max_rows`` 0, as on a CPU): the
+    papers' S is measured at batch 1, and a batch of 64 on a GPU would cut every tree to 2 nodes."""
     configs = []
     for name in methods:
         preset = "lantern_pp" if name == "lantern_pp_lam3" else name
-        overrides = OmegaConf.create(decode_overrides.get(preset, {}))
+        overrides = OmegaConf.merge({"tree": {"max_rows": 0}}, decode_overrides.get(preset, {}))
         if name == "lantern_pp_lam3":
             overrides = OmegaConf.merge(overrides, {"acceptance": {"lam": 3.0}})
         configs.append(replace(load_preset(preset, overrides), name=name))
@@ -148,6 +154,11 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | auto (a GPU records steps)")
+    parser.add_argument(
+        "--cuda-graphs", choices=["auto", "false"], default="auto", help="false: eager on a GPU"
+    )
+    parser.add_argument("--units", type=Path, default=None, help="keep finished batches here and reuse them")
     parser.add_argument("--methods", nargs="+", default=METHODS, help="a subset (no criteria table)")
     parser.add_argument("--decode", nargs="*", default=[], help="KEY=VALUE over the target's knobs")
     parser.add_argument("--out", type=Path, default=None)
@@ -158,13 +169,28 @@ def main() -> None:
         OmegaConf.merge(config.get("decode") or {}, OmegaConf.from_dotlist(args.decode))
     )
     config["decode"] = decode_overrides
-    target = load_target(config)
+    target = load_target(config, pick_device(args.device))
     methods = method_list(args.methods, decode_overrides)
     needs_drafter = any(m.needs_drafter for m in methods)  # SJD and GSD calibrate without one
     drafter = load_drafter(args.drafter, target) if needs_drafter else None
     captions = (shapes_heldout_captions if args.split == "heldout" else shapes_validation_captions)(
         args.num_prompts
     )
+    store = None
+    if args.units is not None:  # its batches are reused only by a run that would decode them alike
+        store = UnitStore(args.units)
+        decides = [
+            "target",
+            "drafter",
+            "split",
+            "num_prompts",
+            "batch_size",
+            "temperature",
+            "seed",
+            "methods",
+        ]
+        settings = {k: str(getattr(args, k)) for k in decides} | {"decode": decode_overrides}
+        store.check_settings(settings, Ranks())
     result = evaluate(
         target,
         drafter,
@@ -174,7 +200,8 @@ def main() -> None:
         seed=args.seed,
         batch_size=args.batch_size,
         warmup=False,
-        cuda_graphs=False,
+        cuda_graphs=args.cuda_graphs == "auto" and "auto",
+        store=store,
     )
     rows = {row.method: row for row in result.rows}
     ar_tokens = result.decoded[("ar", float(args.temperature))].tokens  # the regime AR decoding visits
@@ -191,7 +218,7 @@ def main() -> None:
                 + " ".join(
                     f"--{k.replace('_', '-')} {v}"
                     for k, v in vars(args).items()
-                    if v is not None and k != "out"
+                    if v is not None and k not in ("out", "units", "cuda_graphs")
                 ),
                 "target": args.target,
                 "drafter": args.drafter if needs_drafter else None,

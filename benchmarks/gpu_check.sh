@@ -43,11 +43,13 @@ if [[ $device == cuda ]]; then
   profile="--target llamagen-xl --dtype bf16 --steps 4"
   train="--targets llamagen-xl --drafters eagle1 eagle3 --modes eager zero2 compiled --batch 8 --steps 3 --warmup 2"
   scaling="--target grain --minutes 2 --points 2048 --batch 16 --precision bf16-mixed"
+  calibration="--num-prompts 512 --batch-size 64"  # captions 32-511 cached first: python -m data_prep.captions target=grain
 else  # the script's own test: the same steps on a CPU, eager, at small sizes, each given 4x its budget
   xl="shapes --dtype fp32" pair=sjd scale=4 big=2 prompts=2 eval_prompts=2 eval="eval=fast acceptance.enabled=false" graphs=eager compiled=steps presets=scd
   profile="--target shapes --steps 1 --skip 1"
   train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 1 --steps 1 --warmup 1"
   scaling="--target shapes --minutes 0.3 --points 16 --batch 2 --val-samples 4 --ttt-steps 2 --threads 2"
+  calibration="--num-prompts 2 --batch-size 2 --methods eagle1 sjd"
 fi
 step_cost="python -m benchmarks.step_cost --device $device"
 
@@ -60,15 +62,18 @@ steps=(
   "profile|60|python -m benchmarks.step_profile --device $device $profile --presets $pair --out $stage/profile.json"
   "xl_compiled|160|$step_cost --targets $xl --modes $compiled --batch 1 --presets $pair --out $stage/xl_compiled.json"
   "shapes|100|$step_cost --targets shapes --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $stage/shapes.json"
+  "grain|130|$step_cost --targets grain --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $stage/grain.json"
   "shapes_compiled|110|$step_cost --targets shapes --modes $compiled --batch 1 --prompts $prompts --presets $pair --out $stage/shapes_compiled.json"
   "train|90|python -m benchmarks.train_throughput --device $device $train --out $stage/train.json"
   "evaluate|60|python -m vdtrain.evaluate $eval device=$device num_prompts=$eval_prompts batch_size=$big plots=false save_images=false out_dir=$stage/evaluate && cp $stage/evaluate/results.json $stage/evaluate.json"
   "xl_eager|80|$step_cost --targets $xl --modes eager --batch 1 --presets $pair --out $stage/xl_eager.json"
-  # optional: only when named (bash benchmarks/gpu_check.sh --steps scaling 400 OUT): issue #35's curve
+  # optional, only when named (bash benchmarks/gpu_check.sh --steps scaling 400 OUT): issue #35's curve
   "scaling|330|python -m benchmarks.data_scaling --device $device $scaling --work-dir $stage/scaling --out $stage/scaling.json"
+  # optional: issue #32's calibration of the grain world at 512 held-out captions (it writes a folder)
+  "grain_calibration|300|python -m benchmarks.calibration --device $device $calibration --units $stage/grain_units --out $stage/grain_calibration"
 )
 
-optional=",scaling,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
+optional=",scaling,grain_calibration,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
 chosen=()
 for s in "${steps[@]}"; do
   name=${s%%|*}
@@ -111,16 +116,24 @@ names = ["hydra", "omegaconf", "pytest", "pluggy", "iniconfig", "deepspeed", "sc
 print("packages:", ", ".join(f"{n} {'yes' if importlib.util.find_spec(n) else 'no'}" for n in names))
 EOF
 
-# Merges one step's outcome (and its JSON, if it wrote one) into OUT_DIR/gpu_check.json.
+# Merges one step's outcome into OUT_DIR/gpu_check.json, with what it wrote: NAME.json, or a folder NAME/
+# whose .json files are kept parsed and .md files as text.
 record() {
   python - "$out/gpu_check.json" "$stage" "$device" "$deadline" "$@" <<'EOF'
 import json, sys
 from pathlib import Path
 path, stage, device, deadline, name, rc, seconds, budget, cmd = sys.argv[1:]
 summary = json.loads(Path(path).read_text()) if Path(path).exists() else {"device": device, "deadline_s": int(deadline), "steps": {}}
-result = Path(stage) / f"{name}.json"
+result, folder = Path(stage) / f"{name}.json", Path(stage) / name
+if result.exists():
+    written = json.loads(result.read_text())
+elif folder.is_dir():
+    written = {f.name: json.loads(f.read_text()) if f.suffix == ".json" else f.read_text()
+               for f in sorted(folder.iterdir()) if f.suffix in (".json", ".md")}
+else:
+    written = None
 summary["steps"][name] = {"rc": int(rc), "seconds": int(seconds), "budget_s": int(budget), "command": cmd,
-                          "result": json.loads(result.read_text()) if result.exists() else None}
+                          "result": written}
 Path(path).write_text(json.dumps(summary, indent=1) + "\n")
 EOF
 }

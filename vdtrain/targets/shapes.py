@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from vdtrain.models.text_encoders import HFTextEncoder, minilm_path
-from vdtrain.targets.caption_cache import CAPTION_CACHE, CachedCaptions
+from vdtrain.targets.caption_cache import CAPTION_CACHE, CachedCaptions, caption_caches
 from vdtrain.targets.llamagen import LlamaGenSpec, LlamaGenTarget, build_llamagen_target
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -70,9 +70,9 @@ def load_target_folder(
             raise ValueError(f"text encoder width {text.dim} != the GPT's caption_dim {dim}")
         return text.to(target.token_embedding.weight.device)  # wherever the target is by then
 
-    cache = path / CAPTION_CACHE
-    if cache.is_file():
-        target.caption_encoder = CachedCaptions(cache, load_encoder, encoder)
+    caches = caption_caches(path)
+    if caches:
+        target.caption_encoder = CachedCaptions(caches, load_encoder, encoder)
     else:
         try:
             target.caption_encoder = load_encoder()
