@@ -132,7 +132,8 @@ def criteria(rows: dict[str, EvalRow], regime: dict) -> list[tuple[str, str, str
             "Fréchet to AR: floor / LANTERN++ λ 2 / λ 3",
             "FID 28.93 / 30.11 / 33.91 (Lumina-mGPT; AR / λ 2 / λ 3, LANTERN++ Table 2)",
             "rises with λ, above the floor",
-            f"{fd['ar']:.4f} / {fd['lantern_pp']:.4f} / {fd['lantern_pp_lam3']:.4f}",
+            f"{fd['ar']:.3g} / {fd['lantern_pp']:.3g} ({fd['lantern_pp'] / fd['ar']:.2f}×) / "
+            f"{fd['lantern_pp_lam3']:.3g} ({fd['lantern_pp_lam3'] / fd['ar']:.2f}×)",
             fd["ar"] < fd["lantern_pp"] < fd["lantern_pp_lam3"],
         ),
     ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -117,7 +118,11 @@ def main() -> None:
     report = "\n".join(lines) + "\n\nchosen: " + json.dumps(chosen) + "\n"
     print(report)
     if args.out is not None:
-        write_tables(result.rows, args.out, {"command": "python -m benchmarks.knob_sweep", "sweep": cfg})
+        write_tables(
+            result.rows,
+            args.out,
+            {"command": " ".join(["python -m benchmarks.knob_sweep", *sys.argv[1:]]), "sweep": cfg},
+        )
         (args.out / "knobs.md").write_text(report)
         (args.out / "chosen.json").write_text(json.dumps(chosen, indent=2) + "\n")
 
