@@ -201,7 +201,7 @@ def main() -> None:
         seed=args.seed,
         batch_size=args.batch_size,
         warmup=False,
-        cuda_graphs=args.cuda_graphs == "auto" and "auto",
+        cuda_graphs="auto" if args.cuda_graphs == "auto" else False,
         store=store,
     )
     rows = {row.method: row for row in result.rows}
