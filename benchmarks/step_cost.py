@@ -397,6 +397,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
     modes = args.modes or default_modes(device, args.compile)
     for name in args.targets:
         target = drafter = None
+        knobs = world_knobs(name)
         for mode in modes:
             if target is None or mode in ("compiled", "graphs"):
                 del target, drafter
@@ -415,9 +416,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
                 with torch.no_grad():
                     ar = time_ar(target, conds, args.seed, sampling, options)
                     for preset in args.presets:
-                        m = time_method(
-                            target, drafter, preset, conds, args.seed, sampling, options, world_knobs(name)
-                        )
+                        m = time_method(target, drafter, preset, conds, args.seed, sampling, options, knobs)
                         if name == "shapes":
                             shapes_s[(preset, batch, mode)] = m["s"]
                         s_shapes = shapes_s.get((preset, batch, mode))

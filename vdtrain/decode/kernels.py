@@ -74,14 +74,10 @@ def _shared(
 ) -> torch.Tensor:
     """``make()``, kept under ``key`` for every later step: read it, never write it (a GPU step is bound
     by launches). Made afresh while compiling (inductor folds it) or while a step is warmed up and
-    recorded (a CUDA graph's kernels run only on replay, so a tensor made then holds nothing before one;
-    the CPU tests record alike, so they see what a capture would run)."""
-    device = key[3]
-    if (
-        torch.compiler.is_compiling()
-        or recording()
-        or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-    ):
+    recorded (every capture runs inside ``StepGraph``'s recording: a CUDA graph's kernels run only on
+    replay, so a tensor made then holds nothing before one; the CPU tests record alike, so they see what a
+    capture would run)."""
+    if torch.compiler.is_compiling() or recording():
         return make()
     if key not in _SHARED:
         _SHARED[key] = make()

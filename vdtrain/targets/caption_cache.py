@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 CAPTION_CACHE = "captions.safetensors"
@@ -67,8 +67,7 @@ class CachedCaptions(nn.Module):
         for path in self.paths:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata()
-            tensors = load_file(str(path))
-            rows = tensors["rows"].split(tensors["lengths"].tolist())
+                rows = f.get_tensor("rows").split(f.get_tensor("lengths").tolist())
             prefix_rows.add(int(meta["prefix_rows"]))
             self.features.update(zip(json.loads(meta["captions"]), rows, strict=True))
         if len(prefix_rows) != 1:

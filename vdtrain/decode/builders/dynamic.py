@@ -368,8 +368,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         """The depth of flat node indices ``nodes`` [..., n] whose first is the root (node 0): nodes
         1 .. K are depth 1, then each round's K·K candidates one deeper (K = ``width``)."""
         depths = (nodes + (width * width - 1 - width)).div(width * width, rounding_mode="floor") + 1
-        # the root (elsewhere node 0 is padding, whose depth the caller sets); a fill, where an assignment
-        # through ``...`` copies a host scalar, which a CUDA graph's capture refuses
+        # the root (elsewhere node 0 is padding, whose depth the caller sets); a fill: the assignment
+        # ``depths[..., 0] = 0`` copied a host scalar, which an H100's graph capture refused
         depths.select(-1, 0).fill_(0)
         return depths
 
