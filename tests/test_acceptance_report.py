@@ -14,6 +14,7 @@ from test_evaluate import PROMPTS, _config, hashed_caption_features
 
 from vdtrain.config import AcceptanceReportConfig
 from vdtrain.decode.engine import DecodeStats
+from vdtrain.decode.profiling import DeviceGuard
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter, DrafterConfig
 from vdtrain.eval import acceptance
@@ -126,12 +127,15 @@ def test_measure_reuses_decoded_rows_and_decodes_only_missing_temperatures(
 
 def test_the_report_measures_the_null_stream_beside_the_conditional_one(target):
     """a_d and τ_sim of the null stream: the same AR samples teacher-forced under the null condition, in
-    the report, its metrics and its table."""
+    the report, its metrics and its table. The evaluation and the report run as on a GPU (``DeviceGuard``:
+    the models count as on the device, and the decoded samples the runner keeps on the host must be moved
+    back before a model reads them)."""
     drafter = random_drafter(target)
-    result = evaluate(target, drafter, PROMPTS, ["eagle2"], [0], batch_size=3, progress=False)
-    (report,) = measure(
-        target, drafter, result, AcceptanceReportConfig(temperatures=[0.0], depth=2), seed=0, batch_size=3
-    )
+    with DeviceGuard():
+        result = evaluate(target, drafter, PROMPTS, ["eagle2"], [0], batch_size=3, progress=False)
+        (report,) = measure(
+            target, drafter, result, AcceptanceReportConfig(temperatures=[0.0], depth=2), seed=0, batch_size=3
+        )
     tokens = result.decoded["ar", 0.0].tokens
     null = target.null_condition(target.encode_captions(PROMPTS))
     expected = depth_agreement(drafter, target, null, tokens, 2)

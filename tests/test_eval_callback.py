@@ -14,6 +14,7 @@ import torch
 from test_fit import fit_config
 
 from vdtrain.config import EvalCallbackConfig
+from vdtrain.decode.profiling import DeviceGuard
 from vdtrain.eval.callback import EvalAfterEpoch
 from vdtrain.eval.table import read_results
 from vdtrain.fit import fit
@@ -31,10 +32,11 @@ EVAL_ON = (
 @pytest.fixture(scope="module")
 def eval_run(tiny_folder, tmp_path_factory):
     """One training run with evaluation after each epoch, shared by the module: its folder, its summary
-    and what it printed."""
+    and what it printed. It runs as on a GPU (``DeviceGuard``): what the data, the decodes and the
+    acceptance report hand a model must be on the model's device."""
     run = tmp_path_factory.mktemp("eval") / "run"
     cfg = fit_config(tiny_folder, run, *EVAL_ON, "best_metric=eval/eagle2_T0/S")
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
+    with contextlib.redirect_stdout(io.StringIO()) as printed, DeviceGuard():
         summary = fit(cfg)
     return run, summary, printed.getvalue()
 

@@ -329,7 +329,7 @@ def test_offline_eagle3_loss_equals_online_loss(target):
     _, cond_mask, states = online.prepare(batch, rows)
     assert states.shape[-1] == (1 + len(online.drafter.taps)) * target.hidden_size
     ref, _ = online.loss(batch, torch.Generator().manual_seed(7))
-    base = {"caption": batch["caption"], "tokens": tokens.to(torch.int32), "cond_mask": cond_mask}
+    base = {"caption": batch["caption"], "tokens": tokens.to(torch.int32), "feats_mask": cond_mask}
     exact, _ = offline.loss({**base, "feats": states.clone()}, torch.Generator().manual_seed(7))
     assert torch.equal(exact, ref)
     last_only = states[..., : target.hidden_size]
@@ -348,7 +348,7 @@ def test_offline_loss_equals_online_loss(target):
     assert 0 < rows.sum() < 4
     _, cond_mask, hidden = online.prepare(batch, rows)
     ref, ref_parts = online.loss(batch, torch.Generator().manual_seed(7))
-    base = {"caption": batch["caption"], "tokens": tokens.to(torch.int32), "cond_mask": cond_mask}
+    base = {"caption": batch["caption"], "tokens": tokens.to(torch.int32), "feats_mask": cond_mask}
     exact, _ = offline.loss({**base, "feats": hidden.clone()}, torch.Generator().manual_seed(7))
     assert torch.equal(exact, ref)
     # fp16 storage rounds each feature by at most 2^-11 of its size; the loss is a smooth function of
@@ -592,10 +592,28 @@ def test_every_rank_of_a_launch_resolves_the_same_run_folder(monkeypatch):
 def test_deepspeed_configs_build_their_zero_stage(tiny_folder, tmp_path, stage):
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
-    cfg = fit_config(tiny_folder, tmp_path, f"trainer=deepspeed_stage_{stage}")
+    cfg = fit_config(
+        tiny_folder, tmp_path, f"trainer=deepspeed_stage_{stage}", "trainer.accumulate_grad_batches=3"
+    )
     strategy = build_strategy(cfg)
     assert isinstance(strategy, DeepSpeedStrategy)
     assert strategy.config["zero_optimization"]["stage"] == stage
+    # The micro-batch is data.batch_size: Lightning would read it from the train loader's batch sampler,
+    # which the positioned stream has not (an AttributeError at setup on a GPU). Accumulation is Lightning's.
+    assert strategy.config["train_micro_batch_size_per_gpu"] == cfg.data.batch_size == 2
+    trainer = SimpleNamespace(accumulate_grad_batches=3, gradient_clip_val=0.5, fit_loop=None)
+    with mock.patch.object(DeepSpeedStrategy, "lightning_module", SimpleNamespace(trainer=trainer)):
+        strategy._format_batch_size_and_grad_accum_config()  # what setup runs; fit_loop is never read
+    assert strategy.config["gradient_accumulation_steps"] == 3
+    with pytest.raises(ValueError, match="accumulate_grad_batches"):
+        build_strategy(
+            fit_config(
+                tiny_folder,
+                tmp_path,
+                f"trainer=deepspeed_stage_{stage}",
+                "+trainer.deepspeed.gradient_accumulation_steps=2",
+            )
+        )
     # Extra entries (a struct config: new keys take Hydra's + or ++) are merged into the stage's config.
     for extra in (
         ("++trainer.deepspeed={zero_optimization: {overlap_comm: true}, wall_clock_breakdown: true}",),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.fit import fit
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.targets import load_target_folder
+from vdtrain.targets.llamagen import LlamaGenTarget
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
@@ -31,7 +34,7 @@ def shard_sets(tiny_folder, tmp_path_factory) -> tuple[Path, Path]:
         root / "pairs",
         sampling=sampling,
         samples_per_shard=3,
-        store_cond=True,
+        store_cond=False,  # features encode the captions; training must not need them again
         progress=False,
     )
     prepare_features(target, root / "pairs", root / "feats", p_null=0.5, progress=False)
@@ -55,9 +58,12 @@ def _cfg(tiny_folder: Path, run_dir: Path, *overrides: str):
 
 
 @pytest.mark.parametrize("data", ["coco_self_generated", "offline_features"])
-def test_fit_trains_from_shards(data, shard_sets, tiny_folder, tmp_path):
+def test_fit_trains_from_shards(data, shard_sets, tiny_folder, tmp_path, monkeypatch):
     pairs, feats = shard_sets
     folder = pairs if data == "coco_self_generated" else feats
+    if data == "offline_features":  # neither the target nor its caption encoder runs (none on a GPU box)
+        for name in ("encode_captions", "sequence_features"):
+            monkeypatch.setattr(LlamaGenTarget, name, _never_called(name))
     cfg = _cfg(
         tiny_folder,
         tmp_path,
@@ -71,6 +77,26 @@ def test_fit_trains_from_shards(data, shard_sets, tiny_folder, tmp_path):
     assert summary["steps"] == 3
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
     assert "val/tau_sim" in summary
+
+
+def _never_called(name: str):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"offline training called the target's {name}")
+
+    return refuse
+
+
+def test_feature_sets_without_their_condition_mask_are_refused(shard_sets, tmp_path):
+    """Sets written before ``feats_mask`` was stored: training would need the caption encoder to make
+    the mask, so they are refused naming the fix."""
+    _, feats = shard_sets
+    old = tmp_path / "old_feats"
+    shutil.copytree(feats, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["fields"].remove("feats_mask")
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"feats_mask.*data_prep.features"):
+        ShardStream(DataConfig(source="shards", shards=str(old), features="offline"), 0, 1)
 
 
 def captions(stream: ShardStream, start: int = 0) -> list[str]:

@@ -171,3 +171,38 @@ def test_the_phase_timer_names_a_method_the_engine_no_longer_has(monkeypatch):
     monkeypatch.setattr(profiling, "phase_methods", lambda e: {"verify": [(e, "_verify_all_trees")]})
     with pytest.raises(AttributeError, match=r"_verify_all_trees.*phase_methods"), PhaseTimer(engine):
         pass
+
+
+# --- DeviceGuard: the as-if-GPU provenance refuses what CUDA refuses -----------------------------------
+# Each hands a host tensor (dim > 0) to an op beside a device tensor, as "tokens left on the CPU" would.
+# (``torch.from_numpy`` is not seen: it takes no part in torch's function overrides.)
+MIXED = {
+    "embedding of host ids": lambda w: torch.nn.functional.embedding(w.long().cpu(), w[:, None]),
+    "arithmetic with a host tensor": lambda w: w + torch.ones(6),
+    "cat with a moved-out tensor": lambda w: torch.cat([w, w.cpu()]),
+    "index_select by host ids": lambda w: w.index_select(0, torch.tensor([0, 1])),
+}
+# What CUDA accepts: host indices and masks, copies both ways, 0-dim host scalars, tensors moved back.
+ACCEPTED = {
+    "host index tensor": lambda w: w[torch.tensor([0, 2])],
+    "host bool mask": lambda w: w[torch.ones(6, dtype=torch.bool)],
+    "copy from the host": lambda w: w.clone().copy_(torch.zeros(6)),
+    "0-dim host scalar": lambda w: w * torch.tensor(2.0),
+    "moved to the model's device": lambda w: w + torch.ones(6).to(w.device),
+    "a device factory": lambda w: w + torch.ones(6, device=w.device),
+    "host-only arithmetic": lambda w: w.cpu() + torch.ones(6),
+}
+
+
+@pytest.mark.parametrize("op", list(MIXED.values()), ids=list(MIXED))
+def test_the_device_guard_refuses_host_tensors_beside_device_ones(op):
+    weights = torch.arange(6.0)  # made before the guard: on the device, as a model's are
+    with profiling.DeviceGuard(), pytest.raises(RuntimeError, match="same device"):
+        op(weights)
+
+
+@pytest.mark.parametrize("op", list(ACCEPTED.values()), ids=list(ACCEPTED))
+def test_the_device_guard_accepts_what_cuda_accepts(op):
+    weights = torch.arange(6.0)
+    with profiling.DeviceGuard():
+        op(weights)

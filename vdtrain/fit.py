@@ -51,18 +51,26 @@ def build_strategy(cfg: FitConfig):
     if name.startswith("deepspeed"):
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
-        stage = int(name[-1])
-        if cfg.trainer.deepspeed:
-            base = {
-                "zero_optimization": {"stage": stage},
-                "train_micro_batch_size_per_gpu": cfg.data.batch_size,
-            }
-            # A deep merge: extra zero_optimization entries must not drop the stage.
-            return DeepSpeedStrategy(
-                config=OmegaConf.to_container(OmegaConf.merge(base, cfg.trainer.deepspeed))
-            )
-        return DeepSpeedStrategy(stage=stage)
+        return DeepSpeedStrategy(config=deepspeed_config(cfg))
     return name
+
+
+def deepspeed_config(cfg: FitConfig) -> dict[str, Any]:
+    """The DeepSpeed config of ``trainer.strategy=deepspeed_stage_N``: the ZeRO stage and the micro-batch
+    (``data.batch_size``; Lightning would read it from a batch sampler, which the positioned stream has
+    not), deep-merged with ``trainer.deepspeed`` (extra zero_optimization entries keep the stage).
+    Gradient accumulation is Lightning's to set, from ``trainer.accumulate_grad_batches``."""
+    base = {
+        "zero_optimization": {"stage": int(cfg.trainer.strategy[-1])},
+        "train_micro_batch_size_per_gpu": cfg.data.batch_size,
+    }
+    extra = cfg.trainer.deepspeed or {}
+    if "gradient_accumulation_steps" in extra:
+        raise ValueError(
+            "trainer.deepspeed.gradient_accumulation_steps: set trainer.accumulate_grad_batches instead "
+            "(Lightning hands it to DeepSpeed)"
+        )
+    return OmegaConf.to_container(OmegaConf.merge(base, extra))
 
 
 def build_logger(cfg: FitConfig, run_dir: Path):

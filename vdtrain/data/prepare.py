@@ -617,10 +617,12 @@ def prepare_features(
                 if null.any():
                     cond = target.with_null(cond, null)
                 hidden = target.sequence_features(cond, tokens, taps).to("cpu", torch.float16).numpy()
+                masks = cond.mask.to("cpu", torch.bool).numpy()  # training reads it: no caption encoder there
                 for i, s in enumerate(batch):
                     out = {k: s[k] for k in ("key", "tokens", "caption", "cond", "cond_mask") if k in s}
                     out["meta"] = {**s["meta"], "null_conditioned": bool(null[i])}
                     out["feats"] = hidden[i]
+                    out["feats_mask"] = masks[i]
                     sink.write(out)
                 bar.update(len(batch))
     bar.close()

@@ -27,7 +27,7 @@ from vdtrain.targets.base import TargetIdentity
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("tokens", "caption", "cond_mask", "feats")  # what training reads; the rest stays on disk
+FIELDS = ("tokens", "caption", "feats", "feats_mask")  # what training reads; the rest stays on disk
 
 
 def _training_fields(sample: dict) -> dict:
@@ -72,10 +72,17 @@ class ShardStream(ResumableStream):
         self.reader = ShardReader(
             config.shards, on_corrupt=config.on_corrupt, target_identity=target_identity
         )
-        if config.features == "offline" and "feats" not in self.reader.manifest.get("fields", []):
+        fields = self.reader.manifest.get("fields", [])
+        if config.features == "offline" and "feats" not in fields:
             raise ValueError(
                 f"data.features=offline but {config.shards} has no feats.npy: "
                 "run `python -m data_prep.features`"
+            )
+        if config.features == "offline" and "feats_mask" not in fields:
+            raise ValueError(
+                f"data.features=offline but {config.shards} stores no feats_mask.npy (the condition mask of "
+                "its features; sets written before it was kept lack it): run `python -m data_prep.features` "
+                "again into a new folder"
             )
         stored = feature_taps(self.reader.manifest)
         if config.features == "offline" and stored != list(taps):

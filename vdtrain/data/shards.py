@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 REQUIRED_FIELDS = ("tokens", "caption", "meta")
-OPTIONAL_FIELDS = ("cond", "cond_mask", "feats")
+OPTIONAL_FIELDS = ("cond", "cond_mask", "feats", "feats_mask")
 # field name -> tar member suffix
 MEMBER_SUFFIX = {
     "tokens": "tokens.npy",
@@ -39,9 +39,16 @@ MEMBER_SUFFIX = {
     "cond": "cond.npy",
     "cond_mask": "cond_mask.npy",
     "feats": "feats.npy",
+    "feats_mask": "feats_mask.npy",
 }
 FIELD_OF_SUFFIX = {v: k for k, v in MEMBER_SUFFIX.items()}
-DTYPES = {"tokens": "int64", "cond": "float16", "cond_mask": "bool", "feats": "float16"}
+DTYPES = {
+    "tokens": "int64",
+    "cond": "float16",
+    "cond_mask": "bool",
+    "feats": "float16",
+    "feats_mask": "bool",
+}
 OnCorrupt = Literal["error", "skip"]
 
 
@@ -80,6 +87,8 @@ def sample_shapes(
         shapes["cond_mask"] = [length]
     if "feats" in fields:
         shapes["feats"] = [length + n, identity.hidden_size * feature_parts]
+    if "feats_mask" in fields:  # absent from feature sets written before it was stored
+        shapes["feats_mask"] = [length]
     return shapes
 
 
@@ -331,6 +340,8 @@ class ShardWriter:
         fields = list(REQUIRED_FIELDS) + [f for f in OPTIONAL_FIELDS if f in optional_fields]
         if "cond" in fields and "cond_mask" not in fields:
             fields.insert(fields.index("cond") + 1, "cond_mask")
+        if "feats" in fields and "feats_mask" not in fields:
+            fields.insert(fields.index("feats") + 1, "feats_mask")
         identity = _identity(target_identity)
         self.out_dir = Path(out_dir)
         self.samples_per_shard = samples_per_shard
@@ -461,7 +472,8 @@ class ShardReader:
 
     Each sample is a dict: ``key``, ``shard`` (file name), ``tokens`` (int64 [N]), ``caption``,
     ``meta`` and, where the set has them, ``cond`` (float16 [L, D]) + ``cond_mask`` (bool [L]) and
-    ``feats`` (float16 [L+N, H], or [L+N, (1 + k)·H] with ``k`` tapped layers).
+    ``feats`` (float16 [L+N, H], or [L+N, (1 + k)·H] with ``k`` tapped layers) + ``feats_mask`` (bool [L]:
+    the condition mask they were computed under, the null condition's on a null-conditioned sample).
 
     ``on_corrupt="error"`` (default) raises ``ShardError`` at the first bad sample or unreadable shard.
     ``on_corrupt="skip"`` logs a warning naming the shard and key and goes on: a bad sample is left

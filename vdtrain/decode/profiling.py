@@ -153,6 +153,7 @@ class _Functions(TorchFunctionMode):
                 c.h2d(func.__name__)
             c.tag(out, host=not c.device_destination(device, None))
             return out
+        c.check_devices(func, inputs)
         out = func(*args, **kwargs)
         if c.as_if_gpu and isinstance(out, (torch.Tensor, tuple, list)):
             if inputs:
@@ -281,6 +282,9 @@ class OpCounter:
             else:
                 self._host.pop(t, None)
 
+    def check_devices(self, func: Callable, inputs: Sequence[torch.Tensor]) -> None:
+        """Called before every op with its tensor inputs; ``DeviceGuard`` refuses a mix of devices."""
+
     def sync(self, kind: str) -> None:
         self.counts.syncs += 1
         self.sites[f"{kind} @ {_call_site()}"] += 1
@@ -309,6 +313,9 @@ class OpCounter:
             self.tag(out, host=not was_on_device)
             return out
         on_device = self.device_destination(destination, None)
+        if self.as_if_gpu and on_device != was_on_device and out is source:
+            with self.quiet():  # on a GPU a move between host and device is a new tensor, never a view
+                out = source.clone()
         if was_on_device and not on_device:
             self.sync("cpu" if func is torch.Tensor.cpu else "to(cpu)")
         elif on_device and not was_on_device:
@@ -467,3 +474,40 @@ class PhaseTimer:
             phases = {p: d.get(p, 0.0) for p in PHASES}
             out.append(StepTimes(t1 - t0, phases, d.get("forward", 0.0), d.get("verify_calls", 0.0) > 0))
         return (out[0] if out else None), out[1:]
+
+
+# Ops a GPU runs on a device tensor with host operands: indexing with host indices or masks, copies
+# (host-to-device copies are ``OpCounter``'s to count, not errors), and ``Module.to``'s metadata check.
+_MIXED_DEVICES_ALLOWED = frozenset(
+    {
+        torch.Tensor.__getitem__,
+        torch.Tensor.__setitem__,
+        torch.Tensor.copy_,
+        torch.Tensor.index_put_,
+        torch._has_compatible_shallow_copy_type,
+        torch.Tensor.data.__set__,
+    }
+)
+
+
+class DeviceGuard(OpCounter):
+    """``OpCounter``'s as-if-GPU provenance made strict: an op given a host tensor (one moved or made
+    there: ``.cpu()``, a factory without ``device=``; ``torch.from_numpy`` escapes it) beside device
+    tensors raises, as CUDA does ("Expected all tensors to be on the same device"). Tensors that exist
+    before the guard is entered count as on the device, so models built outside it stand for models on a
+    GPU. A CPU test wraps a user path in it to catch what would cross devices there; 0-dim host tensors
+    pass, as on CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__(as_if_gpu=True)
+
+    def check_devices(self, func: Callable, inputs: Sequence[torch.Tensor]) -> None:
+        if len(inputs) < 2 or func in _MIXED_DEVICES_ALLOWED:
+            return
+        host = [t for t in inputs if t.dim() > 0 and not self.on_device(t)]
+        if host and len(host) < len(inputs) and any(self.on_device(t) for t in inputs):
+            name = getattr(func, "__name__", str(func))
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device (as on a GPU), but {name} got a host "
+                f"tensor of shape {tuple(host[0].shape)} beside device tensors, at {_call_site()}"
+            )

@@ -248,6 +248,11 @@ class Target(nn.Module, ABC):
         return (min(2 if n >= 6 else 1, n), max(1, n // 2), n)
 
     @property
+    def device(self) -> torch.device:
+        """Where the transformer runs: every input of a forward pass is moved here by the pass itself."""
+        return self.token_embedding.weight.device
+
+    @property
     def dtype(self) -> torch.dtype:
         """The dtype the transformer runs in (``target.dtype``; fp32 unless cast for inference)."""
         return self.token_embedding.weight.dtype
@@ -333,7 +338,9 @@ class Target(nn.Module, ABC):
     ) -> torch.Tensor:
         """``forward_sequence``'s hidden states [B, L + N, H] without the head: what drafter training
         reads (the head's [B, L + N, V] logits would cost about a sixth of LlamaGen-B's pass); with
-        ``taps``, the tapped layers follow along the last dim (``split_taps`` parts them)."""
+        ``taps``, the tapped layers follow along the last dim (``split_taps`` parts them). ``cond`` and
+        ``tokens`` may come from anywhere (stored samples, a shard batch): they are moved to the target."""
+        cond, tokens = cond.to(self.device), tokens.to(self.device)
         x = torch.cat([self.prefix_inputs(cond), self.token_embedding(tokens)], dim=1)
         seq = x.shape[1]
         positions = torch.arange(seq, device=x.device)

@@ -300,10 +300,6 @@ class ChameleonTarget(Target):
     def head(self) -> nn.Module:
         return self.image_head
 
-    @property
-    def device(self) -> torch.device:
-        return self.image_head.weight.device
-
     def use_dtype(self, dtype: torch.dtype) -> ChameleonTarget:
         """Run the decoder and its image-token embedding/head in ``dtype``; logits stay fp32, RoPE angles
         are computed in fp32, the VQGAN is left alone, and the identity is the fp32 weights'."""

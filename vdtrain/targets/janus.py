@@ -156,10 +156,6 @@ class JanusTarget(Target):
     def head(self) -> nn.Module:
         return self.generator.generation_head
 
-    @property
-    def device(self) -> torch.device:
-        return self.image_embedding.weight.device
-
     def use_dtype(self, dtype: torch.dtype) -> JanusTarget:
         """Run the decoder, image-token table and generation head in ``dtype``; logits stay fp32, RoPE
         angles are computed in fp32, the VQ is left alone, and the identity is the fp32 weights'."""

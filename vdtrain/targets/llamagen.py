@@ -210,10 +210,6 @@ class LlamaGenTarget(Target):
     def head(self) -> nn.Module:
         return self.gpt.output
 
-    @property
-    def device(self) -> torch.device:
-        return self.gpt.tok_embeddings.weight.device
-
     def use_dtype(self, dtype: torch.dtype) -> LlamaGenTarget:
         """Run the GPT (weights, KV cache, hidden states) in ``dtype``; logits stay fp32.
 

@@ -43,7 +43,9 @@ def depth_agreement(
 ) -> list[float]:
     """Top-1 agreement of the drafter with the target's argmax at draft depths ``1 .. depth``,
     teacher-forced on the target's sequence (``cond``, image ``tokens`` [B, N]) and unrolled on the
-    drafter's own features the way a tree step sees them. Works for every drafter kind."""
+    drafter's own features the way a tree step sees them. Works for every drafter kind. ``cond`` and
+    ``tokens`` may be anywhere (the evaluation keeps decoded samples on the host): they go to the target."""
+    cond, tokens = cond.to(target.device), tokens.to(target.device)
     states = target.sequence_features(cond, tokens, drafter.taps)
     hidden, tapped = split_taps(states.float(), target.hidden_size, len(drafter.taps))
     return unrolled_agreement(drafter, hidden, tapped, tokens, cond.mask, depth)

@@ -105,7 +105,8 @@ class DrafterModule(L.LightningModule):
 
         Online: the target runs on the captions, with ``null_rows`` null-conditioned, so the drafter's
         inputs *and* its regression targets come from the same (possibly null) condition. Offline: the
-        features were computed (and null conditioning decided) by ``data_prep.features``."""
+        features and the condition mask they were computed under (null conditioning decided) come from
+        ``data_prep.features``; neither the target nor its caption encoder runs."""
         target = self.target
         if "tokens" in batch:
             tokens = batch["tokens"].long()
@@ -123,9 +124,8 @@ class DrafterModule(L.LightningModule):
                     f"state, the drafter reads {list(self.drafter.taps)}: run data_prep.features "
                     f"feature_layers={list(self.drafter.taps)}"
                 )
-            mask = batch.get("cond_mask")
-            mask = target.encode_captions(batch["caption"]).mask if mask is None else mask.bool()
-            return tokens, mask.to(self.device), batch["feats"].to(self.device, torch.float32)
+            mask = batch["feats_mask"].to(self.device, torch.bool)  # the features' own: no caption encoder
+            return tokens, mask, batch["feats"].to(self.device, torch.float32)
         cond = target.with_null(target.encode_captions(batch["caption"]), null_rows.to(self.device))
         return tokens, cond.mask, target.sequence_features(cond, tokens, self.drafter.taps).float()
 
