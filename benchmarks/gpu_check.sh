@@ -58,6 +58,9 @@ step_cost="python -m benchmarks.step_cost --device $device"
 # --presets all includes the SCD presets (scd, scd_gumbel, sjd_pac_gumbel).
 steps=(
   "tests|45|python -m pytest -q -p no:cacheprovider -m 'gpu and not slow' tests/test_graphs.py tests/test_rng.py"
+  # what a user runs, each command as the README writes it (fit with its after-epoch evaluation, DeepSpeed
+  # stages 2 and 3, a SIGKILL and resume=last, export, evaluate, generate); needs the cached training captions
+  "user|150|python -m benchmarks.user_commands --device $device --work $stage/user_runs --out $stage/user.json"
   "xl_graphs|75|$step_cost --targets $xl --modes $graphs --batch 1 $big --presets $pair --out $stage/xl_graphs.json"
   "profile|60|python -m benchmarks.step_profile --device $device $profile --presets $pair --out $stage/profile.json"
   "xl_compiled|160|$step_cost --targets $xl --modes $compiled --batch 1 --presets $pair --out $stage/xl_compiled.json"

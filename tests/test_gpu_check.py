@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 ORDER = [
     "tests",
+    "user",
     "xl_graphs",
     "profile",
     "xl_compiled",
@@ -76,6 +77,47 @@ def test_the_cpu_mode_lists_small_steps(tmp_path):
     assert "llamagen-xl" not in done.stdout and "device=cpu" in done.stdout
 
 
+def test_the_user_step_runs_the_readme_commands_on_cached_captions_only(tmp_path):
+    """The ``user`` step: every command a user runs, on the step's device; on the CPU DeepSpeed is left out
+    with a line. Its short runs read no caption beyond those cached beside the shapes target (a GPU machine
+    has no caption encoder): the training stream's first ``TRAINING_CAPTIONS`` and the 32 shipped held-out."""
+    from omegaconf import OmegaConf
+
+    from benchmarks import user_commands as uc
+
+    dry = _run("--dry-run", str(tmp_path)).stdout
+    assert "benchmarks.user_commands --device cuda" in dry
+    gpu = uc.plan("cuda", tmp_path)
+    assert [name for name, _, _ in gpu] == [
+        "fit",
+        "fit_deepspeed_stage_2",
+        "fit_deepspeed_stage_3",
+        "fit_killed",
+        "fit_resumed",
+        "export",
+        "evaluate",
+        "generate",
+    ]
+    assert all(why is None for _, _, why in gpu) and "trainer=gpu" in gpu[0][1]
+    cpu = {name: why for name, _, why in uc.plan("cpu", tmp_path)}
+    assert "trainer=cpu" in uc.plan("cpu", tmp_path)[0][1]
+    assert [n for n, why in cpu.items() if why] == ["fit_deepspeed_stage_2", "fit_deepspeed_stage_3"]
+    assert "needs a GPU" in cpu["fit_deepspeed_stage_2"]
+    shipped_heldout = 32
+    for _, command, _ in gpu:
+        keys = dict(a.split("=", 1) for a in command[3:] if "=" in a and not a.startswith("hydra."))
+        if command[2] == "vdtrain.fit" and "resume" not in keys:
+            assert int(keys["trainer.max_steps"]) * int(keys["data.batch_size"]) <= uc.TRAINING_CAPTIONS
+            assert int(keys["data.val_samples"]) <= shipped_heldout
+        if command[2] == "vdtrain.fit" and keys.get("eval.enabled") != "false":
+            fit_eval = OmegaConf.load(ROOT / "conf" / "fit.yaml").eval
+            assert fit_eval.num_prompts <= shipped_heldout and fit_eval.prompts is None
+        if command[2] == "vdtrain.evaluate":
+            assert int(keys["num_prompts"]) <= shipped_heldout
+        if command[2] == "vdtrain.generate":
+            assert OmegaConf.load(ROOT / "conf" / "generate.yaml").num_prompts <= shipped_heldout
+
+
 def test_it_refuses_missing_arguments_and_unknown_options(tmp_path):
     assert _run("--dry-run").returncode == 2
     assert _run("--dry-run", "soon", str(tmp_path)).returncode == 2
@@ -118,7 +160,7 @@ def test_the_steps_import_without_matplotlib_or_scipy():
     selection collects."""
     code = BLOCK + (
         "import benchmarks.step_cost, benchmarks.step_profile, benchmarks.train_throughput\n"
-        "import benchmarks.calibration, benchmarks.data_scaling\n"
+        "import benchmarks.calibration, benchmarks.data_scaling, benchmarks.user_commands\n"
         "import vdtrain.evaluate\n"
         "import pytest\n"
         "rc = pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', '-m', 'gpu and not slow',\n"

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from vdtrain.shapes.scene import HELDOUT_SEED, VALIDATION_SEED, generate
+from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, VALIDATION_SEED, generate
 
 PROMPT_SETS_DIR = Path(__file__).resolve().parent / "eval" / "prompt_sets"
 # Vendored prompt sets by name (sources, licences and derivation: eval/prompt_sets/README.md).
@@ -32,6 +32,13 @@ def shapes_validation_captions(n: int) -> list[str]:
     return [s.caption for s in generate(n, VALIDATION_SEED)]
 
 
+def shapes_training_captions(n: int) -> list[str]:
+    """The first ``n`` captions of ``fit``'s procedural training stream (``data=shapes``): a run that
+    consumes ``n`` samples or fewer, over all ranks, trains on these (to cache them for a GPU machine
+    without the caption encoder)."""
+    return [s.caption for s in generate(n, TRAIN_SEED)]
+
+
 def prompt_set(name: str) -> list[str]:
     """A vendored prompt set by name: ``partiprompts`` (1632), ``coco2017_val`` (5000) or
     ``coco2014_val_30k`` (30 000)."""
@@ -42,14 +49,17 @@ def prompt_set(name: str) -> list[str]:
 
 def prompts_for_run(source: str | os.PathLike[str] | None, n: int, column: str | None = None) -> list[str]:
     """The first ``n`` prompts of ``source``: held-out shapes captions (None), the validation ones
-    (``shapes_validation``), a vendored set's name, or a caption file (``read_captions``; ``column``
-    names a table's caption column). ``n`` < 1 is refused before anything is read."""
+    (``shapes_validation``), the training stream's (``shapes_training``), a vendored set's name, or a
+    caption file (``read_captions``; ``column`` names a table's caption column). ``n`` < 1 is refused
+    before anything is read."""
     if n < 1:
         raise ValueError(f"num_prompts must be at least 1, got {n}")
     if source is None:
         captions = shapes_heldout_captions(n)
     elif str(source) == "shapes_validation":
         captions = shapes_validation_captions(n)
+    elif str(source) == "shapes_training":
+        captions = shapes_training_captions(n)
     elif str(source) in PROMPT_SETS:
         captions = prompt_set(str(source))
     else:
