@@ -30,7 +30,10 @@ def test_shipped_captions_are_what_the_encoder_gives(monkeypatch):
     assert target.caption_encoder.encoder is None  # nothing loaded for cached captions
     want = target.encode_captions([*captions, "an uncached caption"])  # the whole batch via the encoder
     assert target.caption_encoder.encoder is not None
-    assert torch.equal(got.features, want.features[:-1]) and torch.equal(got.mask, want.mask[:-1])
+    # The encoder's fp32 rounding depends on the batch it runs in (the cache was written in a batch of 32):
+    # the same to a few ulps, not to the bit.
+    torch.testing.assert_close(got.features, want.features[:-1], rtol=0, atol=1e-5)
+    assert torch.equal(got.mask, want.mask[:-1])
     _without_encoder(monkeypatch)
     offline = load_target_folder().encode_captions(captions)
     assert torch.equal(offline.features, got.features)
