@@ -1,11 +1,12 @@
 """The bad-input table (issue 37; docs/bad_input.md): each case runs as a user would, in a subprocess, and
-ends with one ``<app>: error:`` line, exit status 2, no traceback, within 5 s (checked before torch or
-Lightning load, and before Hydra makes an output folder)."""
+ends with one ``<app>: error:`` line, exit status 2, no traceback, before torch or Lightning is imported
+(``python -X importtime`` lists every module the process imported) and before Hydra makes an output
+folder. What that costs in seconds is the table's, measured, not a limit here."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from test_fit import run_cli
 from vdtrain.cli import LAZY_USER_ERRORS, is_user_error, one_line
 from vdtrain.devices import torch_built_with_cuda
 
-SECONDS = 5.0
+HEAVY = ("torch", "lightning")  # what a mistake must be reported before
 NO_CUDA = pytest.mark.skipif(torch_built_with_cuda(), reason="this torch has CUDA: the case is no error")
 # (app, arguments, a part of the message); {tmp} is the test's folder, the working directory.
 CASES = [
@@ -29,7 +30,7 @@ CASES = [
     ("vdtrain.generate", ["num_prompts=0"], "num_prompts must be at least 1, got 0"),
     pytest.param("vdtrain.generate", ["device=cuda"], "device='cuda', but this torch", marks=NO_CUDA),
     ("vdtrain.generate", ["out_dir={tmp}/a_file/x"], "a_file' is a file"),
-    ("vdtrain.generate", ["method=nope"], "Available options in 'decode': ar, eagle1"),
+    ("vdtrain.generate", ["method=nope"], "unknown method 'nope' (method=); known: ar, eagle1"),
     ("vdtrain.generate", ["target=nope"], "Could not find 'target/nope'"),
     ("vdtrain.generate", ["prompts={tmp}/links.csv"], "among the columns ['id', 'url']; name the one"),
     ("vdtrain.evaluate", ["methods=[nope]"], "unknown method preset 'nope'"),
@@ -38,24 +39,43 @@ CASES = [
 ]
 
 
+def run_listing_imports(
+    args: list[str], cwd: Path, **kwargs
+) -> tuple[subprocess.CompletedProcess, list[str], set[str]]:
+    """``python -X importtime <args>``: the process, its stderr without the import lines, and the top-level
+    packages it imported."""
+    done = run_cli([sys.executable, "-X", "importtime", *args], cwd, **kwargs)
+    lines, packages = [], set()
+    for line in done.stderr.splitlines():
+        if line.startswith("import time:"):
+            packages.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+        else:
+            lines.append(line)
+    return done, lines, packages
+
+
 def _inputs(tmp: Path) -> None:
     (tmp / "a_file").write_text("")
     (tmp / "links.csv").write_text("id,url\n1,http://example.com/1.jpg\n")
 
 
 @pytest.mark.parametrize(("app", "args", "message"), CASES)
-def test_bad_input_is_one_line_status_2_and_fast(app, args, message, tmp_path):
+def test_bad_input_is_one_line_status_2_before_torch_or_lightning(app, args, message, tmp_path):
     _inputs(tmp_path)
     args = [a.format(tmp=tmp_path) for a in args]
     before = sorted(tmp_path.iterdir())
-    started = time.monotonic()
-    done = run_cli([sys.executable, "-m", app, *args], tmp_path)
-    seconds = time.monotonic() - started
+    done, lines, imported = run_listing_imports(["-m", app, *args], tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
-    (line,) = done.stderr.splitlines()  # one line, nothing else
-    assert line.startswith(f"{app}: error: ") and message in line, done.stderr[-2000:]
+    (line,) = lines  # one line, nothing else
+    assert line.startswith(f"{app}: error: ") and message in line, line
     assert sorted(tmp_path.iterdir()) == before  # no output or run folder left behind
-    assert seconds <= SECONDS, f"{seconds:.1f} s to the error"
+    assert not imported & set(HEAVY), f"{sorted(imported & set(HEAVY))} imported before the error"
+
+
+def test_the_import_listing_sees_torch_where_it_is_imported(tmp_path):
+    """The check above can fail: a process that imports torch is seen to."""
+    _, _, imported = run_listing_imports(["-c", "import torch"], tmp_path)
+    assert "torch" in imported
 
 
 def test_a_failure_after_loading_leaves_no_empty_output_folder(tmp_path):

@@ -28,6 +28,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 USER_ERROR_EXIT = 2
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 # When the app started: an output folder whose every entry is newer was made by this launch.
 LAUNCHED = time.time()
@@ -91,28 +92,55 @@ def fail(app: str, err: BaseException) -> None:
     sys.exit(USER_ERROR_EXIT)
 
 
+def interrupted(app: str, what_is_kept: str) -> None:
+    """Ctrl-C: one line saying what is kept and how to go on, not a traceback; exit status 130."""
+    print(f"{app}: interrupted (Ctrl-C); {what_is_kept}", file=sys.stderr)
+    sys.exit(INTERRUPTED_EXIT)
+
+
 def run_app(
-    app: str, config_name: str, entry: Callable[[], object], check: Callable[[DictConfig], None]
+    app: str,
+    config_name: str,
+    entry: Callable[[], object],
+    check: Callable[[DictConfig], None],
+    *,
+    light: Callable[[list[str]], list[str]] | None = None,
+    prepare: Callable[[], None] | None = None,
 ) -> None:
     """Compose ``conf/<config_name>.yaml`` with the command line's overrides, ``check`` it (cheap checks
     only: no model, no heavy import), then run the ``@hydra.main`` ``entry``. Hydra's own flags (``--help``,
     ``-m``, ``--cfg``) go straight to Hydra. Configs may name their output folder by ``${run_name:}``: one
-    for every rank of a launch."""
+    for every rank of a launch.
+
+    An app whose full configuration needs heavy imports (generate's decode parts) gives ``light``, the
+    overrides the cheap composition uses instead of the command line's (it may refuse them too), and
+    ``prepare``, which makes the full composition possible; that is then composed once more before
+    ``entry``, so its mistakes end as one line too."""
     from vdtrain.config import register_configs
 
     register_configs()
     args = sys.argv[1:]
-    if not any(a.startswith("-") for a in args):
-        from hydra import compose, initialize_config_dir
+    if any(a.startswith("-") for a in args):
+        if prepare is not None:
+            prepare()
+        entry()
+        return
+    from hydra import compose, initialize_config_dir
 
-        try:
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            cfg = compose(config_name, overrides=light(args) if light else args, return_hydra_config=True)
+        check(cfg)
+        if prepare is not None:
+            prepare()
             with initialize_config_dir(str(CONF_DIR), version_base=None):
-                cfg = compose(config_name, overrides=args, return_hydra_config=True)
-            check(cfg)
-        except Exception as err:
-            if not is_user_error(err) or debug_requested(args):
-                raise
-            fail(app, err)
+                compose(config_name, overrides=args)
+    except KeyboardInterrupt:
+        interrupted(app, "nothing was started")
+    except Exception as err:
+        if not is_user_error(err) or debug_requested(args):
+            raise
+        fail(app, err)
     entry()
 
 

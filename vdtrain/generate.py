@@ -25,8 +25,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import run_app, user_errors
-from vdtrain.decode.methods import register_part_schemas
-from vdtrain.preflight import check_decoding
+from vdtrain.preflight import check_decoding, known_presets
 
 if TYPE_CHECKING:
     import numpy as np
@@ -38,9 +37,6 @@ if TYPE_CHECKING:
     from vdtrain.targets import Target
 
 log = logging.getLogger(__name__)
-# conf/generate.yaml's decode presets pull their parts' config dataclasses in by their defaults lists: they
-# must be in Hydra's ConfigStore before the config is composed (by main, or by a caller composing it).
-register_part_schemas()
 # Why a speculative method can be slower than AR here (README.md and docs/decoding.md say the same).
 CPU_SPEED_NOTE = (
     "on a CPU: {method}'s S (image tokens per target step, in stats.json) is the gain a GPU step would see; "
@@ -258,9 +254,36 @@ def method_alias(argv: list[str]) -> list[str]:
     return [f"decode={a.split('=', 1)[1]}" if a.startswith("method=") else a for a in argv]
 
 
+def without_method(args: list[str]) -> list[str]:
+    """The overrides composed for the cheap checks: the method's (``decode=``, ``decode.<key>=``) need its
+    parts' config classes, which live beside their torch code, so they are left out (``~decode``) and
+    composed after the checks; a preset that does not exist is refused here."""
+    chosen = [a.split("=", 1)[1] for a in args if a.startswith("decode=")]
+    unknown = [name for name in chosen if name not in known_presets()]
+    if unknown:
+        raise ValueError(f"unknown method {unknown[0]!r} (method=); known: {', '.join(known_presets())}")
+    return [a for a in args if not a.lstrip("~+").startswith(("decode=", "decode."))] + ["~decode"]
+
+
+def _register_decode_parts() -> None:
+    """conf/decode presets pull their parts' config classes in by their defaults lists: they must be in
+    Hydra's ConfigStore before ``conf/generate.yaml`` is composed with a method (a script composing it
+    calls ``register_part_schemas`` first, as the tests' conftest does)."""
+    from vdtrain.decode.methods import register_part_schemas
+
+    register_part_schemas()
+
+
 def main() -> None:
     sys.argv = [sys.argv[0], *method_alias(sys.argv[1:])]
-    run_app("vdtrain.generate", "generate", _main, check_decoding)
+    run_app(
+        "vdtrain.generate",
+        "generate",
+        _main,
+        check_decoding,
+        light=without_method,
+        prepare=_register_decode_parts,
+    )
 
 
 if __name__ == "__main__":

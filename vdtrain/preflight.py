@@ -81,15 +81,22 @@ def check_fit(cfg: DictConfig) -> None:
 def check_decoding(cfg: DictConfig) -> None:
     """``generate`` and ``evaluate``."""
     at_least(cfg, DECODE_MINIMUMS)
-    if "methods" in cfg:  # evaluate's presets; generate's is a config group Hydra has checked
-        known = sorted(p.stem for p in (CONF_DIR / "decode").glob("*.yaml"))
-        unknown = [m for m in cfg.methods if m not in known]
-        if unknown:
-            names = ", ".join(repr(m) for m in unknown)
-            raise ValueError(f"unknown method preset {names} in methods=; known: {known}")
+    if "methods" in cfg:  # evaluate's presets; generate's is checked with its overrides (without_method)
+        presets_known(cfg.methods, "methods")
     device_available(str(cfg.device))
     creatable(str(cfg.out_dir), "out_dir")
     _prompts(cfg)
+
+
+def known_presets() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "decode").glob("*.yaml"))
+
+
+def presets_known(names: list[str], key: str) -> None:
+    unknown = [m for m in names if m not in known_presets()]
+    if unknown:
+        shown = ", ".join(repr(m) for m in unknown)
+        raise ValueError(f"unknown method preset {shown} in {key}=; known: {known_presets()}")
 
 
 def check_export(cfg: DictConfig) -> None:
