@@ -155,6 +155,13 @@ def test_fit_cli_writes_checkpoints_logs_summary_and_drafter(tiny_folder, tmp_pa
     for name, value in drafter.state_dict().items():
         torch.testing.assert_close(value, ckpt["state_dict"][f"drafter.{name}"], rtol=0, atol=0)
     assert Drafter.read_metadata(run / "drafter")["fit"]["steps"] == 4
+    # Resuming the finished run says so and changes nothing: no training, no record, the summary kept.
+    record = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    again = run_cli([sys.executable, "-m", "vdtrain.fit", "resume=last", f"hydra.run.dir={run}"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"the run '{run}' is finished (4 steps, trainer.max_steps=4" in again.stdout
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == record
+    assert not (run / "resumes").exists()
 
 
 def test_run_dir_must_be_given_outside_hydra_and_resolves_when_given(tiny_folder, tmp_path):

@@ -52,6 +52,13 @@ LAZY_USER_ERRORS = {
 }
 
 R = TypeVar("R")
+
+
+class NothingToDo(Exception):
+    """What a command asked for is already done (a resume of a finished run): its message is printed
+    and the app exits 0, changing nothing."""
+
+
 log = logging.getLogger(__name__)
 
 
@@ -137,6 +144,9 @@ def run_app(
                 compose(config_name, overrides=args)
     except KeyboardInterrupt:
         interrupted(app, "nothing was started")
+    except NothingToDo as done:
+        print(f"{app}: {done}")
+        sys.exit(0)
     except Exception as err:
         if not is_user_error(err) or debug_requested(args):
             raise

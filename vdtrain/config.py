@@ -95,7 +95,9 @@ class TrainerConfig:
     # steps, at most 25 (at least ten lines a run)
     progress_every_n_steps: int | None = None
     val_every_n_epochs: int = 1
-    checkpoint_every_n_steps: int = 100
+    # last.ckpt this often; null: every max_steps // 10 steps, at most 100 (a short run has some too).
+    # It is also written at the end of every epoch, at the end of training and on SIGTERM or Ctrl-C.
+    checkpoint_every_n_steps: int | None = None
     deterministic: bool = False
     threads: int | None = None  # torch CPU threads per process (null: torch's default)
     deepspeed: dict[str, Any] = field(default_factory=dict)  # extra DeepSpeed config entries

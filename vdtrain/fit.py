@@ -167,7 +167,12 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     from vdtrain.prompts import prompts_for_run
     from vdtrain.resume import checkpoint
     from vdtrain.targets import load_target
-    from vdtrain.train.checkpointing import AtomicCheckpointIO, FiniteCheckpoint, Preempted
+    from vdtrain.train.checkpointing import (
+        AtomicCheckpointIO,
+        FiniteCheckpoint,
+        Preempted,
+        checkpoint_interval,
+    )
     from vdtrain.train.module import DrafterModule, NonFiniteLossError
     from vdtrain.train.progress import ProgressLog, StepProgressBar, progress_interval
 
@@ -197,7 +202,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         dirpath=run_dir / "checkpoints",
         filename="step{step}",
         save_last=True,
-        every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
+        every_n_train_steps=checkpoint_interval(cfg.trainer.checkpoint_every_n_steps, cfg.trainer.max_steps),
         save_top_k=0,
         enable_version_counter=False,  # always last.ckpt, even if a resumed run changes the settings
         resumed_from=ckpt_path,
@@ -276,6 +281,8 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         * cfg.data.batch_size
         * trainer.world_size
         / max(1e-9, minutes * 60),
+        "max_steps": t.max_steps,  # the limits it ended under: a resume=last beyond neither has nothing to do
+        "max_minutes": t.max_minutes,
         **metrics,
     }
     if trainer.is_global_zero:

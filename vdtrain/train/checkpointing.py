@@ -4,7 +4,8 @@
   disk or a kill mid-write leaves the previous ``last.ckpt`` whole (Lightning's default stages the file
   in the system temp folder and copies it over when that is another filesystem, truncating the old one).
 - ``FiniteCheckpoint`` refuses to write weights that are NaN or infinite, remembers the last file it did
-  write (errors name it), and on SIGTERM (SLURM preemption) writes ``last.ckpt`` at the step reached.
+  write (errors name it), and writes ``last.ckpt`` every N steps (``checkpoint_interval``), at the end of
+  every epoch and of training, and on SIGTERM (SLURM preemption) or Ctrl-C at the step reached.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+MOST_STEPS_BETWEEN = 100  # the default cadence's ceiling
+CHECKPOINTS_PER_RUN = 10  # the default cadence's floor: a short run still has this many
+
+
+def checkpoint_interval(every: int | None, max_steps: int) -> int:
+    """``trainer.checkpoint_every_n_steps``, or for null every ``max_steps // 10`` steps, at most 100, so a
+    60-step run killed at step 42 resumes from step 36, not from nothing."""
+    if every is not None:
+        return every
+    return max(1, min(MOST_STEPS_BETWEEN, max_steps // CHECKPOINTS_PER_RUN))
 
 
 class NonFiniteWeightsError(FloatingPointError):
@@ -100,11 +112,24 @@ class FiniteCheckpoint(ModelCheckpoint):
         super()._save_checkpoint(trainer, filepath)
         self.last_finite = filepath
 
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        self._save_last_now(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save_last_now(trainer)
+
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        """SIGTERM: write ``last.ckpt`` at the step reached (unless this step's is already written)."""
-        if not isinstance(exception, SIGTERMException) or not self.save_last:
+        """SIGTERM (or Ctrl-C, which ``StopOnInterrupt`` turns into Lightning's SIGTERM stop): write
+        ``last.ckpt`` at the step reached."""
+        if isinstance(exception, SIGTERMException):
+            self._save_last_now(trainer)
+
+    def _save_last_now(self, trainer: L.Trainer) -> None:
+        """``last.ckpt`` at the step reached, unless this step's is already written."""
+        if not self.save_last or trainer.sanity_checking:
             return
         if self._last_global_step_saved == trainer.global_step and self.last_finite is not None:
             return
