@@ -91,7 +91,11 @@ def one_line(err: BaseException) -> str:
 
 
 def debug_requested(args: list[str]) -> bool:
-    return os.environ.get("HYDRA_FULL_ERROR") == "1" or "debug=true" in args
+    """``HYDRA_FULL_ERROR=1``, or ``debug=`` given a value OmegaConf reads as true (True, TRUE, yes, on)."""
+    values = [a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("debug=")]
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or any(
+        v.strip().lower() in ("true", "yes", "on", "1") for v in values
+    )
 
 
 def fail(app: str, err: BaseException) -> None:
@@ -154,9 +158,12 @@ def run_app(
     entry()
 
 
-def user_errors(app: str) -> Callable[[Callable[[DictConfig], R]], Callable[[DictConfig], R]]:
+def user_errors(
+    app: str, kept: Callable[[DictConfig], str] | None = None
+) -> Callable[[Callable[[DictConfig], R]], Callable[[DictConfig], R]]:
     """Decorate a Hydra task function (under ``@hydra.main``): a user error prints
-    ``<app>: error: <message>`` to stderr and exits with status 2. An output folder this launch made and
+    ``<app>: error: <message>`` to stderr and exits with status 2; Ctrl-C prints one line with what
+    ``kept(cfg)`` says is kept and how to go on, exit status 130. An output folder this launch made and
     left with nothing but Hydra's records is removed; one that stays gets the error in its log."""
 
     def wrap(task: Callable[[DictConfig], R]) -> Callable[[DictConfig], R]:
@@ -165,7 +172,11 @@ def user_errors(app: str) -> Callable[[Callable[[DictConfig], R]], Callable[[Dic
             try:
                 return task(cfg)
             except BaseException as err:
-                if not is_user_error(err) or os.environ.get("HYDRA_FULL_ERROR") == "1" or cfg.get("debug"):
+                debug = os.environ.get("HYDRA_FULL_ERROR") == "1" or cfg.get("debug")
+                if isinstance(err, KeyboardInterrupt) and not debug:
+                    removed = settle_output(f"{app}: interrupted (Ctrl-C)")
+                    interrupted(app, kept(cfg) if kept and not removed else "nothing was kept")
+                if not is_user_error(err) or debug:
                     raise
                 settle_output(f"{app}: error: {one_line(err)}")
                 fail(app, err)
@@ -181,20 +192,21 @@ def _made_now(folder: Path) -> bool:
     return all(p.stat().st_mtime >= LAUNCHED for p in itertools.chain([folder], folder.rglob("*")))
 
 
-def settle_output(message: str) -> None:
-    """Remove Hydra's output folder if this launch made it and it holds only records and logs; else
-    write ``message`` to the app's log file there."""
+def settle_output(message: str) -> bool:
+    """Remove Hydra's output folder if this launch made it and it holds only records and logs (True);
+    else write ``message`` to the app's log file there (False)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
-        return
+        return False
     folder = Path(HydraConfig.get().runtime.output_dir)
     records_only = folder.is_dir() and _made_now(folder)
     if records_only and all(p.is_dir() or p.suffix in (".log", ".yaml") for p in folder.rglob("*")):
         logging.shutdown()
         shutil.rmtree(folder)
-        return
+        return True
     record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
+    return False

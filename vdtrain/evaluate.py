@@ -167,8 +167,12 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     return result
 
 
+def _kept(cfg: DictConfig) -> str:
+    return f"the finished methods are kept in {cfg.out_dir}/units: the same command goes on from them"
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="evaluate")
-@user_errors("vdtrain.evaluate")
+@user_errors("vdtrain.evaluate", _kept)
 def _main(cfg: DictConfig) -> None:
     from vdtrain.eval.table import to_markdown
 

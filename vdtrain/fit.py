@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from vdtrain.cli import run_app, user_errors
+from vdtrain.cli import INTERRUPTED_EXIT, run_app, user_errors
 from vdtrain.config import FitConfig, check_known_keys, register_configs
 from vdtrain.preflight import FIT_MINIMUMS, at_least, check_fit
 
@@ -156,7 +156,8 @@ logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdverts(
 def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     """Train; ``callbacks`` are added to the configured ones (tests use them to interrupt a run).
 
-    Raises ``Preempted`` after SIGTERM (``last.ckpt`` then holds the step reached) and
+    Raises ``Preempted`` after SIGTERM and ``Interrupted`` after Ctrl-C (``last.ckpt`` then holds the step
+    reached; a second Ctrl-C stops at once) and
     ``NonFiniteLossError`` / ``NonFiniteWeightsError`` naming the last checkpoint with finite weights."""
     import lightning as L
     import torch
@@ -169,7 +170,9 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     from vdtrain.targets import load_target
     from vdtrain.train.checkpointing import (
         AtomicCheckpointIO,
+        CtrlC,
         FiniteCheckpoint,
+        Interrupted,
         Preempted,
         checkpoint_interval,
     )
@@ -256,22 +259,27 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         plugins=None if t.strategy.startswith("deepspeed") else [AtomicCheckpointIO()],
     )
     start = time.monotonic()
-    try:
-        with without_false_warnings():
-            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    except SIGTERMException as stop:
-        raise Preempted(
-            f"stopped by SIGTERM at step {trainer.global_step}; {last.last_finite_hint()}, "
-            f"or resume=last hydra.run.dir={str(run_dir)!r}"
-        ) from stop
-    except NonFiniteLossError as err:
-        raise NonFiniteLossError(f"{err}; {last.last_finite_hint()}") from err
-    minutes = (time.monotonic() - start) / 60
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # train/* and eval/*
-    if data.val_dataloader():  # the summary reports the final drafter, not the last epoch's
-        with without_false_warnings():
-            trainer.validate(module, datamodule=data, verbose=False)  # replaces callback_metrics
-        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    def how_to_go_on() -> str:
+        return f"{last.last_finite_hint()}, or resume=last hydra.run.dir={str(run_dir)!r}"
+
+    with CtrlC(trainer) as ctrl_c:
+        try:
+            with without_false_warnings():
+                trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+            minutes = (time.monotonic() - start) / 60
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # train/* and eval/*
+            if data.val_dataloader():  # the summary reports the final drafter, not the last epoch's
+                with without_false_warnings():
+                    trainer.validate(module, datamodule=data, verbose=False)  # replaces callback_metrics
+                metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+        except SIGTERMException as stop:
+            by, stopped = ("Ctrl-C", Interrupted) if ctrl_c.pressed else ("SIGTERM", Preempted)
+            raise stopped(f"stopped by {by} at step {trainer.global_step}; {how_to_go_on()}") from stop
+        except Interrupted as stop:
+            raise Interrupted(f"{stop}; {how_to_go_on()}") from None
+        except NonFiniteLossError as err:
+            raise NonFiniteLossError(f"{err}; {last.last_finite_hint()}") from err
     summary = {
         "run_dir": str(run_dir),
         "steps": trainer.global_step,
@@ -331,11 +339,15 @@ def resume_run(cfg: DictConfig) -> DictConfig:
     return effective
 
 
+def _kept(cfg: DictConfig) -> str:
+    return f"resume=last hydra.run.dir={cfg.run_dir} goes on from the run's last checkpoint"
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="fit")
-@user_errors("vdtrain.fit")
+@user_errors("vdtrain.fit", _kept)
 def _main(cfg: DictConfig) -> None:
     from vdtrain.durations import duration
-    from vdtrain.train.checkpointing import Preempted
+    from vdtrain.train.checkpointing import Interrupted, Preempted
 
     started = time.monotonic()
     if cfg.resume is not None:
@@ -344,7 +356,7 @@ def _main(cfg: DictConfig) -> None:
         summary = fit(cfg)
     except Preempted as stop:
         log.error("%s", stop)
-        sys.exit(PREEMPTED_EXIT_CODE)
+        sys.exit(INTERRUPTED_EXIT if isinstance(stop, Interrupted) else PREEMPTED_EXIT_CODE)
     if summary.get("drafter"):
         print(json.dumps(summary, indent=2))
         print(

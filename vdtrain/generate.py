@@ -241,8 +241,12 @@ def write_stats(
     return summary
 
 
+def _kept(cfg: DictConfig) -> str:
+    return f"the finished batches are kept in {cfg.out_dir}/units: the same command goes on from them"
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="generate")
-@user_errors("vdtrain.generate")
+@user_errors("vdtrain.generate", _kept)
 def _main(cfg: DictConfig) -> None:
     summary = run(cfg)
     if summary is not None:  # the main rank

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
+import signal
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,8 +24,10 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+log = logging.getLogger("vdtrain.fit")
 MOST_STEPS_BETWEEN = 100  # the default cadence's ceiling
 CHECKPOINTS_PER_RUN = 10  # the default cadence's floor: a short run still has this many
 
@@ -45,6 +50,44 @@ class CheckpointWriteError(OSError):
 
 class Preempted(RuntimeError):
     """Training stopped by SIGTERM after writing a resumable checkpoint."""
+
+
+class Interrupted(Preempted):
+    """Training stopped by Ctrl-C (SIGINT): after writing a resumable checkpoint, or at once."""
+
+
+class CtrlC:
+    """Ctrl-C during ``trainer.fit`` stops as SIGTERM does: Lightning's own stop flag, read at the end of
+    the step (or validation batch, or epoch), so ``FiniteCheckpoint`` writes ``last.ckpt`` at a step
+    boundary and the resume is exact. A second Ctrl-C, or one outside training (the final validation,
+    the export), raises ``Interrupted`` at once. Installed in the main thread only (where signals
+    arrive) and only where SIGINT is not ignored; the previous handler comes back on exit."""
+
+    def __init__(self, trainer: L.Trainer) -> None:
+        self.trainer, self.pressed = trainer, False
+        self._previous: Any = None
+
+    def __enter__(self) -> CtrlC:
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # nohup, a background job
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        state = self.trainer.state
+        fitting = state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING
+        if self.pressed or not fitting:
+            raise Interrupted(f"stopped at once by Ctrl-C at step {self.trainer.global_step}")
+        self.pressed = True
+        log.warning(
+            "Ctrl-C: stopping at the end of this step to write last.ckpt (Ctrl-C again stops at once)"
+        )
+        # Lightning's SIGTERM flag (it has no public setter): every loop checks it at its safe points.
+        self.trainer._signal_connector.received_sigterm = True
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -122,8 +165,8 @@ class FiniteCheckpoint(ModelCheckpoint):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        """SIGTERM (or Ctrl-C, which ``StopOnInterrupt`` turns into Lightning's SIGTERM stop): write
-        ``last.ckpt`` at the step reached."""
+        """SIGTERM (or Ctrl-C, which ``CtrlC`` turns into Lightning's SIGTERM stop): write ``last.ckpt`` at
+        the step reached."""
         if isinstance(exception, SIGTERMException):
             self._save_last_now(trainer)
 
