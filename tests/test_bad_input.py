@@ -36,6 +36,24 @@ CASES = [
     ("vdtrain.evaluate", ["methods=[nope]"], "unknown method preset 'nope'"),
     ("vdtrain.evaluate", ["batch_size=0"], "batch_size must be at least 1, got 0"),
     ("vdtrain.export", ["source=/nonexistent"], "source='/nonexistent' does not exist"),
+    # issue 50: tracebacks, late checks and misleading messages a new user met
+    ("vdtrain.evaluate", ["num_prompts=abc"], "num_prompts must be a whole number, got 'abc'"),
+    ("vdtrain.generate", ["num_prompts=abc"], "num_prompts must be a whole number, got 'abc'"),
+    (
+        "vdtrain.generate",
+        ["out_dir=/proc/x"],
+        "out_dir='/proc/x' cannot be made: no folder can be made in '/proc'",
+    ),
+    (
+        "vdtrain.evaluate",
+        ["out_dir=/proc/x"],
+        "out_dir='/proc/x' cannot be made: no folder can be made in '/proc'",
+    ),
+    ("vdtrain.fit", ["eval.methods=[nope]"], "unknown method preset 'nope' in eval.methods="),
+    ("vdtrain.fit", ["resume=last", "optim.lr=-1"], "optim.lr must be above 0, got -1.0"),
+    ("vdtrain.fit", ["target.folder=/typo"], "target.folder='/typo': there is no folder '/typo'"),
+    ("vdtrain.evaluate", ["methods=eagle2x"], "unknown method preset 'eagle2x' in methods="),
+    ("vdtrain.export", ["source=docs"], "source='docs': no drafter here"),
 ]
 
 
@@ -102,3 +120,28 @@ def test_lightnings_configuration_errors_are_user_errors():
     assert "lightning.fabric.utilities.exceptions" in LAZY_USER_ERRORS
     assert is_user_error(MisconfigurationException("`max_steps` must be a non-negative integer"))
     assert not is_user_error(RuntimeError("a bug"))
+
+
+def test_one_method_name_is_a_one_item_list(tmp_path):
+    """``evaluate methods=eagle2`` was read letter by letter ('e', 'a', 'g', ...)."""
+    from hydra import compose, initialize_config_dir
+
+    from vdtrain.cli import CONF_DIR
+    from vdtrain.config import register_configs
+    from vdtrain.preflight import check_decoding
+
+    register_configs()
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("evaluate", ["methods=eagle2", "temperatures=1", f"out_dir={tmp_path}"])
+    check_decoding(cfg)
+    from vdtrain.config import as_list  # what evaluate reads the two settings with
+
+    assert as_list(cfg.methods) == ["eagle2"] and as_list(cfg.temperatures) == [1]
+
+
+def test_a_prompt_file_shorter_than_num_prompts_is_used_with_a_note(tmp_path, caplog):
+    from vdtrain.prompts import prompts_for_run
+
+    (tmp_path / "two.txt").write_text("a red circle\na blue square\n")
+    assert prompts_for_run(tmp_path / "two.txt", 8) == ["a red circle", "a blue square"]
+    assert "holds 2 captions, num_prompts=8 asked for more: using those 2" in caplog.text

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 CASES = {
-    "vdtrain.fit": (["target.folder=/nonexistent"], "no target at '/nonexistent'"),
+    "vdtrain.fit": (["target.folder=/nonexistent"], "there is no folder '/nonexistent'"),
     "vdtrain.generate": (["num_prompts=0"], "num_prompts must be at least 1, got 0"),
     "vdtrain.evaluate": (["methods=[nope]"], "unknown method preset 'nope'"),
     "vdtrain.export": (["source=/nonexistent"], "source='/nonexistent' does not exist"),

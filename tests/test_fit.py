@@ -594,6 +594,30 @@ def test_every_rank_of_a_launch_resolves_the_same_run_folder(monkeypatch):
     assert re.fullmatch(rf"{runs}/\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d", hydra_run_dir(monkeypatch))
 
 
+def test_a_launch_named_by_the_time_is_one_folder(monkeypatch):
+    """``generate`` and ``evaluate`` resolve ``${run_name:}`` twice (Hydra's folder, then ``out_dir``):
+    a second apart, that made two folders per launch. The time is read once per process."""
+    from datetime import datetime
+
+    from vdtrain import config
+
+    for name in (*LAUNCH_ENV, "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    clock = iter([datetime(2026, 1, 1, 12, 0, 0), datetime(2026, 1, 1, 12, 0, 1)])
+
+    class Clock(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return next(clock)
+
+    monkeypatch.setattr(config, "datetime", Clock)
+    config.launch_time.cache_clear()
+    try:
+        assert config.run_name() == config.run_name() == "2026-01-01_12-00-00"
+    finally:
+        config.launch_time.cache_clear()
+
+
 # --- 7. strategies -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_configs_build_their_zero_stage(tiny_folder, tmp_path, stage):

@@ -27,9 +27,10 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from vdtrain.paths import CONF_DIR
+
 USER_ERROR_EXIT = 2
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 # When the app started: an output folder whose every entry is newer was made by this launch.
 LAUNCHED = time.time()
 # Errors raised for what a user gave: values, files, checkpoints, shards, packages, config types.

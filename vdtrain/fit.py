@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import INTERRUPTED_EXIT, run_app, user_errors
 from vdtrain.config import FitConfig, check_known_keys, register_configs
-from vdtrain.preflight import FIT_MINIMUMS, at_least, check_fit
+from vdtrain.preflight import FIT_MINIMUMS, FIT_RANGES, at_least, check_fit, within
 
 if TYPE_CHECKING:  # the training stack is imported when training starts, after the checks
     import lightning as L
@@ -182,6 +182,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     if isinstance(cfg, DictConfig):
         check_known_keys(cfg)
         at_least(cfg, FIT_MINIMUMS)
+        within(cfg, FIT_RANGES)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -231,11 +232,11 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         hooks.append(StepProgressBar())
     if cfg.eval.enabled:
         from vdtrain.eval.callback import EvalAfterEpoch  # the eval stack loads only when used
+        from vdtrain.target_settings import world_knobs
 
         eval_cfg = OmegaConf.to_object(cfg.eval) if isinstance(cfg.eval, DictConfig) else cfg.eval
         prompts = prompts_for_run(eval_cfg.prompts, eval_cfg.num_prompts, eval_cfg.caption_column)
-        decode_overrides = OmegaConf.to_container(OmegaConf.create(cfg.target.get("decode") or {}))
-        hooks.append(EvalAfterEpoch(eval_cfg, run_dir, prompts, decode_overrides))
+        hooks.append(EvalAfterEpoch(eval_cfg, run_dir, prompts, world_knobs(cfg.target)))
     trainer = L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
@@ -270,6 +271,8 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
             minutes = (time.monotonic() - start) / 60
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # train/* and eval/*
             if data.val_dataloader():  # the summary reports the final drafter, not the last epoch's
+                log.info("validating the final drafter at step %d (%d samples)", trainer.global_step,
+                         cfg.data.val_samples)  # fmt: skip
                 with without_false_warnings():
                     trainer.validate(module, datamodule=data, verbose=False)  # replaces callback_metrics
                 metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})

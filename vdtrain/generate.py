@@ -94,6 +94,16 @@ OUTPUT_SETTINGS = (
 )
 
 
+def command_line(cfg: DictConfig) -> list[str]:
+    """The overrides ``cfg`` was composed with: Hydra's record of this run, or the one ``compose`` keeps
+    with ``return_hydra_config=True``; none for a configuration made otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if "hydra" in cfg:
+        return list(cfg.hydra.overrides.task)
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     import torch
     from tqdm import tqdm
@@ -101,16 +111,16 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     from vdtrain.decode.compiled import prepare_decoding
     from vdtrain.decode.methods import build_method, decode_config
     from vdtrain.decode.metrics import summarize
-    from vdtrain.drafter import Drafter
+    from vdtrain.eval.heartbeat import Heartbeat
     from vdtrain.eval.quality import quality_scorer
     from vdtrain.eval.runner import synchronize
     from vdtrain.images import save_png, tensor_to_images
     from vdtrain.prompts import prompts_for_run
     from vdtrain.sharding import UnitStore, units_of
+    from vdtrain.target_settings import decode_keys_given, load_drafter, with_world_knobs
     from vdtrain.targets import target_for_run
-    from vdtrain.targets.shapes import resolve_folder
 
-    method_cfg = decode_config(cfg.decode)
+    method_cfg = decode_config(with_world_knobs(cfg.decode, cfg.target, decode_keys_given(command_line(cfg))))
     prompts = prompts_for_run(cfg.prompts, cfg.num_prompts, cfg.caption_column)
     target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device
@@ -119,7 +129,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     if method_cfg.needs_drafter:
         if not cfg.drafter:
             raise ValueError(f"method {method_cfg.name!r} needs a drafter: set drafter=<folder>")
-        drafter = Drafter.from_pretrained(resolve_folder(cfg.drafter), target)
+        drafter = load_drafter(cfg.drafter, target, cfg.target.get("drafter"))
     options = prepare_decoding(
         target, drafter, compile=cfg.get("compile", False), cuda_graphs=cfg.get("cuda_graphs", "auto")
     )
@@ -136,48 +146,49 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     if device.type == "cpu" and method_cfg.name != "ar":
         log.info("%s", CPU_SPEED_NOTE.format(method=method_cfg.name))
 
-    bar = tqdm(
-        total=sum(b - a for a, b in mine), desc=method_cfg.name, unit="image", disable=not ranks.is_main
-    )
-    for start, stop in mine:
-        if store.load(f"{start:06d}") is not None:
-            bar.update(stop - start)
-            continue
-        batch = prompts[start:stop]
-        seeds = [cfg.seed + start + i for i in range(len(batch))]
-        generators = [torch.Generator(device).manual_seed(s) for s in seeds]
-        cond = target.encode_captions(batch)
-        synchronize(device)
-        t0 = time.perf_counter()
-        result = method.generate(cond, generators, planned_batch=cfg.batch_size)
-        tokens = result.tokens
-        synchronize(device)
-        t1 = time.perf_counter()
-        images = tensor_to_images(target.tokenizer.decode(tokens))
-        synchronize(device)
-        t2 = time.perf_counter()
-        samples = []
-        for i, (prompt, seed) in enumerate(zip(batch, seeds, strict=True)):
-            save_png(images[i], out / f"{start + i:04d}.png")
-            record = {
-                "index": start + i,
-                "prompt": prompt,
-                "seed": seed,
-                "tokens": tokens[i].tolist(),
-                "batch_size": len(batch),
-                "batch_latency_s": t1 - t0,
-                "batch_latency_with_vq_decode_s": t2 - t0,
-                **summarize([result.stats[i]], target.num_image_tokens),
-                "committed_per_step": result.stats[i].committed_per_step,
-                "committed_per_skip": result.stats[i].committed_per_skip,
-            }
-            if scorer is not None:
-                record.update(quality_record(scorer, images[i], prompt))
-            samples.append(record)
-        # written last: the images of a unit without its record are redone
-        store.save(f"{start:06d}", {"samples": samples, "stats": result.stats, "rank": ranks.rank})
-        bar.update(len(batch))
-    bar.close()
+    total = sum(b - a for a, b in mine)
+    # the bar on a terminal; the heartbeat's line every minute wherever the log goes (a grain decode of 4
+    # prompts on a CPU is minutes of one batch)
+    bar = tqdm(total=total, desc=method_cfg.name, unit="image", disable=not ranks.is_main)
+    with bar, Heartbeat(method_cfg.name, total, bar) as beat:
+        for start, stop in mine:
+            if store.load(f"{start:06d}") is not None:
+                beat.update(stop - start)
+                continue
+            batch = prompts[start:stop]
+            seeds = [cfg.seed + start + i for i in range(len(batch))]
+            generators = [torch.Generator(device).manual_seed(s) for s in seeds]
+            cond = target.encode_captions(batch)
+            synchronize(device)
+            t0 = time.perf_counter()
+            result = method.generate(cond, generators, planned_batch=cfg.batch_size)
+            tokens = result.tokens
+            synchronize(device)
+            t1 = time.perf_counter()
+            images = tensor_to_images(target.tokenizer.decode(tokens))
+            synchronize(device)
+            t2 = time.perf_counter()
+            samples = []
+            for i, (prompt, seed) in enumerate(zip(batch, seeds, strict=True)):
+                save_png(images[i], out / f"{start + i:04d}.png")
+                record = {
+                    "index": start + i,
+                    "prompt": prompt,
+                    "seed": seed,
+                    "tokens": tokens[i].tolist(),
+                    "batch_size": len(batch),
+                    "batch_latency_s": t1 - t0,
+                    "batch_latency_with_vq_decode_s": t2 - t0,
+                    **summarize([result.stats[i]], target.num_image_tokens),
+                    "committed_per_step": result.stats[i].committed_per_step,
+                    "committed_per_skip": result.stats[i].committed_per_skip,
+                }
+                if scorer is not None:
+                    record.update(quality_record(scorer, images[i], prompt))
+                samples.append(record)
+            # written last: the images of a unit without its record are redone
+            store.save(f"{start:06d}", {"samples": samples, "stats": result.stats, "rank": ranks.rank})
+            beat.update(len(batch))
     ranks.barrier()
     if not ranks.is_main:
         return None
