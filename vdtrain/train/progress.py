@@ -75,6 +75,8 @@ class ProgressLog(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started_at, self._paused, self._pause_from = time.monotonic(), 0.0, None
         self._start = self._mark = (0.0, trainer.global_step)
+        if trainer.is_global_zero:  # loading and the sanity check are behind: the first step can be a while
+            self._log("training from step %d (a line every %d steps)", trainer.global_step, self.every)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
         step = trainer.global_step
