@@ -53,14 +53,12 @@ LAZY_USER_ERRORS = {
 }
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 
 class NothingToDo(Exception):
     """What a command asked for is already done (a resume of a finished run): its message is printed
     and the app exits 0, changing nothing."""
-
-
-log = logging.getLogger(__name__)
 
 
 def is_user_error(err: BaseException) -> bool:

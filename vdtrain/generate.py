@@ -25,7 +25,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import run_app, user_errors
-from vdtrain.preflight import check_decoding, known_presets
+from vdtrain.config import presets_except
+from vdtrain.preflight import check_decoding
 
 if TYPE_CHECKING:
     import numpy as np
@@ -274,9 +275,9 @@ def without_method(args: list[str]) -> list[str]:
     parts' config classes, which live beside their torch code, so they are left out (``~decode``) and
     composed after the checks; a preset that does not exist is refused here."""
     chosen = [a.split("=", 1)[1] for a in args if a.startswith("decode=")]
-    unknown = [name for name in chosen if name not in known_presets()]
+    unknown = [name for name in chosen if name not in presets_except()]
     if unknown:
-        raise ValueError(f"unknown method {unknown[0]!r} (method=); known: {', '.join(known_presets())}")
+        raise ValueError(f"unknown method {unknown[0]!r} (method=); known: {', '.join(presets_except())}")
     return [a for a in args if not a.lstrip("~+").startswith(("decode=", "decode."))] + ["~decode"]
 
 

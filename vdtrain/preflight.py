@@ -11,8 +11,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from vdtrain.cli import CONF_DIR, NothingToDo
-from vdtrain.config import as_list
+from vdtrain.cli import NothingToDo
+from vdtrain.config import as_list, presets_except
 
 # (key, smallest value) for the integer settings that have one; None values are left to the app.
 FIT_MINIMUMS = (
@@ -73,7 +73,9 @@ def creatable(path: str, key: str) -> None:
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():
         raise NotADirectoryError(f"{key}={path!r} cannot be made: {str(existing)!r} is a file")
-    if existing == target:
+    if existing == target:  # an existing folder (a run to resume) is written to, not into
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError(f"{key}={path!r} is not writable")
         return
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".vdtrain-check-", dir=existing))
@@ -135,15 +137,12 @@ def check_decoding(cfg: DictConfig) -> None:
     _prompts(cfg)
 
 
-def known_presets() -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / "decode").glob("*.yaml"))
-
-
 def presets_known(names: list[str], key: str) -> None:
-    unknown = [m for m in names if m not in known_presets()]
+    known = presets_except()
+    unknown = [m for m in names if m not in known]
     if unknown:
         shown = ", ".join(repr(m) for m in unknown)
-        raise ValueError(f"unknown method preset {shown} in {key}=; known: {known_presets()}")
+        raise ValueError(f"unknown method preset {shown} in {key}=; known: {known}")
 
 
 def target_exists(target: DictConfig) -> None:
