@@ -50,7 +50,7 @@ CASES = [
         "out_dir='/proc/x' cannot be made: no folder can be made in '/proc'",
     ),
     ("vdtrain.fit", ["eval.methods=[nope]"], "unknown method preset 'nope' in eval.methods="),
-    ("vdtrain.fit", ["resume=last", "optim.lr=-1"], "optim.lr must be above 0, got -1.0"),
+    ("vdtrain.fit", ["resume=last", "optim.lr=-1"], "optim.lr must be at least 0, got -1.0"),
     ("vdtrain.fit", ["target.folder=/typo"], "target.folder='/typo': there is no folder '/typo'"),
     ("vdtrain.evaluate", ["methods=eagle2x"], "unknown method preset 'eagle2x' in methods="),
     ("vdtrain.export", ["source=docs"], "source='docs': no drafter here"),
