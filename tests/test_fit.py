@@ -402,8 +402,10 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_folder, tmp_path):
         torch.testing.assert_close(acc_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
     acc = load_file(tmp_path / "acc" / "drafter" / "model.safetensors")
     big = load_file(tmp_path / "big" / "drafter" / "model.safetensors")
+    # AdamW's first step moves a weight by lr·g/(|g| + eps): where |g| is near eps (1e-8) a rounding-level
+    # difference of g moves it by a visible share of lr (1.9e-6 of 1e-3 for one fc weight on this machine)
     for name, value in big.items():
-        torch.testing.assert_close(acc[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(acc[name], value, rtol=1e-5, atol=1e-5, msg=name)
     for run in ("acc", "big"):
         assert read_ckpt(tmp_path / run / "checkpoints" / "last.ckpt")["global_step"] == 1
 
