@@ -165,7 +165,7 @@ def random_chameleon(size: str, device: torch.device, seed: int) -> tuple[Target
         None,
         size,
         CHAMELEON_PREFIX,
-        SamplingConfig(**FAMILY_SAMPLING["lumina_mgpt"], cfg_scale=3.0),
+        SamplingConfig(**FAMILY_SAMPLING["lumina_mgpt"]),  # CFG 3, top-k 2000
     ).to(device)
     drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
     return target, drafter.attach(target)
