@@ -39,8 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.step_cost import (
     EMBEDDED,
-    RANDOM_CHAMELEON,
-    RANDOM_TARGETS,
+    RANDOM,
     _generators,
     _now,
     conditions,
@@ -157,7 +156,7 @@ def main() -> None:
     parser.add_argument("--preset", default="eagle2")
     parser.add_argument("--phases", action="store_true", help="the kernel table by phase at XL depth")
     parser.add_argument("--presets", nargs="+", default=None, help="--phases: these (default: all, AR first)")
-    parser.add_argument("--target", default="shapes", choices=[*EMBEDDED, *RANDOM_TARGETS, *RANDOM_CHAMELEON])
+    parser.add_argument("--target", default="shapes", choices=[*EMBEDDED, *RANDOM])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled calls")
     parser.add_argument(

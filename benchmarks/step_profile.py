@@ -35,7 +35,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from benchmarks.step_cost import EMBEDDED, RANDOM_CHAMELEON, RANDOM_TARGETS, conditions, load
+from benchmarks.step_cost import EMBEDDED, RANDOM, conditions, load
 from vdtrain.decode.compiled import DecodeOptions, cuda_graph_recorder
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import build_method, load_preset
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", default="shapes", choices=[*EMBEDDED, *RANDOM_TARGETS, *RANDOM_CHAMELEON])
+    parser.add_argument("--target", default="shapes", choices=[*EMBEDDED, *RANDOM])
     parser.add_argument(
         "--presets", nargs="+", default=["eagle2", "sjd"], help="conf/decode presets; AR is always first"
     )
