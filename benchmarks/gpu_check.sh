@@ -62,7 +62,7 @@ steps=(
   "tests|45|python -m pytest -q -p no:cacheprovider -m 'gpu and not slow' tests/test_graphs.py tests/test_rng.py"
   "xl_graphs|75|$step_cost --targets $xl --modes $graphs --batch 1 $big --presets $pair --out $stage/xl_graphs.json"
   "big|100|$step_cost $seven_b --modes $graphs --batch 1 $big --presets $pair --out $stage/big.json"
-  "profile|60|python -m benchmarks.step_profile --device $device $profile --presets $pair --out $stage/profile.json"
+  "profile|75|python -m benchmarks.step_profile --device $device $profile --presets $pair --out $stage/profile.json"
   "xl_compiled|160|$step_cost --targets $xl --modes $compiled --batch 1 --presets $pair --out $stage/xl_compiled.json"
   "shapes|100|$step_cost --targets shapes --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $stage/shapes.json"
   "grain|130|$step_cost --targets grain --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $stage/grain.json"
