@@ -64,8 +64,10 @@ def test_the_plain_random_rows_hash_every_draw_to_the_tables_numbers():
     assert tabled._tables and not plain._tables  # the plain twin grew no table
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("name", ["ar", "eagle2", "peanut", "sjd", "lantern"])
+# A dynamic tree (greedy and sampled), a Jacobi window (its draws), a relaxed rule (its path's relaxations).
+@pytest.mark.parametrize(
+    ("name", "temperature"), [("eagle2", 0.0), ("eagle2", 1.0), ("sjd", 1.0), ("lantern", 1.0)]
+)
 def test_a_decode_with_the_plain_twins_is_the_fast_decode(name, temperature, tmp_path):
     """400 tokens: a row of more chunks (20) than a tree has children (10), so the chunks are ranked."""
     sampling = SamplingConfig(cfg_scale=2.0, temperature=temperature, top_k=300)
