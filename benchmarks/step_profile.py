@@ -218,7 +218,9 @@ def cuda_phase_segments(device: torch.device) -> PhaseSegments:
         clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
         torch.cuda.synchronize(device)
         clear()
-        with torch.compiler.set_stance("fail_on_recompile"), torch.cuda.stream(stream):
+        # StepGraph gives only record_cuda_graph a stream of its own; a capture needs a side stream.
+        side = stream if stream is not None else torch.cuda.Stream(device)
+        with torch.compiler.set_stance("fail_on_recompile"), torch.cuda.stream(side):
             yield
         clear()
 
