@@ -41,12 +41,14 @@ export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 if [[ $device == cuda ]]; then
   xl="llamagen-xl --dtype bf16" pair="eagle2 sjd" scale=1 big=16 prompts=8 eval_prompts=16 eval= graphs=graphs compiled=compiled presets=all
   profile="--target llamagen-xl --dtype bf16 --steps 4"
+  seven_b="--targets chameleon-7b janus-pro-7b --dtype bf16 --steps 24"  # random weights; 24 steps a decode
   train="--targets llamagen-xl --drafters eagle1 eagle3 --modes eager zero2 compiled --batch 8 --steps 3 --warmup 2"
   scaling="--target grain --minutes 2 --points 2048 --batch 16 --precision bf16-mixed"
   calibration="--num-prompts 512 --batch-size 64"  # captions 32-511 cached first: python -m data_prep.captions target=grain
 else  # the script's own test: the same steps on a CPU, eager, at small sizes, each given 4x its budget
   xl="shapes --dtype fp32" pair=sjd scale=4 big=2 prompts=2 eval_prompts=2 eval="eval=fast acceptance.enabled=false" graphs=eager compiled=steps presets=scd
   profile="--target shapes --steps 1 --skip 1"
+  seven_b="--targets chameleon-7b janus-pro-7b --layers 1 --dtype bf16 --steps 4"  # one layer of each
   train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 1 --steps 1 --warmup 1"
   scaling="--target shapes --minutes 0.3 --points 16 --batch 2 --val-samples 4 --ttt-steps 2 --threads 2"
   calibration="--num-prompts 2 --batch-size 2 --methods eagle1 sjd"
@@ -62,7 +64,8 @@ steps=(
   # stages 2 and 3, a SIGKILL and resume=last, export, evaluate, generate); needs the cached training captions
   "user|150|python -m benchmarks.user_commands --device $device --work $stage/user_runs --out $stage/user.json"
   "xl_graphs|75|$step_cost --targets $xl --modes $graphs --batch 1 $big --presets $pair --out $stage/xl_graphs.json"
-  "profile|60|python -m benchmarks.step_profile --device $device $profile --presets $pair --out $stage/profile.json"
+  "big|100|$step_cost $seven_b --modes $graphs --batch 1 $big --presets $pair --out $stage/big.json"
+  "profile|75|python -m benchmarks.step_profile --device $device $profile --presets $pair --out $stage/profile.json"
   "xl_compiled|160|$step_cost --targets $xl --modes $compiled --batch 1 --presets $pair --out $stage/xl_compiled.json"
   "shapes|100|$step_cost --targets shapes --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $stage/shapes.json"
   "grain|130|$step_cost --targets grain --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $stage/grain.json"
@@ -72,11 +75,13 @@ steps=(
   "xl_eager|80|$step_cost --targets $xl --modes eager --batch 1 --presets $pair --out $stage/xl_eager.json"
   # optional, only when named (bash benchmarks/gpu_check.sh --steps scaling 400 OUT): issue #35's curve
   "scaling|330|python -m benchmarks.data_scaling --device $device $scaling --work-dir $stage/scaling --out $stage/scaling.json"
+  # optional: issue #46's 7B-class shapes compiled (inductor takes about a minute per method and shape)
+  "big_compiled|300|$step_cost $seven_b --modes $compiled --batch 1 --presets $pair --out $stage/big_compiled.json"
   # optional: issue #32's calibration of the grain world at 512 held-out captions (it writes a folder)
   "grain_calibration|300|python -m benchmarks.calibration --device $device $calibration --units $stage/grain_units --out $stage/grain_calibration"
 )
 
-optional=",scaling,grain_calibration,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
+optional=",scaling,big_compiled,grain_calibration,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
 chosen=()
 for s in "${steps[@]}"; do
   name=${s%%|*}

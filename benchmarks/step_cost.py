@@ -53,6 +53,7 @@ from vdtrain.eval.papers import projected_speedup
 from vdtrain.eval.runner import device_description
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
 from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
+from vdtrain.models.janus import JanusConfig, JanusGenerator
 from vdtrain.models.llamagen_gpt import GPT_PRESETS, GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.prompts import shapes_heldout_captions
@@ -66,6 +67,8 @@ from vdtrain.targets.chameleon import (
     ChameleonTokenizer,
     Guidance,
 )
+from vdtrain.targets.janus import SAMPLING as JANUS_SAMPLING
+from vdtrain.targets.janus import JanusTarget, JanusTokens
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 # The embedded worlds shipped under checkpoints/ (target/ and drafter/ in each): shapes, the confident one,
@@ -87,6 +90,27 @@ RANDOM_CHAMELEON = {
 }
 CHAMELEON_LATENT = 32  # 512 px / 16
 CHAMELEON_PREFIX = 64  # prompt rows (bos + template + a caption + boi, size, size)
+# The VQ-16 of the random LlamaGen and Janus targets: the released codebook size (16 384) and downsampling
+# (16 px a token) at a tiny width. Only its codebook is read (LANTERN, VVS); nothing is decoded.
+RANDOM_VQ = VQConfig(ch=8, ch_mult=(1, 1, 1, 1, 1), num_res_blocks=1, z_channels=8, norm_groups=4)
+# A random-weight Janus-Pro-7B (DeepSeek-LLM-7B's decoder: 30 layers, width 4096, a text vocabulary of
+# 102 400 that embeds the prompt; image tokens in and out through the generation modules over the VQ-16
+# codebook of 16 384 codes, 24 × 24 tokens at 384 px), as ``janus_io.janus_config`` reads the release.
+RANDOM_JANUS = {
+    "janus-pro-7b": JanusConfig(
+        lm=ChameleonConfig(vocab_size=102400, num_hidden_layers=30, rms_norm_eps=1e-6, qk_norm=False),
+        codebook_size=16384,
+        code_dim=8,
+        aligner_depth=2,
+        head_width=4096,
+        grid=24,
+        vq=RANDOM_VQ,
+    )
+}
+JANUS_PREFIX = 64  # prompt rows: bos, the chat template around a caption, <begin_of_image>
+# Special ids of the release's tokenizer (bos, pad, <begin_of_image>); any id works with random weights.
+JANUS_TOKENS = JanusTokens(bos=100000, pad=100002, boi=100016)
+RANDOM = [*RANDOM_TARGETS, *RANDOM_CHAMELEON, *RANDOM_JANUS]  # every random-weight target
 # LlamaGen's t2i sampling defaults (conf/target/llamagen_t2i_xl_stage1.yaml): CFG doubles the batch.
 LLAMAGEN_SAMPLING = SamplingConfig(cfg_scale=7.5, temperature=1.0, top_k=1000, top_p=1.0)
 
@@ -123,10 +147,7 @@ def random_llamagen(
     config = replace(
         GPTConfig(), **(shape or GPT_PRESETS[RANDOM_TARGETS[size]])
     )  # vocab 16384, 120 + 256 rows
-    # A small VQ of the right codebook and grid: only its codebook is read (LANTERN, VVS); never decoded.
-    vq = VQModel(
-        VQConfig(ch=8, ch_mult=(1, 1, 1, 1, 1), num_res_blocks=1, z_channels=8, norm_groups=4)
-    ).eval()
+    vq = VQModel(RANDOM_VQ).eval()
     with torch.device(device):  # XL's 775M parameters initialised where they run
         gpt = LlamaGenGPT(config).eval()
     tokenizer = VQTokenizer(vq, image_size=16 * config.grid_size)  # VQ-16: 16 px per token
@@ -135,11 +156,14 @@ def random_llamagen(
     return target, drafter.attach(target)
 
 
-def random_chameleon(size: str, device: torch.device, seed: int) -> tuple[Target, Drafter]:
-    """A Lumina-mGPT-shaped target and drafter with random weights, built on ``device`` (7B: 28 GB fp32)."""
+def random_chameleon(
+    size: str, device: torch.device, seed: int, shape: dict[str, int] | None = None
+) -> tuple[Target, Drafter]:
+    """A Lumina-mGPT-shaped target and drafter with random weights, built on ``device`` (7B: 28 GB fp32);
+    ``shape``: ``ChameleonConfig`` fields to change (fewer layers, a narrower decoder for a CPU test)."""
     torch.manual_seed(seed)
     with torch.device(device):
-        lm = ChameleonLM(RANDOM_CHAMELEON[size]).eval()
+        lm = ChameleonLM(replace(RANDOM_CHAMELEON[size], **(shape or {}))).eval()
     # Released special ids (boi 8197, end of row 8803, size tokens 8804 + n); codes at ids 4 .. 8195.
     layout = ChameleonLayout(
         "lumina_mgpt",
@@ -163,24 +187,58 @@ def random_chameleon(size: str, device: torch.device, seed: int) -> tuple[Target
         None,
         size,
         CHAMELEON_PREFIX,
-        SamplingConfig(**FAMILY_SAMPLING["lumina_mgpt"], cfg_scale=3.0),
+        SamplingConfig(**FAMILY_SAMPLING["lumina_mgpt"]),  # CFG 3, top-k 2000
+    ).to(device)
+    drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
+    return target, drafter.attach(target)
+
+
+def random_janus(
+    size: str, device: torch.device, seed: int, shape: dict[str, int] | None = None
+) -> tuple[Target, Drafter]:
+    """A Janus-Pro-shaped target and drafter with random weights, built on ``device`` (7B: 28 GB fp32);
+    ``shape``: fields of its decoder's ``ChameleonConfig`` to change, as in ``random_chameleon`` (the image
+    head keeps the decoder's width, as the release's)."""
+    torch.manual_seed(seed)
+    config = RANDOM_JANUS[size]
+    lm = replace(config.lm, **(shape or {}))
+    with torch.device(device):
+        generator = JanusGenerator(replace(config, lm=lm, head_width=lm.hidden_size)).eval()
+    vq = VQModel(config.vq).eval()
+    target = JanusTarget(
+        generator,
+        VQTokenizer(vq, config.image_size),
+        JANUS_TOKENS,
+        None,
+        size,
+        JANUS_PREFIX,
+        SamplingConfig(**JANUS_SAMPLING),  # CFG 5, no top-k or top-p
     ).to(device)
     drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
     return target, drafter.attach(target)
 
 
 def load(
-    name: str, device: torch.device, drafter_folder: str | None, seed: int, dtype: str = "fp32"
+    name: str,
+    device: torch.device,
+    drafter_folder: str | None,
+    seed: int,
+    dtype: str = "fp32",
+    layers: int | None = None,
 ) -> tuple[Target, Drafter]:
     """The target and its drafter on ``device``, the target cast to ``dtype`` (``target.dtype``'s cast)
-    and the drafter moved to it."""
+    and the drafter moved to it; ``layers``: a random target with only that many decoder layers."""
+    if layers is not None and name not in RANDOM:
+        raise ValueError(f"layers={layers}: only a random-weight target ({', '.join(RANDOM)}) can be cut")
     if name in EMBEDDED:
         target = load_target_folder(f"{EMBEDDED[name]}/target", device)
         drafter = load_drafter(drafter_folder or f"{EMBEDDED[name]}/drafter", target).to(device).eval()
-    elif name in RANDOM_CHAMELEON:
-        target, drafter = random_chameleon(name, device, seed)
+    elif name in RANDOM_CHAMELEON or name in RANDOM_JANUS:
+        build = random_chameleon if name in RANDOM_CHAMELEON else random_janus
+        target, drafter = build(name, device, seed, {"num_hidden_layers": layers} if layers else None)
     else:
-        target, drafter = random_llamagen(name, device, seed)
+        shape = {**GPT_PRESETS[RANDOM_TARGETS[name]], "n_layer": layers} if layers else None
+        target, drafter = random_llamagen(name, device, seed, shape)
     target = cast_for_inference(target, dtype)
     return target, drafter.to(target.dtype)
 
@@ -191,10 +249,14 @@ def conditions(target: Target, name: str, prompts: int, batch: int, seed: int) -
         captions = shapes_heldout_captions(prompts)
         return [target.encode_captions(captions[i : i + batch]) for i in range(0, prompts, batch)]
     g = torch.Generator().manual_seed(seed)
-    if isinstance(target, ChameleonTarget):  # random caption ids (the word range of the vocabulary)
-        prompt = len(target.layout.image_prefix) + 1
-        ids = torch.randint(9000, 60000, (prompts, target.prefix_length - prompt), generator=g).tolist()
-        full = [[target.layout.bos, *row, *target.layout.image_prefix] for row in ids]
+    if isinstance(target, (ChameleonTarget, JanusTarget)):  # random caption ids (the word range)
+        if isinstance(target, ChameleonTarget):
+            first, last, words = [target.layout.bos], list(target.layout.image_prefix), (9000, 60000)
+        else:
+            first, last, words = [target.tokens.bos], [target.tokens.boi], (1000, 90000)
+        size = target.prefix_length - len(first) - len(last)
+        ids = torch.randint(*words, (prompts, size), generator=g).tolist()
+        full = [[*first, *row, *last] for row in ids]
         return [target.condition_from_ids(full[i : i + batch]) for i in range(0, prompts, batch)]
     rows, dim = target.prefix_length, target.gpt.config.caption_dim  # type: ignore[attr-defined]
     out = []
@@ -249,26 +311,57 @@ class ARClock:
         return (self.marks[1] - self.marks[0]) / (self.steps - 1)
 
 
+class _Enough(Exception):
+    """Raised from a step hook once the steps to time have run: the rest of the decode is not needed."""
+
+
+def run_steps(method, cond: Condition, generators, on_step=None, steps: int | None = None):
+    """``method.generate``, or only its first ``steps`` steps (then None: a partial decode has no result).
+    The decode stops between two steps, so a recorded step is never cut."""
+    if steps is None:
+        return method.generate(cond, generators, on_step=on_step)
+    seen = 0
+
+    def hook(*args: object) -> None:
+        nonlocal seen
+        if on_step is not None:
+            on_step(*args)
+        seen += 1
+        if seen >= steps:
+            raise _Enough
+
+    try:
+        return method.generate(cond, generators, on_step=hook)
+    except _Enough:
+        return None
+
+
 def time_ar(
-    target: Target, conds: Sequence[Condition], seed: int, sampling, options: DecodeOptions
+    target: Target,
+    conds: Sequence[Condition],
+    seed: int,
+    sampling,
+    options: DecodeOptions,
+    steps: int | None = None,
 ) -> tuple[float, float, float]:
-    """(seconds per AR step, whole decode seconds, start-up seconds)."""
+    """(seconds per AR step, whole decode seconds (NaN when ``steps`` cuts the decodes), start-up
+    seconds)."""
     method = build_method(load_preset("ar"), target, None, sampling, options)
     first = _generators(target.device, seed, 0, len(conds[0]))
     t0 = _now(target.device)
-    method.generate(conds[0], first)  # warm-up: records the step, compiles
+    run_steps(method, conds[0], first, None, steps)  # warm-up: records the step, compiles
     cold = _now(target.device) - t0
-    steps, total, start, warm = [], 0.0, 0, None
+    per_step, total, start, warm = [], 0.0, 0, None
     for cond in conds:
         gens = _generators(target.device, seed, start, len(cond))
-        clock = ARClock(target.device, target.num_image_tokens - 1)
+        clock = ARClock(target.device, target.num_image_tokens - 1 if steps is None else steps)
         t0 = _now(target.device)
-        method.generate(cond, gens, on_step=clock.on_step)
+        run_steps(method, cond, gens, clock.on_step, steps)
         total += _now(target.device) - t0
         warm = total if warm is None else warm
-        steps.append(clock.seconds_per_step())
+        per_step.append(clock.seconds_per_step())
         start += len(cond)
-    return sum(steps) / len(steps), total, max(0.0, cold - warm)
+    return sum(per_step) / len(per_step), total if steps is None else math.nan, max(0.0, cold - warm)
 
 
 class StepClock:
@@ -312,25 +405,27 @@ def time_method(
     sampling,
     options: DecodeOptions,
     knobs: dict | None = None,
+    max_steps: int | None = None,
 ) -> dict[str, float]:
     """Per verified step: seconds, phases, forwards (NaN for recorded steps); S and whole-decode
-    seconds. ``knobs``: the target's own settings per preset (``embedded_knobs``)."""
+    seconds (NaN when ``max_steps`` cuts the decodes). ``knobs``: the target's own settings per preset
+    (``embedded_knobs``)."""
     config = load_preset(preset, (knobs or {}).get(preset))
     method = build_method(config, target, drafter, sampling, options)
     t0 = _now(target.device)
-    method.generate(conds[0], _generators(target.device, seed, 0, len(conds[0])))  # warm-up
-    cold = _now(target.device) - t0
+    run_steps(method, conds[0], _generators(target.device, seed, 0, len(conds[0])), None, max_steps)
+    cold = _now(target.device) - t0  # the warm-up decode: records steps, compiles
     steps, stats, total, start, warm = [], [], 0.0, 0, None
     for cond in conds:
         gens = _generators(target.device, seed, start, len(cond))
         recorded = getattr(method, "recorder", None) is not None
         with StepClock(method) if recorded else PhaseTimer(method) as timer:
             t0 = _now(target.device)
-            result = method.generate(cond, gens, on_step=timer.on_step)
+            result = run_steps(method, cond, gens, timer.on_step, max_steps)
             total += _now(target.device) - t0
         warm = total if warm is None else warm
         steps += timer.steps()[1]
-        stats += result.stats
+        stats += result.stats if result is not None else []
         start += len(cond)
     verified = max(1, sum(s.verified for s in steps))
     out = {p: sum(s.phases[p] for s in steps) / verified for p in PHASES}
@@ -338,8 +433,10 @@ def time_method(
     out["step"] = sum(s.seconds for s in steps) / verified
     out["forward"] = sum(s.forward for s in steps) / verified
     out["verified"] = verified
-    out["s"] = sum(target.num_image_tokens / s.target_forwards for s in stats) / len(stats)
-    out["total"] = total
+    out["s"] = (
+        sum(target.num_image_tokens / s.target_forwards for s in stats) / len(stats) if stats else math.nan
+    )
+    out["total"] = total if stats else math.nan
     out["startup"] = max(0.0, cold - warm)
     return out
 
@@ -397,7 +494,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
         for mode in modes:
             if target is None or mode in ("compiled", "graphs"):
                 del target, drafter
-                target, drafter = load(name, device, args.drafter, args.seed, args.dtype)
+                target, drafter = load(name, device, args.drafter, args.seed, args.dtype, args.layers)
                 if mode == "compiled":
                     options = prepare_decoding(target, drafter, compile=True)
                 elif mode == "graphs":
@@ -407,12 +504,16 @@ def measure(args: argparse.Namespace) -> list[Row]:
             sampling = target.sampling_defaults
             if args.temperature is not None:
                 sampling = replace(sampling, temperature=args.temperature)
+            if args.top_k is not None:
+                sampling = replace(sampling, top_k=args.top_k)
             for batch in args.batch:
                 conds = conditions(target, name, max(args.prompts, batch), batch, args.seed)
                 with torch.no_grad():
-                    ar = time_ar(target, conds, args.seed, sampling, options)
+                    ar = time_ar(target, conds, args.seed, sampling, options, args.steps)
                     for preset in args.presets:
-                        m = time_method(target, drafter, preset, conds, args.seed, sampling, options, knobs)
+                        m = time_method(
+                            target, drafter, preset, conds, args.seed, sampling, options, knobs, args.steps
+                        )
                         if name == "shapes":
                             shapes_s[(preset, batch, mode)] = m["s"]
                         s_shapes = shapes_s.get((preset, batch, mode))
@@ -439,9 +540,9 @@ def table(rows: Sequence[Row], header: bool = True) -> str:
         lines.append(
             f"| {w.target} | {w.preset} | {w.batch} | {w.mode} | {w.ar_step_ms:.2f} | {w.step_ms:.2f} "
             f"| {w.r:.2f} | {cell(p['draft'])} | {cell(p['verify'])} | {cell(p['accept'])} "
-            f"| {cell(p['commit'])} | {cell(p['other'])} | {cell(w.host)} | {w.s:.2f} | {w.efficiency:.3f} "
+            f"| {cell(p['commit'])} | {cell(p['other'])} | {cell(w.host)} | {cell(w.s)} | {w.efficiency:.3f} "
             f"| {projected} | {'—' if w.paper_speedup is None else f'{w.paper_speedup:.2f}'} "
-            f"| {w.measured_speedup:.2f} | {w.startup_s:.1f} | {w.ar_startup_s:.1f} |"
+            f"| {cell(w.measured_speedup)} | {w.startup_s:.1f} | {w.ar_startup_s:.1f} |"
         )
     return "\n".join(lines)
 
@@ -453,12 +554,13 @@ def _no_nan(value):
     return None if isinstance(value, float) and math.isnan(value) else value
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status (the guard's: ``EXCEEDED`` when a row passed its
+    reference)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    known = [*EMBEDDED, *RANDOM_TARGETS, *RANDOM_CHAMELEON]
-    parser.add_argument("--targets", nargs="+", default=["shapes"], choices=known)
+    parser.add_argument("--targets", nargs="+", default=["shapes"], choices=[*EMBEDDED, *RANDOM])
     parser.add_argument(
         "--presets",
         nargs="+",
@@ -468,6 +570,7 @@ def main() -> None:
     parser.add_argument("--batch", nargs="+", type=int, default=[1], help="prompts per batch")
     parser.add_argument("--prompts", type=int, default=1, help="prompts per row (at least one batch)")
     parser.add_argument("--temperature", type=float, default=None, help="default: the target's")
+    parser.add_argument("--top-k", type=int, default=None, help="sampling top-k (default: the target's)")
     parser.add_argument(
         "--drafter",
         default=None,
@@ -484,15 +587,29 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default on a CPU: 1; on a GPU: torch's)"
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="time only the first N steps of each decode (default: whole decodes); S and measured then "
+        "read —",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=None, help="random targets: only this many decoder layers (CPU tests)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.presets == ["all"]:
         args.presets = [name for name in preset_names() if name != "ar"]
     if "ar" in args.presets:
         parser.error("ar is the reference every row is divided by; leave it out of --presets")
     if min(args.batch) < 1 or args.prompts < 1:
         parser.error("--batch and --prompts must be >= 1")
+    if args.steps is not None and args.steps < 4:
+        parser.error("--steps must be >= 4: two warm-up steps, the recorded one, then one timed")
+    if args.layers is not None and (args.layers < 1 or not set(args.targets) <= set(RANDOM)):
+        parser.error(f"--layers needs a number >= 1 and random-weight targets only ({', '.join(RANDOM)})")
     if args.threads or args.device == "cpu":
         # A 4-layer target decodes fastest on one thread of a CPU shared with other processes.
         torch.set_num_threads(args.threads or 1)
@@ -503,7 +620,9 @@ def main() -> None:
     print(table(rows))
     if args.out:
         settings = {
-            "command": " ".join(["python -m benchmarks.step_cost", *sys.argv[1:]]),
+            "command": " ".join(
+                ["python -m benchmarks.step_cost", *(sys.argv[1:] if argv is None else argv)]
+            ),
             **{k: v for k, v in vars(args).items() if k != "out"},
             "device": device,
             "torch": torch.__version__,
@@ -511,8 +630,10 @@ def main() -> None:
         }
         rows_json = [_no_nan(asdict(w)) for w in rows]
         Path(args.out).write_text(json.dumps({"settings": settings, "rows": rows_json}, indent=1) + "\n")
-    sys.exit(check_references(rows, vars(args)))  # conf/benchmarks/step_cost_reference.yaml
+    if args.top_k is not None:  # the references hold the targets' own sampling
+        return 0
+    return check_references(rows, vars(args))  # conf/benchmarks/step_cost_reference.yaml
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -39,8 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.step_cost import (
     EMBEDDED,
-    RANDOM_CHAMELEON,
-    RANDOM_TARGETS,
+    RANDOM,
     _generators,
     _now,
     conditions,
@@ -49,7 +48,7 @@ from benchmarks.step_cost import (
 )
 from vdtrain.decode.kernels import compiled_step_kernels
 from vdtrain.decode.methods import build_method, load_preset, preset_names
-from vdtrain.decode.phase_ops import PhaseOps, count_phase_ops
+from vdtrain.decode.phase_ops import KernelWeights, PhaseOps, count_phase_ops
 from vdtrain.decode.profiling import phase_methods
 
 # LlamaGen-XL's depth at a width that decodes fast on a CPU: the kernel count does not depend on width.
@@ -137,15 +136,21 @@ def xl_depth_phase_ops(
     return out
 
 
-def phase_table(counts: dict[str, PhaseOps]) -> str:
+def phase_table(counts: dict[str, PhaseOps], weights: KernelWeights | None = None) -> str:
     """Markdown: per step, the total, the target's layers (and per layer), everything beyond them, and
-    each region outside the layers."""
+    each region outside the layers; then the vocabulary-wide selections (64-bit ones in brackets) and the
+    step and what lies beyond the layers weighed in ordinary kernels (``PhaseOps.weighted``)."""
+    weights = weights or KernelWeights.load()
     outside = [r for r in next(iter(counts.values())).regions if r != "layers"]
     cols = ["method", "total", "layers", "per layer", "beyond layers", *outside]
+    cols += ["selections (64-bit)", "weighted", "weighted beyond layers"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for name, c in counts.items():
         cells = [name, f"{c.total:.0f}", f"{c.regions['layers']:.0f}", f"{c.per_layer:.1f}"]
         cells += [f"{c.beyond_layers:.0f}", *(f"{c.regions[r]:.0f}" for r in outside)]
+        weighted = c.weighted(weights)
+        cells += [f"{c.vocabulary_selections:.0f} ({c.selections.get(64, 0):.0f})", f"{weighted:.0f}"]
+        cells.append(f"{weighted - c.regions['layers']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -157,7 +162,7 @@ def main() -> None:
     parser.add_argument("--preset", default="eagle2")
     parser.add_argument("--phases", action="store_true", help="the kernel table by phase at XL depth")
     parser.add_argument("--presets", nargs="+", default=None, help="--phases: these (default: all, AR first)")
-    parser.add_argument("--target", default="shapes", choices=[*EMBEDDED, *RANDOM_TARGETS, *RANDOM_CHAMELEON])
+    parser.add_argument("--target", default="shapes", choices=[*EMBEDDED, *RANDOM])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled calls")
     parser.add_argument(
@@ -172,10 +177,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.phases:
         presets = args.presets or ["ar", *(n for n in preset_names() if n != "ar")]
+        weights = KernelWeights.load()
         print("Kernel-launching ATen ops per step (views and metadata left out), LlamaGen-XL depth")
         print("(36 layers of width 64, an 8×8 grid), random weights, CFG on, B = 1, eager, steps after")
-        print("the first:\n")
-        print(phase_table(xl_depth_phase_ops(presets, args.seed)))
+        print("the first; weighted: a vocabulary-wide selection as its price in ordinary kernels")
+        print(f"({weights.source}):\n")
+        print(phase_table(xl_depth_phase_ops(presets, args.seed), weights))
         return
     device = torch.device(args.device)
     target, drafter = load(args.target, device, args.drafter, args.seed)

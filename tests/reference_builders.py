@@ -62,7 +62,7 @@ class ReferenceDynamicTreeBuilder(DraftTreeBuilder):
         rounds, widths = self.shape(state)
         widths = widths.clamp_max(state.root_logits.shape[-1])  # no more children than tokens
         limit = state.depth_limit.cpu()
-        logq = ctx.draft_probs(state.root_logits).clamp_min(1e-30).log().cpu()  # [B, V]
+        logq = ctx.draft_confidence(state.root_logits).clamp_min(1e-30).log().cpu()  # [B, V]
         nodes: list[list[_Node]] = [[_Node(int(state.roots[b]), -1, 0, 0.0)] for b in range(batch)]
         frontier: list[list[int]] = []
         for b in range(batch):
@@ -111,7 +111,7 @@ class ReferenceDynamicTreeBuilder(DraftTreeBuilder):
             vis_full = visibility(base, base, vis.to(device), int(base.max()) + width)
             rows = ctx.drafter_inputs(toks, index[:, None].expand(-1, size), slots, vis_full)
             f_hat, logits = ctx.drafter_forward(parent_feats, rows)
-            child_logq = ctx.draft_probs(logits).clamp_min(1e-30).log().cpu()  # [B, S, V]
+            child_logq = ctx.draft_confidence(logits).clamp_min(1e-30).log().cpu()  # [B, S, V]
             for b in grow:
                 k = int(widths[b])
                 layer = []

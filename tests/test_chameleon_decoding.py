@@ -18,11 +18,13 @@ from conftest import one_per_part, random_drafter
 from test_chameleon import CODEBOOK, anole_target, lumina_target
 from test_engine import SIGNIFICANCE, chi_square_pvalue, exact_ar_distribution, sample_images
 from test_exactness import EXACT_PRESETS, method
+from test_graphs import _comparable as comparable
 
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.compiled import DecodeOptions, compile_decoding
 from vdtrain.decode.engine import SpeculativeEngine
+from vdtrain.decode.graphs import record_fx
 from vdtrain.decode.profiling import count_steps
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
@@ -38,6 +40,13 @@ from vdtrain.targets.chameleon import (
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CAPTIONS = ["a red circle", "big blue square"]
+# AR, a drafter tree and a Jacobi window on Lumina-mGPT (its forced column); a tree on Anole (3 streams).
+RECORDED_CASES = [
+    ("lumina_mgpt", "ar"),
+    ("lumina_mgpt", "eagle2"),
+    ("lumina_mgpt", "sjd"),
+    ("anole", "eagle2"),
+]
 anole_files = test_chameleon.anole_files  # the tiny released-layout checkpoints, as fixtures here
 lumina_files = test_chameleon.lumina_files
 
@@ -237,6 +246,36 @@ def test_compile_wraps_the_chameleon_decoder_and_keeps_the_tokens(lumina_files):
     engine = SpeculativeEngine(target, drafter, builder, sampling, options=options)
     compiled = engine.generate(cond, [None, None]).tokens
     assert torch.equal(compiled, eager)
+
+
+# --- whole steps recorded (CUDA graphs, the GPU default) -------------------------------------------------
+
+
+@pytest.mark.parametrize(("family", "name"), RECORDED_CASES)
+def test_a_recorded_chameleon_step_replays_the_eager_decode(
+    family, name, anole_files, lumina_files, tmp_path
+):
+    """Issue #45's fifth bug: Lumina-mGPT's forced end-of-row row was written from a host scalar, which a
+    capture refuses. Recorded on the CPU stand-in (``record_fx`` refuses what a capture refuses), the steps
+    record and two decodes replay what eager steps decode, as test_graphs checks on LlamaGen."""
+    target = anole_target(anole_files[0]) if family == "anole" else lumina_target(lumina_files[0])
+    sampling = SamplingConfig(cfg_scale=3.0, temperature=1.0)
+    drafter = random_drafter(target)
+    replays = []
+
+    def counted(step, stream):
+        result, replay, ran = record_fx(step, stream)
+        return result, lambda: replays.append(replay()), ran
+
+    eager = method(name, target, drafter, sampling, tmp_path)
+    recorded = method(name, target, drafter, sampling, tmp_path, options=DecodeOptions(step_recorder=counted))
+    cond = target.encode_captions(CAPTIONS)
+    for seed in (10, 20):
+        want = eager.generate(cond, [torch.Generator().manual_seed(seed + i) for i in range(2)])
+        got = recorded.generate(cond, [torch.Generator().manual_seed(seed + i) for i in range(2)])
+        assert torch.equal(got.tokens, want.tokens), f"{family} {name}: decode {seed}"
+        assert comparable(got.stats, name) == comparable(want.stats, name)
+    assert len(replays) >= 2, f"{family} {name}: {len(replays)} replays"
 
 
 # --- step budget --------------------------------------------------------------------------------------

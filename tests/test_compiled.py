@@ -24,6 +24,7 @@ from vdtrain.decode.compiled import (
     wants_cuda_graphs,
 )
 from vdtrain.decode.engine import SpeculativeEngine
+from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafter import Drafter
 from vdtrain.eval import runner
@@ -291,3 +292,27 @@ def test_the_runner_reports_start_up_where_a_first_decode_records(monkeypatch):
     assert all(r.startup_seconds is not None and r.startup_seconds >= 0 for r in recorded.rows)
     for key, images in eager.images.items():
         assert (recorded.images[key] == images).all(), key
+
+
+@pytest.mark.parametrize("name", ["ar", "eagle2", "sjd"])
+def test_a_whole_step_traces_without_graph_breaks(name, tmp_path):
+    """Issue #46: dynamo traces AR's step and the eagle2 and sjd steps in one graph each (the forwards, the
+    sampling tail and the builder's bookkeeping), with LlamaGen's sampling shape (CFG, top-k)."""
+    sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0, top_k=12)
+    target = LlamaGenTarget(random_gpt(), VQTokenizer(random_vq(), image_size=8), None, "tiny", sampling)
+    config = load_preset(name, {"acceptance": {"cache_dir": str(tmp_path)}})
+    method = build_method(config, target, random_drafter(target), sampling)
+    steps = []  # the decode runs its first step (the run's tensors), then stops
+
+    def stop(*_: object) -> None:
+        steps.append(1)
+        raise StopIteration
+
+    with torch.no_grad():
+        with pytest.raises(StopIteration):
+            method.generate(tiny_condition(2), [torch.Generator().manual_seed(i) for i in range(2)], stop)
+        step = method.decoder._step if name == "ar" else method._step
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(step)()
+    assert explained.graph_break_count == 0, [str(b.reason) for b in explained.break_reasons]
+    assert explained.graph_count == 1 and steps == [1]

@@ -15,16 +15,13 @@ from test_engine import make_drafter, make_target
 
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
-from vdtrain.decode.builders.dynamic import (
-    DynamicTreeBuilder,
-    DynamicTreeConfig,
-    ranked,
-    topk_low_index_first,
-)
+from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig, ranked
 from vdtrain.decode.engine import SpeculativeEngine
+from vdtrain.decode.kernels import plain_twins
 from vdtrain.decode.profiling import Counts, OpCounter
 from vdtrain.decode.rows import DrafterRows
 from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.decode.selection import top_k_low_index_first
 
 # --- per-row shapes (PEANUT-like): a fixed pseudo-random function of the row and its progress ------------
 
@@ -174,9 +171,16 @@ def test_greedy_decoding_with_the_tensor_builder_matches_ar(builder):
 # --- tie-breaking ---------------------------------------------------------------------------------------
 
 
-def test_topk_ties_go_to_the_lower_index():
+@pytest.fixture(params=["fast", "plain"])
+def twin(request):
+    """The chunked selection (``selection._chunked``) and its plain twin, a stable sort of the row."""
+    with plain_twins(request.param == "plain"):
+        yield request.param
+
+
+def test_topk_ties_go_to_the_lower_index(twin):
     values = torch.tensor([[0.5, -1.0, 0.5, 0.0, -0.0, -1.0, 2.0, 0.5]])
-    got_values, got_index = topk_low_index_first(values, 8)
+    got_values, got_index = top_k_low_index_first(values, 8)
     assert got_index.tolist() == [[6, 0, 2, 7, 3, 4, 1, 5]]  # −0.0 ties +0.0, by index
     assert torch.equal(got_values, values[:, got_index[0]])
     scores = torch.tensor([[-1.0, -2.0, -1.0, 0.0, -2.0]], dtype=torch.float64)
@@ -184,17 +188,18 @@ def test_topk_ties_go_to_the_lower_index():
     assert ranked(scores, valid, 4).tolist() == [[0, 2, 1, 4]]  # the invalid best comes last
 
 
-def test_topk_ties_go_to_the_lower_index_on_random_tie_heavy_rows():
-    """Against a sort by (−value, index) in Python: few distinct values, −inf and −0.0, every k."""
+def test_topk_ties_go_to_the_lower_index_on_random_tie_heavy_rows(twin):
+    """Against a sort by (−value, index) in Python: few distinct values, −inf and −0.0, every k, rows
+    long enough to be cut into more chunks than k (and rows that are not)."""
     g = torch.Generator().manual_seed(0)
     for trial in range(300):
-        n = int(torch.randint(1, 30, (1,), generator=g))
-        k = int(torch.randint(1, n + 1, (1,), generator=g))
-        values = torch.randint(-2, 3, (2, 3, n), generator=g).float()
+        n = int(torch.randint(1, 30 if trial % 3 else 400, (1,), generator=g))
+        k = int(torch.randint(1, min(n, 12) + 1, (1,), generator=g))
+        values = torch.randint(-2, 3 + trial % 5 * 40, (2, 3, n), generator=g).float()
         if trial % 2:
             values[values == -2] = float("-inf")
             values[values == 1] = -0.0
-        got_values, got_index = topk_low_index_first(values, k)
+        got_values, got_index = top_k_low_index_first(values, k)
         for row, index in zip(values.flatten(0, 1).tolist(), got_index.flatten(0, 1).tolist(), strict=True):
             assert index == sorted(range(n), key=lambda i, row=row: (-row[i], i))[:k], (row, k)
         assert torch.equal(got_values, values.gather(-1, got_index))
@@ -211,6 +216,7 @@ def stub_engine(logits: torch.Tensor, n_img: int = 16, prefix: int = 3) -> Simpl
             prefix_length=prefix, num_image_tokens=n_img, image_slot=lambda index: index + prefix
         ),
         draft_probs=lambda x: x.softmax(-1),
+        draft_confidence=lambda x: x.softmax(-1),
         # Rows as ``drafter_inputs`` lays them out (one stream): the builder slices them per round.
         drafter_inputs=lambda tokens, token_index, slots, vis, next_embeds=None: DrafterRows(
             next_embeds, token_index, vis[:, None], slots, token_index + 1

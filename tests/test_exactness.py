@@ -58,12 +58,12 @@ def confident_drafter(target, seed: int = 4) -> Drafter:
     return drafter.attach(target).eval()
 
 
-def method(name: str, target, drafter, sampling, tmp_path: Path, **sections):
+def method(name: str, target, drafter, sampling, tmp_path: Path, options=None, **sections):
     """Preset ``name`` with ``sections`` in place of its own (a section's kind owns its keys, so a new
-    kind starts from its own defaults)."""
+    kind starts from its own defaults); ``options``: the engine's ``DecodeOptions``."""
     config = load_preset(name, {"acceptance": {"cache_dir": str(tmp_path)}})
     config = replace(config, **{k: getattr(decode_config({k: node}), k) for k, node in sections.items()})
-    return build_method(config, target, drafter if config.needs_drafter else None, sampling)
+    return build_method(config, target, drafter if config.needs_drafter else None, sampling, options)
 
 
 # --- item 1: drafts past q's support ------------------------------------------------------------------

@@ -14,6 +14,7 @@ ORDER = [
     "tests",
     "user",
     "xl_graphs",
+    "big",
     "profile",
     "xl_compiled",
     "shapes",
@@ -48,6 +49,11 @@ def test_dry_run_lists_the_steps_in_priority_order(tmp_path):
     assert "--presets all" in done.stdout  # the SCD presets among them
     assert "benchmarks.step_profile --device cuda --target llamagen-xl" in done.stdout
     assert "--targets shapes --modes compiled" in done.stdout and "zero2" in done.stdout
+    # issue #46: the 7B-class shapes at full depth with graphs, B 1 and 16, a cut number of steps
+    assert (
+        "--targets chameleon-7b janus-pro-7b --dtype bf16 --steps 24 --modes graphs --batch 1 16"
+        in done.stdout
+    )
     assert not out.exists()  # a dry run writes nothing
 
 
@@ -63,7 +69,9 @@ def test_the_optional_steps_run_only_when_named(tmp_path):
     """Issue #35's data-scaling curve (minutes of training per drafter kind) and issue #32's grain
     calibration at 512 captions are left out of a full run."""
     full = [name for name, _ in _steps(_run("--dry-run", str(tmp_path)).stdout)]
-    assert "scaling" not in full and "grain_calibration" not in full
+    assert not {"scaling", "big_compiled", "grain_calibration"} & set(full)
+    compiled = _run("--dry-run", "--steps", "big_compiled", str(tmp_path)).stdout
+    assert "--targets chameleon-7b janus-pro-7b --dtype bf16 --steps 24 --modes compiled" in compiled
     done = _run("--dry-run", "--steps", "grain_calibration,scaling,train", str(tmp_path))
     assert [name for name, _ in _steps(done.stdout)] == ["train", "scaling", "grain_calibration"]
     assert "benchmarks.data_scaling --device cuda --target grain" in done.stdout
@@ -75,6 +83,7 @@ def test_the_cpu_mode_lists_small_steps(tmp_path):
     assert done.returncode == 0, done.stderr
     assert [name for name, _ in _steps(done.stdout)] == ORDER
     assert "llamagen-xl" not in done.stdout and "device=cpu" in done.stdout
+    assert "--targets chameleon-7b janus-pro-7b --layers 1" in done.stdout  # the 7B shapes at one layer
 
 
 def test_the_user_step_runs_the_readme_commands_on_cached_captions_only(tmp_path):

@@ -153,6 +153,18 @@ def test_the_step_graph_warms_up_records_once_and_replays():
     assert state.tolist() == [5.0, 5.0]  # every call stepped once: the replays too
 
 
+@pytest.mark.parametrize(
+    "step",
+    [lambda t: t.sum().item(), lambda t: t.__setitem__(0, 1.0), lambda t: t.add_(torch.ones(4).to(t.device))],
+    ids=["a read of the device", "a host scalar copied in", "a host tensor moved in"],
+)
+def test_the_cpu_recorder_refuses_what_a_capture_refuses(step):
+    state = torch.zeros(4)
+    with pytest.raises(RuntimeError, match=r"capture refuses|tracing tensor"):
+        record_fx(lambda: step(state))
+    record_fx(lambda: state[..., 0].fill_(1.0))  # a fill of a view is capture-safe
+
+
 def _graph_replays_eager(name: str, compile: bool, cache_dir) -> None:
     """Two decodes with the real recorder, the second only replaying, decode what the same code stepped
     from Python decodes on the GPU."""

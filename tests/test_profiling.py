@@ -91,6 +91,22 @@ def test_host_to_device_copies_are_counted_apart_from_syncs():
     assert (counter.counts.h2d, counter.counts.syncs) == (2, 0), counter.sites
 
 
+def test_a_python_number_copied_into_one_device_element_is_a_host_to_device_copy():
+    """A Python number written where the destination is 0-dim (``t[i] = 0.0`` on a 1-D tensor) is a copy
+    of a 0-dim host tensor (``lift_fresh`` then ``copy_``), which a CUDA graph capture refuses (issue #45's
+    Lumina-mGPT bug); where it is a view of dim > 0 it is a capture-safe ``fill_``."""
+    device_tensor = torch.zeros(2, 6)
+    with OpCounter(as_if_gpu=True) as counter:
+        rows = device_tensor.clone()
+        rows[..., 2] = 1.0
+        rows[0, 1:3] = 2.0
+        rows[1].narrow(0, 4, 1).fill_(3.0)
+    assert (counter.counts.h2d, counter.counts.syncs) == (0, 0), counter.sites
+    with OpCounter(as_if_gpu=True) as counter:
+        device_tensor.clone()[0, 2] = 1.0
+    assert counter.counts.h2d == 1, counter.sites
+
+
 def test_real_devices_decide_outside_the_as_if_gpu_mode():
     with OpCounter(as_if_gpu=False) as counter:
         for read in SYNCS.values():

@@ -36,6 +36,7 @@ from vdtrain.decode.sampling import (
     SamplingConfig,
     cfg_batch,
     distribution,
+    guided_logits,
     next_tokens,
     probabilities,
     processed_logits,
@@ -224,6 +225,14 @@ class SpeculativeEngine:
         if self.sampling.greedy:
             return self.draft_logits(logits).softmax(-1)
         return probabilities(*split_cfg(logits, self.sampling), self.sampling)
+
+    def draft_confidence(self, logits: torch.Tensor) -> torch.Tensor:
+        """Drafter ``logits`` [R, ..., V] → the drafter's confidence [B, ..., V] a dynamic tree ranks
+        children and paths by (EAGLE-2's): the softmax of the CFG-combined, tempered logits over the
+        whole vocabulary (temperature 1 at T = 0), before top-k and top-p. It is q itself where the
+        sampling filters nothing; otherwise only its normaliser differs, and it needs no vocabulary-wide
+        selection (the top-k filter's threshold) per drafter round. docs/decoding.md, "Drafting"."""
+        return guided_logits(*split_cfg(logits, self.sampling), self.sampling).softmax(-1)
 
     @step_kernel
     def drafter_inputs(

@@ -84,14 +84,24 @@ def record_cuda_graph(
 
 def record_fx(step: Callable[[], T], stream: object = None) -> tuple[T, Callable[[], object], bool]:
     """``step`` traced into an FX graph of ATen ops (``make_fx``), replayed on the same tensors: a CPU
-    stand-in for ``record_cuda_graph`` in tests. Tracing runs the step once. A CUDA graph rewrites the
-    tensors its captured step returned at their addresses; a replay here copies its results into them."""
+    stand-in for ``record_cuda_graph`` in tests. Tracing runs the step once, counted as if on a GPU
+    (``OpCounter``): a step that reads the device or copies host data to it raises, as a capture does.
+    A CUDA graph rewrites the tensors its captured step returned at their addresses; a replay here copies
+    its results into them."""
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from vdtrain.decode.profiling import OpCounter
 
     box: list[T] = []
 
     def traced() -> list[torch.Tensor]:
-        box.append(step())
+        with OpCounter(as_if_gpu=True) as counter:
+            box.append(step())
+        if counter.counts.syncs or counter.counts.h2d:
+            raise RuntimeError(
+                "a CUDA graph capture refuses this step: it reads the device or copies host data to it "
+                f"({', '.join(counter.sites)})"
+            )
         return _tensors_in(box[-1])
 
     graph = make_fx(traced)()

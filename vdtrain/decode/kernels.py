@@ -9,11 +9,17 @@ arguments (it may change tensors in place, never Python caches or attributes), o
 trace it anew; each compiles once per shape and set of Python constants, bounded by ``RECOMPILE_LIMIT``.
 ``shared_arange`` and its kin keep constant tensors across steps, a cache bypassed while compiling.
 docs/decoding.md, "Step kernels".
+
+Where a rewrite replaced readable code to save kernels (children ranked by chunks, ``selection``; the
+accepted path by pointer doubling, ``acceptance._follow``; random numbers gathered from a table, ``rng``),
+the plain version stays beside it, and ``plain_kernels()`` is the one switch between them (the environment
+variable ``VDTRAIN_PLAIN_KERNELS=1``, or ``plain_twins()``): tests run both and compare.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -27,6 +33,22 @@ _COMPILED: ContextVar[str | None] = ContextVar("vdtrain_step_kernels", default=N
 RECOMPILE_LIMIT = 64  # graphs per kernel: shapes x methods x batch sizes of one process
 
 F = TypeVar("F", bound=Callable[..., Any])
+_PLAIN = [os.environ.get("VDTRAIN_PLAIN_KERNELS", "") == "1"]  # a list: read at call time, also by dynamo
+
+
+def plain_kernels() -> bool:
+    """Whether the plain twins run instead of the fast kernels (see the module docstring)."""
+    return _PLAIN[0]
+
+
+@contextmanager
+def plain_twins(enabled: bool = True) -> Iterator[None]:
+    """The plain twins inside the block (``enabled``), the fast kernels otherwise."""
+    before, _PLAIN[0] = _PLAIN[0], enabled
+    try:
+        yield
+    finally:
+        _PLAIN[0] = before
 
 
 def step_kernel(fn: F) -> F:

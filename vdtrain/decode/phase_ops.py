@@ -9,6 +9,12 @@ RoPE gather, final norm, head), the drafter (``drafter``), the engine's phases (
 ``accept`` / ``commit``, as in ``profiling.phase_methods``) or ``other`` (the loop, and AR's sampling and
 RNG). ``benchmarks.step_kernels --phases`` prints the table; docs/decoding.md, "Kernels per step", has it
 and the budget.
+
+Not every kernel costs the same: a selection over the whole vocabulary (``topk``, ``sort``, ``kthvalue``
+over >= V columns) is a radix select with one thread block per row on a GPU, tens of ordinary kernels, and
+twice that on 64-bit keys. Such selections are counted apart by key width (``PhaseOps.selections``), and
+``PhaseOps.weighted`` charges each at its measured price in ordinary kernels (``KernelWeights``, from the
+H200 profile in conf/benchmarks/kernel_weights.yaml); docs/decoding.md, "Vocabulary-wide selections".
 """
 
 from __future__ import annotations
@@ -16,16 +22,19 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import yaml
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from vdtrain.cli import CONF_DIR
 from vdtrain.decode.profiling import PHASES, phase_methods
 
 _aten = torch.ops.aten
@@ -45,6 +54,31 @@ _METADATA = frozenset(
 # Functions a CUDA build runs as one kernel whose CPU build dispatches several ops.
 _ONE_KERNEL_ON_GPU = frozenset({F.rms_norm, torch.rms_norm})
 REGIONS = ("layers", "forward", "drafter", *PHASES, "other")
+# Ops that select along a dimension (``dim``, -1 by default): vocabulary-wide ones are weighed apart.
+_SELECTIONS = frozenset({_aten.topk, _aten.sort, _aten.kthvalue})
+KERNEL_WEIGHTS = CONF_DIR / "benchmarks" / "kernel_weights.yaml"
+
+
+@dataclass(frozen=True)
+class KernelWeights:
+    """What a vocabulary-wide selection costs on a GPU in ordinary kernels: µs per selection by key width
+    (bits) over µs per ordinary kernel, both from one measured profile (``source``)."""
+
+    ordinary_kernel_us: float
+    selection_us: dict[int, float]
+    source: str
+
+    @classmethod
+    def load(cls, path: Path = KERNEL_WEIGHTS) -> KernelWeights:
+        raw = yaml.safe_load(path.read_text())
+        us = {int(bits): float(v) for bits, v in raw["selection_us"].items()}
+        return cls(float(raw["ordinary_kernel_us"]), us, raw["source"])
+
+    def selection(self, bits: int) -> float:
+        """One vocabulary-wide selection on ``bits``-bit keys, in ordinary kernels."""
+        if bits not in self.selection_us:
+            raise ValueError(f"no measured price for a {bits}-bit selection ({self.source}); add one")
+        return self.selection_us[bits] / self.ordinary_kernel_us
 
 
 def launches_kernel(func: torch._ops.OpOverload) -> bool:
@@ -58,12 +92,23 @@ def launches_kernel(func: torch._ops.OpOverload) -> bool:
 
 @dataclass
 class PhaseOps:
-    """Mean kernel ops per step (the first step, which holds the prefill, left out) by region, and the
-    target's decoder layer count."""
+    """Mean kernel ops per step (the first step, which holds the prefill, left out) by region, the
+    target's decoder layer count, and the mean vocabulary-wide selections per step by key width in bits
+    (each also one op of its region)."""
 
     regions: dict[str, float]
     num_layers: int
     steps: int
+    selections: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def vocabulary_selections(self) -> float:
+        return sum(self.selections.values())
+
+    def weighted(self, weights: KernelWeights) -> float:
+        """The step in ordinary kernels: every op one, a vocabulary-wide selection its measured price."""
+        extra = sum(n * (weights.selection(bits) - 1) for bits, n in self.selections.items())
+        return self.total + extra
 
     @property
     def total(self) -> float:
@@ -97,21 +142,42 @@ class _OneKernel(TorchFunctionMode):
             self.regions.hidden -= 1
 
 
+def selection_bits(func: torch._ops.OpOverload, args: tuple, kwargs: dict, vocab: int) -> int | None:
+    """The key width in bits when ``func`` selects along a dimension of at least ``vocab`` entries
+    (a vocabulary-wide ``topk`` / ``sort`` / ``kthvalue``), else None."""
+    if func.overloadpacket not in _SELECTIONS:
+        return None
+    dim = -1
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name == "dim":
+            positional = not argument.kwarg_only and i < len(args)
+            dim = args[i] if positional else kwargs.get("dim", -1)
+    values = args[0]
+    if values.dim() == 0 or values.shape[dim] < vocab:
+        return None
+    return values.element_size() * 8
+
+
 class _Regions(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, vocab: int) -> None:
         super().__init__()
+        self.vocab = vocab
         self.stack = ["other"]
         self.hidden = 0
         self.counts: Counter[str] = Counter()
-        self.marks: list[Counter[str]] = []
+        self.selections: Counter[int] = Counter()
+        self.marks: list[tuple[Counter[str], Counter[int]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.hidden and launches_kernel(func):
             self.counts[self.stack[-1]] += 1
+            bits = selection_bits(func, args, kwargs or {}, self.vocab)
+            if bits is not None:
+                self.selections[bits] += 1
         return func(*args, **(kwargs or {}))
 
     def on_step(self, *_: object) -> None:
-        self.marks.append(self.counts.copy())
+        self.marks.append((self.counts.copy(), self.selections.copy()))
 
     def wrap(self, region: str) -> Callable[[Callable], Callable]:
         def wrap(method: Callable) -> Callable:
@@ -154,8 +220,9 @@ def _instance_wrapped(obj: Any, name: str, wrap: Callable[[Callable], Callable])
 
 
 def count_phase_ops(method: Any, cond: Any, generators: Sequence[torch.Generator | None]) -> PhaseOps:
-    """One ``method.generate`` (eager) under the region counter: mean kernel ops per step by region."""
-    counter = _Regions()
+    """One ``method.generate`` (eager) under the region counter: mean kernel ops per step by region, and
+    the vocabulary-wide selections (over the target's vocabulary or more)."""
+    counter = _Regions(method.target.vocab_size)
     layers = decoder_layers(method.target)
     with ExitStack() as stack:
         for region, places in _places(method).items():
@@ -165,11 +232,13 @@ def count_phase_ops(method: Any, cond: Any, generators: Sequence[torch.Generator
             stack.enter_context(_layer_region(layer, counter))
         with torch.no_grad(), counter, _OneKernel(counter):
             method.generate(cond, generators, on_step=counter.on_step)
-    steps = [b - a for a, b in pairwise(counter.marks)]  # every step after the first
+    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in pairwise(counter.marks)]  # every step after the first
     if not steps:
         raise ValueError("the decode finished in one step; nothing to count")
-    regions = {r: sum(s[r] for s in steps) / len(steps) for r in REGIONS}
-    return PhaseOps(regions, len(layers), len(steps))
+    regions = {r: sum(s[r] for s, _ in steps) / len(steps) for r in REGIONS}
+    widths = sorted({bits for _, s in steps for bits in s})
+    selections = {bits: sum(s[bits] for _, s in steps) / len(steps) for bits in widths}
+    return PhaseOps(regions, len(layers), len(steps), selections)
 
 
 @contextmanager

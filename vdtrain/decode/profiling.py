@@ -179,7 +179,10 @@ class _Dispatch(TorchDispatchMode):
                 c.h2d(str(func.overloadpacket.__name__))
             elif kind is not None:
                 c.sync(kind)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func is _aten.lift_fresh.default:  # a Python number made a tensor (``t[i] = 0.0``): host data
+            c.tag(out, host=True)
+        return out
 
     def _sync_kind(self, func, args, kwargs) -> str | None:
         c = self.counter
@@ -196,7 +199,7 @@ class _Dispatch(TorchDispatchMode):
             return "bool-mask index"
         if packet is _aten.copy_:
             dst, src = c.on_device(args[0]), c.on_device(args[1])
-            if dst and not src and args[1].numel() > 1:
+            if dst and not src:  # a 0-dim source too: a capture refuses it (``fill_`` is the safe way)
                 return "h2d"
             if src and not dst:
                 return "copy to host"

@@ -58,12 +58,17 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def processed_logits(cond: torch.Tensor, uncond: torch.Tensor | None, config: SamplingConfig) -> torch.Tensor:
-    """CFG, temperature and filtering applied, in fp32; at T=0 the filtered, untempered logits."""
+def guided_logits(cond: torch.Tensor, uncond: torch.Tensor | None, config: SamplingConfig) -> torch.Tensor:
+    """CFG and temperature applied, in fp32 (at T=0 untempered): the logits before top-k and top-p."""
     logits = combine_cfg(cond.float(), None if uncond is None else uncond.float(), config.cfg_scale)
     if not config.greedy and config.temperature != 1.0:  # dividing by 1 is exact: skip the kernel
         logits = logits / config.temperature
-    return filter_logits(logits, config.top_k, config.top_p)
+    return logits
+
+
+def processed_logits(cond: torch.Tensor, uncond: torch.Tensor | None, config: SamplingConfig) -> torch.Tensor:
+    """CFG, temperature and filtering applied, in fp32; at T=0 the filtered, untempered logits."""
+    return filter_logits(guided_logits(cond, uncond, config), config.top_k, config.top_p)
 
 
 def probabilities(cond: torch.Tensor, uncond: torch.Tensor | None, config: SamplingConfig) -> torch.Tensor:

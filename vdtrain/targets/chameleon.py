@@ -371,7 +371,7 @@ class ChameleonTarget(Target):
         logits = logits.clone()
         logits[..., newline] = FORCED_LOGIT
         forced_row = torch.full((newline + 1,), FORCED_LOGIT, dtype=logits.dtype, device=logits.device)
-        forced_row[newline] = 0.0
+        forced_row[newline:].fill_(0.0)  # ``[newline] = 0.0`` copied a host scalar: a capture refuses it
         forced = (self.forced_tokens(predicts) == newline).expand(logits.shape[:-1])
         return torch.where(forced[..., None], forced_row, logits)
 

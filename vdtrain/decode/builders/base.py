@@ -36,6 +36,11 @@ class DraftContext(Protocol):
         """Drafter logits [R, ..., V] → q [B, ..., V] (at T = 0 the softmax of the filtered logits)."""
         ...
 
+    def draft_confidence(self, logits: torch.Tensor) -> torch.Tensor:
+        """Drafter logits [R, ..., V] → what a dynamic tree ranks by [B, ..., V]: the softmax before top-k
+        and top-p (at T = 0 at temperature 1)."""
+        ...
+
     def drafter_inputs(
         self,
         tokens: torch.Tensor | None,

@@ -3,7 +3,8 @@
 From the root take the ``top_k`` most likely children; then for ``depth`` rounds expand the frontier
 (the ``top_k`` newest nodes with the highest cumulative log q) into ``top_k`` children each, one batched
 drafter forward per round; keep the ``total_tokens - 1`` best nodes, parents before children. Drafts
-are deterministic (q is a point mass on each child). It builds the node-by-node reference builder's
+are deterministic (q is a point mass on each child); q here is the drafter's confidence, its softmax
+before top-k and top-p (``DraftContext.draft_confidence``). It builds the node-by-node reference builder's
 trees (``tests/reference_builders.py``) in fixed padded shapes: a host-side *envelope* (``R`` rounds,
 ``K`` wide; PEANUT overrides ``envelope``), a ``K``-wide frontier and ``K·K`` candidates per round, so a
 step's host work does not grow with the batch or the tree. Ties are fixed (``topk`` leaves them open);
@@ -12,7 +13,6 @@ docs/decoding.md, "Drafting", gives the keys.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
@@ -23,29 +23,11 @@ import torch.nn.functional as F
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
 from vdtrain.decode.kernels import shared_arange, shared_eye, shared_full, step_kernel
 from vdtrain.decode.rows import DrafterRows, image_columns, per_stream
+from vdtrain.decode.selection import top_k_low_index_first
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
     from vdtrain.decode.builders.base import DraftContext
-
-
-def topk_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest float32 ``values`` [..., N] along the last dim, equal values in ascending index
-    order → (values, indices), [..., k] each.
-
-    One ``topk`` over an int64 key: the float's order-preserving int32 image in the high half, the
-    reversed index in the low half (so the key is unique and ties resolve the same on every device).
-    """
-    n = values.shape[-1]
-    bits = (values.float() + 0.0).view(torch.int32)  # + 0.0 folds −0.0 into +0.0
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: their magnitude bits flipped
-    # The int64 key as int32 pairs (the low word first on a little-endian machine), read as one int64: a
-    # handful of kernels fewer than widening and shifting (a GPU step is bound by launches).
-    low = torch.arange(n - 1, -1, -1, dtype=torch.int32, device=values.device).expand_as(ordered)
-    words = [low, ordered] if sys.byteorder == "little" else [ordered, low]
-    key = torch.stack(words, -1).view(torch.int64).squeeze(-1)
-    index = key.topk(k, dim=-1).indices
-    return values.gather(-1, index), index
 
 
 def ranked(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
@@ -70,9 +52,7 @@ class BuildPlan(NamedTuple):
     """What a build fixes for all its rounds: each row's shape and every round's drafter rows."""
 
     rounds: torch.Tensor  # [B] expansion rounds of each row's tree
-    invalid: torch.Tensor  # [B, rounds, K·K] bool: round r's candidates (at r − 1) outside the row's shape
-    valid: torch.Tensor  # its negation
-    index: torch.Tensor  # [V] int32 arange: the low word of ``_top_children``'s ranking key
+    valid: torch.Tensor  # [B, rounds, K·K] bool: round r's candidates (at r − 1) within the row's shape
     rows: DrafterRows | None  # every round's drafter rows, round r's frontier node j at row (r−1)·K + j
     # (its scratch column), each seeing the committed columns and its own: made once per build
 
@@ -151,21 +131,12 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         return self.depth, self.top_k
 
     @staticmethod
-    def _logq(ctx: DraftContext, logits: torch.Tensor) -> torch.Tensor:
-        """Drafter ``logits`` [R, ..., V] → log q [B, ..., V] (q floored at 1e-30: ranks stay defined)."""
-        return ctx.draft_probs(logits).clamp_min(1e-30).log()
-
-    def _top_children(self, ctx: DraftContext, logits: torch.Tensor, size: int, index: torch.Tensor):
-        """(−log q [..., K], tokens [..., K]): the ``K`` likeliest tokens by ``_logq``, ties to the lower
-        id, as ``topk_low_index_first`` ranks them, in fewer kernels: −log q is >= 0 (−0.0 where q = 1,
-        the only zero), so its float bits order it as int32 with no sign fix (``index``: arange(V)). The
-        chosen keys' high words are the chosen −log q: read as float32, with no gather."""
-        surprisal = self._logq(ctx, logits).neg()
-        words = [index.expand_as(surprisal), surprisal.view(torch.int32)]
-        little = sys.byteorder == "little"
-        key = torch.stack(words if little else words[::-1], -1).view(torch.int64)
-        top = key.squeeze(-1).topk(size, dim=-1, largest=False)
-        return top.values.view(torch.int32)[..., 1 if little else 0 :: 2].view(torch.float32), top.indices
+    def _top_children(ctx: DraftContext, logits: torch.Tensor, size: int):
+        """(log q [..., K], tokens [..., K]): the ``K`` likeliest tokens by the drafter's confidence q
+        (``ctx.draft_confidence``) of ``logits`` [R, ..., V], ties to the lower id, with no selection over
+        the whole vocabulary (``selection.top_k_low_index_first``). q is floored at 1e-30 (ranks stay
+        defined)."""
+        return top_k_low_index_first(ctx.draft_confidence(logits).clamp_min(1e-30).log(), size)
 
     def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
         vocab, device = state.root_logits.shape[-1], state.roots.device
@@ -206,14 +177,15 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         roots, limit = state.roots, state.depth_limit
         batch, device = len(roots), roots.device
         col = shared_arange(size, device)
-        vocab = state.root_logits.shape[-1]
-        index = shared_arange(vocab, device, torch.int32)
-        front_s, front_tok = self._top_children(ctx, state.root_logits, size, index)
-        first_ok = (limit >= 1)[:, None] & (col < widths[:, None])
+        front_logq, front_tok = self._top_children(ctx, state.root_logits, size)
+        r = shared_arange(depth_cap + 1, device)
+        room = limit[:, None] > r  # [B, 1 + rounds]: room below depth r + 1
+        wide = col < widths[:, None]  # [B, K]: ranks within the row's width
+        first_ok = room[:, :1] & wide
         # Scores are cumulative −log q, +inf where a node is not in the tree (ranking reads no mask).
         # float32 −log q widened to float64 exactly, by the ``where`` itself (one kernel).
         inf = shared_full(float("inf"), device, torch.float64).expand(batch, size)  # not 0-dim: it promotes
-        front_score = torch.where(first_ok, front_s, inf)
+        front_score = torch.where(first_ok, front_logq.neg(), inf)
         root = Layer(
             roots[:, None],
             shared_full(0.0, device, front_score.dtype).expand(batch, 1),
@@ -222,9 +194,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         )
         first = Layer(front_tok, front_score, shared_full(0, device, torch.long).expand(batch, 1), first_ok)
         # Round r grows a row's candidates j·K + c (j, c < its width) if it has r rounds and room below.
-        kid_ok = (col[None, :, None] < widths[:, None, None]) & (col[None, None, :] < widths[:, None, None])
-        r = shared_arange(depth_cap + 1, device)[1:]
-        grow = (rounds[:, None] >= r) & (limit[:, None] > r)  # [B, rounds]
+        kid_ok = wide[:, :, None] & wide[:, None, :]
+        grow = (rounds[:, None] >= r[1:]) & room[:, 1:]  # [B, rounds]
         valid = grow[:, :, None] & kid_ok.flatten(1)[:, None]  # [B, rounds, K·K]
         rows = None
         if depth_cap:  # the rows of every round: frontier node j of round r at scratch column (r−1)·K + j
@@ -242,10 +213,10 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         front = Frontier(
             front_tok,
             front_score,
-            (1 + col).expand(batch, -1),
+            shared_arange(size + 1, device)[1:].expand(batch, -1),  # flat node indices 1 .. K
             state.root_feats[:, None].expand(-1, size, -1),  # parent features of the frontier rows
             None if rows is None else rows.mask[:, :, :size],
-            BuildPlan(rounds, ~valid, valid, index, rows),
+            BuildPlan(rounds, valid, rows),
         )
         if depth_cap == 0:  # no expansion round
             return [root, first], front, None
@@ -268,15 +239,14 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         """Round ``r``'s ``K·K`` candidates from the frontier's drafter ``logits`` [R, K, V]: frontier node
         ``j``'s child of rank ``c`` at ``j·K + c``."""
         plan = front.plan
-        kid_s, kid_tok = self._top_children(ctx, logits, size, plan.index)  # [B, K, K]
+        kid_logq, kid_tok = self._top_children(ctx, logits, size)  # [B, K, K]
         tokens = kid_tok.flatten(1)
-        # float64 + float32 adds in float64: the float32 −log q widened exactly, as ``.double()`` would.
-        scores = (
-            torch.add(front.score[:, :, None], kid_s)
-            .flatten(1)
-            .masked_fill(plan.invalid[:, r - 1], float("inf"))
-        )
-        return Layer(tokens, scores, front.node, plan.valid[:, r - 1])
+        # float64 − float32 subtracts in float64: the float32 log q widened exactly, as ``.double()`` would
+        # (the same as adding −log q: negation is exact).
+        inf = shared_full(float("inf"), logits.device, torch.float64)
+        valid = plan.valid[:, r - 1]
+        scores = torch.where(valid, torch.sub(front.score[:, :, None], kid_logq).flatten(1), inf)
+        return Layer(tokens, scores, front.node, valid)
 
     @step_kernel
     def _expand(
@@ -367,7 +337,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     def _depths(nodes: torch.Tensor, width: int) -> torch.Tensor:
         """The depth of flat node indices ``nodes`` [..., n] whose first is the root (node 0): nodes
         1 .. K are depth 1, then each round's K·K candidates one deeper (K = ``width``)."""
-        depths = (nodes + (width * width - 1 - width)).div(width * width, rounding_mode="floor") + 1
+        depths = (nodes + (2 * width * width - 1 - width)).div(width * width, rounding_mode="floor")
         # the root (elsewhere node 0 is padding, whose depth the caller sets); a fill: the assignment
         # ``depths[..., 0] = 0`` copied a host scalar, which an H100's graph capture refused
         depths.select(-1, 0).fill_(0)
