@@ -28,7 +28,7 @@ from vdtrain.preflight import check_decoding
 OmegaConf.register_new_resolver("presets_except", presets_except, replace=True)  # conf/eval/default.yaml
 
 if TYPE_CHECKING:
-    from vdtrain.drafter import Drafter
+    from vdtrain.drafters.base import Drafter
     from vdtrain.eval.runner import EvalResult
     from vdtrain.sharding import Ranks
     from vdtrain.targets import Target
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 def load_drafter(source: str | os.PathLike[str], target: Target) -> Drafter:
     """A drafter from an export folder, a ``.ckpt`` or a Hub repo id; relative paths are tried from the
     working directory, then the repository root."""
-    from vdtrain.drafter import Drafter
+    from vdtrain.drafters.base import Drafter
     from vdtrain.targets.shapes import resolve_folder
 
     path = resolve_folder(source)

@@ -105,7 +105,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     from vdtrain.decode.compiled import prepare_decoding
     from vdtrain.decode.methods import build_method, decode_config
     from vdtrain.decode.metrics import summarize
-    from vdtrain.drafter import Drafter
+    from vdtrain.drafters.base import Drafter
     from vdtrain.eval.quality import quality_scorer
     from vdtrain.eval.runner import synchronize
     from vdtrain.images import save_png, tensor_to_images
