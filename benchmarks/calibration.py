@@ -28,9 +28,9 @@ from vdtrain.devices import pick_device
 from vdtrain.eval.regime import confidence_on
 from vdtrain.eval.runner import evaluate
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
-from vdtrain.evaluate import load_drafter
 from vdtrain.prompts import shapes_heldout_captions, shapes_validation_captions
 from vdtrain.sharding import Ranks, UnitStore
+from vdtrain.target_settings import load_drafter, world_knobs
 from vdtrain.targets.registry import load_target
 
 METHODS = ["eagle1", "eagle2", "lantern", "lantern_pp", "lantern_pp_lam3", "sjd", "gsd", "vvs"]
@@ -167,7 +167,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     config = OmegaConf.to_container(OmegaConf.load(args.target))
     decode_overrides = OmegaConf.to_container(
-        OmegaConf.merge(config.get("decode") or {}, OmegaConf.from_dotlist(args.decode))
+        OmegaConf.merge(world_knobs(config), OmegaConf.from_dotlist(args.decode))
     )
     config["decode"] = decode_overrides
     target = load_target(config, pick_device(args.device))

@@ -1,6 +1,7 @@
 """Speculative decoding vs AR, side by side: same prompts, seeds, process and device.
 
     python benchmarks/decode.py                                   # shipped shapes target + drafter, CPU
+    python benchmarks/decode.py --target grain --methods eagle2 lantern   # the grain world, its own knobs
     python benchmarks/decode.py --prompts 100 --methods eagle1 eagle2 --temperatures 0 1
     python benchmarks/decode.py --device cuda --batch-size 1 --out docs/decode_benchmark.json
 
@@ -21,18 +22,23 @@ import torch
 
 from vdtrain.eval.runner import device_description, evaluate
 from vdtrain.eval.table import to_json, to_markdown
-from vdtrain.evaluate import load_drafter
+from vdtrain.paths import CONF_DIR
 from vdtrain.prompts import prompts_for_run
-from vdtrain.targets import load_target_folder
+from vdtrain.target_settings import load_drafter, target_config, world_knobs
+from vdtrain.targets import load_target
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--target", default=None, help="target folder (default: the shipped shapes target)")
     parser.add_argument(
-        "--drafter", default="checkpoints/shapes/drafter", help="drafter folder, .ckpt or Hub id"
+        "--target",
+        default="shapes",
+        help="a conf/target name (its knobs and drafter apply) or a target folder",
+    )
+    parser.add_argument(
+        "--drafter", default=None, help="drafter folder, .ckpt or Hub id (default: the target config's)"
     )
     parser.add_argument("--methods", nargs="+", default=["eagle1", "eagle2"], help="presets in conf/decode")
     parser.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 1.0])
@@ -49,15 +55,21 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target_folder(args.target, torch.device(args.device))
+    is_config = (CONF_DIR / "target" / f"{args.target}.yaml").is_file()
+    config = target_config(args.target) if is_config else {"kind": "folder", "folder": args.target}
+    target = load_target(config, torch.device(args.device))
+    drafter = args.drafter or config.get("drafter")
+    if drafter is None:
+        parser.error(f"--target {args.target} names no drafter of its own: give --drafter")
     result = evaluate(
         target,
-        load_drafter(args.drafter, target),  # drafter-free methods (SJD, GSD) ignore it
+        load_drafter(drafter, target, config.get("drafter")),  # drafter-free methods (SJD, GSD) ignore it
         prompts_for_run(args.prompt_file, args.prompts),
         args.methods,
         args.temperatures,
         seed=args.seed,
         batch_size=args.batch_size,
+        decode_overrides=world_knobs(config),
     )
     device = target.token_embedding.weight.device
     print(f"\n{len(result.prompts)} prompts, batch {args.batch_size}, {device_description(device)}, ", end="")

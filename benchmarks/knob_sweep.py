@@ -25,8 +25,8 @@ from vdtrain.decode.builders.base import GPU_MAX_ROWS
 from vdtrain.decode.methods import load_preset
 from vdtrain.eval.runner import evaluate
 from vdtrain.eval.table import EvalRow, write_tables
-from vdtrain.evaluate import load_drafter
 from vdtrain.prompts import shapes_validation_captions
+from vdtrain.target_settings import load_drafter, world_knobs
 from vdtrain.targets.registry import load_target
 
 
@@ -65,7 +65,7 @@ def main() -> None:
         cfg["grid"] = {p: keys for p, keys in cfg["grid"].items() if p in args.presets.split(",")}
     torch.set_num_threads(cfg["threads"])
     target_cfg = OmegaConf.to_container(OmegaConf.load(cfg["target"]))
-    knobs = target_cfg.get("decode") or {}
+    knobs = world_knobs(target_cfg)
     target = load_target(target_cfg)
     trials = [
         Trial(preset, key, value)

@@ -41,10 +41,8 @@ from itertools import pairwise
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from benchmarks.step_cost_guard import check as check_references
-from vdtrain.cli import CONF_DIR
 from vdtrain.decode.compiled import DecodeOptions, cuda_graph_recorder, prepare_decoding
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import build_method, load_preset, preset_names
@@ -53,12 +51,12 @@ from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters.base import Drafter, DrafterConfig
 from vdtrain.eval.papers import projected_speedup
 from vdtrain.eval.runner import device_description
-from vdtrain.evaluate import load_drafter
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
 from vdtrain.models.chameleon_vqgan import ChameleonVQConfig, ChameleonVQGAN
 from vdtrain.models.llamagen_gpt import GPT_PRESETS, GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.prompts import shapes_heldout_captions
+from vdtrain.target_settings import load_drafter, target_config, world_knobs
 from vdtrain.targets import cast_for_inference, load_target_folder
 from vdtrain.targets.base import Condition, Target
 from vdtrain.targets.chameleon import (
@@ -299,12 +297,10 @@ class StepClock:
         return (out[0] if out else None), out[1:]
 
 
-def world_knobs(name: str) -> dict:
-    """An embedded world's own decoding knobs (``decode`` in conf/target/<name>.yaml), as evaluate uses
-    them; none for the random targets."""
-    if name not in EMBEDDED:
-        return {}
-    return OmegaConf.to_container(OmegaConf.load(CONF_DIR / "target" / f"{name}.yaml").get("decode") or {})
+def embedded_knobs(name: str) -> dict:
+    """An embedded world's own decoding knobs (``decode`` in conf/target/<name>.yaml), as every app uses
+    them (``vdtrain.target_settings``); none for the random targets."""
+    return world_knobs(target_config(name)) if name in EMBEDDED else {}
 
 
 def time_method(
@@ -318,7 +314,7 @@ def time_method(
     knobs: dict | None = None,
 ) -> dict[str, float]:
     """Per verified step: seconds, phases, forwards (NaN for recorded steps); S and whole-decode
-    seconds. ``knobs``: the target's own settings per preset (``world_knobs``)."""
+    seconds. ``knobs``: the target's own settings per preset (``embedded_knobs``)."""
     config = load_preset(preset, (knobs or {}).get(preset))
     method = build_method(config, target, drafter, sampling, options)
     t0 = _now(target.device)
@@ -397,7 +393,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
     modes = args.modes or default_modes(device, args.compile)
     for name in args.targets:
         target = drafter = None
-        knobs = world_knobs(name)
+        knobs = embedded_knobs(name)
         for mode in modes:
             if target is None or mode in ("compiled", "graphs"):
                 del target, drafter

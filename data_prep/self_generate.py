@@ -26,9 +26,9 @@ from vdtrain.cli import user_errors
 from vdtrain.data.prepare import prepare_self_generate
 from vdtrain.decode.compiled import prepare_decoding
 from vdtrain.decode.methods import load_preset
-from vdtrain.evaluate import load_drafter
 from vdtrain.generate import sampling_config
 from vdtrain.sharding import Ranks, decoding_processes, ranks_from_env
+from vdtrain.target_settings import load_drafter, world_knobs
 from vdtrain.targets import target_for_run
 
 
@@ -38,7 +38,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 def run_on(cfg: DictConfig, ranks: Ranks) -> dict:
-    method = load_preset(cfg.method, (cfg.target.get("decode") or {}).get(cfg.method))
+    method = load_preset(cfg.method, world_knobs(cfg.target).get(cfg.method))
     if not method.exact:  # before loading any model
         raise ValueError(
             f"method={cfg.method} is relaxed (not exact): its samples would not follow the target's "
@@ -51,7 +51,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict:
             raise ValueError(
                 f"method={cfg.method} needs a drafter: set drafter=<export folder, .ckpt or Hub id>"
             )
-        drafter = load_drafter(cfg.drafter, target)
+        drafter = load_drafter(cfg.drafter, target, cfg.target.get("drafter"))
     speculative = method.tree.kind != "none"
     manifest = prepare_self_generate(
         target,

@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from vdtrain.decode.builders.base import StepOutcome
+from vdtrain.decode.methods import register_part_schemas
 from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.schedule import StepPlan
@@ -22,6 +23,8 @@ from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.shapes.build import write_target_folder
 from vdtrain.targets.base import Condition, Target
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+
+register_part_schemas()  # conf/generate.yaml's method presets name their parts' config classes
 
 TINY_GPT = GPTConfig(
     dim=32,

@@ -1,11 +1,12 @@
 """The bad-input table (issue 37; docs/bad_input.md): each case runs as a user would, in a subprocess, and
-ends with one ``<app>: error:`` line, exit status 2, no traceback, within 5 s (checked before torch or
-Lightning load, and before Hydra makes an output folder)."""
+ends with one ``<app>: error:`` line, exit status 2, no traceback, before torch or Lightning is imported
+(``python -X importtime`` lists every module the process imported) and before Hydra makes an output
+folder. What that costs in seconds is the table's, measured, not a limit here."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from test_fit import run_cli
 from vdtrain.cli import LAZY_USER_ERRORS, is_user_error, one_line
 from vdtrain.devices import torch_built_with_cuda
 
-SECONDS = 5.0
+HEAVY = ("torch", "lightning")  # what a mistake must be reported before
 NO_CUDA = pytest.mark.skipif(torch_built_with_cuda(), reason="this torch has CUDA: the case is no error")
 # (app, arguments, a part of the message); {tmp} is the test's folder, the working directory.
 CASES = [
@@ -29,13 +30,46 @@ CASES = [
     ("vdtrain.generate", ["num_prompts=0"], "num_prompts must be at least 1, got 0"),
     pytest.param("vdtrain.generate", ["device=cuda"], "device='cuda', but this torch", marks=NO_CUDA),
     ("vdtrain.generate", ["out_dir={tmp}/a_file/x"], "a_file' is a file"),
-    ("vdtrain.generate", ["method=nope"], "Available options in 'decode': ar, eagle1"),
+    ("vdtrain.generate", ["method=nope"], "unknown method 'nope' (method=); known: ar, eagle1"),
     ("vdtrain.generate", ["target=nope"], "Could not find 'target/nope'"),
     ("vdtrain.generate", ["prompts={tmp}/links.csv"], "among the columns ['id', 'url']; name the one"),
     ("vdtrain.evaluate", ["methods=[nope]"], "unknown method preset 'nope'"),
     ("vdtrain.evaluate", ["batch_size=0"], "batch_size must be at least 1, got 0"),
     ("vdtrain.export", ["source=/nonexistent"], "source='/nonexistent' does not exist"),
+    # issue 50: tracebacks, late checks and misleading messages a new user met
+    ("vdtrain.evaluate", ["num_prompts=abc"], "num_prompts must be a whole number, got 'abc'"),
+    ("vdtrain.generate", ["num_prompts=abc"], "num_prompts must be a whole number, got 'abc'"),
+    (
+        "vdtrain.generate",
+        ["out_dir=/proc/x"],
+        "out_dir='/proc/x' cannot be made: no folder can be made in '/proc'",
+    ),
+    (
+        "vdtrain.evaluate",
+        ["out_dir=/proc/x"],
+        "out_dir='/proc/x' cannot be made: no folder can be made in '/proc'",
+    ),
+    ("vdtrain.fit", ["eval.methods=[nope]"], "unknown method preset 'nope' in eval.methods="),
+    ("vdtrain.fit", ["resume=last", "optim.lr=-1"], "optim.lr must be at least 0, got -1.0"),
+    ("vdtrain.fit", ["target.folder=/typo"], "target.folder='/typo': there is no folder '/typo'"),
+    ("vdtrain.evaluate", ["methods=eagle2x"], "unknown method preset 'eagle2x' in methods="),
+    ("vdtrain.export", ["source=docs"], "source='docs': no drafter here"),
 ]
+
+
+def run_listing_imports(
+    args: list[str], cwd: Path, **kwargs
+) -> tuple[subprocess.CompletedProcess, list[str], set[str]]:
+    """``python -X importtime <args>``: the process, its stderr without the import lines, and the top-level
+    packages it imported."""
+    done = run_cli([sys.executable, "-X", "importtime", *args], cwd, **kwargs)
+    lines, packages = [], set()
+    for line in done.stderr.splitlines():
+        if line.startswith("import time:"):
+            packages.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+        else:
+            lines.append(line)
+    return done, lines, packages
 
 
 def _inputs(tmp: Path) -> None:
@@ -44,18 +78,22 @@ def _inputs(tmp: Path) -> None:
 
 
 @pytest.mark.parametrize(("app", "args", "message"), CASES)
-def test_bad_input_is_one_line_status_2_and_fast(app, args, message, tmp_path):
+def test_bad_input_is_one_line_status_2_before_torch_or_lightning(app, args, message, tmp_path):
     _inputs(tmp_path)
     args = [a.format(tmp=tmp_path) for a in args]
     before = sorted(tmp_path.iterdir())
-    started = time.monotonic()
-    done = run_cli([sys.executable, "-m", app, *args], tmp_path)
-    seconds = time.monotonic() - started
+    done, lines, imported = run_listing_imports(["-m", app, *args], tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
-    (line,) = done.stderr.splitlines()  # one line, nothing else
-    assert line.startswith(f"{app}: error: ") and message in line, done.stderr[-2000:]
+    (line,) = lines  # one line, nothing else
+    assert line.startswith(f"{app}: error: ") and message in line, line
     assert sorted(tmp_path.iterdir()) == before  # no output or run folder left behind
-    assert seconds <= SECONDS, f"{seconds:.1f} s to the error"
+    assert not imported & set(HEAVY), f"{sorted(imported & set(HEAVY))} imported before the error"
+
+
+def test_the_import_listing_sees_torch_where_it_is_imported(tmp_path):
+    """The check above can fail: a process that imports torch is seen to."""
+    _, _, imported = run_listing_imports(["-c", "import torch"], tmp_path)
+    assert "torch" in imported
 
 
 def test_a_failure_after_loading_leaves_no_empty_output_folder(tmp_path):
@@ -82,3 +120,28 @@ def test_lightnings_configuration_errors_are_user_errors():
     assert "lightning.fabric.utilities.exceptions" in LAZY_USER_ERRORS
     assert is_user_error(MisconfigurationException("`max_steps` must be a non-negative integer"))
     assert not is_user_error(RuntimeError("a bug"))
+
+
+def test_one_method_name_is_a_one_item_list(tmp_path):
+    """``evaluate methods=eagle2`` was read letter by letter ('e', 'a', 'g', ...)."""
+    from hydra import compose, initialize_config_dir
+
+    from vdtrain.cli import CONF_DIR
+    from vdtrain.config import register_configs
+    from vdtrain.preflight import check_decoding
+
+    register_configs()
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose("evaluate", ["methods=eagle2", "temperatures=1", f"out_dir={tmp_path}"])
+    check_decoding(cfg)
+    from vdtrain.config import as_list  # what evaluate reads the two settings with
+
+    assert as_list(cfg.methods) == ["eagle2"] and as_list(cfg.temperatures) == [1]
+
+
+def test_a_prompt_file_shorter_than_num_prompts_is_used_with_a_note(tmp_path, caplog):
+    from vdtrain.prompts import prompts_for_run
+
+    (tmp_path / "two.txt").write_text("a red circle\na blue square\n")
+    assert prompts_for_run(tmp_path / "two.txt", 8) == ["a red circle", "a blue square"]
+    assert "holds 2 captions, num_prompts=8 asked for more: using those 2" in caplog.text

@@ -6,7 +6,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from benchmarks.calibration import METHODS, method_list
-from benchmarks.step_cost import world_knobs
+from benchmarks.step_cost import embedded_knobs
 from vdtrain.cli import CONF_DIR
 
 
@@ -25,5 +25,5 @@ def test_the_calibration_keeps_whole_trees_and_the_worlds_knobs():
 
 def test_step_cost_reads_an_embedded_worlds_knobs():
     grain = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "target" / "grain.yaml"))["decode"]
-    assert world_knobs("grain") == grain and grain
-    assert world_knobs("llamagen-xl") == {}
+    assert embedded_knobs("grain") == grain and grain
+    assert embedded_knobs("llamagen-xl") == {}

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 CASES = {
-    "vdtrain.fit": (["target.folder=/nonexistent"], "no target at '/nonexistent'"),
+    "vdtrain.fit": (["target.folder=/nonexistent"], "there is no folder '/nonexistent'"),
     "vdtrain.generate": (["num_prompts=0"], "num_prompts must be at least 1, got 0"),
     "vdtrain.evaluate": (["methods=[nope]"], "unknown method preset 'nope'"),
     "vdtrain.export": (["source=/nonexistent"], "source='/nonexistent' does not exist"),
@@ -34,6 +34,44 @@ def test_a_user_error_is_one_line_and_status_2(app, tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def test_debug_keeps_the_traceback(tmp_path):
-    done = _run("vdtrain.generate", ["num_prompts=0", "debug=true"], tmp_path)
+@pytest.mark.parametrize("spelling", ["debug=true", "debug=True"])
+def test_debug_keeps_the_traceback(tmp_path, spelling):
+    done = _run("vdtrain.generate", ["num_prompts=0", spelling], tmp_path)
     assert done.returncode == 1 and "ValueError: num_prompts must be at least 1" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("app", "kept"),
+    [
+        (
+            "vdtrain.evaluate",
+            "the finished methods are kept in out/units: the same command goes on from them",
+        ),
+        (
+            "vdtrain.generate",
+            "the finished batches are kept in out/units: the same command goes on from them",
+        ),
+    ],
+)
+def test_ctrl_c_is_one_line_saying_what_is_kept_and_status_130(app, kept, monkeypatch, capsys):
+    """Not an 80-line traceback: evaluate and generate keep every finished batch, and the same command
+    resumes from them."""
+    import importlib
+
+    from omegaconf import OmegaConf
+
+    module = importlib.import_module(app)
+
+    def stopped(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(module, "run", stopped)
+    try:
+        module._main.__wrapped__(OmegaConf.create({"out_dir": "out", "debug": False}))
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C went through as a traceback")
+    except SystemExit as exit_:
+        assert exit_.code == 130
+    else:
+        pytest.fail("no exit")
+    assert capsys.readouterr().err == f"{app}: interrupted (Ctrl-C); {kept}\n"

@@ -142,8 +142,12 @@ def test_sample_grids_go_to_image_loggers():
     assert calls == [("tb", "eval/samples", (4, 6, 3), 7, "HWC"), ("wandb", "eval/samples", (4, 6, 3), 7)]
 
 
-def test_ar_is_decoded_once_across_evaluations(monkeypatch):
-    """The target is frozen: later evaluations reuse AR's first decode (tokens, images, time)."""
+def test_each_evaluation_measures_its_speedup_against_its_own_ar(monkeypatch):
+    """The machine's load changes between epochs (a run read S 3.3 as 0.61x, 3.31x and 0.31x against the
+    first epoch's AR): every evaluation decodes and times AR again. A fake clock makes AR take 10 s in
+    the first round and 100 s in the second. The acceptance report's extra temperature (T = 1) reads only
+    AR's tokens: the first round's are reused."""
+    import time
     from types import SimpleNamespace
 
     from conftest import random_drafter, random_gpt, random_vq
@@ -151,25 +155,49 @@ def test_ar_is_decoded_once_across_evaluations(monkeypatch):
 
     from vdtrain.decode import ar
     from vdtrain.decode.sampling import SamplingConfig
-    from vdtrain.eval.runner import evaluate
+    from vdtrain.eval import runner
     from vdtrain.prompts import shapes_heldout_captions
     from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
     target = LlamaGenTarget(
         random_gpt(), VQTokenizer(random_vq(), 8), hashed_captions, "tiny", SamplingConfig(cfg_scale=2.0)
     )
-    drafter = random_drafter(target)
-    calls = []
-    generate = ar.ARDecoder.generate
-    monkeypatch.setattr(ar.ARDecoder, "generate", lambda *a, **k: calls.append(1) or generate(*a, **k))
-    runs: dict = {}
-    prompts = shapes_heldout_captions(2)
-    first = evaluate(target, drafter, prompts, ["eagle2"], [0], progress=False, ar_runs=runs, warmup=False)
-    again = evaluate(target, drafter, prompts, ["eagle2"], [0], progress=False, ar_runs=runs, warmup=False)
-    assert len(calls) == 1 and list(runs) == [(0.0, 0)]  # AR's units by (temperature, first prompt)
-    assert first.rows[0] == again.rows[0] and again.rows[1].identical_to_ar
+    module = SimpleNamespace(target=target, drafter=random_drafter(target), training=True)
+    module.eval, module.train = (lambda: None), (lambda mode: None)
+    clock = {"now": 0.0, "ar": 0.0}
 
-    callback = EvalAfterEpoch(EvalCallbackConfig(), "unused", prompts)
+    def perf_counter() -> float:  # one second between reads, AR's decode adds its own
+        clock["now"] += 1.0
+        return clock["now"]
+
+    generate = ar.ARDecoder.generate
+
+    def timed_ar(*args, **kwargs):
+        clock["now"] += clock["ar"]
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "time", SimpleNamespace(perf_counter=perf_counter, monotonic=time.monotonic))
+    monkeypatch.setattr(ar.ARDecoder, "generate", timed_ar)
+    callback = EvalAfterEpoch(
+        EvalCallbackConfig(num_prompts=2, batch_size=2), "unused", shapes_heldout_captions(2)
+    )
+    ar_seconds, sampled = [], []
+    for clock["ar"] in (10.0, 100.0):
+        result, reports = callback._evaluate(module)
+        ar_row, eagle2 = result.rows
+        assert (ar_row.method, eagle2.method) == ("ar", "eagle2") and eagle2.identical_to_ar
+        assert eagle2.ar_seconds == ar_row.method_seconds
+        ar_seconds.append(ar_row.method_seconds)
+        sampled.append(callback.ar_runs[1.0, 0])
+        assert [r.temperature for r in reports] == [0.0, 1.0]
+    assert ar_seconds == [11.0, 101.0]
+    assert sampled[0] is sampled[1]
+
+
+def test_an_evaluation_just_before_the_final_one_is_skipped():
+    from types import SimpleNamespace
+
+    callback = EvalAfterEpoch(EvalCallbackConfig(), "unused", ["a caption"])
     trainer = SimpleNamespace(max_steps=400, num_training_batches=128, accumulate_grad_batches=1)
     near = [
         s

@@ -155,6 +155,13 @@ def test_fit_cli_writes_checkpoints_logs_summary_and_drafter(tiny_folder, tmp_pa
     for name, value in drafter.state_dict().items():
         torch.testing.assert_close(value, ckpt["state_dict"][f"drafter.{name}"], rtol=0, atol=0)
     assert Drafter.read_metadata(run / "drafter")["fit"]["steps"] == 4
+    # Resuming the finished run says so and changes nothing: no training, no record, the summary kept.
+    record = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    again = run_cli([sys.executable, "-m", "vdtrain.fit", "resume=last", f"hydra.run.dir={run}"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"the run '{run}' is finished (4 steps, trainer.max_steps=4" in again.stdout
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == record
+    assert not (run / "resumes").exists()
 
 
 def test_run_dir_must_be_given_outside_hydra_and_resolves_when_given(tiny_folder, tmp_path):
@@ -395,8 +402,10 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_folder, tmp_path):
         torch.testing.assert_close(acc_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
     acc = load_file(tmp_path / "acc" / "drafter" / "model.safetensors")
     big = load_file(tmp_path / "big" / "drafter" / "model.safetensors")
+    # AdamW's first step moves a weight by lr·g/(|g| + eps): where |g| is near eps (1e-8) a rounding-level
+    # difference of g moves it by a visible share of lr (1.9e-6 of 1e-3 for one fc weight on this machine)
     for name, value in big.items():
-        torch.testing.assert_close(acc[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(acc[name], value, rtol=1e-5, atol=1e-5, msg=name)
     for run in ("acc", "big"):
         assert read_ckpt(tmp_path / run / "checkpoints" / "last.ckpt")["global_step"] == 1
 
@@ -585,6 +594,30 @@ def test_every_rank_of_a_launch_resolves_the_same_run_folder(monkeypatch):
     with pytest.raises(Exception, match="plain folder name"):
         hydra_run_dir(monkeypatch, VDTRAIN_RUN_NAME="../elsewhere")
     assert re.fullmatch(rf"{runs}/\d{{4}}-\d\d-\d\d_\d\d-\d\d-\d\d", hydra_run_dir(monkeypatch))
+
+
+def test_a_launch_named_by_the_time_is_one_folder(monkeypatch):
+    """``generate`` and ``evaluate`` resolve ``${run_name:}`` twice (Hydra's folder, then ``out_dir``):
+    a second apart, that made two folders per launch. The time is read once per process."""
+    from datetime import datetime
+
+    from vdtrain import config
+
+    for name in (*LAUNCH_ENV, "TORCHELASTIC_RUN_ID", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    clock = iter([datetime(2026, 1, 1, 12, 0, 0), datetime(2026, 1, 1, 12, 0, 1)])
+
+    class Clock(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return next(clock)
+
+    monkeypatch.setattr(config, "datetime", Clock)
+    config.launch_time.cache_clear()
+    try:
+        assert config.run_name() == config.run_name() == "2026-01-01_12-00-00"
+    finally:
+        config.launch_time.cache_clear()
 
 
 # --- 7. strategies -------------------------------------------------------------------------------------

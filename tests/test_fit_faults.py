@@ -16,7 +16,7 @@ import torch
 from test_fit import CONF, SMALL, fit_config, read_ckpt, sub_env
 
 from vdtrain.fit import PREEMPTED_EXIT_CODE, fit
-from vdtrain.train.checkpointing import NonFiniteWeightsError, Preempted
+from vdtrain.train.checkpointing import Interrupted, NonFiniteWeightsError, Preempted
 from vdtrain.train.module import NonFiniteLossError
 
 
@@ -78,6 +78,36 @@ def test_sigterm_saves_the_step_reached_and_raises(tiny_folder, tmp_path):
     assert str(run / "checkpoints" / "last.ckpt") in str(caught.value)
     ckpt = read_ckpt(run / "checkpoints" / "last.ckpt")
     assert ckpt["global_step"] == 3 and ckpt["DrafterDataModule"] == {"consumed": 6}
+
+
+class SigintAt(L.Callback):
+    """Ctrl-C at one step, ``presses`` times."""
+
+    def __init__(self, step: int, presses: int = 1) -> None:
+        self.step, self.presses = step, presses
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            for _ in range(self.presses):
+                signal.raise_signal(signal.SIGINT)
+
+
+def test_ctrl_c_saves_the_step_reached_as_sigterm_does(tiny_folder, tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(Interrupted, match="stopped by Ctrl-C at step 3") as caught:
+        fit(fit_config(tiny_folder, run, *RUN), callbacks=[SigintAt(2)])  # stops after step 3's batch
+    assert str(run / "checkpoints" / "last.ckpt") in str(caught.value)
+    assert f"resume=last hydra.run.dir='{run}'" in str(caught.value)
+    ckpt = read_ckpt(run / "checkpoints" / "last.ckpt")
+    assert ckpt["global_step"] == 3 and ckpt["DrafterDataModule"] == {"consumed": 6}
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is given back
+
+
+def test_a_second_ctrl_c_stops_at_once(tiny_folder, tmp_path):
+    run = tmp_path / "run"
+    with pytest.raises(Interrupted, match="stopped at once by Ctrl-C at step 2; no checkpoint"):
+        fit(fit_config(tiny_folder, run, *RUN), callbacks=[SigintAt(2, presses=2)])
+    assert not (run / "checkpoints" / "last.ckpt").exists()
 
 
 @pytest.mark.slow

@@ -181,3 +181,71 @@ def test_no_prompts_is_refused_before_the_target_loads(count, tmp_path, monkeypa
     with pytest.raises(ValueError, match=f"num_prompts must be at least 1, got {count}"):
         run(_config(tmp_path / "no_target", tmp_path / "run", f"num_prompts={count}"))
     assert not (tmp_path / "run").exists()
+
+
+class _Stop(Exception):
+    """Ends a generate run once its method is decided: the test reads that, not the images."""
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "value"),
+    [
+        (["method=eagle2"], "tree.total_tokens", 90),  # the preset's default is 59
+        (["method=lantern"], "acceptance.delta", 0.2),  # the preset's default is 0.1
+        (["method=eagle2", "decode.tree.total_tokens=59"], "tree.total_tokens", 59),  # the command line's
+        (["method=lantern", "decode.acceptance.k=5"], "acceptance.delta", 0.2),  # another key given
+    ],
+)
+def test_generate_decodes_a_world_with_its_own_knobs_and_drafter(
+    overrides, key, value, monkeypatch, tmp_path
+):
+    """conf/target/grain.yaml's knobs applied in evaluate only: generate used a 59-node tree and delta 0.1."""
+    from omegaconf import OmegaConf
+
+    from vdtrain.decode import methods
+
+    decided, typed = [], methods.decode_config
+
+    def decide(node):
+        decided.append(typed(node))
+        raise _Stop
+
+    monkeypatch.setattr(methods, "decode_config", decide)
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose(
+            "generate",
+            overrides=["target=grain", f"out_dir={tmp_path}", *method_alias(overrides)],
+            return_hydra_config=True,
+        )
+    with pytest.raises(_Stop):
+        run(cfg)
+    assert OmegaConf.select(OmegaConf.structured(decided[0]), key) == value
+    assert cfg.drafter == "checkpoints/grain/drafter"  # the world's own, not the shapes drafter
+
+
+def test_a_drafter_of_another_target_is_refused_naming_the_targets_own(tiny_folder, tiny_target, tmp_path):
+    from conftest import random_drafter
+
+    from vdtrain.target_settings import load_drafter
+
+    target = load_target_folder(tiny_folder)
+    random_drafter(tiny_target).save_pretrained(tmp_path / "other")
+    with pytest.raises(
+        ValueError, match=r"does not match .*; this target's own drafter is drafter=ckpts/own"
+    ):
+        load_drafter(tmp_path / "other", target, "ckpts/own")
+
+
+def test_the_grid_shows_every_line_of_a_long_caption():
+    """Captions were cut after four lines; a COCO caption of 300 characters wraps to about 15."""
+    import textwrap
+
+    import numpy as np
+
+    from vdtrain.images import captioned_grid
+
+    caption = " ".join(["a red circle above a small blue square on a grey floor"] * 6)
+    lines = textwrap.wrap(caption, 21)  # the width a 64-px image at scale 2 wraps at
+    grid = np.asarray(captioned_grid([np.full((64, 64, 3), 255, np.uint8)], [caption]).convert("L"))
+    below = grid[128 + 2 + 12 * (len(lines) - 1) :, :128]  # where the last line is drawn
+    assert len(lines) > 4 and (below < 128).any()

@@ -21,7 +21,6 @@ from hydra import compose, initialize_config_dir
 from test_fit import CONF, REPO, fit_config, free_port, sub_env
 
 from vdtrain.data.shards import read_shards
-from vdtrain.decode.methods import register_part_schemas
 from vdtrain.prompts import shapes_heldout_captions
 
 pytestmark = pytest.mark.slow
@@ -78,7 +77,6 @@ def torchrun(cwd: Path, *args: str, timeout: float = 400) -> subprocess.Complete
 
 
 def compose_app(name: str, *overrides: str):
-    register_part_schemas()  # generate's decode presets name them
     with initialize_config_dir(str(CONF), version_base=None):
         return compose(name, overrides=list(overrides))
 

@@ -27,8 +27,10 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from vdtrain.paths import CONF_DIR
+
 USER_ERROR_EXIT = 2
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, what a shell reports for a process Ctrl-C ended
 # When the app started: an output folder whose every entry is newer was made by this launch.
 LAUNCHED = time.time()
 # Errors raised for what a user gave: values, files, checkpoints, shards, packages, config types.
@@ -52,6 +54,11 @@ LAZY_USER_ERRORS = {
 
 R = TypeVar("R")
 log = logging.getLogger(__name__)
+
+
+class NothingToDo(Exception):
+    """What a command asked for is already done (a resume of a finished run): its message is printed
+    and the app exits 0, changing nothing."""
 
 
 def is_user_error(err: BaseException) -> bool:
@@ -83,7 +90,11 @@ def one_line(err: BaseException) -> str:
 
 
 def debug_requested(args: list[str]) -> bool:
-    return os.environ.get("HYDRA_FULL_ERROR") == "1" or "debug=true" in args
+    """``HYDRA_FULL_ERROR=1``, or ``debug=`` given a value OmegaConf reads as true (True, TRUE, yes, on)."""
+    values = [a.split("=", 1)[1] for a in args if a.lstrip("+").startswith("debug=")]
+    return os.environ.get("HYDRA_FULL_ERROR") == "1" or any(
+        v.strip().lower() in ("true", "yes", "on", "1") for v in values
+    )
 
 
 def fail(app: str, err: BaseException) -> None:
@@ -91,34 +102,67 @@ def fail(app: str, err: BaseException) -> None:
     sys.exit(USER_ERROR_EXIT)
 
 
+def interrupted(app: str, what_is_kept: str) -> None:
+    """Ctrl-C: one line saying what is kept and how to go on, not a traceback; exit status 130."""
+    print(f"{app}: interrupted (Ctrl-C); {what_is_kept}", file=sys.stderr)
+    sys.exit(INTERRUPTED_EXIT)
+
+
 def run_app(
-    app: str, config_name: str, entry: Callable[[], object], check: Callable[[DictConfig], None]
+    app: str,
+    config_name: str,
+    entry: Callable[[], object],
+    check: Callable[[DictConfig], None],
+    *,
+    light: Callable[[list[str]], list[str]] | None = None,
+    prepare: Callable[[], None] | None = None,
 ) -> None:
     """Compose ``conf/<config_name>.yaml`` with the command line's overrides, ``check`` it (cheap checks
     only: no model, no heavy import), then run the ``@hydra.main`` ``entry``. Hydra's own flags (``--help``,
     ``-m``, ``--cfg``) go straight to Hydra. Configs may name their output folder by ``${run_name:}``: one
-    for every rank of a launch."""
+    for every rank of a launch.
+
+    An app whose full configuration needs heavy imports (generate's decode parts) gives ``light``, the
+    overrides the cheap composition uses instead of the command line's (it may refuse them too), and
+    ``prepare``, which makes the full composition possible; that is then composed once more before
+    ``entry``, so its mistakes end as one line too."""
     from vdtrain.config import register_configs
 
     register_configs()
     args = sys.argv[1:]
-    if not any(a.startswith("-") for a in args):
-        from hydra import compose, initialize_config_dir
+    if any(a.startswith("-") for a in args):
+        if prepare is not None:
+            prepare()
+        entry()
+        return
+    from hydra import compose, initialize_config_dir
 
-        try:
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            cfg = compose(config_name, overrides=light(args) if light else args, return_hydra_config=True)
+        check(cfg)
+        if prepare is not None:
+            prepare()
             with initialize_config_dir(str(CONF_DIR), version_base=None):
-                cfg = compose(config_name, overrides=args, return_hydra_config=True)
-            check(cfg)
-        except Exception as err:
-            if not is_user_error(err) or debug_requested(args):
-                raise
-            fail(app, err)
+                compose(config_name, overrides=args)
+    except KeyboardInterrupt:
+        interrupted(app, "nothing was started")
+    except NothingToDo as done:
+        print(f"{app}: {done}")
+        sys.exit(0)
+    except Exception as err:
+        if not is_user_error(err) or debug_requested(args):
+            raise
+        fail(app, err)
     entry()
 
 
-def user_errors(app: str) -> Callable[[Callable[[DictConfig], R]], Callable[[DictConfig], R]]:
+def user_errors(
+    app: str, kept: Callable[[DictConfig], str] | None = None
+) -> Callable[[Callable[[DictConfig], R]], Callable[[DictConfig], R]]:
     """Decorate a Hydra task function (under ``@hydra.main``): a user error prints
-    ``<app>: error: <message>`` to stderr and exits with status 2. An output folder this launch made and
+    ``<app>: error: <message>`` to stderr and exits with status 2; Ctrl-C prints one line with what
+    ``kept(cfg)`` says is kept and how to go on, exit status 130. An output folder this launch made and
     left with nothing but Hydra's records is removed; one that stays gets the error in its log."""
 
     def wrap(task: Callable[[DictConfig], R]) -> Callable[[DictConfig], R]:
@@ -127,7 +171,11 @@ def user_errors(app: str) -> Callable[[Callable[[DictConfig], R]], Callable[[Dic
             try:
                 return task(cfg)
             except BaseException as err:
-                if not is_user_error(err) or os.environ.get("HYDRA_FULL_ERROR") == "1" or cfg.get("debug"):
+                debug = os.environ.get("HYDRA_FULL_ERROR") == "1" or cfg.get("debug")
+                if isinstance(err, KeyboardInterrupt) and not debug:
+                    removed = settle_output(f"{app}: interrupted (Ctrl-C)")
+                    interrupted(app, kept(cfg) if kept and not removed else "nothing was kept")
+                if not is_user_error(err) or debug:
                     raise
                 settle_output(f"{app}: error: {one_line(err)}")
                 fail(app, err)
@@ -143,20 +191,21 @@ def _made_now(folder: Path) -> bool:
     return all(p.stat().st_mtime >= LAUNCHED for p in itertools.chain([folder], folder.rglob("*")))
 
 
-def settle_output(message: str) -> None:
-    """Remove Hydra's output folder if this launch made it and it holds only records and logs; else
-    write ``message`` to the app's log file there."""
+def settle_output(message: str) -> bool:
+    """Remove Hydra's output folder if this launch made it and it holds only records and logs (True);
+    else write ``message`` to the app's log file there (False)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
-        return
+        return False
     folder = Path(HydraConfig.get().runtime.output_dir)
     records_only = folder.is_dir() and _made_now(folder)
     if records_only and all(p.is_dir() or p.suffix in (".log", ".yaml") for p in folder.rglob("*")):
         logging.shutdown()
         shutil.rmtree(folder)
-        return
+        return True
     record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
+    return False

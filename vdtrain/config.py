@@ -29,8 +29,10 @@ class TargetConfig:
     quality: str | None = None  # per-image quality metric (shapes_consistency) or null
     dtype: str = "fp32"  # fp32 | bf16 | fp16: weights and KV cache when decoding (generate, evaluate)
     # this target's own decoding knobs: preset name -> keys merged over conf/decode/<preset>.yaml (a
-    # world's relaxed thresholds and tree sizes; docs/grain_world.md)
+    # world's relaxed thresholds and tree sizes; docs/grain_world.md), wherever it decodes
+    # (vdtrain/target_settings.py)
     decode: dict[str, Any] = field(default_factory=dict)
+    drafter: str | None = None  # the drafter shipped for it: generate's and evaluate's default drafter=
 
 
 @dataclass
@@ -95,7 +97,9 @@ class TrainerConfig:
     # steps, at most 25 (at least ten lines a run)
     progress_every_n_steps: int | None = None
     val_every_n_epochs: int = 1
-    checkpoint_every_n_steps: int = 100
+    # last.ckpt this often; null: every max_steps // 10 steps, at most 100 (a short run has some too).
+    # It is also written at the end of every epoch, at the end of training and on SIGTERM or Ctrl-C.
+    checkpoint_every_n_steps: int | None = None
     deterministic: bool = False
     threads: int | None = None  # torch CPU threads per process (null: torch's default)
     deepspeed: dict[str, Any] = field(default_factory=dict)  # extra DeepSpeed config entries
@@ -168,6 +172,11 @@ class FitConfig:
     debug: bool = False  # a user error shows its full traceback (vdtrain.cli)
 
 
+def as_list(value: Any) -> list[Any]:
+    """A list setting given as one value (``methods=eagle2``, ``temperatures=1``) is a one-item list."""
+    return list(value) if isinstance(value, list | tuple) or OmegaConf.is_list(value) else [value]
+
+
 RECORD = ".hydra"  # a run's own record of its launch: config.yaml, hydra.yaml, overrides.yaml
 
 
@@ -203,7 +212,7 @@ def run_name() -> str:
     """The run folder's name, the same in every process of one launch, so that all ranks and nodes write
     (and ``resume=last`` reads) one folder: ``VDTRAIN_RUN_NAME`` (``launch.sh`` sets it), else the SLURM
     job and step (the same again when the job is requeued), else a torchrun ``--rdzv-id``, else the time
-    (one process; Lightning's own DDP children are handed the parent's folder)."""
+    the process first asked (one process; Lightning's own DDP children are handed the parent's folder)."""
     env = os.environ
     if env.get("VDTRAIN_RUN_NAME"):
         name = env["VDTRAIN_RUN_NAME"]
@@ -223,7 +232,15 @@ def run_name() -> str:
             "would make its own timestamped run folder: start them with ./launch.sh, set VDTRAIN_RUN_NAME "
             "to one name on every node, pass torchrun --rdzv-id, or give hydra.run.dir"
         )
-    return datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    return launch_time().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+@functools.cache
+def launch_time() -> datetime:
+    """When this process first named its run: the time is read once, so every later resolution of
+    ``${run_name:}`` in the launch (Hydra's folder, the app's ``out_dir``) names the same folder, not one
+    a second later."""
+    return datetime.now()
 
 
 def unknown_keys(cfg: DictConfig, schema: type, prefix: str = "") -> list[str]:

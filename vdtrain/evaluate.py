@@ -12,7 +12,6 @@ what is missing, and rank 0 merges the units into the tables (``merge=true``: me
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -22,28 +21,16 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import run_app, user_errors
-from vdtrain.config import presets_except
+from vdtrain.config import as_list, presets_except
 from vdtrain.preflight import check_decoding
 
 OmegaConf.register_new_resolver("presets_except", presets_except, replace=True)  # conf/eval/default.yaml
 
 if TYPE_CHECKING:
-    from vdtrain.drafters.base import Drafter
     from vdtrain.eval.runner import EvalResult
     from vdtrain.sharding import Ranks
-    from vdtrain.targets import Target
 
 log = logging.getLogger(__name__)
-
-
-def load_drafter(source: str | os.PathLike[str], target: Target) -> Drafter:
-    """A drafter from an export folder, a ``.ckpt`` or a Hub repo id; relative paths are tried from the
-    working directory, then the repository root."""
-    from vdtrain.drafters.base import Drafter
-    from vdtrain.targets.shapes import resolve_folder
-
-    path = resolve_folder(source)
-    return Drafter.from_pretrained(path if path.exists() else source, target)
 
 
 # What decides an evaluation's outputs: a folder of finished units is reused only for the same values.
@@ -82,10 +69,12 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     from vdtrain.eval.table import write_tables
     from vdtrain.prompts import prompts_for_run
     from vdtrain.sharding import UnitStore
+    from vdtrain.target_settings import load_drafter, world_knobs
     from vdtrain.targets import target_for_run
 
-    decode_overrides = OmegaConf.to_container(OmegaConf.create(cfg.target.get("decode") or {}))
-    configs = method_configs(list(cfg.methods), decode_overrides)
+    decode_overrides = world_knobs(cfg.target)
+    configs = method_configs(as_list(cfg.methods), decode_overrides)
+    temperatures = as_list(cfg.temperatures)
     needy = [c.name for c in configs if c.needs_drafter]
     if needy and not cfg.drafter:
         raise ValueError(f"methods {needy} need a drafter: set drafter=<export folder, .ckpt or Hub repo id>")
@@ -97,7 +86,8 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device
     # the acceptance report compares the drafter's simulation with its decode: it loads the drafter too
-    drafter = load_drafter(cfg.drafter, target) if needy or (acceptance.enabled and cfg.drafter) else None
+    wanted = needy or (acceptance.enabled and cfg.drafter)
+    drafter = load_drafter(cfg.drafter, target, cfg.target.get("drafter")) if wanted else None
     out = Path(ranks.broadcast(str(cfg.out_dir)))  # rank 0's, should a timestamp differ
     store = UnitStore(out / "units")
     store.check_settings(
@@ -106,7 +96,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     log.info(
         "%s against AR at T = %s on %d prompts, %s",
         [c.name for c in configs],
-        list(cfg.temperatures),
+        temperatures,
         len(prompts),
         device,
     )
@@ -115,7 +105,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
         drafter,
         prompts,
         configs,
-        list(cfg.temperatures),
+        temperatures,
         exact_only_at_zero=cfg.exact_only_at_zero,
         seed=cfg.seed,
         batch_size=cfg.batch_size,
@@ -167,8 +157,12 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     return result
 
 
+def _kept(cfg: DictConfig) -> str:
+    return f"the finished methods are kept in {cfg.out_dir}/units: the same command goes on from them"
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="evaluate")
-@user_errors("vdtrain.evaluate")
+@user_errors("vdtrain.evaluate", _kept)
 def _main(cfg: DictConfig) -> None:
     from vdtrain.eval.table import to_markdown
 

@@ -10,6 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 from vdtrain.cli import run_app, user_errors
+from vdtrain.export_format import CONFIG_FILE
 from vdtrain.preflight import check_export
 
 if TYPE_CHECKING:
@@ -21,6 +22,18 @@ def is_run(folder: Path) -> bool:
     return (folder / ".hydra").is_dir() or (folder / "summary.json").is_file()
 
 
+def holds_drafter(folder: Path) -> bool:
+    """A run folder or a drafter folder: what ``source=`` may name besides a ``.ckpt`` or a repo id."""
+    return is_run(folder) or (folder / CONFIG_FILE).is_file()
+
+
+def no_drafter_here(source: str, folder: Path) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"source={source!r}: no drafter here: {str(folder)!r} is not a vdtrain.fit run folder (.hydra/ or "
+        f"summary.json), a drafter folder ({CONFIG_FILE}) or a .ckpt"
+    )
+
+
 def resolve_source(source: str) -> tuple[str | Path, Path | None]:
     """The drafter to export and the run folder it came from (None when unknown).
 
@@ -29,7 +42,6 @@ def resolve_source(source: str) -> tuple[str | Path, Path | None]:
     ``<run>/checkpoints``. Anything else (a Hub repo id) goes to ``Drafter.from_pretrained`` as given.
     """
     from vdtrain.drafters.base import Drafter
-    from vdtrain.export_format import CONFIG_FILE
     from vdtrain.targets.shapes import resolve_folder
 
     path = resolve_folder(source)
@@ -44,6 +56,8 @@ def resolve_source(source: str) -> tuple[str | Path, Path | None]:
     if is_run(path):
         drafter = path / "drafter"
         return (drafter if drafter.is_dir() else path / "checkpoints" / "last.ckpt"), path
+    if path.is_dir():
+        raise no_drafter_here(source, path)
     return source, None
 
 

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from vdtrain.cli import run_app, user_errors
+from vdtrain.cli import INTERRUPTED_EXIT, run_app, user_errors
 from vdtrain.config import FitConfig, check_known_keys, register_configs
-from vdtrain.preflight import FIT_MINIMUMS, at_least, check_fit
+from vdtrain.preflight import FIT_MINIMUMS, FIT_RANGES, at_least, check_fit, within
 
 if TYPE_CHECKING:  # the training stack is imported when training starts, after the checks
     import lightning as L
@@ -164,7 +164,8 @@ logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoAdverts(
 def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     """Train; ``callbacks`` are added to the configured ones (tests use them to interrupt a run).
 
-    Raises ``Preempted`` after SIGTERM (``last.ckpt`` then holds the step reached) and
+    Raises ``Preempted`` after SIGTERM and ``Interrupted`` after Ctrl-C (``last.ckpt`` then holds the step
+    reached; a second Ctrl-C stops at once) and
     ``NonFiniteLossError`` / ``NonFiniteWeightsError`` naming the last checkpoint with finite weights."""
     import lightning as L
     import torch
@@ -175,13 +176,21 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     from vdtrain.prompts import prompts_for_run
     from vdtrain.resume import checkpoint
     from vdtrain.targets import load_target
-    from vdtrain.train.checkpointing import AtomicCheckpointIO, FiniteCheckpoint, Preempted
+    from vdtrain.train.checkpointing import (
+        AtomicCheckpointIO,
+        CtrlC,
+        FiniteCheckpoint,
+        Interrupted,
+        Preempted,
+        checkpoint_interval,
+    )
     from vdtrain.train.module import DrafterModule, NonFiniteLossError
     from vdtrain.train.progress import ProgressLog, StepProgressBar, progress_interval
 
     if isinstance(cfg, DictConfig):
         check_known_keys(cfg)
         at_least(cfg, FIT_MINIMUMS)
+        within(cfg, FIT_RANGES)
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -205,7 +214,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         dirpath=run_dir / "checkpoints",
         filename="step{step}",
         save_last=True,
-        every_n_train_steps=cfg.trainer.checkpoint_every_n_steps,
+        every_n_train_steps=checkpoint_interval(cfg.trainer.checkpoint_every_n_steps, cfg.trainer.max_steps),
         save_top_k=0,
         enable_version_counter=False,  # always last.ckpt, even if a resumed run changes the settings
         resumed_from=ckpt_path,
@@ -231,11 +240,11 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         hooks.append(StepProgressBar())
     if cfg.eval.enabled:
         from vdtrain.eval.callback import EvalAfterEpoch  # the eval stack loads only when used
+        from vdtrain.target_settings import world_knobs
 
         eval_cfg = OmegaConf.to_object(cfg.eval) if isinstance(cfg.eval, DictConfig) else cfg.eval
         prompts = prompts_for_run(eval_cfg.prompts, eval_cfg.num_prompts, eval_cfg.caption_column)
-        decode_overrides = OmegaConf.to_container(OmegaConf.create(cfg.target.get("decode") or {}))
-        hooks.append(EvalAfterEpoch(eval_cfg, run_dir, prompts, decode_overrides))
+        hooks.append(EvalAfterEpoch(eval_cfg, run_dir, prompts, world_knobs(cfg.target)))
     trainer = L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
@@ -259,22 +268,29 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         plugins=None if t.strategy.startswith("deepspeed") else [AtomicCheckpointIO()],
     )
     start = time.monotonic()
-    try:
-        with without_false_warnings():
-            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    except SIGTERMException as stop:
-        raise Preempted(
-            f"stopped by SIGTERM at step {trainer.global_step}; {last.last_finite_hint()}, "
-            f"or resume=last hydra.run.dir={str(run_dir)!r}"
-        ) from stop
-    except NonFiniteLossError as err:
-        raise NonFiniteLossError(f"{err}; {last.last_finite_hint()}") from err
-    minutes = (time.monotonic() - start) / 60
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # train/* and eval/*
-    if data.val_dataloader():  # the summary reports the final drafter, not the last epoch's
-        with without_false_warnings():
-            trainer.validate(module, datamodule=data, verbose=False)  # replaces callback_metrics
-        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    def how_to_go_on() -> str:
+        return f"{last.last_finite_hint()}, or resume=last hydra.run.dir={str(run_dir)!r}"
+
+    with CtrlC(trainer) as ctrl_c:
+        try:
+            with without_false_warnings():
+                trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+            minutes = (time.monotonic() - start) / 60
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # train/* and eval/*
+            if data.val_dataloader():  # the summary reports the final drafter, not the last epoch's
+                log.info("validating the final drafter at step %d (%d samples)", trainer.global_step,
+                         cfg.data.val_samples)  # fmt: skip
+                with without_false_warnings():
+                    trainer.validate(module, datamodule=data, verbose=False)  # replaces callback_metrics
+                metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+        except SIGTERMException as stop:
+            by, stopped = ("Ctrl-C", Interrupted) if ctrl_c.pressed else ("SIGTERM", Preempted)
+            raise stopped(f"stopped by {by} at step {trainer.global_step}; {how_to_go_on()}") from stop
+        except Interrupted as stop:
+            raise Interrupted(f"{stop}; {how_to_go_on()}") from None
+        except NonFiniteLossError as err:
+            raise NonFiniteLossError(f"{err}; {last.last_finite_hint()}") from err
     summary = {
         "run_dir": str(run_dir),
         "steps": trainer.global_step,
@@ -284,6 +300,8 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         * cfg.data.batch_size
         * trainer.world_size
         / max(1e-9, minutes * 60),
+        "max_steps": t.max_steps,  # the limits it ended under: a resume=last beyond neither has nothing to do
+        "max_minutes": t.max_minutes,
         **metrics,
     }
     if trainer.is_global_zero:
@@ -332,11 +350,15 @@ def resume_run(cfg: DictConfig) -> DictConfig:
     return effective
 
 
+def _kept(cfg: DictConfig) -> str:
+    return f"resume=last hydra.run.dir={cfg.run_dir} goes on from the run's last checkpoint"
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="fit")
-@user_errors("vdtrain.fit")
+@user_errors("vdtrain.fit", _kept)
 def _main(cfg: DictConfig) -> None:
     from vdtrain.durations import duration
-    from vdtrain.train.checkpointing import Preempted
+    from vdtrain.train.checkpointing import Interrupted, Preempted
 
     started = time.monotonic()
     if cfg.resume is not None:
@@ -345,7 +367,7 @@ def _main(cfg: DictConfig) -> None:
         summary = fit(cfg)
     except Preempted as stop:
         log.error("%s", stop)
-        sys.exit(PREEMPTED_EXIT_CODE)
+        sys.exit(INTERRUPTED_EXIT if isinstance(stop, Interrupted) else PREEMPTED_EXIT_CODE)
     if summary.get("drafter"):
         print(json.dumps(summary, indent=2))
         print(

@@ -25,7 +25,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import run_app, user_errors
-from vdtrain.decode.methods import register_part_schemas
+from vdtrain.config import presets_except
 from vdtrain.preflight import check_decoding
 
 if TYPE_CHECKING:
@@ -38,9 +38,6 @@ if TYPE_CHECKING:
     from vdtrain.targets import Target
 
 log = logging.getLogger(__name__)
-# conf/generate.yaml's decode presets pull their parts' config dataclasses in by their defaults lists: they
-# must be in Hydra's ConfigStore before the config is composed (by main, or by a caller composing it).
-register_part_schemas()
 # Why a speculative method can be slower than AR here (README.md and docs/decoding.md say the same).
 CPU_SPEED_NOTE = (
     "on a CPU: {method}'s S (image tokens per target step, in stats.json) is the gain a GPU step would see; "
@@ -98,6 +95,16 @@ OUTPUT_SETTINGS = (
 )
 
 
+def command_line(cfg: DictConfig) -> list[str]:
+    """The overrides ``cfg`` was composed with: Hydra's record of this run, or the one ``compose`` keeps
+    with ``return_hydra_config=True``; none for a configuration made otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if "hydra" in cfg:
+        return list(cfg.hydra.overrides.task)
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     import torch
     from tqdm import tqdm
@@ -105,16 +112,16 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     from vdtrain.decode.compiled import prepare_decoding
     from vdtrain.decode.methods import build_method, decode_config
     from vdtrain.decode.metrics import summarize
-    from vdtrain.drafters.base import Drafter
+    from vdtrain.eval.heartbeat import Heartbeat
     from vdtrain.eval.quality import quality_scorer
     from vdtrain.eval.runner import synchronize
     from vdtrain.images import save_png, tensor_to_images
     from vdtrain.prompts import prompts_for_run
     from vdtrain.sharding import UnitStore, units_of
+    from vdtrain.target_settings import decode_keys_given, load_drafter, with_world_knobs
     from vdtrain.targets import target_for_run
-    from vdtrain.targets.shapes import resolve_folder
 
-    method_cfg = decode_config(cfg.decode)
+    method_cfg = decode_config(with_world_knobs(cfg.decode, cfg.target, decode_keys_given(command_line(cfg))))
     prompts = prompts_for_run(cfg.prompts, cfg.num_prompts, cfg.caption_column)
     target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device
@@ -123,7 +130,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     if method_cfg.needs_drafter:
         if not cfg.drafter:
             raise ValueError(f"method {method_cfg.name!r} needs a drafter: set drafter=<folder>")
-        drafter = Drafter.from_pretrained(resolve_folder(cfg.drafter), target)
+        drafter = load_drafter(cfg.drafter, target, cfg.target.get("drafter"))
     options = prepare_decoding(
         target, drafter, compile=cfg.get("compile", False), cuda_graphs=cfg.get("cuda_graphs", "auto")
     )
@@ -140,48 +147,49 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     if device.type == "cpu" and method_cfg.name != "ar":
         log.info("%s", CPU_SPEED_NOTE.format(method=method_cfg.name))
 
-    bar = tqdm(
-        total=sum(b - a for a, b in mine), desc=method_cfg.name, unit="image", disable=not ranks.is_main
-    )
-    for start, stop in mine:
-        if store.load(f"{start:06d}") is not None:
-            bar.update(stop - start)
-            continue
-        batch = prompts[start:stop]
-        seeds = [cfg.seed + start + i for i in range(len(batch))]
-        generators = [torch.Generator(device).manual_seed(s) for s in seeds]
-        cond = target.encode_captions(batch)
-        synchronize(device)
-        t0 = time.perf_counter()
-        result = method.generate(cond, generators, planned_batch=cfg.batch_size)
-        tokens = result.tokens
-        synchronize(device)
-        t1 = time.perf_counter()
-        images = tensor_to_images(target.tokenizer.decode(tokens))
-        synchronize(device)
-        t2 = time.perf_counter()
-        samples = []
-        for i, (prompt, seed) in enumerate(zip(batch, seeds, strict=True)):
-            save_png(images[i], out / f"{start + i:04d}.png")
-            record = {
-                "index": start + i,
-                "prompt": prompt,
-                "seed": seed,
-                "tokens": tokens[i].tolist(),
-                "batch_size": len(batch),
-                "batch_latency_s": t1 - t0,
-                "batch_latency_with_vq_decode_s": t2 - t0,
-                **summarize([result.stats[i]], target.num_image_tokens),
-                "committed_per_step": result.stats[i].committed_per_step,
-                "committed_per_skip": result.stats[i].committed_per_skip,
-            }
-            if scorer is not None:
-                record.update(quality_record(scorer, images[i], prompt))
-            samples.append(record)
-        # written last: the images of a unit without its record are redone
-        store.save(f"{start:06d}", {"samples": samples, "stats": result.stats, "rank": ranks.rank})
-        bar.update(len(batch))
-    bar.close()
+    total = sum(b - a for a, b in mine)
+    # the bar on a terminal; the heartbeat's line every minute wherever the log goes (a grain decode of 4
+    # prompts on a CPU is minutes of one batch)
+    bar = tqdm(total=total, desc=method_cfg.name, unit="image", disable=not ranks.is_main)
+    with bar, Heartbeat(method_cfg.name, total, bar) as beat:
+        for start, stop in mine:
+            if store.load(f"{start:06d}") is not None:
+                beat.update(stop - start)
+                continue
+            batch = prompts[start:stop]
+            seeds = [cfg.seed + start + i for i in range(len(batch))]
+            generators = [torch.Generator(device).manual_seed(s) for s in seeds]
+            cond = target.encode_captions(batch)
+            synchronize(device)
+            t0 = time.perf_counter()
+            result = method.generate(cond, generators, planned_batch=cfg.batch_size)
+            tokens = result.tokens
+            synchronize(device)
+            t1 = time.perf_counter()
+            images = tensor_to_images(target.tokenizer.decode(tokens))
+            synchronize(device)
+            t2 = time.perf_counter()
+            samples = []
+            for i, (prompt, seed) in enumerate(zip(batch, seeds, strict=True)):
+                save_png(images[i], out / f"{start + i:04d}.png")
+                record = {
+                    "index": start + i,
+                    "prompt": prompt,
+                    "seed": seed,
+                    "tokens": tokens[i].tolist(),
+                    "batch_size": len(batch),
+                    "batch_latency_s": t1 - t0,
+                    "batch_latency_with_vq_decode_s": t2 - t0,
+                    **summarize([result.stats[i]], target.num_image_tokens),
+                    "committed_per_step": result.stats[i].committed_per_step,
+                    "committed_per_skip": result.stats[i].committed_per_skip,
+                }
+                if scorer is not None:
+                    record.update(quality_record(scorer, images[i], prompt))
+                samples.append(record)
+            # written last: the images of a unit without its record are redone
+            store.save(f"{start:06d}", {"samples": samples, "stats": result.stats, "rank": ranks.rank})
+            beat.update(len(batch))
     ranks.barrier()
     if not ranks.is_main:
         return None
@@ -245,8 +253,12 @@ def write_stats(
     return summary
 
 
+def _kept(cfg: DictConfig) -> str:
+    return f"the finished batches are kept in {cfg.out_dir}/units: the same command goes on from them"
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="generate")
-@user_errors("vdtrain.generate")
+@user_errors("vdtrain.generate", _kept)
 def _main(cfg: DictConfig) -> None:
     summary = run(cfg)
     if summary is not None:  # the main rank
@@ -258,9 +270,36 @@ def method_alias(argv: list[str]) -> list[str]:
     return [f"decode={a.split('=', 1)[1]}" if a.startswith("method=") else a for a in argv]
 
 
+def without_method(args: list[str]) -> list[str]:
+    """The overrides composed for the cheap checks: the method's (``decode=``, ``decode.<key>=``) need its
+    parts' config classes, which live beside their torch code, so they are left out (``~decode``) and
+    composed after the checks; a preset that does not exist is refused here."""
+    chosen = [a.split("=", 1)[1] for a in args if a.startswith("decode=")]
+    unknown = [name for name in chosen if name not in presets_except()]
+    if unknown:
+        raise ValueError(f"unknown method {unknown[0]!r} (method=); known: {', '.join(presets_except())}")
+    return [a for a in args if not a.lstrip("~+").startswith(("decode=", "decode."))] + ["~decode"]
+
+
+def _register_decode_parts() -> None:
+    """conf/decode presets pull their parts' config classes in by their defaults lists: they must be in
+    Hydra's ConfigStore before ``conf/generate.yaml`` is composed with a method (a script composing it
+    calls ``register_part_schemas`` first, as the tests' conftest does)."""
+    from vdtrain.decode.methods import register_part_schemas
+
+    register_part_schemas()
+
+
 def main() -> None:
     sys.argv = [sys.argv[0], *method_alias(sys.argv[1:])]
-    run_app("vdtrain.generate", "generate", _main, check_decoding)
+    run_app(
+        "vdtrain.generate",
+        "generate",
+        _main,
+        check_decoding,
+        light=without_method,
+        prepare=_register_decode_parts,
+    )
 
 
 if __name__ == "__main__":

@@ -6,11 +6,13 @@ module only decides which apply to which app, so a mistake costs a second, not a
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from vdtrain.cli import CONF_DIR
+from vdtrain.cli import NothingToDo
+from vdtrain.config import as_list, presets_except
 
 # (key, smallest value) for the integer settings that have one; None values are left to the app.
 FIT_MINIMUMS = (
@@ -28,25 +30,59 @@ FIT_MINIMUMS = (
     ("eval.num_prompts", 1),
     ("eval.batch_size", 1),
     ("eval.every_n_epochs", 1),
+    ("optim.warmup_steps", 0),
 )
 DECODE_MINIMUMS = (("num_prompts", 1), ("batch_size", 1), ("threads", 1))
+# (key, low, high, whether low itself is allowed) for the real-valued settings; high None: no bound.
+FIT_RANGES = (
+    ("optim.lr", 0.0, None, True),  # 0: the drafter stays as it starts (tests compare runs with it)
+    ("optim.weight_decay", 0.0, None, True),
+    ("optim.grad_clip", 0.0, None, True),
+    ("optim.min_lr_ratio", 0.0, 1.0, True),
+    ("data.p_null", 0.0, 1.0, True),
+)
 
 
 def at_least(cfg: DictConfig, minimums: tuple[tuple[str, int], ...]) -> None:
     for key, least in minimums:
         value = OmegaConf.select(cfg, key)
-        if value is not None and value < least:
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):  # an untyped config keeps 'abc' a string
+            raise ValueError(f"{key} must be a whole number, got {value!r}")
+        if value < least:
             raise ValueError(f"{key} must be at least {least}, got {value}")
 
 
+def within(cfg: DictConfig, ranges: tuple[tuple[str, float, float | None, bool], ...]) -> None:
+    for key, low, high, low_allowed in ranges:
+        value = OmegaConf.select(cfg, key)
+        if value is None:
+            continue
+        if value < low or (value == low and not low_allowed) or (high is not None and value > high):
+            lowest = f"at least {low:g}" if low_allowed else f"above {low:g}"
+            raise ValueError(
+                f"{key} must be {lowest}{'' if high is None else f' and at most {high:g}'}, got {value}"
+            )
+
+
 def creatable(path: str, key: str) -> None:
-    """``path`` is a folder or can be made one: its nearest existing ancestor is a writable folder."""
+    """``path`` is a folder or can be made one: its nearest existing ancestor is a folder where a folder
+    can be made (tried: permissions alone do not tell, e.g. under /proc or a read-only mount)."""
     target = Path(path).expanduser().absolute()
     existing = next(p for p in (target, *target.parents) if p.exists())
     if not existing.is_dir():
         raise NotADirectoryError(f"{key}={path!r} cannot be made: {str(existing)!r} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(f"{key}={path!r} cannot be made: {str(existing)!r} is not writable")
+    if existing == target:  # an existing folder (a run to resume) is written to, not into
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise PermissionError(f"{key}={path!r} is not writable")
+        return
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".vdtrain-check-", dir=existing))
+    except OSError as err:
+        raise PermissionError(
+            f"{key}={path!r} cannot be made: no folder can be made in {str(existing)!r} ({err.strerror})"
+        ) from None
 
 
 def device_available(name: str, key: str = "device") -> None:
@@ -58,10 +94,12 @@ def device_available(name: str, key: str = "device") -> None:
 
 def check_fit(cfg: DictConfig) -> None:
     from vdtrain.config import check_known_keys
-    from vdtrain.resume import resumed_config
+    from vdtrain.resume import checkpoint, finished, resumed_config
 
     check_known_keys(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
     at_least(cfg, FIT_MINIMUMS)
+    within(cfg, FIT_RANGES)
+    target_exists(cfg.target)
     if cfg.trainer.max_minutes is not None and cfg.trainer.max_minutes <= 0:
         raise ValueError(f"trainer.max_minutes must be positive (or null), got {cfg.trainer.max_minutes}")
     if cfg.trainer.accelerator in ("gpu", "cuda"):
@@ -73,32 +111,67 @@ def check_fit(cfg: DictConfig) -> None:
     run_dir = Path(cfg.hydra.run.dir)
     creatable(str(run_dir), "hydra.run.dir")
     if cfg.resume is not None:
-        resumed_config(cfg, list(cfg.hydra.overrides.task), dict(cfg.hydra.runtime.choices), run_dir)
+        named = run_dir.is_dir() or any(o.startswith("hydra.run.dir=") for o in cfg.hydra.overrides.hydra)
+        checkpoint(str(cfg.resume), run_dir, named)
+        effective = resumed_config(
+            cfg, list(cfg.hydra.overrides.task), dict(cfg.hydra.runtime.choices), run_dir
+        )
+        why = finished(run_dir, effective) if cfg.resume == "last" else None
+        if why is not None:
+            raise NothingToDo(why)
     if cfg.eval.enabled:
+        presets_known(list(cfg.eval.methods), "eval.methods")
+        presets_known([cfg.eval.acceptance.method], "eval.acceptance.method")
         _prompts(cfg.eval)
 
 
 def check_decoding(cfg: DictConfig) -> None:
     """``generate`` and ``evaluate``."""
     at_least(cfg, DECODE_MINIMUMS)
-    if "methods" in cfg:  # evaluate's presets; generate's is a config group Hydra has checked
-        known = sorted(p.stem for p in (CONF_DIR / "decode").glob("*.yaml"))
-        unknown = [m for m in cfg.methods if m not in known]
-        if unknown:
-            names = ", ".join(repr(m) for m in unknown)
-            raise ValueError(f"unknown method preset {names} in methods=; known: {known}")
+    target_exists(cfg.target)
+    if "methods" in cfg:  # evaluate's presets; generate's is checked with its overrides (without_method)
+        presets_known(as_list(cfg.methods), "methods")
+        presets_known([cfg.acceptance.method], "acceptance.method")
     device_available(str(cfg.device))
     creatable(str(cfg.out_dir), "out_dir")
     _prompts(cfg)
 
 
-def check_export(cfg: DictConfig) -> None:
-    from vdtrain.export_format import REPO_ID
+def presets_known(names: list[str], key: str) -> None:
+    known = presets_except()
+    unknown = [m for m in names if m not in known]
+    if unknown:
+        shown = ", ".join(repr(m) for m in unknown)
+        raise ValueError(f"unknown method preset {shown} in {key}=; known: {known}")
 
+
+def target_exists(target: DictConfig) -> None:
+    """A folder target (the embedded worlds' format) names a folder with its ``config.json``."""
+    from vdtrain.paths import repo_path
+
+    if target.get("kind") != "folder" or target.get("folder") is None:
+        return
+    folder = repo_path(target.folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"target.folder={target.folder!r}: there is no folder {str(folder)!r}")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"target.folder={target.folder!r}: {str(folder)!r} holds no target (config.json)"
+        )
+
+
+def check_export(cfg: DictConfig) -> None:
+    from vdtrain.export import holds_drafter, no_drafter_here
+    from vdtrain.export_format import REPO_ID
+    from vdtrain.paths import repo_path
+
+    target_exists(cfg.target)
     source = str(cfg.source)
-    here = (Path(source).expanduser(), CONF_DIR.parent / source)  # as resolve_folder looks
-    if not any(p.exists() for p in here) and not REPO_ID.fullmatch(source):
+    path = repo_path(source)
+    if not path.exists() and not REPO_ID.fullmatch(source):
         raise FileNotFoundError(f"source={source!r} does not exist (and is not a Hub repo id owner/name)")
+    if path.is_dir() and not holds_drafter(path):
+        raise no_drafter_here(source, path)
     if cfg.out_dir is not None:
         creatable(str(cfg.out_dir), "out_dir")
 
@@ -107,4 +180,4 @@ def _prompts(cfg: DictConfig) -> None:
     """The prompts are read now (a caption file is small): a bad file or count fails here."""
     from vdtrain.prompts import prompts_for_run
 
-    prompts_for_run(cfg.prompts, cfg.num_prompts, cfg.get("caption_column"))
+    prompts_for_run(cfg.prompts, cfg.num_prompts, cfg.get("caption_column"), note_fewer=False)

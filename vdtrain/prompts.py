@@ -7,12 +7,15 @@ import contextlib
 import csv
 import io
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, VALIDATION_SEED, generate
+
+log = logging.getLogger(__name__)
 
 PROMPT_SETS_DIR = Path(__file__).resolve().parent / "eval" / "prompt_sets"
 # Vendored prompt sets by name (sources, licences and derivation: eval/prompt_sets/README.md).
@@ -47,11 +50,14 @@ def prompt_set(name: str) -> list[str]:
     return read_captions(PROMPT_SETS_DIR / PROMPT_SETS[name])
 
 
-def prompts_for_run(source: str | os.PathLike[str] | None, n: int, column: str | None = None) -> list[str]:
+def prompts_for_run(
+    source: str | os.PathLike[str] | None, n: int, column: str | None = None, note_fewer: bool = True
+) -> list[str]:
     """The first ``n`` prompts of ``source``: held-out shapes captions (None), the validation ones
     (``shapes_validation``), the training stream's (``shapes_training``), a vendored set's name, or a
     caption file (``read_captions``; ``column`` names a table's caption column). ``n`` < 1 is refused
-    before anything is read."""
+    before anything is read. A source with fewer captions gives them all, with a note (``note_fewer``)
+    that more were asked for."""
     if n < 1:
         raise ValueError(f"num_prompts must be at least 1, got {n}")
     if source is None:
@@ -64,6 +70,11 @@ def prompts_for_run(source: str | os.PathLike[str] | None, n: int, column: str |
         captions = prompt_set(str(source))
     else:
         captions = read_captions(source, column)
+    if note_fewer and len(captions) < n:
+        have = len(captions)
+        log.warning(
+            "%s holds %d captions, num_prompts=%d asked for more: using those %d", source, have, n, have
+        )
     return captions[:n]
 
 

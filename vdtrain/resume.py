@@ -10,6 +10,7 @@ is imported.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -48,8 +49,10 @@ def may_change(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in MAY_CHANGE)
 
 
-def checkpoint(resume: str, run_dir: Path) -> Path:
-    """The checkpoint ``resume`` names; a missing one is an error that says how to name the run."""
+def checkpoint(resume: str, run_dir: Path, named: bool = True) -> Path:
+    """The checkpoint ``resume`` names; a missing one is an error that says what to do: name the run
+    (``named`` False: ``run_dir`` is a new time-named folder, not one the user gave), or, for a run that
+    stopped before its first checkpoint, start it again."""
     path = run_dir / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
     if path.is_file():
         return path
@@ -57,9 +60,47 @@ def checkpoint(resume: str, run_dir: Path) -> Path:
         raise FileNotFoundError(f"resume={resume!r}: no checkpoint at {str(path)!r}")
     runs = recent_runs(run_dir.parent)
     known = f"; runs with a checkpoint, newest first: {', '.join(runs)}" if runs else ""
+    if named and run_dir.is_dir():
+        raise FileNotFoundError(
+            f"resume=last: the run {str(run_dir)!r} has no checkpoint ({str(path)!r}): it stopped before its "
+            "first one; start it again without resume=last"
+        )
+    if named:
+        raise FileNotFoundError(
+            f"resume=last: no checkpoint at {str(path)!r}: there is no run folder {str(run_dir)!r}{known}"
+        )
     raise FileNotFoundError(
         f"resume=last: no checkpoint at {str(path)!r}; name the run to continue with "
         f"hydra.run.dir=<run folder>{known}"
+    )
+
+
+SUMMARY = "summary.json"  # what fit writes when a run ends: it is finished
+
+
+def finished(run_dir: Path, effective: DictConfig) -> str | None:
+    """Why ``resume=last`` of ``run_dir`` with the configuration ``effective`` has nothing to train, or
+    None. A run with its summary ended at ``trainer.max_steps`` or at its time (``max_minutes``) or epoch
+    limit; the resume goes on only past a higher ``max_steps`` or a changed ``max_minutes``."""
+    path = run_dir / SUMMARY
+    if not path.is_file():
+        return None
+    summary = json.loads(path.read_text())
+    steps, trainer = summary["steps"], effective.trainer
+    saved = (
+        OmegaConf.load(run_dir / RECORD / "config.yaml").trainer if (run_dir / RECORD).is_dir() else trainer
+    )
+    ended_at_steps = steps >= summary.get("max_steps", saved.max_steps)
+    minutes = summary.get("max_minutes", saved.max_minutes)
+    if steps < trainer.max_steps and (ended_at_steps or trainer.max_minutes != minutes):
+        return None
+    if ended_at_steps or steps >= trainer.max_steps:
+        limit = f"trainer.max_steps={trainer.max_steps}"
+    else:
+        limit = f"trainer.max_minutes={minutes}" if minutes is not None else "its trainer.max_epochs"
+    return (
+        f"the run {str(run_dir)!r} is finished ({steps} steps, {limit}; {SUMMARY}): nothing to resume, "
+        "nothing changed; raise trainer.max_steps (or trainer.max_minutes) to train it further"
     )
 
 

@@ -8,6 +8,7 @@ and a resumed run continues with the next unseen batch.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 
 import lightning as L
@@ -19,12 +20,18 @@ from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, generate
 from vdtrain.targets.base import TargetIdentity
 
 
+def _ignore_ctrl_c(worker_id: int) -> None:
+    """A terminal's Ctrl-C reaches every process of its group: the workers leave it to the main process,
+    which stops training at a step boundary and then stops them (``vdtrain.train.checkpointing.CtrlC``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class PositionedLoader(DataLoader):
     """A loader of a stream's whole batches that sets the stream's start before each iteration: workers
     copy the stream when iteration starts, so this is the one place the position can reach them."""
 
     def __init__(self, stream: ResumableStream, position: Callable[[], int], num_workers: int) -> None:
-        super().__init__(stream, batch_size=None, num_workers=num_workers)
+        super().__init__(stream, batch_size=None, num_workers=num_workers, worker_init_fn=_ignore_ctrl_c)
         self.position = position
 
     def __iter__(self) -> Iterator:

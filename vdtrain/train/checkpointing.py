@@ -4,14 +4,18 @@
   disk or a kill mid-write leaves the previous ``last.ckpt`` whole (Lightning's default stages the file
   in the system temp folder and copies it over when that is another filesystem, truncating the old one).
 - ``FiniteCheckpoint`` refuses to write weights that are NaN or infinite, remembers the last file it did
-  write (errors name it), and on SIGTERM (SLURM preemption) writes ``last.ckpt`` at the step reached.
+  write (errors name it), and writes ``last.ckpt`` every N steps (``checkpoint_interval``), at the end of
+  every epoch and of training, and on SIGTERM (SLURM preemption) or Ctrl-C at the step reached.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
+import signal
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,20 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+log = logging.getLogger("vdtrain.fit")
+MOST_STEPS_BETWEEN = 100  # the default cadence's ceiling
+CHECKPOINTS_PER_RUN = 10  # the default cadence's floor: a short run still has this many
+
+
+def checkpoint_interval(every: int | None, max_steps: int) -> int:
+    """``trainer.checkpoint_every_n_steps``, or for null every ``max_steps // 10`` steps, at most 100, so a
+    60-step run killed at step 42 resumes from step 36, not from nothing."""
+    if every is not None:
+        return every
+    return max(1, min(MOST_STEPS_BETWEEN, max_steps // CHECKPOINTS_PER_RUN))
 
 
 class NonFiniteWeightsError(FloatingPointError):
@@ -33,6 +50,44 @@ class CheckpointWriteError(OSError):
 
 class Preempted(RuntimeError):
     """Training stopped by SIGTERM after writing a resumable checkpoint."""
+
+
+class Interrupted(Preempted):
+    """Training stopped by Ctrl-C (SIGINT): after writing a resumable checkpoint, or at once."""
+
+
+class CtrlC:
+    """Ctrl-C during ``trainer.fit`` stops as SIGTERM does: Lightning's own stop flag, read at the end of
+    the step (or validation batch, or epoch), so ``FiniteCheckpoint`` writes ``last.ckpt`` at a step
+    boundary and the resume is exact. A second Ctrl-C, or one outside training (the final validation,
+    the export), raises ``Interrupted`` at once. Installed in the main thread only (where signals
+    arrive) and only where SIGINT is not ignored; the previous handler comes back on exit."""
+
+    def __init__(self, trainer: L.Trainer) -> None:
+        self.trainer, self.pressed = trainer, False
+        self._previous: Any = None
+
+    def __enter__(self) -> CtrlC:
+        main = threading.current_thread() is threading.main_thread()
+        if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # nohup, a background job
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        state = self.trainer.state
+        fitting = state.fn == TrainerFn.FITTING and state.status == TrainerStatus.RUNNING
+        if self.pressed or not fitting:
+            raise Interrupted(f"stopped at once by Ctrl-C at step {self.trainer.global_step}")
+        self.pressed = True
+        log.warning(
+            "Ctrl-C: stopping at the end of this step to write last.ckpt (Ctrl-C again stops at once)"
+        )
+        # Lightning's SIGTERM flag (it has no public setter): every loop checks it at its safe points.
+        self.trainer._signal_connector.received_sigterm = True
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -100,11 +155,24 @@ class FiniteCheckpoint(ModelCheckpoint):
         super()._save_checkpoint(trainer, filepath)
         self.last_finite = filepath
 
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        self._save_last_now(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._save_last_now(trainer)
+
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        """SIGTERM: write ``last.ckpt`` at the step reached (unless this step's is already written)."""
-        if not isinstance(exception, SIGTERMException) or not self.save_last:
+        """SIGTERM (or Ctrl-C, which ``CtrlC`` turns into Lightning's SIGTERM stop): write ``last.ckpt`` at
+        the step reached."""
+        if isinstance(exception, SIGTERMException):
+            self._save_last_now(trainer)
+
+    def _save_last_now(self, trainer: L.Trainer) -> None:
+        """``last.ckpt`` at the step reached, unless this step's is already written."""
+        if not self.save_last or trainer.sanity_checking:
             return
         if self._last_global_step_saved == trainer.global_step and self.last_finite is not None:
             return

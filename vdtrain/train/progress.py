@@ -18,6 +18,7 @@ log = logging.getLogger("vdtrain.fit")
 
 LINES_PER_RUN = 10
 DEFAULT_EVERY = 25
+MAX_SILENCE_S = 60.0  # a line at least this often while training or validating, whatever the step count
 
 
 def progress_interval(every: int | None, max_steps: int) -> int:
@@ -31,7 +32,8 @@ def progress_interval(every: int | None, max_steps: int) -> int:
 
 class ProgressLog(L.Callback):
     """``step 120/400 | loss 0.512 | top-1 0.731 | 14.3 samples/s | ETA 5m12s`` every ``every`` optimizer
-    steps (rank 0), and the validation metrics after each validation.
+    steps (rank 0), and the validation metrics after each validation; a slow step or validation gets a
+    line at least every ``MAX_SILENCE_S`` (a loaded CPU can take minutes for ``every`` steps).
 
     Pace and ETA count training time only: validation and the after-epoch evaluation (which runs
     between ``on_train_epoch_end`` and the next epoch's start) are left out, and the line says how long
@@ -44,10 +46,19 @@ class ProgressLog(L.Callback):
         self._started_at = 0.0
         self._paused = 0.0  # seconds spent outside training (validation, evaluation)
         self._pause_from: float | None = None
+        self._last_line = time.monotonic()
+        self._validating_since = 0.0
 
     def training_seconds(self, now: float) -> float:
         pausing = now - self._pause_from if self._pause_from is not None else 0.0
         return now - self._started_at - self._paused - pausing
+
+    def _log(self, message: str, *args: Any) -> None:
+        log.info(message, *args)
+        self._last_line = time.monotonic()
+
+    def _quiet_too_long(self) -> bool:
+        return time.monotonic() - self._last_line >= MAX_SILENCE_S
 
     def _pause(self, *_: Any) -> None:
         if self._pause_from is None:
@@ -58,23 +69,26 @@ class ProgressLog(L.Callback):
             self._paused += time.monotonic() - self._pause_from
             self._pause_from = None
 
-    on_validation_start = _pause
     on_train_epoch_end = _pause
     on_train_epoch_start = _resume
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._started_at, self._paused, self._pause_from = time.monotonic(), 0.0, None
         self._start = self._mark = (0.0, trainer.global_step)
+        if trainer.is_global_zero:  # loading and the sanity check are behind: the first step can be a while
+            self._log("training from step %d (a line every %d steps)", trainer.global_step, self.every)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
         step = trainer.global_step
-        if not trainer.is_global_zero or self._mark is None or step == self._mark[1] or step % self.every:
+        if not trainer.is_global_zero or self._mark is None or step == self._mark[1]:
+            return
+        if step % self.every and not self._quiet_too_long():
             return
         now = self.training_seconds(time.monotonic())
         samples = (step - self._mark[1]) * self.samples_per_step * trainer.world_size
         rate = samples / max(1e-9, now - self._mark[0])
         self._mark = (now, step)
-        log.info("%s", self.line(trainer, step, rate, now))
+        self._log("%s", self.line(trainer, step, rate, now))
 
     def line(self, trainer: L.Trainer, step: int, rate: float, now: float) -> str:
         metrics = trainer.callback_metrics
@@ -104,6 +118,27 @@ class ProgressLog(L.Callback):
             left.append(timer.time_remaining())
         return min(left) if left else None
 
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pause()
+        self._validating_since = time.monotonic()
+
+    def on_validation_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        *_: Any,
+    ) -> None:
+        if trainer.is_global_zero and self._quiet_too_long():
+            batches = sum(
+                trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+            )
+            elapsed = duration(time.monotonic() - self._validating_since)
+            step = self._step(trainer)
+            self._log("validation at step %s: batch %d/%d, %s so far", step, batch_idx + 1, batches, elapsed)
+
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._resume()
         if not trainer.is_global_zero or trainer.sanity_checking:
@@ -111,8 +146,15 @@ class ProgressLog(L.Callback):
         metrics = trainer.callback_metrics
         shown = [f"{k} {float(v):.4g}" for k, v in sorted(metrics.items()) if k.startswith("val/")]
         shown = [s for s in shown if "depth" not in s]  # per-depth top-1 stays in the logger
-        step = f"{trainer.global_step}/{trainer.max_steps}" if trainer.max_steps > 0 else trainer.global_step
-        log.info("validation at step %s: %s", step, ", ".join(shown))
+        self._log("validation at step %s: %s", self._step(trainer), ", ".join(shown))
+
+    @staticmethod
+    def _step(trainer: L.Trainer) -> str:
+        return (
+            f"{trainer.global_step}/{trainer.max_steps}"
+            if trainer.max_steps > 0
+            else str(trainer.global_step)
+        )
 
 
 class StepProgressBar(TQDMProgressBar):
