@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vdtrain.drafter_kinds import DRAFTERS
+from vdtrain.drafters.registry import DRAFTERS
 
 DEPTH = re.compile(r"val/top1_depth(\d+)$")
 

@@ -24,7 +24,7 @@ import torch
 
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.metrics import position_maps
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.eval.runner import decode_prompts, vq_decode
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.shapes.scene import parse_caption

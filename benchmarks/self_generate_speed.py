@@ -21,7 +21,7 @@ import torch
 from vdtrain.data.prepare import prepare_self_generate
 from vdtrain.decode.compiled import prepare_decoding
 from vdtrain.decode.methods import load_preset
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.eval.runner import device_description
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.targets import load_target_folder

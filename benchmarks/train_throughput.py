@@ -38,8 +38,8 @@ import torch
 
 from benchmarks.step_cost import random_llamagen
 from vdtrain.config import DrafterTrainConfig, OptimConfig
-from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.drafter_rows import chain_rows
+from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters.rows import chain_rows
 from vdtrain.eval.runner import device_description
 from vdtrain.targets import cast_for_inference
 from vdtrain.targets.base import Target

@@ -1,4 +1,4 @@
-"""The dense unroll that ``vdtrain.unroll_cache.UnrollCache`` replaced, kept as the reference its tests
+"""The dense unroll that ``UnrollCache`` (vdtrain/drafters) replaced, kept as the reference its tests
 compare against: step ``j`` attends over all ``(j + 1)·S`` keys of steps ``0 .. j`` under one mask, O(k²)
 in the unroll depth."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from vdtrain.drafter import Drafter
-from vdtrain.drafter_rows import after_prefix_rows, teacher_mask
+from vdtrain.drafters.base import Drafter
+from vdtrain.drafters.rows import after_prefix_rows, teacher_mask
 
 
 def tree_step_mask(cond_mask: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:

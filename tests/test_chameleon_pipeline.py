@@ -30,7 +30,7 @@ from test_fit import CONF, run_cli
 
 from vdtrain.config import TargetConfig, UnknownConfigKeyError, register_configs
 from vdtrain.data.shards import read_shards, validate_shards
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.eval.table import read_results
 from vdtrain.targets import load_target
 from vdtrain.targets.chameleon import ChameleonSpec

@@ -26,7 +26,7 @@ from vdtrain.decode.compiled import (
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.eval import runner
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer

@@ -14,7 +14,7 @@ from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.sampling import SamplingConfig, probabilities, sample_rows
-from vdtrain.drafter_rows import teacher_inputs, teacher_mask
+from vdtrain.drafters.rows import teacher_inputs, teacher_mask
 from vdtrain.targets.base import Condition
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "decoding.md"

@@ -12,8 +12,8 @@ from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
 from torch import nn
 
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.drafter_rows import feature_targets, teacher_inputs, teacher_mask
+from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters.rows import feature_targets, teacher_inputs, teacher_mask
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 from vdtrain.train.losses import (
     cls_per_row,

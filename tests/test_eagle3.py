@@ -13,15 +13,15 @@ from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
 from reference_unroll import dense_unroll, tree_step_mask
 
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.drafter_rows import chain_rows, teacher_mask
+from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters.rows import chain_rows, teacher_mask
+from vdtrain.drafters.unroll_cache import UnrollCache
 from vdtrain.eval.logit_lens import logit_lens
 from vdtrain.hub import export_drafter, push_to_hub
 from vdtrain.targets import load_target_folder
 from vdtrain.targets.base import split_taps
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 from vdtrain.train.losses import image_target_mask, unrolled_loss
-from vdtrain.unroll_cache import UnrollCache
 
 DEEP_GPT = replace(TINY_GPT, n_layer=6)
 

@@ -10,7 +10,7 @@ import pytest
 from walkthrough import REPO, blocks, copy_repo, follow, registry_parts, run_pytest
 
 SECTION = "Adding a drafter kind"
-MODULE, TABLE = "vdtrain/drafter_medusa.py", "vdtrain/drafter_kinds.py"
+MODULE, TABLE = "vdtrain/drafters/medusa.py", "vdtrain/drafters/registry.py"
 
 pytestmark = pytest.mark.slow  # a copy of the repository and a fresh interpreter decoding: 30-60 s
 
@@ -38,7 +38,7 @@ def test_a_drafter_kind_is_its_module_and_its_row(tmp_path):
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if re.search(r"\bmedusa\b", line) and not line.lstrip().startswith("#")
     ]
-    docstrings = {"vdtrain/drafter.py"}  # names the kinds in prose only
+    docstrings = {"vdtrain/drafters/base.py"}  # names the kinds in prose only
     assert {name.split(":")[0] for name in named} <= docstrings, named
     follow(SECTION, root, (TABLE,))
     result = run_pytest(root, "tests/test_medusa.py", "-k", "t0 and eagle2 or head_reads or compares")

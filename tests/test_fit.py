@@ -31,8 +31,8 @@ from safetensors.torch import load_file
 from vdtrain.config import DrafterTrainConfig, FitConfig, OptimConfig, UnknownConfigKeyError, check_known_keys
 from vdtrain.data.streams import ShapesStream, collate
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.drafter_rows import chain_rows
+from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters.rows import chain_rows
 from vdtrain.fit import build_strategy, fit
 from vdtrain.images import images_to_tensor
 from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, generate

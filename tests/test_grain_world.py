@@ -23,7 +23,7 @@ from test_engine import (
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.eval.regime import token_confidence
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.shapes.build import save_llamagen_checkpoint

@@ -24,8 +24,8 @@ from test_fit import fit_config
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter, DrafterConfig
-from vdtrain.drafter_kinds import DRAFTERS
+from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters.registry import DRAFTERS
 from vdtrain.fit import fit
 from vdtrain.targets import load_target
 
@@ -94,12 +94,12 @@ def test_a_head_reads_only_the_targets_state_and_the_depth():
 def test_no_code_outside_the_registry_compares_a_drafter_kinds_name():
     kinds = "|".join(DRAFTERS)
     compare = re.compile(rf"""[!=]=\s*["']({kinds})["']|["']({kinds})["']\s*[!=]=|in \(["']({kinds})""")
-    own = {"drafter_kinds.py", "drafter_eagle.py", "drafter_medusa.py"}
+    room = REPO / "vdtrain" / "drafters"  # the registry and the kinds' own modules name their kinds
     found = [
         f"{path.relative_to(REPO)}:{n}"
         for folder in ("vdtrain", "benchmarks")
         for path in (REPO / folder).rglob("*.py")
-        if path.name not in own
+        if path.parent != room or path.name == "base.py"
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if compare.search(line)
     ]

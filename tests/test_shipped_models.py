@@ -12,7 +12,7 @@ from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.targets.shapes import REPO_ROOT, load_target_folder
 

@@ -48,7 +48,7 @@ from vdtrain.decode.vvs import (
     path_similarity,
     unverified_paths,
 )
-from vdtrain.drafter_rows import teacher_mask
+from vdtrain.drafters.rows import teacher_mask
 from vdtrain.targets.base import Condition
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 

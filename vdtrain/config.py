@@ -62,7 +62,7 @@ class OptimConfig:
 
 @dataclass
 class DrafterTrainConfig:
-    kind: str = "eagle1"  # a row of vdtrain.drafter_kinds.DRAFTERS (eagle1, eagle3, ...)
+    kind: str = "eagle1"  # a row of vdtrain.drafters.registry.DRAFTERS (eagle1, eagle3, ...)
     layer: dict[str, Any] = field(default_factory=dict)  # DrafterConfig layer overrides (n_head, ...)
     # Keys a kind owns (DrafterConfig's); null: the kind's default for a new drafter.
     feature_layers: list[int] | None = None  # eagle3: target layers fused (the family's choice)

@@ -41,7 +41,7 @@ def resolve_source(source: str) -> tuple[str | Path, Path | None]:
     stopped early); a drafter folder names its run in the saved fit summary or lies in it; a ``.ckpt`` lies in
     ``<run>/checkpoints``. Anything else (a Hub repo id) goes to ``Drafter.from_pretrained`` as given.
     """
-    from vdtrain.drafter import Drafter
+    from vdtrain.drafters.base import Drafter
     from vdtrain.targets.shapes import resolve_folder
 
     path = resolve_folder(source)
@@ -63,7 +63,7 @@ def resolve_source(source: str) -> tuple[str | Path, Path | None]:
 
 def export(cfg: DictConfig) -> tuple[Path, PushPlan | None]:
     """Export ``cfg.source`` for ``cfg.target``; push (or plan the push) when ``push.repo_id`` is set."""
-    from vdtrain.drafter import Drafter
+    from vdtrain.drafters.base import Drafter
     from vdtrain.hub import export_drafter, find_results, push_to_hub, run_metadata
     from vdtrain.targets import target_for_run
 

@@ -29,7 +29,7 @@ from vdtrain.preflight import FIT_MINIMUMS, FIT_RANGES, at_least, check_fit, wit
 if TYPE_CHECKING:  # the training stack is imported when training starts, after the checks
     import lightning as L
 
-    from vdtrain.drafter import Drafter
+    from vdtrain.drafters.base import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,8 @@ def build_logger(cfg: FitConfig, run_dir: Path):
 def build_drafter(cfg: FitConfig, target) -> Drafter:
     """The drafter to train: ``drafter.init_from``'s (which must agree with the kind's keys given), or a
     new one of ``drafter.kind`` with the keys its kind owns (``DrafterKind.keys``) that are set."""
-    from vdtrain.drafter import Drafter, DrafterConfig
-    from vdtrain.drafter_kinds import DRAFTERS, drafter_kind
+    from vdtrain.drafters.base import Drafter, DrafterConfig
+    from vdtrain.drafters.registry import DRAFTERS, drafter_kind
 
     kind = drafter_kind(cfg.drafter.kind)
     owned = {key for other in DRAFTERS.values() for key in other.keys}

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict
 from vdtrain.data.shards import ShardError, read_manifest
-from vdtrain.drafter import Drafter, DrafterConfig
+from vdtrain.drafters.base import Drafter, DrafterConfig
 from vdtrain.eval.table import EvalRow, read_results, to_markdown
 from vdtrain.export_format import CARD_FILE, CONFIG_FILE, EXPORT_FILES, WEIGHTS_FILE
 from vdtrain.targets import kind_config
@@ -307,7 +307,7 @@ def _usage_section(metadata: Mapping[str, Any]) -> str:
         else "target = load_target({...})  # the target above, as a conf/target/*.yaml"
     )
     return (
-        "## Use\n\n```python\nfrom vdtrain.drafter import Drafter\n"
+        "## Use\n\n```python\nfrom vdtrain.drafters.base import Drafter\n"
         f"from vdtrain.targets import load_target\n\n{load}\n"
         'drafter = Drafter.from_pretrained("<this repo id or a local copy>", target)\n```\n\n'
         "Evaluate it (speed-up against plain AR decoding, acceptance, quality; `<path>` is this repo id "

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from vdtrain.paths import CONF_DIR, repo_path
 
 if TYPE_CHECKING:
-    from vdtrain.drafter import Drafter
+    from vdtrain.drafters.base import Drafter
     from vdtrain.targets.base import Target
 
 
@@ -59,7 +59,7 @@ def load_drafter(source: str | os.PathLike[str], target: Target, shipped: str | 
     """A drafter from an export folder, a ``.ckpt`` or a Hub repo id; relative paths are tried from the
     working directory, then the repository root. A drafter that cannot serve ``target`` is refused with
     the target's own drafter named (``shipped``: its config's ``drafter``)."""
-    from vdtrain.drafter import Drafter
+    from vdtrain.drafters.base import Drafter
 
     path = repo_path(source)
     try:

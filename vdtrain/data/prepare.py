@@ -43,7 +43,7 @@ from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.compiled import DecodeOptions
 from vdtrain.decode.methods import DecodeConfig, build_method
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.images import images_to_tensor
 from vdtrain.prompts import load_captions
 from vdtrain.sharding import Ranks

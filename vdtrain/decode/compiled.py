@@ -25,7 +25,7 @@ from torch import nn
 
 from vdtrain.decode.graphs import Recorder, record_cuda_graph
 from vdtrain.decode.kernels import RECOMPILE_LIMIT, raise_recompile_limit
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.targets.base import Target
 
 

@@ -44,7 +44,7 @@ from vdtrain.decode.sampling import (
 )
 from vdtrain.decode.schedule import ScheduleConfig, StepPlan, VerificationSchedule
 from vdtrain.decode.trees import DraftTree
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Condition, Target, TargetOutput
 

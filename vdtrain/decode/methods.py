@@ -52,7 +52,7 @@ from vdtrain.decode.vvs import (
     UniformSchedule,
     UniformScheduleConfig,
 )
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.targets.base import Condition, Target
 
 

@@ -29,7 +29,7 @@ import torch
 
 from vdtrain.config import AcceptanceReportConfig
 from vdtrain.decode.engine import DecodeStats
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.eval.quality import QualityConfig
 from vdtrain.eval.runner import EvalResult, UnitRecord, evaluate
 from vdtrain.eval.table import EvalRow

@@ -32,7 +32,7 @@ from vdtrain.decode.engine import DecodeStats, SpeculativeEngine
 from vdtrain.decode.methods import ARMethod, DecodeConfig, build_method, load_preset
 from vdtrain.decode.metrics import position_maps as stats_position_maps
 from vdtrain.decode.metrics import summarize
-from vdtrain.drafter import Drafter
+from vdtrain.drafters.base import Drafter
 from vdtrain.durations import duration
 from vdtrain.eval.heartbeat import Heartbeat
 from vdtrain.eval.papers import projected_speedup

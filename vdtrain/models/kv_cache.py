@@ -74,8 +74,8 @@ class LayerCache:
 class AttendingCache(ABC):
     """A layer cache that also computes the attention over what it holds: a decoder layer hands it
     ``write``'s keys and values and then calls ``attend`` instead of ``scaled_dot_product_attention``.
-    Training-time test uses one (``vdtrain.unroll_cache.UnrollCache``) to attend to keys that differ per
-    query row, which no single dense mask expresses in O(k) work."""
+    Training-time test uses one (``vdtrain.drafters.unroll_cache.UnrollCache``) to attend to keys that
+    differ per query row, which no single dense mask expresses in O(k) work."""
 
     @abstractmethod
     def write(

@@ -146,7 +146,7 @@ class ImageTokenizer(nn.Module, ABC):
 
 class DraftLayer(nn.Module, ABC):
     """One decoder layer of a target family, with that family's positional encoding: the layer an
-    EAGLE drafter stacks on ``fc`` (``vdtrain.drafter``).
+    EAGLE drafter stacks on ``fc`` (``vdtrain.drafters.base``).
 
     Built from the drafter config alone (``hidden_size``, ``prefix_length``, ``grid`` and the family's
     ``settings``), so a saved drafter rebuilds without its target; ``settings_of`` reads the target's own

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from vdtrain.drafter import Drafter
-from vdtrain.drafter_rows import chain_rows
+from vdtrain.drafters.base import Drafter
+from vdtrain.drafters.rows import chain_rows
 from vdtrain.targets.base import Condition, Target, split_taps
 from vdtrain.train.losses import image_target_mask, top_k_agreement
 

@@ -21,8 +21,8 @@ import torch
 from lightning.pytorch.callbacks import Timer
 
 from vdtrain.config import DrafterTrainConfig, OptimConfig
-from vdtrain.drafter import CHECKPOINT_CONFIG_KEY, Drafter
-from vdtrain.drafter_rows import chain_rows
+from vdtrain.drafters.base import CHECKPOINT_CONFIG_KEY, Drafter
+from vdtrain.drafters.rows import chain_rows
 from vdtrain.images import images_to_tensor
 from vdtrain.targets.base import Target, split_taps
 from vdtrain.train.agreement import unrolled_agreement

@@ -3,7 +3,7 @@
 ``eagle1`` reads the target's last (final-norm) hidden state and regresses the next one, teacher-forced.
 ``eagle3`` fuses low, middle and high target layers (``fuse``), normalises its output before the head
 and is trained on its own unrolled outputs (docs/training.md, "EAGLE-3 drafters"). Both are rows of
-``vdtrain.drafter_kinds.DRAFTERS``; the functions here receive the ``Drafter`` whose modules they made.
+``vdtrain.drafters.registry.DRAFTERS``; the functions here receive the ``Drafter`` whose modules they made.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from vdtrain.targets.base import Target
 
 
-# What the kind's functions receive: the ``Drafter`` (vdtrain/drafter.py) whose modules the kind made, and
-# its ``DrafterConfig``; named without importing them, since vdtrain/drafter.py imports the kinds.
+# What the kind's functions receive: the ``Drafter`` (drafters/base.py) whose modules the kind made, and
+# its ``DrafterConfig``; named without importing them, since drafters/base.py imports the kinds.
 Drafter = nn.Module
 DrafterConfig = Any
 

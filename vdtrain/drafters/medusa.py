@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from vdtrain.models.kv_cache import KVCache
 
 
-# What the kind's functions receive: the ``Drafter`` (vdtrain/drafter.py) whose modules the kind made, and
-# its ``DrafterConfig``; named without importing them, since vdtrain/drafter.py imports the kinds.
+# What the kind's functions receive: the ``Drafter`` (drafters/base.py) whose modules the kind made, and
+# its ``DrafterConfig``; named without importing them, since drafters/base.py imports the kinds.
 Drafter = nn.Module
 DrafterConfig = Any
 

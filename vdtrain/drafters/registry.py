@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from vdtrain import drafter_eagle as eagle
-from vdtrain import drafter_medusa as medusa
+import vdtrain.drafters.eagle as eagle
+import vdtrain.drafters.medusa as medusa
 
 if TYPE_CHECKING:
     import torch
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from vdtrain.targets.base import Target
 
 
-# What the kind's functions receive: the ``Drafter`` (vdtrain/drafter.py) whose modules the kind made, and
-# its ``DrafterConfig``; named without importing them, since vdtrain/drafter.py imports the kinds.
+# What the kind's functions receive: the ``Drafter`` (drafters/base.py) whose modules the kind made, and
+# its ``DrafterConfig``; named without importing them, since drafters/base.py imports the kinds.
 Drafter = nn.Module
 DrafterConfig = Any
 

@@ -1,13 +1,13 @@
 """The drafter: a kind's own modules between the target's borrowed token embedding and head.
 
 What a drafter holds and does is its kind's (``DrafterConfig.kind``, a row of
-``vdtrain.drafter_kinds.DRAFTERS``): EAGLE's ``fc`` and one decoder layer of the target's family
+``vdtrain.drafters.registry.DRAFTERS``): EAGLE's ``fc`` and one decoder layer of the target's family
 (``eagle1``, ``eagle3``), or Medusa-style heads (``medusa``). The token embedding and the output head are
 *borrowed* from the frozen target (``Drafter.attach``): they are neither parameters of the drafter nor in
 its saved weights.
 
 Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}``, with a zero embedding
-where slot ``s + 1`` is a caption row; ``drafter_rows.teacher_inputs`` is the only place that builds it.
+where slot ``s + 1`` is a caption row; ``rows.teacher_inputs`` builds it.
 The alignment, positions and mask are derived in docs/training.md, "The drafter's sequence alignment".
 """
 
@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
-from vdtrain.drafter_kinds import DRAFTERS, DrafterKind, drafter_kind
-from vdtrain.drafter_rows import after_prefix_rows, teacher_inputs, teacher_mask
+from vdtrain.drafters.registry import DRAFTERS, DrafterKind, drafter_kind
+from vdtrain.drafters.rows import after_prefix_rows, teacher_inputs, teacher_mask
+from vdtrain.drafters.unroll_cache import UnrollCache
 from vdtrain.export_format import CONFIG_FILE, REPO_ID, WEIGHTS_FILE, download
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets import draft_layer_class
@@ -35,7 +36,6 @@ from vdtrain.targets.base import (
     Target,
     TargetIdentity,
 )
-from vdtrain.unroll_cache import UnrollCache
 
 # Top-level keys of LlamaGen drafter configs written before ``DrafterConfig.layer`` (still read).
 LLAMAGEN_LAYER_FIELDS = (
