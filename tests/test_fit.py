@@ -26,6 +26,7 @@ from conftest import TINY_GPT, random_gpt, random_vq
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import Timer
 from omegaconf import OmegaConf
+from reference_losses import drafter_loss, unrolled_loss
 from safetensors.torch import load_file
 
 from vdtrain.config import DrafterTrainConfig, FitConfig, OptimConfig, UnknownConfigKeyError, check_known_keys
@@ -39,7 +40,7 @@ from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, generate
 from vdtrain.targets import load_target
 from vdtrain.targets.base import split_taps
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
-from vdtrain.train.losses import drafter_loss, image_target_mask, unrolled_loss
+from vdtrain.train.losses import image_target_mask
 from vdtrain.train.module import DrafterModule, NonFiniteLossError
 
 REPO = Path(__file__).resolve().parents[1]
