@@ -156,7 +156,7 @@ def module_of(target: LlamaGenTarget, kind: str, compile: bool = False) -> Draft
     return DrafterModule(target, drafter_of(target, kind), train, OptimConfig(), compile=compile)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])  # medusa's loss is eagle3's
 def test_the_compiled_part_of_a_training_step_has_no_graph_break_and_no_complex_op(target, kind):
     """What ``trainer.compile`` compiles (the drafter's passes and loss, a left-padded caption) traces as one
     graph; RoPE runs in real arithmetic there, which Inductor generates code for."""

@@ -39,19 +39,19 @@ def token_loss(
     split in half as ``torch.minimum`` splits them."""
     check_cls_loss(kind)
     log_q = pred_logits.float().log_softmax(-1)
-    q = log_q.exp()
     if kind == "soft_ce":
-        return -(target_probs * log_q).sum(-1), q * target_probs.sum(-1, keepdim=True) - target_probs
-    # dα/dz_v = Σ_u m_u q_u (δ_uv − q_v), m_u the share of min's gradient q_u gets
-    share = (q < target_probs).float() + 0.5 * (q == target_probs).float()
-    shared = share * q
-    d_alpha = shared - q * shared.sum(-1, keepdim=True)
+        loss = -(target_probs * log_q).sum(-1)
+        return loss, log_q.exp_().mul_(target_probs.sum(-1, keepdim=True)).sub_(target_probs)  # in place
+    q = log_q.exp_()
     alpha = torch.minimum(target_probs, q).sum(-1)
+    # dα/dz_v = Σ_u m_u q_u (δ_uv − q_v), m_u the share of min's gradient q_u gets
+    shared = (q < target_probs).float().add_((q == target_probs).float(), alpha=0.5).mul_(q)
+    d_alpha = shared.sub_(q.mul_(shared.sum(-1, keepdim=True)))
     if kind == "acceptance":
-        return 1.0 - alpha, -d_alpha
+        return 1.0 - alpha, d_alpha.neg_()
     clamped = alpha.clamp_min(ACCEPTANCE_FLOOR)
     passes = (alpha >= ACCEPTANCE_FLOOR).float() / clamped
-    return -clamped.log(), -d_alpha * passes[..., None]
+    return -clamped.log(), d_alpha.mul_(-passes[..., None])
 
 
 def split_head(head: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, nn.Linear]:
@@ -81,13 +81,17 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for chunk in range(chunks):  # a fixed count: as many kernels, and as much to compile, at any batch
             rows = slice(chunk * per_chunk, (chunk + 1) * per_chunk)  # the last may be short, or empty
             target_logits = F.linear(target[rows, None], weight, bias).float()  # [c, 1, V]
-            pred_logits = F.linear(drafted[rows], weight, bias).float()  # [c, K, V]
-            loss, grad_logits = token_loss(target_logits.softmax(-1), pred_logits, kind)
-            losses.append(loss)
-            drafted_top.append(pred_logits.argmax(-1))
             target_top.append(target_logits.argmax(-1))
+            probs = target_logits.softmax(-1)
+            del target_logits  # a chunk holds as few [c, K, V] tensors at once as it can
+            pred_logits = F.linear(drafted[rows], weight, bias).float()  # [c, K, V]
+            drafted_top.append(pred_logits.argmax(-1))
+            loss, grad_logits = token_loss(probs, pred_logits, kind)
+            del pred_logits, probs
+            losses.append(loss)
             if ctx.needs_input_grad[0]:
                 grads.append((grad_logits.to(weight.dtype) @ weight).float())
+            del grad_logits
         hits = torch.cat(drafted_top) == torch.cat(target_top)  # the drafter's argmax is the target's
         ctx.mark_non_differentiable(hits)
         grads = torch.cat(grads) if grads else None
