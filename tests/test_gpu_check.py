@@ -47,6 +47,8 @@ def test_dry_run_lists_the_steps_in_priority_order(tmp_path):
     assert "--presets all" in done.stdout  # the SCD presets among them
     assert "benchmarks.step_profile --device cuda --target llamagen-xl" in done.stdout
     assert "--targets shapes --modes compiled" in done.stdout and "zero2" in done.stdout
+    # issue #47: the training step's split, breaks and MFU at batch 8 and at 32, the GPU batch it proposes
+    assert "--modes eager zero2 compiled --batch 8 32" in done.stdout
     assert not out.exists()  # a dry run writes nothing
 
 
