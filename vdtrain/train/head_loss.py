@@ -2,7 +2,7 @@
 time: the [rows, V] logits never exist whole (docs/training.md, "Training speed").
 
 Every scored row pairs the drafter's features with the target's (eagle1: one drafter pass per target row;
-eagle3 and medusa: one per unrolled step). A chunk of target rows goes through the head once, its
+an unrolled kind: one per unrolled step). A chunk of target rows goes through the head once, its
 drafter rows beside it, and each row's loss and its gradient with respect to the drafter's features are
 computed there and then: the head is frozen, so the backward pass needs nothing else, and nothing of the
 size of the logits is kept for it ([rows, H] gradients instead).
