@@ -396,8 +396,10 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_folder, tmp_path):
         torch.testing.assert_close(acc_grads[name], grad, rtol=1e-4, atol=1e-7, msg=name)
     acc = load_file(tmp_path / "acc" / "drafter" / "model.safetensors")
     big = load_file(tmp_path / "big" / "drafter" / "model.safetensors")
+    # AdamW's first step moves a weight by lr · g / (|g| + eps): a gradient near eps (1e-8) turns a 1e-10
+    # rounding difference (batches of 2 and of 4 cut the loss's rows into chunks apart) into 1e-6 of weight
     for name, value in big.items():
-        torch.testing.assert_close(acc[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(acc[name], value, rtol=1e-5, atol=1e-5, msg=name)
     for run in ("acc", "big"):
         assert read_ckpt(tmp_path / run / "checkpoints" / "last.ckpt")["global_step"] == 1
 
