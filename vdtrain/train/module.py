@@ -66,7 +66,8 @@ class DrafterModule(L.LightningModule):
         self.train_cfg, self.optim_cfg = train, optim
         self.features, self.p_null, self.seed, self.max_steps = features, p_null, seed, max_steps
         self.max_minutes = max_minutes
-        self.compile, self._compiled = compile, None
+        # trainer.compile; the compiled drafter_loss is made at the first step (nn.Module has a `compile`)
+        self.compile_step, self._compiled = compile, None
 
     @property
     def target(self) -> Target:
@@ -147,7 +148,7 @@ class DrafterModule(L.LightningModule):
             hidden_in = uniform_feature_noise(hidden, noise, generator)
         else:
             hidden_in, tapped = hidden, uniform_feature_noise(tapped, noise, generator)
-        if self.compile and self._compiled is None:
+        if self.compile_step and self._compiled is None:
             self._compiled = torch.compile(self.drafter_loss)
         step = self.drafter_loss if self._compiled is None else self._compiled
         return step(tokens, cond_mask, hidden, hidden_in, tapped)
