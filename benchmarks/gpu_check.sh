@@ -42,14 +42,14 @@ if [[ $device == cuda ]]; then
   xl="llamagen-xl --dtype bf16" pair="eagle2 sjd" scale=1 big=16 prompts=8 eval_prompts=16 eval= graphs=graphs compiled=compiled presets=all
   profile="--target llamagen-xl --dtype bf16 --steps 4"
   seven_b="--targets chameleon-7b janus-pro-7b --dtype bf16 --steps 24"  # random weights; 24 steps a decode
-  train="--targets llamagen-xl --drafters eagle1 eagle3 --modes eager zero2 compiled --batch 8 --steps 3 --warmup 2"
+  train="--targets llamagen-xl --drafters eagle1 eagle3 --modes eager zero2 compiled --batch 8 32 --steps 3 --warmup 2 --reference-loss"
   scaling="--target grain --minutes 2 --points 2048 --batch 16 --precision bf16-mixed"
   calibration="--num-prompts 512 --batch-size 64"  # captions 32-511 cached first: python -m data_prep.captions target=grain
 else  # the script's own test: the same steps on a CPU, eager, at small sizes, each given 4x its budget
   xl="shapes --dtype fp32" pair=sjd scale=4 big=2 prompts=2 eval_prompts=2 eval="eval=fast acceptance.enabled=false" graphs=eager compiled=steps presets=scd
   profile="--target shapes --steps 1 --skip 1"
   seven_b="--targets chameleon-7b janus-pro-7b --layers 1 --dtype bf16 --steps 4"  # one layer of each
-  train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 1 --steps 1 --warmup 1"
+  train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 1 2 --steps 1 --warmup 1"
   scaling="--target shapes --minutes 0.3 --points 16 --batch 2 --val-samples 4 --ttt-steps 2 --threads 2"
   calibration="--num-prompts 2 --batch-size 2 --methods eagle1 sjd"
 fi
@@ -70,7 +70,7 @@ steps=(
   "shapes|100|$step_cost --targets shapes --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $stage/shapes.json"
   "grain|130|$step_cost --targets grain --modes $graphs --batch 1 $big --prompts $prompts --presets $presets --out $stage/grain.json"
   "shapes_compiled|110|$step_cost --targets shapes --modes $compiled --batch 1 --prompts $prompts --presets $pair --out $stage/shapes_compiled.json"
-  "train|90|python -m benchmarks.train_throughput --device $device $train --out $stage/train.json"
+  "train|300|python -m benchmarks.train_throughput --device $device $train --out $stage/train.json"
   "evaluate|60|python -m vdtrain.evaluate $eval device=$device num_prompts=$eval_prompts batch_size=$big plots=false save_images=false out_dir=$stage/evaluate && cp $stage/evaluate/results.json $stage/evaluate.json"
   "xl_eager|80|$step_cost --targets $xl --modes eager --batch 1 --presets $pair --out $stage/xl_eager.json"
   # optional, only when named (bash benchmarks/gpu_check.sh --steps scaling 400 OUT): issue #35's curve

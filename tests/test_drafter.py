@@ -15,14 +15,14 @@ from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters.base import Drafter, DrafterConfig
 from vdtrain.drafters.rows import feature_targets, teacher_inputs, teacher_mask
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
+from vdtrain.train.head_loss import token_loss
 from vdtrain.train.losses import (
-    cls_per_row,
-    drafter_loss,
     feature_loss,
     image_target_mask,
     simulated_tau,
-    soft_ce,
+    teacher_loss,
     top_k_agreement,
+    trained_rows,
     uniform_feature_noise,
 )
 
@@ -82,6 +82,8 @@ def test_trained_rows_are_the_features_that_predict_image_tokens(tiny_target):
     # row j regresses f_{j+1}; trained: f_{L-1} .. f_{L+N-2}
     assert mask.nonzero().squeeze(1).tolist() == list(range(L - 2, L + N - 2))
     assert not mask[-1]  # f_{L+N-1} predicts nothing
+    assert mask.nonzero().squeeze(1).tolist() == list(range(L + N - 1))[trained_rows(L, N)]
+    assert len(range(1 + 5 - 1)[trained_rows(1, 5)]) == 4  # a one-row prefix: f_1 .. f_4
     cond, tokens, hidden = teacher_batch(tiny_target)
     assert image_target_mask(cond.mask, N).shape == (2, L + N - 1)
     # the head of the trained targets gives the target's logits for image tokens 0 .. N-1
@@ -108,8 +110,9 @@ def test_drafter_owns_no_target_weights_and_only_it_trains(tiny_target):
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     cond, tokens, hidden = teacher_batch(tiny_target)
     pred = drafter.forward_teacher(hidden, tokens, cond.mask)
-    mask = image_target_mask(cond.mask, tokens.shape[1])
-    loss, parts = drafter_loss(pred, feature_targets(hidden), drafter.logits, mask)
+    loss, parts = teacher_loss(
+        pred, feature_targets(hidden), drafter.normed, drafter.head, cond.mask.shape[1]
+    )
     loss.backward()
     assert set(parts) == {"feature", "cls", "top1", "total"}
     assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
@@ -230,12 +233,11 @@ def test_feature_loss_is_zero_for_identical_inputs_and_respects_the_mask():
 def test_soft_ce_equals_ce_for_a_one_hot_target():
     pred = torch.randn(2, 3, 7)
     labels = torch.randint(0, 7, (2, 3))
-    one_hot = torch.full((2, 3, 7), float("-inf")).scatter(-1, labels[..., None], 0.0)
-    ce = F.cross_entropy(pred.reshape(-1, 7), labels.reshape(-1))
-    torch.testing.assert_close(soft_ce(one_hot, pred, torch.ones(2, 3, dtype=torch.bool)), ce)
-    mask = torch.tensor([True, False, False])
-    ce_first = F.cross_entropy(pred[:, 0], labels[:, 0])
-    torch.testing.assert_close(soft_ce(one_hot, pred, mask), ce_first)
+    one_hot = F.one_hot(labels, 7).float()
+    ce = F.cross_entropy(pred.reshape(-1, 7), labels.reshape(-1), reduction="none").view(2, 3)
+    loss, grad = token_loss(one_hot, pred)
+    torch.testing.assert_close(loss, ce)
+    torch.testing.assert_close(grad, pred.softmax(-1) - one_hot)
 
 
 def test_the_acceptance_loss_is_the_rejection_chance_of_speculative_sampling():
@@ -245,15 +247,16 @@ def test_the_acceptance_loss_is_the_rejection_chance_of_speculative_sampling():
     q_logits = torch.tensor([[2.0, 0.0, 1.0]])
     q = q_logits.softmax(-1)
     alpha = torch.minimum(p, q).sum()
-    torch.testing.assert_close(cls_per_row(p, q_logits, "acceptance"), 1 - alpha[None])
-    torch.testing.assert_close(cls_per_row(p, q_logits, "log_acceptance"), -alpha.log()[None])
+    torch.testing.assert_close(token_loss(p, q_logits, "acceptance")[0], 1 - alpha[None])
+    torch.testing.assert_close(token_loss(p, q_logits, "log_acceptance")[0], -alpha.log()[None])
     g = torch.Generator().manual_seed(0)
     drawn = torch.multinomial(q[0], 200_000, replacement=True, generator=g)
     accepted = torch.rand(200_000, generator=g) < (p[0] / q[0]).clamp(max=1)[drawn]
     assert abs(accepted.float().mean() - alpha) < 0.005
-    assert cls_per_row(p, torch.tensor([[0.0, 0.0, -1e4]]), "acceptance").item() == pytest.approx(0, abs=1e-6)
+    rejected = token_loss(p, torch.tensor([[0.0, 0.0, -1e4]]), "acceptance")[0]
+    assert rejected.item() == pytest.approx(0, abs=1e-6)
     with pytest.raises(ValueError, match="soft_ce"):
-        cls_per_row(p, q_logits, "kl")
+        token_loss(p, q_logits, "kl")
 
 
 def test_top_k_agreement_and_simulated_tau():

@@ -54,6 +54,8 @@ def test_dry_run_lists_the_steps_in_priority_order(tmp_path):
         "--targets chameleon-7b janus-pro-7b --dtype bf16 --steps 24 --modes graphs --batch 1 16"
         in done.stdout
     )
+    # issue #47: the training step's split, breaks and MFU at batch 8 and at 32, the GPU batch it proposes
+    assert "--modes eager zero2 compiled --batch 8 32" in done.stdout
     assert not out.exists()  # a dry run writes nothing
 
 

@@ -10,7 +10,7 @@ from conftest import TINY_GPT, random_gpt, tiny_condition
 
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.models.llamagen_gpt import LlamaGenGPT, apply_rope, rope_2d_table
+from vdtrain.models.llamagen_gpt import LlamaGenGPT, apply_rope, rope_2d_table, rotate_pairs
 from vdtrain.targets.base import prefix_causal_mask
 from vdtrain.targets.llamagen import LlamaGenTarget, left_pad
 
@@ -34,6 +34,25 @@ def test_identity_caption_rope_keeps_caption_queries_and_keys():
     assert apply_rope(x, rope_2d_table(4, 8, 10000.0, 3)[None])[:, :3].abs().sum() == 0  # LlamaGen's
     with pytest.raises(ValueError, match="caption_rope"):
         rope_2d_table(4, 8, 10000.0, 3, prefix="learned")
+
+
+def test_rope_in_real_arithmetic_rotates_as_the_complex_product():
+    """What ``torch.compile`` traces (``rotate_pairs``) equals the eager complex product to float rounding,
+    in fp32 and bf16, over zero caption rows, the identity and the grid's rotations; under tracing
+    ``apply_rope`` takes the real form."""
+    torch.manual_seed(0)
+    table = torch.cat(
+        [rope_2d_table(4, 8, 10000.0, 2), rope_2d_table(4, 8, 10000.0, 2, prefix="identity")[:2]]
+    )
+    rope = table[torch.randint(0, len(table), (3, 20))]  # [B, S, D/2, 2]: every kind of row, batched
+    x = torch.randn(3, 20, 5, 8)
+    torch.testing.assert_close(rotate_pairs(x, rope), apply_rope(x, rope), rtol=1e-6, atol=1e-6)
+    half = x.bfloat16()
+    assert rotate_pairs(half, rope).dtype == torch.bfloat16
+    torch.testing.assert_close(rotate_pairs(half, rope), apply_rope(half, rope))  # bf16 rounding
+    traced = torch.compile(apply_rope, backend="eager", fullgraph=True)
+    torch.testing.assert_close(traced(x, rope), rotate_pairs(x, rope), rtol=0, atol=0)
+    torch._dynamo.reset()
 
 
 def test_prefix_mask_hides_padding_but_keeps_the_diagonal():

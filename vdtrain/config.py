@@ -77,6 +77,9 @@ class DrafterTrainConfig:
     ttt_decay: float = 0.8  # unrolled kinds: weight decay^j of unrolled step j's loss (EAGLE-3's 0.8)
     feature_noise: float = 0.1  # uniform input-feature noise U(-a, a) (eagle3: on the fused layers)
     val_depth: int = 5  # draft depth unrolled at validation for per-depth agreement and tau_sim
+    # the loss goes through the frozen head in this many chunks of rows, so it holds 1 / loss_chunks of the
+    # [rows, V] logits at a time (a fixed count: as many kernels, and as much to compile, at any batch)
+    loss_chunks: int = 8
     init_from: str | None = None  # a saved drafter folder to start from
 
 
@@ -101,6 +104,9 @@ class TrainerConfig:
     # It is also written at the end of every epoch, at the end of training and on SIGTERM or Ctrl-C.
     checkpoint_every_n_steps: int | None = None
     deterministic: bool = False
+    # torch.compile the drafter's passes and loss (the target's pass and the optimizer stay eager); the first
+    # steps pay the compilation (docs/training.md, "Training speed")
+    compile: bool = False
     threads: int | None = None  # torch CPU threads per process (null: torch's default)
     deepspeed: dict[str, Any] = field(default_factory=dict)  # extra DeepSpeed config entries
 

@@ -207,6 +207,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         cfg.seed,
         cfg.trainer.max_steps,
         cfg.trainer.max_minutes,
+        cfg.trainer.compile,
     )
     data = DrafterDataModule(cfg.data, target.identity, target.world, drafter.taps)
     ckpt_path = None if cfg.resume is None else str(checkpoint(cfg.resume, run_dir))

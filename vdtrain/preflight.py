@@ -27,6 +27,7 @@ FIT_MINIMUMS = (
     ("data.samples_per_epoch", 1),
     ("data.val_samples", 0),
     ("data.num_workers", 0),
+    ("drafter.loss_chunks", 1),
     ("eval.num_prompts", 1),
     ("eval.batch_size", 1),
     ("eval.every_n_epochs", 1),

@@ -23,8 +23,9 @@ from vdtrain.config import RECORD, FitConfig
 log = logging.getLogger("vdtrain.fit")
 # Keys a resume may change (a prefix covers its sub-keys): how long the run goes on (max_steps only
 # upwards), how it logs, checkpoints, evaluates, exports and pushes, how many CPU threads and DataLoader
-# workers it uses (batches are the same for any worker count, docs/training.md), and the learning rate
-# and clipping a recovery from a non-finite loss lowers (docs/training.md, Faults).
+# workers it uses (batches are the same for any worker count, docs/training.md), how it computes a step
+# (compiled or not, the loss's chunks: the same loss to float rounding), and the learning rate and
+# clipping a recovery from a non-finite loss lowers (docs/training.md, Faults).
 MAY_CHANGE = (
     "resume",
     "run_dir",
@@ -35,6 +36,8 @@ MAY_CHANGE = (
     "trainer.progress_every_n_steps",
     "trainer.checkpoint_every_n_steps",
     "trainer.threads",
+    "trainer.compile",
+    "drafter.loss_chunks",
     "data.num_workers",
     "logger",
     "eval",

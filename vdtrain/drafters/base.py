@@ -347,9 +347,14 @@ class Drafter(nn.Module):
         regresses final-norm states), eagle3's through its own norm, medusa's through the next head."""
         return self.kind.head_input(self, hidden)
 
+    @property
+    def head(self) -> nn.Module:
+        """The borrowed, frozen target head (final-norm states → image-token logits)."""
+        return self._require().head
+
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The borrowed target head alone: fp32 logits of final-norm states (the target's, in training)."""
-        head = self._require().head
+        head = self.head
         weight = next(head.parameters(), None)
         if weight is not None:
             hidden = hidden.to(weight.dtype)

@@ -57,12 +57,17 @@ def teacher_mask(cond_mask: torch.Tensor, seq_len: int) -> torch.Tensor:
     return full[..., :seq_len, :seq_len]
 
 
+def chain_start(prefix_length: int, step: int) -> int:
+    """The first row of unrolled step ``step`` whose chain starts where decoding starts one: row ``L - 1``
+    (the first root; decoding never drafts from inside the prefix) plus the steps drafted since."""
+    return prefix_length - 1 + step
+
+
 def chain_rows(cond_mask_or_prefix_len: torch.Tensor | int, seq_len: int, step: int) -> torch.Tensor:
-    """Bool [S] over the rows of unrolled step ``step`` whose chain starts where decoding starts one:
-    at or after row ``L - 1`` (the first root; decoding never drafts from inside the prefix)."""
+    """Bool [S] over the rows of unrolled step ``step`` from its ``chain_start`` on."""
     prefix = (
         cond_mask_or_prefix_len.shape[1]
         if isinstance(cond_mask_or_prefix_len, torch.Tensor)
         else int(cond_mask_or_prefix_len)
     )
-    return torch.arange(seq_len) - step >= prefix - 1
+    return torch.arange(seq_len) >= chain_start(prefix, step)

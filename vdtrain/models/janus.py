@@ -62,8 +62,16 @@ class GenerationHead(nn.Module):
         self.proj_out = nn.Linear(width, inner)
         self.vision_head = nn.Linear(inner, codebook_size)
 
+    def inner(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Everything before the last linear (the drafter's chunked loss runs that one itself)."""
+        return F.gelu(self.proj_out(hidden))
+
+    @property
+    def final(self) -> nn.Linear:
+        return self.vision_head
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.vision_head(F.gelu(self.proj_out(hidden)))
+        return self.vision_head(self.inner(hidden))
 
 
 class JanusGenerator(nn.Module):

@@ -10,8 +10,9 @@ because the released weights depend on them (docs/targets.md, "LlamaGen t2i"):
   attend to itself.
 
 A GPU decode step is bound by kernel launches, so a layer is few kernels (docs/decoding.md, "Kernels per
-step"): native RMSNorm, q and k rotated by one complex product, one ``w1‖w3`` GEMM (the state dict keeps
-``w1`` / ``w3``), the mask made an additive bias once per forward.
+step"): native RMSNorm, q and k rotated by one complex product (real arithmetic under ``torch.compile``:
+``apply_rope``), one ``w1‖w3`` GEMM (the state dict keeps ``w1`` / ``w3``), the mask made an additive bias
+once per forward.
 """
 
 from __future__ import annotations
@@ -128,10 +129,21 @@ def rope_2d_table(
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [B, S, H, D] by ``rope`` [B, S, D/2, 2] (adjacent pairs, computed in fp32): the pair
-    (a, b) times cos + i·sin as one complex product, one kernel (a GPU step is bound by launches)."""
+    (a, b) times cos + i·sin. Eager, as one complex product: one kernel (a GPU step is bound by launches).
+    Under ``torch.compile``, in real arithmetic (``rotate_pairs``): Inductor generates no code for complex
+    operators and would run the product outside its fused kernels; it fuses the real form into one."""
+    if torch.compiler.is_compiling():
+        return rotate_pairs(x, rope)
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     turned = pairs * torch.view_as_complex(rope)[:, :, None]
     return torch.view_as_real(turned).flatten(3).type_as(x)
+
+
+def rotate_pairs(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """``apply_rope``'s rotation in real arithmetic: (a, b) → (a·cos − b·sin, a·sin + b·cos), in fp32."""
+    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = (part[:, :, None] for part in rope.unbind(-1))
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).flatten(3).type_as(x)
 
 
 def attention_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -141,6 +153,18 @@ def attention_bias(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tenso
     if mask is None or mask.dtype != torch.bool:
         return mask
     return torch.log(mask).to(dtype)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` whose weight takes its input's dtype. Under bf16 autocast a trained layer's activations
+    are bf16 while its weights stay fp32, and torch's fused kernel refuses the pair (a warning and a slower
+    composite); in one dtype (decoding, the frozen target) it is ``nn.RMSNorm`` itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if weight is not None and weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
 class MLP(nn.Module):
@@ -258,8 +282,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention = Attention(config)
         self.feed_forward = FeedForward(config)
-        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
 
     def forward(
         self,
@@ -285,7 +309,7 @@ class LlamaGenGPT(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.tok_dropout = nn.Dropout(config.token_dropout_p)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer))
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         rope = rope_2d_table(
             config.grid_size, config.head_dim, config.rope_base, config.cls_token_num, config.caption_rope

@@ -1,8 +1,9 @@
 """The drafter's training loss and the cheap signals logged with it (docs/training.md, "Choices this
 implementation makes").
 
-Only the ``N`` rows whose target feature predicts an image token are trained (``image_target_mask``):
-docs/training.md, "Which rows are trained", says why.
+Only the ``N`` rows whose target feature predicts an image token are trained (``trained_rows``):
+docs/training.md, "Which rows are trained", says why. The token-distribution term goes through the frozen
+head a chunk of rows at a time (``vdtrain.train.head_loss``).
 """
 
 from __future__ import annotations
@@ -11,25 +12,33 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from vdtrain.config import DrafterTrainConfig
+from vdtrain.drafters.rows import chain_start
+from vdtrain.train.head_loss import head_token_loss
+
+
+def trained_rows(prefix_length: int, num_image_tokens: int) -> slice:
+    """The rows ``j`` of the ``L+N-1`` regression targets ``target_hidden[:, 1:]`` that are trained: target
+    slot ``j+1`` predicts an image token, ``L-1 <= j+1 <= L+N-2`` (see the module docstring). The same
+    rows for every sample: the condition's padding does not matter, since every trained slot is at or after
+    the last caption row, which left padding always keeps real."""
+    if prefix_length < 1:
+        raise ValueError(f"prefix length must be >= 1, got {prefix_length}")
+    return slice(max(0, prefix_length - 2), prefix_length + num_image_tokens - 2)
 
 
 def image_target_mask(cond_mask_or_prefix_len: torch.Tensor | int, num_image_tokens: int) -> torch.Tensor:
-    """Bool mask over the ``L+N-1`` regression targets ``target_hidden[:, 1:]``: True on the rows trained.
-
-    Row ``j`` (target slot ``j+1``) is trained iff ``L-1 <= j+1 <= L+N-2``, see the module docstring.
-    Given a ``[B, L]`` condition mask, returns ``[B, L+N-1]`` (on its device); given ``L``, ``[L+N-1]``.
-    The condition's padding does not matter: every trained slot is at or after the last caption row,
-    which left padding always keeps real.
-    """
+    """``trained_rows`` as a bool mask over the ``L+N-1`` regression targets: given a ``[B, L]`` condition
+    mask, ``[B, L+N-1]`` (on its device); given ``L``, ``[L+N-1]``."""
     if isinstance(cond_mask_or_prefix_len, torch.Tensor):
         batch, prefix = cond_mask_or_prefix_len.shape
         device = cond_mask_or_prefix_len.device
     else:
         batch, prefix, device = None, int(cond_mask_or_prefix_len), None
-    if prefix < 1:
-        raise ValueError(f"prefix length must be >= 1, got {prefix}")
-    target_slot = torch.arange(1, prefix + num_image_tokens, device=device)
-    mask = (target_slot >= prefix - 1) & (target_slot <= prefix + num_image_tokens - 2)
+    mask = torch.zeros(prefix + num_image_tokens - 1, dtype=torch.bool, device=device)
+    mask[trained_rows(prefix, num_image_tokens)] = True
     return mask if batch is None else mask.expand(batch, -1)
 
 
@@ -43,35 +52,11 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
 
 def feature_loss(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """SmoothL1 (beta 1) averaged over the hidden dim, then a masked mean over positions; fp32."""
-    per_position = F.smooth_l1_loss(pred.float(), target.float(), reduction="none", beta=1.0).mean(-1)
-    return _masked_mean(per_position, mask)
+    return _masked_mean(_feature_per_row(pred, target), mask)
 
 
-def soft_ce(
-    target_logits: torch.Tensor, pred_logits: torch.Tensor, mask: torch.Tensor | None, kind: str = "soft_ce"
-) -> torch.Tensor:
-    """``-(softmax(target) · log_softmax(pred)).sum(-1)`` (or another ``cls_per_row`` kind), masked mean;
-    the target side carries no grad."""
-    target_probs = target_logits.detach().float().softmax(-1)
-    return _masked_mean(cls_per_row(target_probs, pred_logits, kind), mask)
-
-
-CLS_LOSSES = ("soft_ce", "acceptance", "log_acceptance")
-
-
-def cls_per_row(target_probs: torch.Tensor, pred_logits: torch.Tensor, kind: str = "soft_ce") -> torch.Tensor:
-    """The token-distribution term per row [R] between the target's ``target_probs`` p and the drafter's
-    ``pred_logits`` (q = softmax): ``soft_ce`` −Σ p log q (EAGLE's), or the chance that speculative
-    sampling at T = 1 accepts a token drawn from q, ``α = Σ_v min(p_v, q_v)``, as ``acceptance`` 1 − α
-    or ``log_acceptance`` −log α. Soft CE pulls q towards all of p; α rewards only the mass q shares with
-    p, which is what acceptance pays for when the target spreads its mass over many image tokens."""
-    pred_logits = pred_logits.float()
-    if kind == "soft_ce":
-        return -(target_probs * pred_logits.log_softmax(-1)).sum(-1)
-    if kind not in CLS_LOSSES:
-        raise ValueError(f"the cls loss must be one of {list(CLS_LOSSES)}, got {kind!r}")
-    accepted = torch.minimum(target_probs, pred_logits.softmax(-1)).sum(-1)
-    return 1.0 - accepted if kind == "acceptance" else -accepted.clamp_min(1e-6).log()
+def _feature_per_row(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.smooth_l1_loss(pred.float(), target.float(), reduction="none", beta=1.0).mean(-1)
 
 
 def top_k_agreement(
@@ -84,33 +69,35 @@ def top_k_agreement(
     return _masked_mean(hit.float(), mask)
 
 
-def drafter_loss(
+def teacher_loss(
     pred_feats: torch.Tensor,
     target_feats: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
-    mask: torch.Tensor,
+    normed: Callable[[torch.Tensor], torch.Tensor],
+    head: nn.Module,
+    prefix_length: int,
     w_cls: float = 0.1,
     cls_loss: str = "soft_ce",
+    chunks: int = DrafterTrainConfig.loss_chunks,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``feature_loss + w_cls · soft_ce(head(f), head(f̂))`` over the ``mask``ed positions (``cls_loss``:
-    another ``cls_per_row`` kind in place of the soft CE).
+    """EAGLE-1's loss on the ``trained_rows``: ``feature_loss + w_cls · soft_ce(head(f), head(normed(f̂)))``
+    (``cls_loss``: another ``token_loss`` kind in place of the soft CE), ``f̂ = pred_feats`` and
+    ``f = target_feats`` [B, L+N-1, H] each.
 
-    ``head`` maps features to logits (pass ``drafter.logits``: the frozen target head, fp32 out). Logits
-    are computed only at the masked positions, so the ``[B, S, V]`` tensors never exist. ``parts`` holds
-    detached scalars: ``feature``, ``cls``, ``top1`` (agreement) and ``total``.
+    ``head``: the frozen target head, scored in ``chunks`` chunks of rows (``head_token_loss``).
+    ``parts`` holds detached scalars: ``feature``, ``cls``, ``top1`` (agreement) and ``total``.
     """
-    mask = mask.bool().expand(pred_feats.shape[:-1])
-    feat = feature_loss(pred_feats, target_feats, mask)
-    pred_sel, target_sel = pred_feats[mask], target_feats[mask]
-    pred_logits = head(pred_sel).float()
-    with torch.no_grad():
-        target_logits = head(target_sel.detach()).float()
-    cls = soft_ce(target_logits, pred_logits, None, cls_loss) if pred_sel.shape[0] else feat.new_zeros(())
-    total = feat + w_cls * cls
-    with torch.no_grad():
-        top1 = (
-            top_k_agreement(pred_logits, target_logits, None, 1) if pred_sel.shape[0] else feat.new_zeros(())
-        )
+    rows = trained_rows(prefix_length, target_feats.shape[1] - prefix_length + 1)
+    pred, target = pred_feats[:, rows], target_feats[:, rows]
+    feat = feature_loss(pred, target, None)
+    if pred.shape[1]:
+        drafted = normed(pred).flatten(0, 1)[:, None]
+        losses, hits = head_token_loss(drafted, target.flatten(0, 1), head, cls_loss, chunks)
+        cls, top1 = losses.mean(), hits.float().mean()
+    else:
+        cls, top1 = feat.new_zeros(()), feat.new_zeros(())
+    # a zero weight leaves its term out: Inductor would fold ``x + 0 · y`` into ``x``, and the loss it
+    # returns beside that term detached then loses its gradient (torch 2.13)
+    total = feat + w_cls * cls if w_cls else feat
     parts = {"feature": feat.detach(), "cls": cls.detach(), "top1": top1, "total": total.detach()}
     return total, parts
 
@@ -119,44 +106,50 @@ def unrolled_loss(
     steps: Sequence[torch.Tensor],
     target_feats: torch.Tensor,
     normed: Callable[[torch.Tensor], torch.Tensor],
-    head: Callable[[torch.Tensor], torch.Tensor],
-    mask: torch.Tensor,
-    chains: Sequence[torch.Tensor],
+    head: nn.Module,
+    prefix_length: int,
     decay: float = 0.8,
     w_feature: float = 0.0,
     cls_loss: str = "soft_ce",
+    chunks: int = DrafterTrainConfig.loss_chunks,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Training-time test's loss: ``Σ_j decay^j · soft_ce_j`` over the unrolled ``steps`` (f̂ [B, S, H]
-    each; ``cls_loss``: another ``cls_per_row`` kind in place of the soft CE), plus ``w_feature ·`` the
-    mean SmoothL1 of ``normed(f̂)`` to the target's features if asked.
+    each; ``cls_loss``: another ``token_loss`` kind in place of the soft CE), plus ``w_feature ·`` the
+    mean SmoothL1 of ``normed(f̂)`` to the target's features ``target_feats`` [B, S, H] if asked.
 
-    Step ``j`` is scored on the ``mask``ed rows [B, S] that are also in ``chains[j]`` [S] (rows a decoding
-    chain reaches at that depth), against the target's distribution ``head(target_feats)``; ``normed``
-    maps drafter features to what ``head`` reads (``Drafter.normed``). ``parts``: ``cls`` (the weighted
-    sum), ``feature``, ``top1`` (step 0), ``top1_step{j}`` and ``total``, detached.
+    Step ``j`` is scored on the ``trained_rows`` that a decoding chain reaches at that depth
+    (``chain_start``), against the target's distribution ``head(target_feats)``; ``normed`` maps drafter
+    features to what ``head`` reads (``Drafter.normed``). Every step's rows go through the frozen head
+    together, in ``chunks`` chunks. ``parts``: ``cls`` (the weighted sum),
+    ``feature``, ``top1`` (step 0), ``top1_step{j}`` and ``total``, detached.
     """
-    mask = mask.bool().expand(target_feats.shape[:-1])
-    with torch.no_grad():
-        target_logits = head(target_feats[mask].detach()).float()
-        target_probs = target_logits.softmax(-1)
+    batch = target_feats.shape[0]
+    rows = trained_rows(prefix_length, target_feats.shape[1] - prefix_length + 1)
+    width = rows.stop - rows.start
+    firsts = [max(0, chain_start(prefix_length, j) - rows.start) for j in range(len(steps))]
+    scored = [n for n in (width - first for first in firsts) if n > 0]  # rows per step; none: no step after
     cls = target_feats.new_zeros((), dtype=torch.float32)
-    feat = cls.clone()
-    parts: dict[str, torch.Tensor] = {}
-    for j, f_hat in enumerate(steps):
-        keep = chains[j].to(mask.device)[None].expand_as(mask)[mask]
-        if not keep.any():
-            break
-        drafted = normed(f_hat[mask][keep])
-        logits = head(drafted).float()
-        ce = cls_per_row(target_probs[keep], logits, cls_loss).mean()
-        cls = cls + decay**j * ce
-        if w_feature:
-            feat = feat + decay**j * feature_loss(drafted, target_feats[mask][keep], None)
-        with torch.no_grad():
-            parts[f"top1_step{j}"] = top_k_agreement(logits, target_logits[keep], None, 1)
-    total = cls + w_feature * feat
-    top1 = parts.get("top1_step0", cls.new_zeros(()))
-    parts = {"feature": feat.detach(), "cls": cls.detach(), "top1": top1, **parts}
+    if not scored:
+        return cls, {"feature": cls, "cls": cls, "top1": cls, "total": cls}
+    device, depth = target_feats.device, len(scored)
+    drafted = normed(torch.stack([f_hat[:, rows] for f_hat in steps[:depth]], 2))  # [B, N, K, H]
+    target = target_feats[:, rows]
+    losses, hits = head_token_loss(
+        drafted.flatten(0, 1), target.flatten(0, 1), head, cls_loss, chunks
+    )  # [B·N, K]
+    reached = torch.arange(width, device=device)[:, None] >= torch.tensor(firsts[:depth], device=device)
+    per_row = torch.tensor([decay**j / (batch * n) for j, n in enumerate(scored)], device=device)
+    weights = reached * per_row  # [N, K]: decay^j / rows scored at step j, on those rows
+    cls = (losses.view(batch, width, depth) * weights).sum()
+    feat = cls.new_zeros(())
+    if w_feature:
+        feat = (_feature_per_row(drafted, target[:, :, None].expand_as(drafted)) * weights).sum()
+    total = cls + w_feature * feat if w_feature else cls  # see teacher_loss
+    agree = (
+        (hits.view(batch, width, depth) & reached).sum((0, 1)) / torch.tensor(scored, device=device) / batch
+    )
+    parts = {"feature": feat.detach(), "cls": cls.detach(), "top1": agree[0]}
+    parts |= {f"top1_step{j}": agree[j] for j in range(depth)}
     parts["total"] = total.detach()
     return total, parts
 

@@ -22,18 +22,11 @@ from lightning.pytorch.callbacks import Timer
 
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.drafters.base import CHECKPOINT_CONFIG_KEY, Drafter
-from vdtrain.drafters.rows import chain_rows
 from vdtrain.images import images_to_tensor
 from vdtrain.targets.base import Target, split_taps
 from vdtrain.train.agreement import unrolled_agreement
-from vdtrain.train.losses import (
-    CLS_LOSSES,
-    drafter_loss,
-    image_target_mask,
-    simulated_tau,
-    uniform_feature_noise,
-    unrolled_loss,
-)
+from vdtrain.train.head_loss import CLS_LOSSES
+from vdtrain.train.losses import simulated_tau, teacher_loss, uniform_feature_noise, unrolled_loss
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -59,6 +52,7 @@ class DrafterModule(L.LightningModule):
         seed: int = 0,
         max_steps: int = 1000,
         max_minutes: float | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if features not in ("online", "offline"):
@@ -72,6 +66,8 @@ class DrafterModule(L.LightningModule):
         self.train_cfg, self.optim_cfg = train, optim
         self.features, self.p_null, self.seed, self.max_steps = features, p_null, seed, max_steps
         self.max_minutes = max_minutes
+        # trainer.compile; the compiled drafter_loss is made at the first step (nn.Module has a `compile`)
+        self.compile_step, self._compiled = compile, None
 
     @property
     def target(self) -> Target:
@@ -147,29 +143,71 @@ class DrafterModule(L.LightningModule):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The drafter's loss on ``prepare``'s output (``states`` [B, L+N, (1 + taps)·H]), with noise
         ``U(-noise, noise)`` on what the drafter reads of the target (its taps, else the last state)."""
-        cfg, drafter, kind = self.train_cfg, self.drafter, self.drafter.kind
-        hidden, tapped = split_taps(states, self.target.hidden_size, len(drafter.taps))
-        mask = image_target_mask(cond_mask, tokens.shape[1])
-        if kind.unroll is None:  # teacher-forced: feature regression + soft CE (EAGLE-1)
-            noisy = uniform_feature_noise(hidden, noise, generator)
-            pred = drafter.forward_teacher(noisy, tokens, cond_mask)
-            return drafter_loss(pred, hidden[:, 1:], drafter.logits, mask, cfg.w_cls, cfg.cls_loss)
+        hidden, tapped = split_taps(states, self.target.hidden_size, len(self.drafter.taps))
         if tapped is None:
-            feats = drafter.input_features(uniform_feature_noise(hidden, noise, generator), None)
+            hidden_in = uniform_feature_noise(hidden, noise, generator)
         else:
-            feats = drafter.input_features(hidden, uniform_feature_noise(tapped, noise, generator))
-        steps = drafter.unroll(feats, tokens, cond_mask, kind.unroll(drafter.config, cfg.ttt_steps))
-        chains = [chain_rows(cond_mask, mask.shape[1], j) for j in range(len(steps))]
+            hidden_in, tapped = hidden, uniform_feature_noise(tapped, noise, generator)
+        if self.compile_step and self._compiled is None:
+            self._compiled = torch.compile(self.drafter_loss)
+        step = self.drafter_loss if self._compiled is None else self._compiled
+        return step(tokens, cond_mask, hidden, hidden_in, tapped)
+
+    def drafter_loss(
+        self,
+        tokens: torch.Tensor,
+        cond_mask: torch.Tensor,
+        hidden: torch.Tensor,
+        hidden_in: torch.Tensor,
+        tapped: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The drafter's passes and its loss: the part of a training step ``trainer.compile`` compiles, in
+        one graph (tests/test_train_speed.py pins its graph breaks at 0). ``hidden`` [B, L+N, H]: the
+        target's final-norm states; the drafter reads ``hidden_in`` and ``tapped`` (noised)."""
+        steps = self.drafter_passes(tokens, cond_mask, hidden_in, tapped)
+        return self.score(steps, hidden, cond_mask.shape[1])
+
+    def drafter_passes(
+        self,
+        tokens: torch.Tensor,
+        cond_mask: torch.Tensor,
+        hidden_in: torch.Tensor,
+        tapped: torch.Tensor | None,
+    ) -> list[torch.Tensor]:
+        """f̂ [B, L+N-1, F] of each drafter pass: teacher-forced (one), or the kind's unrolled steps."""
+        drafter, kind = self.drafter, self.drafter.kind
+        feats = drafter.input_features(hidden_in, tapped)
+        if kind.unroll is None:
+            return [drafter.forward_teacher(feats, tokens, cond_mask)]
+        return drafter.unroll(feats, tokens, cond_mask, kind.unroll(drafter.config, self.train_cfg.ttt_steps))
+
+    def score(
+        self, steps: list[torch.Tensor], hidden: torch.Tensor, prefix_length: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss of the passes ``steps`` against the target's states ``hidden`` [B, L+N, H]: feature
+        regression + soft CE (EAGLE-1), or the unrolled steps' (with a feature loss or logits only)."""
+        cfg, drafter, kind = self.train_cfg, self.drafter, self.drafter.kind
+        if kind.unroll is None:
+            return teacher_loss(
+                steps[0],
+                hidden[:, 1:],
+                drafter.normed,
+                drafter.head,
+                prefix_length,
+                cfg.w_cls,
+                cfg.cls_loss,
+                cfg.loss_chunks,
+            )
         return unrolled_loss(
             steps,
             hidden[:, 1:],
             drafter.normed,
-            drafter.head_logits,
-            mask,
-            chains,
+            drafter.head,
+            prefix_length,
             cfg.ttt_decay,
             cfg.w_feature if kind.feature_loss else 0.0,
             cfg.cls_loss,
+            cfg.loss_chunks,
         )
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -233,7 +271,14 @@ class DrafterModule(L.LightningModule):
     def configure_optimizers(self):
         o = self.optim_cfg
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        # One fused kernel per step on a GPU; not under 16-mixed, whose gradient scaler must unscale
+        # before Lightning clips (a fused AdamW unscales inside its step).
+        fused = (
+            self.device.type == "cuda" and self._trainer is not None and self.trainer.precision != "16-mixed"
+        )
+        optimizer = torch.optim.AdamW(
+            params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, fused=fused or None
+        )
 
         def factor(step: int) -> float:
             if step < o.warmup_steps:
