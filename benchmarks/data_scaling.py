@@ -23,8 +23,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vdtrain.drafters.registry import DRAFTERS
-
 DEPTH = re.compile(r"val/top1_depth(\d+)$")
 
 
@@ -47,7 +45,7 @@ def fit_command(args: argparse.Namespace, kind: str, run_dir: Path) -> list[str]
         f"hydra.run.dir={run_dir}",
         f"export_dir={run_dir / 'drafter'}",
     ]
-    if DRAFTERS[kind].unroll is not None and args.ttt_steps is not None:  # a kind trained unrolled
+    if args.ttt_steps is not None:  # read by the kinds trained unrolled on their own outputs
         overrides.append(f"drafter.ttt_steps={args.ttt_steps}")
     if args.threads is not None:
         overrides.append(f"trainer.threads={args.threads}")

@@ -48,7 +48,7 @@ from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import build_method, load_preset, preset_names
 from vdtrain.decode.profiling import PHASES, PhaseTimer, StepTimes
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.eval.papers import projected_speedup
 from vdtrain.eval.runner import device_description
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM

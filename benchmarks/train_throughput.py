@@ -52,7 +52,7 @@ from torch.profiler._memory_profiler import Action
 
 from benchmarks.step_cost import random_llamagen
 from vdtrain.config import DrafterTrainConfig, OptimConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.rows import chain_rows
 from vdtrain.eval.runner import device_description, synchronize
 from vdtrain.targets import cast_for_inference
@@ -247,12 +247,12 @@ def reference_score(
     reference: ModuleType, module: DrafterModule, steps: list[torch.Tensor], hidden: torch.Tensor, cond_mask
 ) -> tuple[torch.Tensor, dict]:
     """``DrafterModule.score`` as the reference loss computes it."""
-    cfg, drafter, kind = module.train_cfg, module.drafter, module.drafter.kind
+    cfg, drafter = module.train_cfg, module.drafter
     mask = image_target_mask(cond_mask, hidden.shape[1] - cond_mask.shape[1])
-    if kind.unroll is None:
+    if drafter.unroll_steps(cfg.ttt_steps) is None:
         return reference.drafter_loss(steps[0], hidden[:, 1:], drafter.logits, mask, cfg.w_cls, cfg.cls_loss)
     chains = [chain_rows(cond_mask, mask.shape[1], j) for j in range(len(steps))]
-    w_feature = cfg.w_feature if kind.feature_loss else 0.0
+    w_feature = cfg.w_feature if drafter.feature_loss else 0.0
     return reference.unrolled_loss(
         steps,
         hidden[:, 1:],
@@ -404,8 +404,8 @@ class Runner:
         step_s = sum(self.step_times[warmup:]) / steps
         spent = {name: sum(p.get(name, 0.0) for p in self.phases[warmup:]) / steps for name in PHASES}
         target, drafter = self.module.target, self.module.drafter
-        unroll = drafter.kind.unroll  # None: teacher-forced, one pass
-        unrolled = 1 if unroll is None else unroll(drafter.config, self.ttt_steps)
+        unroll = drafter.unroll_steps(self.ttt_steps)  # None: teacher-forced, one pass
+        unrolled = 1 if unroll is None else unroll
         flops = step_flops(target, drafter, self.batch, unrolled) / step_s
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_description(self.device)), None)
         loss_s = spent["loss"] if self.mode != "compiled" else None

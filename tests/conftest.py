@@ -17,7 +17,7 @@ from vdtrain.decode.methods import register_part_schemas
 from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.schedule import StepPlan
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.shapes.build import write_target_folder

@@ -16,7 +16,7 @@ from vdtrain.config import AcceptanceReportConfig
 from vdtrain.decode.engine import DecodeStats
 from vdtrain.decode.profiling import DeviceGuard
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.eval import acceptance
 from vdtrain.eval.acceptance import (
     acceptance_markdown,

@@ -304,7 +304,7 @@ def test_a_chameleon_eagle3_unroll_in_o_k_equals_the_dense_one(lumina_files):
     dense (j+1)·S mask's."""
     from reference_unroll import dense_unroll
 
-    from vdtrain.drafters.base import Drafter, DrafterConfig
+    from vdtrain.drafters import Drafter, DrafterConfig
     from vdtrain.targets.base import split_taps
 
     target = lumina_target(lumina_files[0])

@@ -12,7 +12,7 @@ from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
 from torch import nn
 
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.rows import feature_targets, teacher_inputs, teacher_mask
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 from vdtrain.train.head_loss import token_loss
@@ -291,7 +291,7 @@ def test_configs_written_before_the_layer_field_still_load(tiny_target):
 def test_layer_overrides_outside_the_familys_settings_are_refused(tiny_target):
     with pytest.raises(ValueError, match=r"cannot override \['num_attention_heads'\] of a llamagen"):
         DrafterConfig.for_target(tiny_target, layer={"num_attention_heads": 2})
-    with pytest.raises(ValueError, match=r"\['n_head'\] are not eagle1 choices"):
+    with pytest.raises(ValueError, match=r"\['n_head'\] are not eagle1 options"):
         DrafterConfig.for_target(tiny_target, n_head=2)  # layer settings go in ``layer``
     with pytest.raises(ValueError, match="missing"):
         DrafterConfig.from_dict({**DrafterConfig.for_target(tiny_target).to_dict(), "layer": {"n_head": 2}})

@@ -15,7 +15,7 @@ from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.generate import run
 from vdtrain.targets import cast_for_inference, inference_dtype, load_target
 from vdtrain.targets.llamagen import LlamaGenTarget

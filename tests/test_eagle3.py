@@ -13,7 +13,7 @@ from conftest import TINY_GPT, random_gpt, random_vq, tiny_condition
 from reference_unroll import dense_unroll, tree_step_mask
 
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.rows import chain_rows, teacher_mask
 from vdtrain.drafters.unroll_cache import UnrollCache
 from vdtrain.eval.logit_lens import logit_lens
@@ -269,8 +269,8 @@ def test_eagle3_export_reloads_exactly_and_records_its_layers(tmp_path):
     drafter = eagle3(target).eval()
     folder = export_drafter(drafter, tmp_path / "export", target=target, metadata={})
     config = json.loads((folder / "config.json").read_text())
-    assert (config["kind"], config["feature_layers"]) == ("eagle3", [2, 3, 6])
-    assert (config["input_norm"], config["tap_norm"]) == (True, False)
+    assert config["kind"] == "eagle3"
+    assert config["options"] == {"feature_layers": [2, 3, 6], "input_norm": True, "tap_norm": False}
     assert config["target"]["num_layers"] == 6
     assert "EAGLE-3 drafter" in (folder / "README.md").read_text()
     loaded = Drafter.from_pretrained(folder, target)
@@ -311,11 +311,12 @@ def test_feature_layers_past_the_target_are_refused():
     target = deep_target()
     with pytest.raises(ValueError, match=r"outside 0 \.\. 6"):
         DrafterConfig.for_target(target, kind="eagle3", feature_layers=(2, 7))
-    with pytest.raises(ValueError, match=r"\['feature_layers'\] are not eagle1 choices"):
+    with pytest.raises(ValueError, match=r"\['feature_layers'\] are not eagle1 options"):
         DrafterConfig.for_target(target, kind="eagle1", feature_layers=(2,))
     eagle1 = DrafterConfig.for_target(target).to_dict()
-    with pytest.raises(ValueError, match="a drafter of kind 'eagle1' fuses no target layer"):
-        DrafterConfig.from_dict({**eagle1, "feature_layers": [2]})
+    with pytest.raises(ValueError, match=r"\['feature_layers'\] are not eagle1 options"):
+        DrafterConfig.from_dict({**eagle1, "feature_layers": [2]})  # the layout before options
+    assert DrafterConfig.from_dict({**eagle1, "feature_layers": [], "input_norm": False}).kind == "eagle1"
     with pytest.raises(ValueError, match="kind must be one of"):
         DrafterConfig.for_target(target, kind="eagle2")
 
@@ -350,17 +351,18 @@ def test_the_input_norms_make_the_drafter_blind_to_the_scale_of_its_inputs():
 
 def test_a_drafter_config_written_before_the_norms_reloads_unchanged(tmp_path):
     """An eagle3 export whose config predates input_norm and tap_norm (the first shipped shapes eagle3
-    drafter was one) builds the architecture it was trained as: no norms, the same weights,
+    drafter was one), and kept its options at the top level as every config before the kinds' own
+    options did, builds the architecture it was trained as: no norms, the same weights,
     rows = layer(fc([e; f]))."""
     target = deep_target()
     trained = eagle3(target, input_norm=False, tap_norm=False)
     folder = trained.save_pretrained(tmp_path / "old")
     config = json.loads((folder / "config.json").read_text())
-    del config["input_norm"], config["tap_norm"]
+    config["feature_layers"] = config.pop("options")["feature_layers"]
     (folder / "config.json").write_text(json.dumps(config))
     drafter = Drafter.from_pretrained(folder)
-    assert (drafter.config.input_norm, drafter.config.tap_norm) == (False, False)
-    assert drafter.config.feature_layers == trained.config.feature_layers
+    assert (drafter.options.input_norm, drafter.options.tap_norm) == (False, False)
+    assert drafter.options.feature_layers == trained.options.feature_layers
     assert set(drafter.state_dict()) == set(safetensors.torch.load_file(folder / "model.safetensors"))
     g = torch.Generator().manual_seed(0)
     h = target.hidden_size

@@ -19,7 +19,7 @@ from test_exactness import method
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.methods import load_preset, preset_names
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 
 TREE_PRESETS = [n for n in preset_names() if load_preset(n).needs_drafter]
 

@@ -30,7 +30,7 @@ from vdtrain.decode.trees import (
     ancestor_matrix,
     static_tree,
 )
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.targets.base import Condition
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 

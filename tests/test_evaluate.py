@@ -18,7 +18,7 @@ from PIL import Image
 
 from vdtrain.decode.methods import load_preset, preset_names
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.eval.frechet import encoder_features, frechet_distance
 from vdtrain.eval.plots import plot_tradeoff, write_plots
 from vdtrain.eval.quality import REAL_IMAGE_METRICS, SHAPES_METRICS, QualityConfig, QualityScorer

@@ -36,7 +36,7 @@ from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import ARMethod, build_method, decode_config, load_preset, preset_names
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.targets.base import Condition
 
 SHARPEN = 8.0  # drafter logits × SHARPEN: q is nearly one-hot

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from vdtrain.config import DrafterTrainConfig, FitConfig, OptimConfig, UnknownConfigKeyError, check_known_keys
 from vdtrain.data.streams import ShapesStream, collate
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.rows import chain_rows
 from vdtrain.fit import build_strategy, fit
 from vdtrain.images import images_to_tensor

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.generate import method_alias, run
 from vdtrain.prompts import shapes_heldout_captions
 from vdtrain.targets import load_target_folder

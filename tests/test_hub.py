@@ -27,7 +27,8 @@ from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.config import TargetConfig
 from vdtrain.data.shards import MANIFEST, SCHEMA_VERSION
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import CHECKPOINT_CONFIG_KEY, Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.base import CHECKPOINT_CONFIG_KEY
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
 from vdtrain.export import export, resolve_source
 from vdtrain.fit import fit

@@ -15,7 +15,7 @@ from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.profiling import OpCounter, PhaseTimer, count_steps
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -19,7 +19,7 @@ from conftest import random_gpt, random_vq, tiny_condition
 from vdtrain.decode.methods import build_method, load_preset, preset_names
 from vdtrain.decode.profiling import StepCounts, count_steps
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 MAX_SYNCS_PER_STEP = 2

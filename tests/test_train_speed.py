@@ -19,7 +19,7 @@ from reference_losses import unrolled_loss as reference_unrolled_loss
 
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.rows import chain_rows
 from vdtrain.models.janus import GenerationHead
 from vdtrain.targets.base import split_taps
@@ -65,7 +65,7 @@ def losses_of(drafter: Drafter, cond_mask, tokens, hidden, tapped, cls_loss: str
     drafter.zero_grad()
     feats = drafter.input_features(hidden, tapped)
     prefix, image = cond_mask.shape[1], tokens.shape[1]
-    if drafter.kind.unroll is None:
+    if drafter.unroll_steps(7) is None:
         pred = drafter.forward_teacher(feats, tokens, cond_mask)
         if chunked:
             loss, parts = teacher_loss(
@@ -76,7 +76,7 @@ def losses_of(drafter: Drafter, cond_mask, tokens, hidden, tapped, cls_loss: str
             loss, parts = drafter_loss(pred, hidden[:, 1:], drafter.logits, rows, 0.1, cls_loss)
     else:
         steps = drafter.unroll(feats, tokens, cond_mask, 3)
-        w_feature = 0.3 if drafter.kind.feature_loss else 0.0
+        w_feature = 0.3 if drafter.feature_loss else 0.0
         if chunked:
             loss, parts = unrolled_loss(
                 steps, hidden[:, 1:], drafter.normed, drafter.head, prefix, 0.8, w_feature, cls_loss, CHUNKS

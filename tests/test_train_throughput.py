@@ -11,7 +11,7 @@ from conftest import random_gpt, random_vq
 
 from benchmarks.train_throughput import build, main, step_flops
 from vdtrain.decode.sampling import SamplingConfig
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 

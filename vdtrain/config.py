@@ -62,13 +62,11 @@ class OptimConfig:
 
 @dataclass
 class DrafterTrainConfig:
-    kind: str = "eagle1"  # a row of vdtrain.drafters.registry.DRAFTERS (eagle1, eagle3, ...)
+    kind: str = "eagle1"  # a key of vdtrain.drafters.registry.DRAFTERS (eagle1, eagle3, ...)
     layer: dict[str, Any] = field(default_factory=dict)  # DrafterConfig layer overrides (n_head, ...)
-    # Keys a kind owns (DrafterConfig's); null: the kind's default for a new drafter.
-    feature_layers: list[int] | None = None  # eagle3: target layers fused (the family's choice)
-    input_norm: bool | None = None  # eagle3: RMSNorm the token embedding and the features before fc
-    tap_norm: bool | None = None  # eagle3: RMSNorm each tapped layer before the fusion (EAGLE-3.1)
-    options: dict[str, Any] = field(default_factory=dict)  # the kind's own settings (DrafterKind.options)
+    # the kind's own settings (its Options dataclass; unset: the kind's default for a new drafter of the
+    # target), e.g. eagle3's feature_layers, input_norm and tap_norm
+    options: dict[str, Any] = field(default_factory=dict)
     w_cls: float = 0.1  # eagle1: weight of the soft cross-entropy term
     w_feature: float = 0.0  # eagle3: weight of the optional feature loss (EAGLE-3 drops it)
     # the token-distribution term: soft_ce (EAGLE's) | acceptance (1 - Σ min(p, q)) | log_acceptance

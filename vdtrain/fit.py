@@ -94,40 +94,34 @@ def build_logger(cfg: FitConfig, run_dir: Path):
 
 
 def build_drafter(cfg: FitConfig, target) -> Drafter:
-    """The drafter to train: ``drafter.init_from``'s (which must agree with the kind's keys given), or a
-    new one of ``drafter.kind`` with the keys its kind owns (``DrafterKind.keys``) that are set."""
-    from vdtrain.drafters.base import Drafter, DrafterConfig
-    from vdtrain.drafters.registry import DRAFTERS, drafter_kind
+    """The drafter to train: ``drafter.init_from``'s (which must agree with the kind and the options given),
+    or a new one of ``drafter.kind`` with ``drafter.options`` over its defaults for this target."""
+    from vdtrain.drafters import Drafter, DrafterConfig
+    from vdtrain.drafters.config import kind_options
 
-    kind = drafter_kind(cfg.drafter.kind)
-    owned = {key for other in DRAFTERS.values() for key in other.keys}
-    set_keys = {key for key in owned if cfg.drafter.get(key) is not None}
-    foreign = sorted(set_keys - set(kind.keys))
-    if foreign:
-        raise ValueError(f"drafter.{foreign} are not {cfg.drafter.kind} choices; its keys: {list(kind.keys)}")
-    given = {key: cfg.drafter[key] for key in sorted(set_keys)}
-    given = {k: tuple(v) if OmegaConf.is_list(v) else v for k, v in given.items()}
+    given = OmegaConf.to_container(OmegaConf.create(cfg.drafter.options or {}))
+    kind_options(cfg.drafter.kind, {k: v for k, v in given.items() if v is not None})  # the kind's keys only
     if cfg.drafter.init_from:
         drafter = Drafter.from_pretrained(cfg.drafter.init_from, target)
         saved = drafter.config
-        clash = [
-            f"{k}={v!r} (saved {getattr(saved, k)!r})" for k, v in given.items() if getattr(saved, k) != v
-        ]
-        options = cfg.drafter.options or {}
-        clash += [
-            f"options.{k}={v!r} (saved {saved.options.get(k)!r})"
-            for k, v in options.items()
-            if saved.options.get(k) != v
-        ]
-        if saved.kind != cfg.drafter.kind or clash:
+        if saved.kind != cfg.drafter.kind:
             raise ValueError(
-                f"drafter.init_from={cfg.drafter.init_from!r} is a {saved.kind} drafter that disagrees with "
-                f"drafter.kind={cfg.drafter.kind!r} " + "; ".join(clash)
+                f"drafter.init_from={cfg.drafter.init_from!r} is a {saved.kind} drafter, not "
+                f"drafter.kind={cfg.drafter.kind!r}"
+            )
+        clash = [
+            f"options.{k}={v!r} (saved {getattr(saved.options, k)!r})"
+            for k, v in given.items()
+            if getattr(kind_options(saved.kind, {k: v}), k) != getattr(saved.options, k)
+        ]
+        if clash:
+            raise ValueError(
+                f"drafter.init_from={cfg.drafter.init_from!r} disagrees with the options given: "
+                + "; ".join(clash)
             )
         return drafter
-    layer = OmegaConf.to_container(cfg.drafter.layer) if cfg.drafter.layer else {}
-    options = OmegaConf.to_container(cfg.drafter.options) if cfg.drafter.options else {}
-    config = DrafterConfig.for_target(target, cfg.drafter.kind, layer, **given, **options)
+    layer = OmegaConf.to_container(OmegaConf.create(cfg.drafter.layer or {}))
+    config = DrafterConfig.for_target(target, cfg.drafter.kind, layer, **given)
     return Drafter(config).start_from(target)
 
 

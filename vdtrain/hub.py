@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict
 from vdtrain.data.shards import ShardError, read_manifest
-from vdtrain.drafters.base import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.eval.table import EvalRow, read_results, to_markdown
 from vdtrain.export_format import CARD_FILE, CONFIG_FILE, EXPORT_FILES, WEIGHTS_FILE
 from vdtrain.targets import kind_config
@@ -275,17 +275,17 @@ def _front_matter(ident: TargetIdentity) -> str:
 
 
 def _intro(drafter: Drafter, ident: TargetIdentity) -> str:
-    """The card's first paragraph: the kind's design sentence (``DrafterKind.card``) and shape line."""
-    c, kind = drafter.config, drafter.kind
+    """The card's first paragraph: the kind's design sentence (``Drafter.card``) and shape line."""
+    c = drafter.config
     params = sum(p.numel() for p in drafter.parameters())
     return (
-        f"# {kind.title} for `{ident.name}`\n\n"
-        + kind.card(drafter)
+        f"# {drafter.title} for `{ident.name}`\n\n"
+        + drafter.card()
         + "the target's own head turns it into draft tokens that the target then verifies (with exact "
         "acceptance the images are the target's own samples). The target's token embedding and output "
         f"head are borrowed when the drafter is loaded, so `{WEIGHTS_FILE}` holds only the drafter's "
         f"{params:,} parameters.\n\n"
-        f"{kind.shape(drafter)}; condition prefix {c.prefix_length} rows, image grid {c.grid[0]}×{c.grid[1]}."
+        f"{drafter.shape()}; condition prefix {c.prefix_length} rows, image grid {c.grid[0]}×{c.grid[1]}."
     )
 
 
@@ -307,7 +307,7 @@ def _usage_section(metadata: Mapping[str, Any]) -> str:
         else "target = load_target({...})  # the target above, as a conf/target/*.yaml"
     )
     return (
-        "## Use\n\n```python\nfrom vdtrain.drafters.base import Drafter\n"
+        "## Use\n\n```python\nfrom vdtrain.drafters import Drafter\n"
         f"from vdtrain.targets import load_target\n\n{load}\n"
         'drafter = Drafter.from_pretrained("<this repo id or a local copy>", target)\n```\n\n'
         "Evaluate it (speed-up against plain AR decoding, acceptance, quality; `<path>` is this repo id "

@@ -1,10 +1,12 @@
 """The drafter: a kind's own modules between the target's borrowed token embedding and head.
 
-What a drafter holds and does is its kind's (``DrafterConfig.kind``, a row of
-``vdtrain.drafters.registry.DRAFTERS``): EAGLE's ``fc`` and one decoder layer of the target's family
-(``eagle1``, ``eagle3``), or Medusa-style heads (``medusa``). The token embedding and the output head are
-*borrowed* from the frozen target (``Drafter.attach``): they are neither parameters of the drafter nor in
-its saved weights.
+``Drafter`` is what every kind shares: the borrowed embedding and head (``attach``: neither parameters of
+the drafter nor in its saved weights), the teacher-forced and unrolled passes training runs, decoding's
+prefix catch-up, and saving and loading. A kind is a subclass (``vdtrain.drafters.registry.DRAFTERS``)
+that names its options dataclass and fills the hooks below: its modules (``build``), how target features
+enter it (``input_features``), one drafter call (``draft``), what the head reads (``normed``), its cache,
+how it trains (``unroll_steps``) and its model card. ``Drafter(config)`` builds the class of
+``config.kind``.
 
 Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}``, with a zero embedding
 where slot ``s + 1`` is a caption row; ``rows.teacher_inputs`` builds it.
@@ -17,36 +19,21 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
-from vdtrain.drafters.registry import DRAFTERS, DrafterKind, drafter_kind
+from vdtrain.drafters.config import DrafterConfig, drafter_class
 from vdtrain.drafters.rows import after_prefix_rows, teacher_inputs, teacher_mask
 from vdtrain.drafters.unroll_cache import UnrollCache
 from vdtrain.export_format import CONFIG_FILE, REPO_ID, WEIGHTS_FILE, download
 from vdtrain.models.kv_cache import KVCache
-from vdtrain.targets import draft_layer_class
-from vdtrain.targets.base import (
-    DraftLayer,
-    Target,
-    TargetIdentity,
-)
+from vdtrain.targets.base import Target, TargetIdentity
 
-# Top-level keys of LlamaGen drafter configs written before ``DrafterConfig.layer`` (still read).
-LLAMAGEN_LAYER_FIELDS = (
-    "n_head",
-    "n_kv_head",
-    "multiple_of",
-    "ffn_dim_multiplier",
-    "norm_eps",
-    "rope_base",
-    "caption_rope",
-)
 # ``DrafterModule`` stores the drafter's config under this key of a Lightning checkpoint; its weights
 # are the ``drafter.``-prefixed entries of the checkpoint's state dict.
 CHECKPOINT_CONFIG_KEY = "drafter_config"
@@ -54,194 +41,8 @@ CHECKPOINT_PREFIX = "drafter."
 
 
 @dataclass(frozen=True)
-class DrafterConfig:
-    """The drafter's shape plus what it must match in its target (``target`` = the identity dict).
-
-    ``layer`` holds the hyper-parameters of the target family's ``DraftLayer`` (``settings_fields``):
-    heads and FFN width for LlamaGen, heads, FFN and norms for Chameleon.
-    """
-
-    hidden_size: int
-    prefix_length: int
-    grid: tuple[int, int]
-    vocab_size: int
-    family: str = "llamagen"
-    layer: dict[str, Any] = field(default_factory=dict)
-    target: dict[str, Any] = field(default_factory=dict)
-    kind: str = "eagle1"  # a row of DRAFTERS: eagle1 | eagle3 | medusa
-    # The kind's own settings (``DrafterKind.options`` names them and holds their defaults).
-    options: dict[str, Any] = field(default_factory=dict)
-    # eagle3's keys (``DrafterKind.keys``), kept at the top level as configs written before ``options``
-    # have them; another kind keeps these defaults, which are what such configs built.
-    feature_layers: tuple[int, ...] = ()  # eagle3: the target layers fused (hidden_states[k] indices)
-    input_norm: bool = False  # eagle3: RMSNorm on the token embedding and on the features before fc
-    tap_norm: bool = False  # eagle3: RMSNorm on each tapped layer before the fusion (EAGLE-3.1)
-
-    def __post_init__(self) -> None:
-        # JSON turns tuples into lists: normalise so a round trip compares equal.
-        object.__setattr__(self, "grid", tuple(int(g) for g in self.grid))
-        object.__setattr__(self, "layer", dict(self.layer))
-        object.__setattr__(self, "feature_layers", tuple(int(k) for k in self.feature_layers))
-        kind = drafter_kind(self.kind)
-        unknown = sorted(set(self.options) - set(kind.options))
-        if unknown:
-            raise ValueError(f"{unknown} are not {self.kind} options; its options: {list(kind.options)}")
-        object.__setattr__(self, "options", {**kind.options, **self.options})
-        if kind.reads_layers != bool(self.feature_layers):
-            reads = "fuses target layers (feature_layers)" if kind.reads_layers else "fuses no target layer"
-            got = list(self.feature_layers)
-            raise ValueError(f"a drafter of kind {self.kind!r} {reads}; got feature_layers {got}")
-        foreign = [name for name in _owned_keys() - set(kind.keys) if getattr(self, name) != _DEFAULTS[name]]
-        if foreign:
-            raise ValueError(f"{foreign} are not {self.kind} choices; its own keys: {list(kind.keys)}")
-        if kind.check is not None:
-            kind.check(self)
-        if any(k < 0 for k in self.feature_layers):
-            raise ValueError(f"feature_layers must be >= 0, got {list(self.feature_layers)}")
-        if self.target:
-            target = dict(self.target)
-            if "grid" in target:
-                target["grid"] = tuple(int(g) for g in target["grid"])
-            object.__setattr__(self, "target", target)
-        if len(self.grid) != 2:
-            raise ValueError(f"grid must be (height, width), got {self.grid}")
-        if self.prefix_length < 1:
-            raise ValueError(f"prefix_length must be >= 1, got {self.prefix_length}")
-        self.layer_class.check(self.hidden_size, self.grid, self.layer)
-        if self.target:
-            # The recorded identity must agree with the shape the drafter was built for.
-            record = {
-                "family": self.family,
-                "hidden_size": self.hidden_size,
-                "vocab_size": self.vocab_size,
-                "grid": self.grid,
-                "prefix_length": self.prefix_length,
-            }
-            bad = [
-                f"{k}: {v!r} vs target {self.target.get(k)!r}"
-                for k, v in record.items()
-                if self.target.get(k) != v
-            ]
-            if bad:
-                raise ValueError(
-                    "drafter config disagrees with its recorded target identity: " + "; ".join(bad)
-                )
-            layers = self.target.get("num_layers")
-            if self.feature_layers and layers is not None and max(self.feature_layers) > layers:
-                raise ValueError(
-                    f"feature_layers {list(self.feature_layers)} outside 0 .. {layers}: the target has "
-                    f"{layers} layers"
-                )
-
-    @property
-    def layer_class(self) -> type[DraftLayer]:
-        return draft_layer_class(self.family)
-
-    @property
-    def drafter_kind(self) -> DrafterKind:
-        return DRAFTERS[self.kind]
-
-    @property
-    def num_image_tokens(self) -> int:
-        return self.grid[0] * self.grid[1]
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.prefix_length + self.num_image_tokens
-
-    def identity(self) -> TargetIdentity | None:
-        return TargetIdentity(**self.target) if self.target else None
-
-    @classmethod
-    def for_target(
-        cls,
-        target: Target,
-        kind: str = "eagle1",
-        layer: Mapping[str, Any] | None = None,
-        **options: Any,
-    ) -> DrafterConfig:
-        """A new ``kind`` drafter of ``target``'s family, with the target's own layer hyper-parameters.
-
-        ``layer`` may change the family layer's ``settings_fields`` (heads, FFN size, ...), never the
-        width. ``options`` set the kind's keys (``DrafterKind.keys``: an eagle3 drafter's
-        ``feature_layers``, ``input_norm``, ``tap_norm``) over its defaults for a new drafter
-        (``DrafterKind.defaults``: eagle3 fuses the family's choice of layers), and its ``options``
-        (``DrafterKind.options``: a medusa drafter's ``heads``).
-        """
-        ident, owner = target.identity, drafter_kind(kind)
-        unknown = sorted(set(options) - set(owner.keys) - set(owner.options))
-        if unknown:
-            raise ValueError(
-                f"{unknown} are not {kind} choices; its own keys: {[*owner.keys, *owner.options]}"
-            )
-        layer_class = draft_layer_class(ident.family)
-        overrides = dict(layer or {})
-        unknown = sorted(set(overrides) - set(layer_class.settings_fields))
-        if unknown:
-            raise ValueError(
-                f"cannot override {unknown} of a {ident.family} drafter layer; "
-                f"allowed: {list(layer_class.settings_fields)}"
-            )
-        given = {k: v for k, v in options.items() if v is not None}
-        own = {**owner.defaults(target), **{k: v for k, v in given.items() if k in owner.keys}}
-        own["options"] = {k: v for k, v in given.items() if k in owner.options}
-        return cls(
-            hidden_size=ident.hidden_size,
-            prefix_length=ident.prefix_length,
-            grid=ident.grid,
-            vocab_size=ident.vocab_size,
-            family=ident.family,
-            layer={**layer_class.settings_of(target), **overrides},
-            target=dataclasses.asdict(ident),
-            kind=kind,
-            **own,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready (tuples become lists; ``from_dict`` restores them), without the keys other kinds own."""
-        out = dataclasses.asdict(self)
-        for name in _owned_keys() - set(self.drafter_kind.keys):
-            del out[name]
-        if not out["options"]:
-            del out["options"]
-        out["grid"] = list(self.grid)
-        if "feature_layers" in out:
-            out["feature_layers"] = list(self.feature_layers)
-        if "grid" in out["target"]:
-            out["target"]["grid"] = list(out["target"]["grid"])
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DrafterConfig:
-        if not isinstance(data, Mapping):
-            raise ValueError(f"a drafter config is a JSON object, got {type(data).__name__}")
-        data = _nest_legacy_layer(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown drafter config keys {unknown}; known: {sorted(known)}")
-        try:
-            return cls(**data)
-        except TypeError as err:  # a required key missing, or a value of the wrong type (a number for grid)
-            raise ValueError(f"incomplete or mistyped drafter config: {err}") from err
-
-
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(DrafterConfig)}
-
-
-def _owned_keys() -> set[str]:
-    """The ``DrafterConfig`` keys some kind owns."""
-    return {key for kind in DRAFTERS.values() for key in kind.keys}
-
-
-def _nest_legacy_layer(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Configs written before ``layer`` existed kept LlamaGen's layer fields at the top level."""
-    data = dict(data)
-    if "layer" not in data and data.get("family", "llamagen") == "llamagen":
-        legacy = [name for name in LLAMAGEN_LAYER_FIELDS if name in data]
-        if legacy:
-            data["layer"] = {name: data.pop(name) for name in legacy}
-    return data
+class NoOptions:
+    """A kind with no settings of its own."""
 
 
 @dataclass
@@ -255,19 +56,97 @@ class _Borrowed:
 
 
 class Drafter(nn.Module):
-    """Its kind's modules (``DrafterKind.modules``); the target's embedding and head are borrowed via
-    ``attach``."""
+    """What every kind shares; a kind subclasses it (``DRAFTERS``). ``Drafter(config)`` makes the class of
+    ``config.kind``; the target's embedding and head are borrowed via ``attach``."""
+
+    title: ClassVar[str]  # the model card's title: "<title> for `<target>`"
+    Options: ClassVar[type] = NoOptions  # its settings (DrafterConfig.options), a frozen dataclass
+    feature_loss: ClassVar[bool] = True  # f̂ regresses the target's next feature (``w_cls`` / ``w_feature``)
+
+    def __new__(cls, config: DrafterConfig, target: Target | None = None) -> Drafter:
+        kind = drafter_class(config.kind)
+        if cls is not Drafter and cls is not kind:
+            raise ValueError(f"a {cls.__name__} cannot be built from a {config.kind} drafter's config")
+        return super().__new__(kind)
 
     def __init__(self, config: DrafterConfig, target: Target | None = None) -> None:
         super().__init__()
         self.config = config
-        self.kind = config.drafter_kind
-        for name, module in self.kind.modules(config).items():
-            self.add_module(name, module)
+        self.build(config)
         self._borrowed: _Borrowed | None = None
         self.metadata: dict[str, Any] = {}  # what ``from_pretrained`` found saved next to the weights
         if target is not None:
             self.attach(target)
+
+    @property
+    def options(self) -> Any:
+        """This drafter's settings: an instance of its kind's ``Options``."""
+        return self.config.options
+
+    # --- what a kind fills in ---------------------------------------------------------------------
+    def build(self, config: DrafterConfig) -> None:
+        """Register the kind's own modules (their names are the saved weights' prefixes)."""
+        raise NotImplementedError
+
+    @classmethod
+    def options_for(cls, target: Target) -> dict[str, Any]:
+        """A new drafter's options for ``target``, before any given (``DrafterConfig.for_target``)."""
+        return {}
+
+    @classmethod
+    def check(cls, config: DrafterConfig) -> None:
+        """Refuse a config this kind cannot build, naming what is wrong."""
+
+    def start_from(self, target: Target) -> Drafter:
+        """A new drafter's initialisation from its target (nothing by default)."""
+        return self
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The target layers whose residual stream this drafter reads (``Target.forward_*``'s ``taps``);
+        empty for a kind that reads only the final-norm hidden state."""
+        return ()
+
+    def input_features(self, hidden: torch.Tensor, tapped: torch.Tensor | None) -> torch.Tensor:
+        """The target's contribution to drafter rows, from ``hidden`` [.., H] and the ``tapped`` layers
+        [.., k·H] (None without taps): every target feature enters the drafter here. By default the
+        final-norm ``hidden`` as is."""
+        return hidden
+
+    def draft(
+        self,
+        features: torch.Tensor,
+        next_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | None,
+        slots: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """One drafter call (``forward``'s contract; ``positions`` [B, S])."""
+        raise NotImplementedError
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafter features ``f̂`` as the head reads them: by default as they are (a drafter that
+        regresses final-norm states)."""
+        return hidden
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache | None:
+        """The kind's cache for ``batch`` rows of ``max_len`` slots (default the whole sequence); None (the
+        default) for a kind that attends to nothing."""
+        return None
+
+    def unroll_steps(self, ttt_steps: int) -> int | None:
+        """Training: None trains teacher-forced (one pass, ``forward_teacher``); else the number of
+        unrolled passes (``unroll``), given ``drafter.ttt_steps``."""
+        return None
+
+    def card(self) -> str:
+        """The model card's design sentence, up to "and the target's head ..." (``hub``)."""
+        raise NotImplementedError
+
+    def shape(self) -> str:
+        """The model card's shape line."""
+        raise NotImplementedError
 
     # --- the borrowed target modules --------------------------------------------------------------
     def attach(self, target: Target) -> Drafter:
@@ -305,25 +184,6 @@ class Drafter(nn.Module):
         self._borrowed = _Borrowed(embedding, head, ident)
         return self
 
-    def start_from(self, target: Target) -> Drafter:
-        """A new drafter's initialisation from its target, as its kind does it (``DrafterKind.start_from``:
-        an eagle3 drafter's norm starts as the target's final norm)."""
-        if self.kind.start_from is not None:
-            self.kind.start_from(self, target)
-        return self
-
-    @property
-    def taps(self) -> tuple[int, ...]:
-        """The target layers whose residual stream this drafter reads (``Target.forward_*``'s ``taps``);
-        empty for a kind that reads only the final-norm hidden state."""
-        return self.config.feature_layers
-
-    def input_features(self, hidden: torch.Tensor, tapped: torch.Tensor | None) -> torch.Tensor:
-        """The target's contribution to drafter rows: from ``hidden`` [.., H] and the ``tapped`` layers
-        [.., k·H] (None without taps), as the kind reads them. Every target feature enters the drafter
-        through here."""
-        return self.kind.input_features(self, hidden, tapped)
-
     @property
     def attached(self) -> bool:
         return self._borrowed is not None
@@ -341,11 +201,6 @@ class Drafter(nn.Module):
         """The target head applied to drafter features ``f̂`` (as the kind hands them to it, ``normed``);
         fp32 image-token logits."""
         return self.head_logits(self.normed(hidden))
-
-    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Drafter features ``f̂`` as the head reads them (``DrafterKind.head_input``): eagle1's as is (it
-        regresses final-norm states), eagle3's through its own norm, medusa's through the next head."""
-        return self.kind.head_input(self, hidden)
 
     @property
     def head(self) -> nn.Module:
@@ -371,14 +226,14 @@ class Drafter(nn.Module):
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One drafter call on rows pairing ``features`` [B, S, F] with ``next_embeds`` [B, S, H] at RoPE
-        ``positions`` ([S] or [B, S]) → ``f̂`` [B, S, F] (the kind's ``forward``; F = H but for medusa).
+        ``positions`` ([S] or [B, S]) → ``f̂`` [B, S, F] (the kind's ``draft``; F = H but for medusa).
 
         Like ``LlamaGenGPT.forward``: with a ``cache`` the keys/values go to ``slots`` and ``mask``
         [B, 1, S, kv_len] covers the first ``kv_len`` cache slots.
         """
         if positions.dim() == 1:
             positions = positions.expand(features.shape[0], -1)
-        return self.kind.forward(self, features, next_embeds, positions, mask, cache, slots)
+        return self.draft(features, next_embeds, positions, mask, cache, slots)
 
     def forward_teacher(
         self, target_hidden: torch.Tensor, tokens: torch.Tensor, cond_mask: torch.Tensor
@@ -419,11 +274,6 @@ class Drafter(nn.Module):
         slots = torch.arange(length, device=prefix_hidden.device)
         next_embeds = after_prefix_rows(self.embed(first_tokens), length)
         return self(prefix_hidden, next_embeds, slots, teacher_mask(cond_mask, length), cache, slots)
-
-    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache | None:
-        """The kind's cache for ``batch`` rows of ``max_len`` slots; None for a kind that attends to
-        nothing."""
-        return self.kind.new_cache(self, batch, max_len or self.config.max_seq_len)
 
     # --- saving and loading -----------------------------------------------------------------------
     def save_pretrained(

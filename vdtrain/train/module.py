@@ -1,6 +1,6 @@
 """The Lightning module that trains a drafter against a frozen target.
 
-How is its kind's (``DrafterKind``): teacher-forced feature regression (eagle1), or its own unrolled
+How is its kind's (``Drafter.unroll_steps``): teacher-forced feature regression (eagle1), or its own unrolled
 outputs (training-time test, ``Drafter.unroll``: eagle3), with a feature loss or logits only.
 
 The target is *not* a registered submodule: its weights never enter checkpoints, optimisers or DDP
@@ -175,19 +175,20 @@ class DrafterModule(L.LightningModule):
         tapped: torch.Tensor | None,
     ) -> list[torch.Tensor]:
         """f̂ [B, L+N-1, F] of each drafter pass: teacher-forced (one), or the kind's unrolled steps."""
-        drafter, kind = self.drafter, self.drafter.kind
+        drafter = self.drafter
         feats = drafter.input_features(hidden_in, tapped)
-        if kind.unroll is None:
+        steps = drafter.unroll_steps(self.train_cfg.ttt_steps)
+        if steps is None:
             return [drafter.forward_teacher(feats, tokens, cond_mask)]
-        return drafter.unroll(feats, tokens, cond_mask, kind.unroll(drafter.config, self.train_cfg.ttt_steps))
+        return drafter.unroll(feats, tokens, cond_mask, steps)
 
     def score(
         self, steps: list[torch.Tensor], hidden: torch.Tensor, prefix_length: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss of the passes ``steps`` against the target's states ``hidden`` [B, L+N, H]: feature
         regression + soft CE (EAGLE-1), or the unrolled steps' (with a feature loss or logits only)."""
-        cfg, drafter, kind = self.train_cfg, self.drafter, self.drafter.kind
-        if kind.unroll is None:
+        cfg, drafter = self.train_cfg, self.drafter
+        if drafter.unroll_steps(cfg.ttt_steps) is None:
             return teacher_loss(
                 steps[0],
                 hidden[:, 1:],
@@ -205,7 +206,7 @@ class DrafterModule(L.LightningModule):
             drafter.head,
             prefix_length,
             cfg.ttt_decay,
-            cfg.w_feature if kind.feature_loss else 0.0,
+            cfg.w_feature if drafter.feature_loss else 0.0,
             cfg.cls_loss,
             cfg.loss_chunks,
         )
