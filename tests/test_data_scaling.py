@@ -28,7 +28,7 @@ def test_each_kinds_run_is_a_valid_fit_config_that_validates_every_point(tmp_pat
     assert cfg.trainer.accelerator == "gpu" and cfg.trainer.max_minutes == 2.0
     assert cfg.data.samples_per_epoch == 2048 and cfg.data.batch_size == 16 and not cfg.eval.enabled
     assert cfg.target.folder == "checkpoints/grain/target"
-    assert "drafter.ttt_steps=3" in fit_command(args, "eagle1", tmp_path / "eagle1")  # read by unrolled kinds only
+    assert "drafter.ttt_steps=3" in fit_command(args, "eagle1", tmp_path / "eagle1")  # unrolled kinds read it
 
 
 def test_the_curve_has_one_point_per_validation(tmp_path):

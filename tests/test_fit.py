@@ -319,7 +319,8 @@ def test_fit_trains_evaluates_and_exports_an_eagle3_drafter(tiny_folder, tmp_pat
     )
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((run / "drafter" / "config.json").read_text())
-    assert (config["kind"], config["options"]["feature_layers"]) == ("eagle3", [1, 1, 2])  # the final state on top
+    # the final state on top
+    assert (config["kind"], config["options"]["feature_layers"]) == ("eagle3", [1, 1, 2])
     summary = json.loads((run / "summary.json").read_text())
     assert {"eval/eagle2_T0/S", "eval/acceptance/tau_gap_T0", "eval/acceptance/tau_gap_T1"} <= set(summary)
 
