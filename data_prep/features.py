@@ -1,6 +1,6 @@
 """Offline mode: add the target's fp16 features (``feats.npy`` [L+N, H]) to every sample of a shard set.
 
-python -m data_prep.features in_dir=data/coco_mini out_dir=data/coco_mini_feats p_null=0.1
+python -m data_prep.features in_dir=data/coco_mini out_dir=data/coco_mini_feats
 
 The target runs once per sample here instead of at every training step. With probability ``p_null``
 (seeded per sample by ``seed`` and its key) a sample's features are computed under the null condition
@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig
 
 from vdtrain.cli import user_errors
+from vdtrain.config import DataConfig
 from vdtrain.data.prepare import prepare_features
 from vdtrain.sharding import Ranks, decoding_processes, ranks_from_env
 from vdtrain.targets import target_for_run
@@ -33,7 +34,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict:
         target,
         cfg.in_dir,
         cfg.out_dir,
-        p_null=cfg.p_null,
+        p_null=DataConfig.p_null if cfg.p_null is None else cfg.p_null,
         seed=cfg.seed,
         batch_size=cfg.batch_size,
         on_corrupt=cfg.on_corrupt,

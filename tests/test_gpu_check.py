@@ -95,6 +95,7 @@ def test_the_user_step_runs_the_readme_commands_on_cached_captions_only(tmp_path
     from omegaconf import OmegaConf
 
     from benchmarks import user_commands as uc
+    from vdtrain.config import EvalCallbackConfig
 
     dry = _run("--dry-run", str(tmp_path)).stdout
     assert "benchmarks.user_commands --device cuda" in dry
@@ -121,7 +122,7 @@ def test_the_user_step_runs_the_readme_commands_on_cached_captions_only(tmp_path
             assert int(keys["trainer.max_steps"]) * int(keys["data.batch_size"]) <= uc.TRAINING_CAPTIONS
             assert int(keys["data.val_samples"]) <= shipped_heldout
         if command[2] == "vdtrain.fit" and keys.get("eval.enabled") != "false":
-            fit_eval = OmegaConf.load(ROOT / "conf" / "fit.yaml").eval
+            fit_eval = EvalCallbackConfig()  # fit.yaml keeps the defaults (tests/test_training_defaults.py)
             assert fit_eval.num_prompts <= shipped_heldout and fit_eval.prompts is None
         if command[2] == "vdtrain.evaluate":
             assert int(keys["num_prompts"]) <= shipped_heldout

@@ -165,7 +165,7 @@ class FitConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    seed: int = 0
+    seed: int = 0  # every random choice of the run (null rows, feature noise, the data stream's order)
     run_dir: str = MISSING  # checkpoints, logs and the exported drafter go here
     resume: str | None = None  # a checkpoint path, or "last" (run_dir/checkpoints/last.ckpt) to resume
     export_dir: str | None = None  # where the final drafter is saved (default run_dir/drafter)

@@ -30,6 +30,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from vdtrain.config import DataConfig
 from vdtrain.data.shards import (
     ShardError,
     ShardReader,
@@ -541,7 +542,7 @@ def prepare_features(
     in_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     *,
-    p_null: float = 0.1,
+    p_null: float = DataConfig.p_null,
     seed: int = 0,
     batch_size: int = 16,
     on_corrupt: str = "error",

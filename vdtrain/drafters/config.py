@@ -13,12 +13,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vdtrain.config import DrafterTrainConfig
 from vdtrain.targets import draft_layer_class
 from vdtrain.targets.base import DraftLayer, Target, TargetIdentity
 
 if TYPE_CHECKING:
     from vdtrain.drafters.base import Drafter
 
+# What a config written before drafter kinds existed holds (no ``kind`` key): every drafter was one.
+KIND_BEFORE_KINDS = "eagle1"
 # Top-level keys of LlamaGen drafter configs written before ``DrafterConfig.layer`` (still read).
 LLAMAGEN_LAYER_FIELDS = (
     "n_head",
@@ -74,7 +77,7 @@ class DrafterConfig:
     family: str = "llamagen"
     layer: dict[str, Any] = field(default_factory=dict)
     target: dict[str, Any] = field(default_factory=dict)
-    kind: str = "eagle1"  # a key of vdtrain.drafters.registry.DRAFTERS
+    kind: str = DrafterTrainConfig.kind  # a key of vdtrain.drafters.registry.DRAFTERS
     options: Any = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -136,7 +139,7 @@ class DrafterConfig:
     def for_target(
         cls,
         target: Target,
-        kind: str = "eagle1",
+        kind: str = DrafterTrainConfig.kind,
         layer: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> DrafterConfig:
@@ -187,7 +190,9 @@ class DrafterConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> DrafterConfig:
         if not isinstance(data, Mapping):
             raise ValueError(f"a drafter config is a JSON object, got {type(data).__name__}")
-        data = _nest_legacy_options(_nest_legacy_layer(data))
+        data = _nest_legacy_layer(data)
+        data.setdefault("kind", KIND_BEFORE_KINDS)
+        data = _nest_legacy_options(data)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -227,7 +232,7 @@ def _nest_legacy_options(data: dict[str, Any]) -> dict[str, Any]:
     top = {name: data.pop(name) for name in LEGACY_TOP_LEVEL_OPTIONS if name in data}
     if not top:
         return data
-    kind = data.get("kind", "eagle1")
+    kind = data["kind"]
     own = {f.name for f in dataclasses.fields(drafter_class(kind).Options)}
     foreign = sorted(k for k, v in top.items() if k not in own and v not in (LEGACY_TOP_LEVEL_OPTIONS[k], ()))
     if foreign:

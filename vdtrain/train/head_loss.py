@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vdtrain.config import DrafterTrainConfig
+
 CLS_LOSSES = ("soft_ce", "acceptance", "log_acceptance")
 ACCEPTANCE_FLOOR = 1e-6  # log_acceptance clamps α here (−log 0 is no loss to train on)
 
@@ -26,7 +28,7 @@ def check_cls_loss(kind: str) -> None:
 
 
 def token_loss(
-    target_probs: torch.Tensor, pred_logits: torch.Tensor, kind: str = "soft_ce"
+    target_probs: torch.Tensor, pred_logits: torch.Tensor, kind: str = DrafterTrainConfig.cls_loss
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row [...] between the target's ``target_probs`` p and the drafter's ``pred_logits`` (q = softmax;
     [..., V] each, broadcast), and its gradient with respect to ``pred_logits`` (fp32): ``soft_ce`` −Σ p log q

@@ -75,8 +75,8 @@ def teacher_loss(
     normed: Callable[[torch.Tensor], torch.Tensor],
     head: nn.Module,
     prefix_length: int,
-    w_cls: float = 0.1,
-    cls_loss: str = "soft_ce",
+    w_cls: float = DrafterTrainConfig.w_cls,
+    cls_loss: str = DrafterTrainConfig.cls_loss,
     chunks: int = DrafterTrainConfig.loss_chunks,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE-1's loss on the ``trained_rows``: ``feature_loss + w_cls · soft_ce(head(f), head(normed(f̂)))``
@@ -108,9 +108,9 @@ def unrolled_loss(
     normed: Callable[[torch.Tensor], torch.Tensor],
     head: nn.Module,
     prefix_length: int,
-    decay: float = 0.8,
-    w_feature: float = 0.0,
-    cls_loss: str = "soft_ce",
+    decay: float = DrafterTrainConfig.ttt_decay,
+    w_feature: float = DrafterTrainConfig.w_feature,
+    cls_loss: str = DrafterTrainConfig.cls_loss,
     chunks: int = DrafterTrainConfig.loss_chunks,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Training-time test's loss: ``Σ_j decay^j · soft_ce_j`` over the unrolled ``steps`` (f̂ [B, S, H]
@@ -170,7 +170,9 @@ def simulated_tau(acc_per_depth: Sequence[float] | torch.Tensor) -> float:
 
 
 def uniform_feature_noise(
-    features: torch.Tensor, a: float = 0.1, generator: torch.Generator | None = None
+    features: torch.Tensor,
+    a: float = DrafterTrainConfig.feature_noise,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """``features + U(-a, a)``: the input-feature augmentation, with no 512/seq_len factor
     (docs/training.md, "Choices this implementation makes", Loss).

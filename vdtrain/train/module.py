@@ -20,7 +20,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Timer
 
-from vdtrain.config import DrafterTrainConfig, OptimConfig
+from vdtrain.config import DataConfig, DrafterTrainConfig, OptimConfig, TrainerConfig
 from vdtrain.drafters.base import CHECKPOINT_CONFIG_KEY, Drafter
 from vdtrain.images import images_to_tensor
 from vdtrain.targets.base import Target, split_taps
@@ -47,12 +47,12 @@ class DrafterModule(L.LightningModule):
         drafter: Drafter,
         train: DrafterTrainConfig,
         optim: OptimConfig,
-        features: str = "online",
-        p_null: float = 0.1,
+        features: str = DataConfig.features,
+        p_null: float = DataConfig.p_null,
         seed: int = 0,
-        max_steps: int = 1000,
+        max_steps: int = TrainerConfig.max_steps,
         max_minutes: float | None = None,
-        compile: bool = False,
+        compile: bool = TrainerConfig.compile,
     ) -> None:
         super().__init__()
         if features not in ("online", "offline"):
