@@ -66,19 +66,21 @@ def test_metrics_reach_the_csv_log_and_the_run_folder(eval_run):
 
 
 def test_the_acceptance_gap_is_logged_and_its_table_and_plot_written(eval_run):
-    """eagle2 at T = 0 reused from the table, at T = 1 decoded for the report (docs/evaluation.md)."""
+    """eagle2 at T = 0 reused from the table, at T = 1 decoded for the report (docs/evaluation.md), at the
+    last evaluation only (``acceptance.every_round`` false: its T = 1 decodes cost as much as a round)."""
     run_dir, summary, _ = eval_run
     with open(run_dir / "logs" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("eval/acceptance/tau_gap_T0")]
-    assert [r["step"] for r in rows] == ["2", "4"]  # once per epoch
+    assert [r["step"] for r in rows] == ["4"]  # the final drafter's, not the first epoch's
     for r in rows:
         for t in ("T0", "T1"):
             sim, real = float(r[f"eval/acceptance/tau_sim_{t}"]), float(r[f"eval/acceptance/tau_real_{t}"])
             assert float(r[f"eval/acceptance/tau_gap_{t}"]) == pytest.approx(sim - real, abs=1e-5)
         assert float(r["eval/acceptance/tau_real_T0"]) == pytest.approx(float(r["eval/eagle2_T0/tau"]))
-    for folder in ("epoch000", "epoch001", "latest"):
+    for folder in ("epoch001", "latest"):
         assert (run_dir / "eval" / folder / "acceptance.png").stat().st_size > 1000
         assert "τ_sim" in (run_dir / "eval" / folder / "acceptance.md").read_text()
+    assert not (run_dir / "eval" / "epoch000" / "acceptance.md").exists()
     data = json.loads((run_dir / "eval" / "latest" / "acceptance.json").read_text())["acceptance"]
     assert [d["temperature"] for d in data] == [0.0, 1.0]
     assert summary["eval/acceptance/tau_gap_T1"] == pytest.approx(data[1]["tau_gap"])
@@ -112,7 +114,8 @@ def test_on_by_default(tiny_folder, tmp_path):
 
     with initialize_config_dir(str(CONF), version_base=None):
         cfg = compose("fit", overrides=[f"target.folder={tiny_folder}", f"run_dir={tmp_path}"])
-    assert cfg.eval.enabled and list(cfg.eval.methods) == ["eagle2"] and cfg.eval.num_prompts == 8
+    assert cfg.eval.enabled and list(cfg.eval.methods) == ["eagle2"] and cfg.eval.num_prompts == 4
+    assert not cfg.eval.acceptance.every_round  # the report comes with the last evaluation
 
 
 def test_sample_grids_go_to_image_loggers():
@@ -183,7 +186,7 @@ def test_each_evaluation_measures_its_speedup_against_its_own_ar(monkeypatch):
     )
     ar_seconds, sampled = [], []
     for clock["ar"] in (10.0, 100.0):
-        result, reports = callback._evaluate(module)
+        result, reports = callback._evaluate(module, report=True)
         ar_row, eagle2 = result.rows
         assert (ar_row.method, eagle2.method) == ("ar", "eagle2") and eagle2.identical_to_ar
         assert eagle2.ar_seconds == ar_row.method_seconds
@@ -205,3 +208,33 @@ def test_an_evaluation_just_before_the_final_one_is_skipped():
         if callback._final_is_near(SimpleNamespace(**vars(trainer), global_step=s))
     ]
     assert near == [384]  # 16 steps before the final evaluation: skipped
+
+
+def test_the_acceptance_report_comes_with_the_last_evaluation_unless_asked_every_round(monkeypatch):
+    from types import SimpleNamespace
+
+    from vdtrain.config import AcceptanceReportConfig
+    from vdtrain.eval.callback import _training_ends
+
+    def trainer(step: int, epoch: int, max_steps: int = 4, max_epochs: int = -1):
+        return SimpleNamespace(
+            global_step=step,
+            current_epoch=epoch,
+            max_steps=max_steps,
+            max_epochs=max_epochs,
+            should_stop=False,
+        )
+
+    assert not _training_ends(trainer(2, 0)) and _training_ends(trainer(4, 1))
+    assert _training_ends(trainer(2, 1, max_steps=-1, max_epochs=2))
+    asked = []
+    for every_round in (False, True):
+        cfg = EvalCallbackConfig(acceptance=AcceptanceReportConfig(every_round=every_round))
+        callback = EvalAfterEpoch(cfg, "unused", ["a caption"])
+        monkeypatch.setattr(callback, "_evaluate", lambda module, report: asked.append(report) or (None, []))
+        monkeypatch.setattr(callback, "_report", lambda *args: None)
+        strategy = SimpleNamespace(broadcast=lambda metrics, src: metrics)
+        run = SimpleNamespace(is_global_zero=False, strategy=strategy, global_step=2, callback_metrics={})
+        callback.run(run, None, "epoch000", last=False)
+        callback.run(run, None, "final", last=True)
+    assert asked == [False, True, True, True]

@@ -122,6 +122,9 @@ class AcceptanceReportConfig:
     """The acceptance report (vdtrain/eval/acceptance.py): simulated vs real acceptance per draft depth."""
 
     enabled: bool = True
+    # after-epoch evaluation (fit): false reports at the last evaluation only, whose drafter is the one
+    # exported (its T = 1 decodes cost a CPU as much as the round itself); true: every round
+    every_round: bool = False
     method: str = "eagle2"  # the conf/decode preset whose real decode is compared with the simulation
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])  # decoded even if eval's are not
     depth: int | None = None  # draft depths 1..depth; null: the deepest tree the real decode drafted
@@ -137,7 +140,9 @@ class EvalCallbackConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     prompts: str | None = None  # null: held-out shapes captions | a caption file | a vendored set name
     caption_column: str | None = None  # a .csv/.tsv prompts file: its caption column (null: a known name)
-    num_prompts: int = 8
+    # 4: a round costs a 2-core CPU under a fifth of the main job (README, "Quick start"); a GPU decodes
+    # 8 or 16 in about the same time
+    num_prompts: int = 4
     batch_size: int = 8
     seed: int = 0  # prompt i uses seed + i, so epochs are compared on identical draws
     log_images: bool = True  # AR-vs-method sample grid to TensorBoard / wandb (always saved as PNG)

@@ -84,7 +84,7 @@ class EvalAfterEpoch(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if (trainer.current_epoch + 1) % self.cfg.every_n_epochs == 0 and not self._final_is_near(trainer):
-            self.run(trainer, pl_module, f"epoch{trainer.current_epoch:03d}")
+            self.run(trainer, pl_module, f"epoch{trainer.current_epoch:03d}", last=_training_ends(trainer))
 
     def _final_is_near(self, trainer: L.Trainer) -> bool:
         """The run stops (``max_steps``) within half an epoch and will measure its final drafter then:
@@ -96,12 +96,17 @@ class EvalAfterEpoch(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A run that stops mid-epoch (max_steps, max_minutes) still gets its final drafter measured."""
         if self.cfg.at_fit_end and self.last_step != trainer.global_step:
-            self.run(trainer, pl_module, "final")
+            self.run(trainer, pl_module, "final", last=True)
 
-    def run(self, trainer: L.Trainer, pl_module: L.LightningModule, tag: str) -> dict[str, float]:
+    def run(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, tag: str, last: bool = True
+    ) -> dict[str, float]:
+        """One evaluation round; ``last``: the run's final one, which makes the acceptance report unless
+        ``acceptance.every_round`` makes it every round."""
         metrics: dict[str, float] = {}
         started = time.monotonic()
-        result, reports = self._evaluate(pl_module)  # every rank: each decodes its part
+        report = self.cfg.acceptance.enabled and (last or self.cfg.acceptance.every_round)
+        result, reports = self._evaluate(pl_module, report)  # every rank: each decodes its part
         if trainer.is_global_zero:
             metrics = row_metrics(result.rows) | acceptance_metrics(reports)
             self._report(trainer, result, reports, metrics, tag, time.monotonic() - started)
@@ -111,7 +116,9 @@ class EvalAfterEpoch(L.Callback):
             trainer.callback_metrics[name] = _tensor(value, pl_module)
         return metrics
 
-    def _evaluate(self, pl_module: L.LightningModule) -> tuple[EvalResult, list[AcceptanceReport]]:
+    def _evaluate(
+        self, pl_module: L.LightningModule, report: bool
+    ) -> tuple[EvalResult, list[AcceptanceReport]]:
         was_training = pl_module.training
         ranks = current_ranks()
         pl_module.eval()
@@ -134,7 +141,7 @@ class EvalAfterEpoch(L.Callback):
                     keep_images=SAMPLE_GRID_PROMPTS,
                 )
                 assert result is not None  # no store: every rank merges
-                if not self.cfg.acceptance.enabled:
+                if not report:
                     return result, []
                 reports = measure(
                     pl_module.target,
@@ -184,6 +191,14 @@ class EvalAfterEpoch(L.Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
             if self.cfg.log_images and grid is not None:
                 _log_image(logger, "eval/samples", grid, trainer.global_step)
+
+
+def _training_ends(trainer: L.Trainer) -> bool:
+    """This epoch's end is the run's end: its step or epoch limit is reached (``max_minutes`` cannot be
+    foreseen: ``at_fit_end`` measures that drafter when it stops)."""
+    steps_done = trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps
+    epochs_done = trainer.max_epochs is not None and 0 < trainer.max_epochs <= trainer.current_epoch + 1
+    return steps_done or epochs_done or trainer.should_stop
 
 
 def _sample_grid(result: EvalResult, folder: Path) -> np.ndarray | None:
