@@ -319,7 +319,7 @@ def run_steps(method, cond: Condition, generators, on_step=None, steps: int | No
     """``method.generate``, or only its first ``steps`` steps (then None: a partial decode has no result).
     The decode stops between two steps, so a recorded step is never cut."""
     if steps is None:
-        return method.generate(cond, generators, on_step=on_step)
+        return method.generate(cond, generators, on_step=on_step, planned_batch=len(cond))
     seen = 0
 
     def hook(*args: object) -> None:
@@ -331,7 +331,7 @@ def run_steps(method, cond: Condition, generators, on_step=None, steps: int | No
             raise _Enough
 
     try:
-        return method.generate(cond, generators, on_step=hook)
+        return method.generate(cond, generators, on_step=hook, planned_batch=len(cond))
     except _Enough:
         return None
 
