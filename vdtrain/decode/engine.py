@@ -91,10 +91,11 @@ LOG_FIELDS = ("verified", "skipped", "committed", "depth", "root", "accepted", "
 
 
 class StepCalls(NamedTuple):
-    """A step's drafter forwards, host ints (a recorded step replays the same calls)."""
+    """A step's drafter forwards, host ints (a recorded step replays the same calls), as its prompts see
+    them: which one a prompt's statistics count depends on whether the step verified it."""
 
-    verified: int  # what a verified step cost (tree + catch-up)
-    skipped: int  # what a skipped step cost (tree + stale catch-up)
+    when_verified: int  # the tree and the catch-up on the accepted tokens
+    when_skipped: int  # the tree and the catch-up with stale features (VVS)
 
 
 @dataclass
@@ -712,7 +713,7 @@ class SpeculativeEngine:
                 if verified:
                     st.steps += 1
                     st.target_forwards += 1
-                    st.drafter_forwards += calls.verified
+                    st.drafter_forwards += calls.when_verified
                     st.committed_per_step.append(count)
                     st.depth_per_step.append(depth)
                     st.accept_map.append((root, accepted))
@@ -720,5 +721,5 @@ class SpeculativeEngine:
                 elif skipped:
                     st.skipped_steps += 1
                     st.committed_per_skip.append(count)
-                    st.drafter_forwards += calls.skipped
+                    st.drafter_forwards += calls.when_skipped
         return stats

@@ -296,8 +296,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         """A tree of ``total`` nodes: the root and the best ``total − 1`` of the candidate nodes
         (``tokens``, ``scores``, ``valid``: [B, N] each, ``parents`` as the layers hold them; a parent
         outranks its children: log q <= 0), laid out by depth then creation order; padding nodes as the
-        old builder writes them. The envelope bounds the tree's depth and widest node on the host (batched
-        acceptance loops that often)."""
+        node-by-node reference builder writes them (tests/reference_builders.py). The envelope bounds the
+        tree's depth and widest node on the host (batched acceptance loops that often)."""
         batch, count = tokens.shape
         if self.keep_deepest_path:
             every = shared_arange(count, tokens.device)
