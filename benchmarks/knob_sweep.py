@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from vdtrain.decode.builders.base import GPU_MAX_ROWS
+from vdtrain.decode.budget import GPU_MAX_ROWS
 from vdtrain.decode.methods import load_preset
 from vdtrain.eval.runner import evaluate
 from vdtrain.eval.table import EvalRow, write_tables

@@ -319,7 +319,7 @@ def run_steps(method, cond: Condition, generators, on_step=None, steps: int | No
     """``method.generate``, or only its first ``steps`` steps (then None: a partial decode has no result).
     The decode stops between two steps, so a recorded step is never cut."""
     if steps is None:
-        return method.generate(cond, generators, on_step=on_step)
+        return method.generate(cond, generators, on_step=on_step, planned_batch=len(cond))
     seen = 0
 
     def hook(*args: object) -> None:
@@ -331,7 +331,7 @@ def run_steps(method, cond: Condition, generators, on_step=None, steps: int | No
             raise _Enough
 
     try:
-        return method.generate(cond, generators, on_step=hook)
+        return method.generate(cond, generators, on_step=hook, planned_batch=len(cond))
     except _Enough:
         return None
 
@@ -427,12 +427,12 @@ def time_method(
         steps += timer.steps()[1]
         stats += result.stats if result is not None else []
         start += len(cond)
-    verified = max(1, sum(s.verified for s in steps))
-    out = {p: sum(s.phases[p] for s in steps) / verified for p in PHASES}
-    out["other"] = sum(s.other for s in steps) / verified
-    out["step"] = sum(s.seconds for s in steps) / verified
-    out["forward"] = sum(s.forward for s in steps) / verified
-    out["verified"] = verified
+    verified_steps = max(1, sum(s.verified for s in steps))
+    out = {p: sum(s.phases[p] for s in steps) / verified_steps for p in PHASES}
+    out["other"] = sum(s.other for s in steps) / verified_steps
+    out["step"] = sum(s.seconds for s in steps) / verified_steps
+    out["forward"] = sum(s.forward for s in steps) / verified_steps
+    out["verified_steps"] = verified_steps
     out["s"] = (
         sum(target.num_image_tokens / s.target_forwards for s in stats) / len(stats) if stats else math.nan
     )
@@ -462,7 +462,7 @@ def make_row(name: str, preset: str, batch: int, mode: str, ar, m, s_shapes) -> 
         s_from=None if s_shapes is None else "shapes",
         paper_speedup=projected_speedup(preset, r),
         measured_speedup=ar_total / m["total"],
-        verified_steps=int(m["verified"]),
+        verified_steps=int(m["verified_steps"]),
         startup_s=m["startup"],
         ar_startup_s=ar_startup,
     )

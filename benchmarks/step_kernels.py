@@ -198,7 +198,7 @@ def main() -> None:
     for owner, name in phase_methods(engine)["forward"]:
         setattr(owner, name, _excluded(counter, getattr(owner, name)))
     with torch.no_grad(), counter:
-        engine.generate(cond, gens, on_step=counter.on_step)
+        engine.generate(cond, gens, on_step=counter.on_step, planned_batch=len(cond))
     # The wrappers go (the timed calls trace the kernels as decoding does): an instance's, and a module's
     # function put back.
     for owner, name, kernel in kernels.values():

@@ -251,7 +251,7 @@ def trace(method: Any, cond, generators, skip: int, steps: int, device: torch.de
         if phases:
             stack.enter_context(phase_ranges(method, device))
         try:
-            method.generate(cond, generators, on_step=on_step)
+            method.generate(cond, generators, on_step=on_step, planned_batch=len(cond))
         except _Done:
             return prof, window[1] - window[0]
     raise ValueError(f"the decode ended after {seen} steps, before step {skip + steps}")
@@ -329,7 +329,7 @@ def profile_method(target, drafter, name: str, cond, args, mode: str) -> dict[st
         segments.bind(method)
     gens = lambda: [torch.Generator(device).manual_seed(args.seed + i) for i in range(len(cond))]  # noqa: E731
     if mode != "eager":
-        method.generate(cond, gens())  # records every step shape
+        method.generate(cond, gens(), planned_batch=len(cond))  # records every step shape
     prof, wall = trace(method, cond, gens(), args.skip, args.steps, device, phases=mode == "eager")
     return summarise(prof, device, args.steps, wall, args.top)
 

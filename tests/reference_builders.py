@@ -13,6 +13,7 @@ from vdtrain.decode.rows import visibility
 from vdtrain.decode.trees import DraftTree
 
 if TYPE_CHECKING:
+    from vdtrain.decode.budget import TreeBudget
     from vdtrain.decode.builders.base import DraftContext
 
 
@@ -45,7 +46,7 @@ class ReferenceDynamicTreeBuilder(DraftTreeBuilder):
             )
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
 
-    def max_nodes(self) -> int:
+    def max_nodes(self, budget: TreeBudget) -> int:
         return max(self.total_tokens, 1 + self.top_k * (self.depth + 1))
 
     def shape(self, state: StepState) -> tuple[torch.Tensor, torch.Tensor]:

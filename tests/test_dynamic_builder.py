@@ -14,6 +14,7 @@ from reference_builders import ReferenceDeepestPathBuilder, ReferenceDynamicTree
 from test_engine import make_drafter, make_target
 
 from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.budget import WHOLE_TREE, TreeBudget
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig, ranked
 from vdtrain.decode.engine import SpeculativeEngine
@@ -68,8 +69,8 @@ class Twin(DraftTreeBuilder):
         self.trees: list[list[tuple[torch.Tensor, ...]]] = []
         self.limits: list[torch.Tensor] = []
 
-    def max_nodes(self) -> int:
-        return max(b.max_nodes() for b in self.builders)
+    def max_nodes(self, budget: TreeBudget) -> int:
+        return max(b.max_nodes(budget) for b in self.builders)
 
     def reset(self, batch: int) -> None:
         for b in self.builders:
@@ -297,7 +298,8 @@ def test_top_k_above_the_vocabulary_is_capped_once_on_the_preset_path():
         too_wide = build_method(
             load_preset("eagle2", {"tree": {"top_k": 3 * vocab}}), target, drafter, SamplingConfig()
         )
-    assert too_wide.builder.top_k == vocab and too_wide.builder.max_nodes() == at_vocab.builder.max_nodes()
+    assert too_wide.builder.top_k == vocab
+    assert too_wide.builder.max_nodes(WHOLE_TREE) == at_vocab.builder.max_nodes(WHOLE_TREE)
     counts = []
     at_vocab.generate(tiny_condition(), [torch.Generator().manual_seed(9)] * 2)  # makes the shared constants
     for method in (at_vocab, too_wide):
@@ -367,8 +369,8 @@ class Counted(DraftTreeBuilder):
     def __init__(self, inner: DraftTreeBuilder, builds: int | None = None) -> None:
         self.inner, self.builds, self.counts = inner, builds, []
 
-    def max_nodes(self) -> int:
-        return self.inner.max_nodes()
+    def max_nodes(self, budget: TreeBudget) -> int:
+        return self.inner.max_nodes(budget)
 
     def build(self, engine, state):
         with OpCounter(as_if_gpu=True) as counter:

@@ -18,6 +18,7 @@ from reference_acceptance import Verdict, from_verdicts
 from scipy.stats import chisquare
 
 from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.budget import TreeBudget
 from vdtrain.decode.builders.base import DraftTreeBuilder
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
@@ -89,7 +90,7 @@ class OracleChain(DraftTreeBuilder):
         self.truth, self.depth = truth, depth
         self.tree = static_tree([p for d in range(1, depth + 1) for p in ((0,) * d, (0,) * (d - 1) + (1,))])
 
-    def max_nodes(self) -> int:
+    def max_nodes(self, budget: TreeBudget) -> int:
         return self.tree.size
 
     def build(self, engine, state) -> DraftTree:
@@ -269,7 +270,7 @@ def wrong_verifier(tree, row, p_nodes, greedy, generator) -> Verdict:
 def sample_images(engine, cond, count, seed) -> list[tuple[int, ...]]:
     c = Condition(cond.features.expand(count, -1, -1), cond.mask.expand(count, -1))
     gens = [torch.Generator().manual_seed(seed * 100_000 + i) for i in range(count)]
-    return [tuple(x) for x in engine.generate(c, gens).tokens.tolist()]
+    return [tuple(x) for x in engine.generate(c, gens, planned_batch=count).tokens.tolist()]
 
 
 def chi_square_pvalue(samples, exact) -> float:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from test_engine import (
 )
 
 from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.budget import GPU_MAX_ROWS, WHOLE_TREE, TreeBudget, tree_budget
 from vdtrain.decode.builders.base import StepState
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
@@ -189,13 +191,22 @@ def test_a_shrunk_tree_samples_alike_in_a_short_batch_when_the_planned_batch_is_
     engine = build_method(config, target, drafter, sampling)
     cond = tiny_condition(batch=4, seed=7)
     gens = [torch.Generator().manual_seed(300 + i) for i in range(4)]
-    batched = engine.generate(cond, gens).tokens
-    assert engine.builder.total_tokens == 5
+    with pytest.warns(UserWarning, match=r"no planned_batch, so its 4 prompts' trees shrink to 5 nodes"):
+        batched = engine.generate(cond, gens).tokens  # the default: this batch's size
+    assert engine.run.budget == TreeBudget(5)
     for i in range(4):
         one = Condition(cond.features[i : i + 1], cond.mask[i : i + 1])
-        alone = engine.generate(one, [torch.Generator().manual_seed(300 + i)], planned_batch=4).tokens
-        assert engine.builder.total_tokens == 5, "the short batch's tree follows the planned batch"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the planned batch given: nothing depends on this batch
+            alone = engine.generate(one, [torch.Generator().manual_seed(300 + i)], planned_batch=4).tokens
+        assert engine.run.budget == TreeBudget(5), "the short batch's tree follows the planned batch"
         assert torch.equal(alone[0], batched[i]), f"prompt {i}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one prompt alone: its trees are one prompt's
+        engine.generate(one, [None])
+    assert engine.run.budget == TreeBudget(20)
+    with pytest.raises(ValueError, match="planned_batch must be a positive number of prompts, got 0"):
+        engine.generate(one, [None], planned_batch=0)
 
 
 # --- item 3: tiny vocabularies ----------------------------------------------------------------------------
@@ -233,19 +244,20 @@ def test_a_tree_shrunk_to_the_row_limit_keeps_ar_tokens_at_t0(name, tmp_path):
     full = method(name, target, drafter, sampling, tmp_path)
     config = load_preset(name, {"tree": {"max_rows": 12}})  # 12 // 4 = 3 nodes
     shrunk = build_method(config, target, drafter if config.needs_drafter else None, sampling)
-    tokens = shrunk.generate(cond, [None, None]).tokens
-    assert shrunk.builder.max_nodes() <= full.builder.max_nodes()
-    verified = getattr(shrunk.builder, "total_tokens", None) or shrunk.builder.max_nodes()
+    tokens = shrunk.generate(cond, [None, None], planned_batch=2).tokens
+    budget = shrunk.run.budget
+    assert budget == TreeBudget(3)
+    assert shrunk.builder.max_nodes(budget) <= full.builder.max_nodes(WHOLE_TREE)
+    verified = shrunk.builder.tree_size(budget)
     assert verified == 3, f"{name}: {verified} nodes verified under the row limit"
     assert torch.equal(tokens, generate_ar(target, cond, sampling, [None, None]))
 
 
 def test_the_node_budget_follows_the_rows_and_the_device():
-    from vdtrain.decode.builders.base import GPU_MAX_ROWS, node_budget
-
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert node_budget(None, 32, cpu) is None  # auto: no limit on a CPU
-    assert node_budget(None, 32, gpu) == GPU_MAX_ROWS // 32  # B 16 with CFG: 8 nodes on a GPU
-    assert node_budget(None, 1000, gpu) == 2  # never below the root and one draft
-    assert node_budget(0, 32, gpu) is None  # off
-    assert node_budget(100, 4, cpu) == 25  # an explicit limit applies anywhere
+    assert tree_budget(None, 16, 2, cpu) == WHOLE_TREE  # auto: no limit on a CPU
+    assert tree_budget(None, 16, 2, gpu) == TreeBudget(GPU_MAX_ROWS // 32)  # B 16 with CFG: 8 nodes on a GPU
+    assert tree_budget(None, 500, 2, gpu) == TreeBudget(2)  # never below the root and one draft
+    assert tree_budget(0, 16, 2, gpu) == WHOLE_TREE  # off
+    assert tree_budget(100, 4, 1, cpu) == TreeBudget(25)  # an explicit limit applies anywhere
+    assert TreeBudget(8).cap(59) == 8 and TreeBudget(80).cap(59) == 59 and WHOLE_TREE.cap(59) == 59

@@ -40,14 +40,16 @@ RECORDED = [n for n in preset_names() if n not in SPECULATIVE or n in GRAPH_SAFE
 REPLAYED = [(n, 1.0) for n in RECORDED] + [(n, 0.0) for n in one_per_part(RECORDED)]
 
 
-def _engine(name: str, temperature: float, cache_dir, recorder=None, device: str = "cpu", compile=False):
+def _engine(
+    name: str, temperature: float, cache_dir, recorder=None, device: str = "cpu", compile=False, tree=None
+):
     target = LlamaGenTarget(
         random_gpt(), VQTokenizer(random_vq(), image_size=8), None, "tiny", SamplingConfig(cfg_scale=2.0)
     ).to(device)
     sampling = replace(target.sampling_defaults, temperature=temperature)
-    overrides = {"acceptance": {"cache_dir": str(cache_dir)}}
+    overrides = {"acceptance": {"cache_dir": str(cache_dir)}, "tree": dict(tree or {})}
     if name == "sjd_pac":  # its 64-node window would draw the tiny image in a step or two
-        overrides["tree"] = {"tokens_per_forward": 8, "width": 2}
+        overrides["tree"].update(tokens_per_forward=8, width=2)
     config = load_preset(name, overrides)
     drafter = random_drafter(target).to(device) if config.needs_drafter else None
     options = DecodeOptions(step_recorder=recorder)
@@ -100,6 +102,23 @@ def test_a_recorded_step_replays_the_eager_decode(name, temperature, cache_dir):
     parts = 2 if name in VVS else 1  # VVS: the draft-and-plan graph, then one graph per plan seen
     assert parts <= len(recordings) <= 1 + 8 * (parts - 1), f"{name}: {len(recordings)} recordings"
     assert len(replays) >= 4, f"{name}: {len(replays)} replays"
+
+
+def test_a_step_recorded_for_one_tree_budget_is_not_replayed_for_another(cache_dir):
+    """The same batch with another planned batch verifies trees of another size (``tree.max_rows`` 24: 6
+    nodes for 2 prompts with CFG, 2 for a planned 6): it records its own step rather than replaying the
+    other budget's, even where the buffers are the same size (a dynamic tree's drafter scratch)."""
+    name = "eagle2"
+    eager = _engine(name, 1.0, cache_dir, tree={"max_rows": 24})
+    engine = _engine(name, 1.0, cache_dir, record_fx, tree={"max_rows": 24})
+    cond = tiny_condition(2, seed=10)
+    for planned in (6, 2, 6):
+        want, got = (
+            e.generate(cond, [torch.Generator().manual_seed(10 + i) for i in range(2)], planned_batch=planned)
+            for e in (eager, engine)
+        )
+        assert torch.equal(got.tokens, want.tokens), f"{name}: planned batch {planned}"
+        assert got.stats == want.stats, f"{name}: planned batch {planned}"
 
 
 def test_an_ar_step_neither_reads_the_device_nor_copies_host_data_to_it(cache_dir):

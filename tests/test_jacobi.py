@@ -26,6 +26,7 @@ from test_engine import (
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Grouped, GsdConfig
 from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.budget import WHOLE_TREE
 from vdtrain.decode.builders.base import StepState
 from vdtrain.decode.builders.jacobi import INITS, JacobiTreeConfig, JacobiWindowBuilder
 from vdtrain.decode.engine import SpeculativeEngine
@@ -185,7 +186,7 @@ def test_a_window_is_a_chain_of_fresh_point_masses():
     tree = builder.build(_engine(), _state(root=5, committed=1))
     assert tree.tokens[0, 0] == 5 and tree.sampled
     assert tree.parents[0].tolist() == [-1, 0, 1, 2, 3] and tree.depths[0].tolist() == [0, 1, 2, 3, 4]
-    assert tree.valid.all() and builder.max_nodes() == 5
+    assert tree.valid.all() and builder.max_nodes(WHOLE_TREE) == 5
     assert _is_point_mass(tree.q[0, :4], tree.tokens[0, 1:])  # q of node i: what node i + 1 was drawn from
     # Never past the last image token: with 2 image tokens left to draft the window has 2 drafts.
     builder.reset(1)

@@ -35,6 +35,7 @@ from test_jacobi import (
 
 from vdtrain.decode.acceptance import BatchVerdict
 from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.budget import WHOLE_TREE
 from vdtrain.decode.builders.base import StepState
 from vdtrain.decode.builders.sjd_pac import SjdPacBuilder, SjdPacTreeConfig, tree_nodes
 from vdtrain.decode.engine import SpeculativeEngine
@@ -272,7 +273,7 @@ def _first(window: int = 16, width: int = 3, levels: int = 3, seed: int = 0):
 def test_the_window_is_a_full_tree_of_shared_columns_then_a_chain():
     builder, tree = _first()
     depths = tree.depths[0].tolist()
-    assert builder.max_nodes() == tree.size == 16 and builder.main_depth == 5 and tree.sampled
+    assert builder.max_nodes(WHOLE_TREE) == tree.size == 16 and builder.main_depth == 5 and tree.sampled
     assert [depths.count(d) for d in range(6)] == [1, 3, 9, 1, 1, 1] and tree.valid.all()
     assert tree_nodes(3, 3) == 13 and tree_nodes(1, 4) == 4
     ranks, tokens = builder.shape.ranks, tree.tokens[0].tolist()

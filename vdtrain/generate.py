@@ -106,7 +106,6 @@ def command_line(cfg: DictConfig) -> list[str]:
 
 
 def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
-    import torch
     from tqdm import tqdm
 
     from vdtrain.decode.compiled import prepare_decoding
@@ -114,7 +113,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     from vdtrain.decode.metrics import summarize
     from vdtrain.eval.heartbeat import Heartbeat
     from vdtrain.eval.quality import quality_scorer
-    from vdtrain.eval.runner import synchronize
+    from vdtrain.eval.runner import decode_prompts, synchronize
     from vdtrain.images import save_png, tensor_to_images
     from vdtrain.prompts import prompts_for_run
     from vdtrain.sharding import UnitStore, units_of
@@ -157,38 +156,33 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
                 beat.update(stop - start)
                 continue
             batch = prompts[start:stop]
-            seeds = [cfg.seed + start + i for i in range(len(batch))]
-            generators = [torch.Generator(device).manual_seed(s) for s in seeds]
-            cond = target.encode_captions(batch)
+            # one batch of the run's planned size (or its short last): prompt i with seed cfg.seed + i
+            decoded = decode_prompts(method, target, batch, cfg.seed + start, cfg.batch_size)
             synchronize(device)
             t0 = time.perf_counter()
-            result = method.generate(cond, generators, planned_batch=cfg.batch_size)
-            tokens = result.tokens
+            images = tensor_to_images(target.tokenizer.decode(decoded.tokens))
             synchronize(device)
-            t1 = time.perf_counter()
-            images = tensor_to_images(target.tokenizer.decode(tokens))
-            synchronize(device)
-            t2 = time.perf_counter()
+            vq_seconds = time.perf_counter() - t0
             samples = []
-            for i, (prompt, seed) in enumerate(zip(batch, seeds, strict=True)):
+            for i, (prompt, stats) in enumerate(zip(batch, decoded.stats, strict=True)):
                 save_png(images[i], out / f"{start + i:04d}.png")
                 record = {
                     "index": start + i,
                     "prompt": prompt,
-                    "seed": seed,
-                    "tokens": tokens[i].tolist(),
+                    "seed": cfg.seed + start + i,
+                    "tokens": decoded.tokens[i].tolist(),
                     "batch_size": len(batch),
-                    "batch_latency_s": t1 - t0,
-                    "batch_latency_with_vq_decode_s": t2 - t0,
-                    **summarize([result.stats[i]], target.num_image_tokens),
-                    "committed_per_step": result.stats[i].committed_per_step,
-                    "committed_per_skip": result.stats[i].committed_per_skip,
+                    "batch_latency_s": decoded.seconds,
+                    "batch_latency_with_vq_decode_s": decoded.seconds + vq_seconds,
+                    **summarize([stats], target.num_image_tokens),
+                    "committed_per_step": stats.committed_per_step,
+                    "committed_per_skip": stats.committed_per_skip,
                 }
                 if scorer is not None:
                     record.update(quality_record(scorer, images[i], prompt))
                 samples.append(record)
             # written last: the images of a unit without its record are redone
-            store.save(f"{start:06d}", {"samples": samples, "stats": result.stats, "rank": ranks.rank})
+            store.save(f"{start:06d}", {"samples": samples, "stats": decoded.stats, "rank": ranks.rank})
             beat.update(len(batch))
     ranks.barrier()
     if not ranks.is_main:

@@ -31,3 +31,8 @@ class SamplingConfig:
     def uses_cfg(self) -> bool:
         """LlamaGen's rule: guidance (and its unconditional stream) only when ``cfg_scale > 1``."""
         return self.cfg_scale > 1.0
+
+    @property
+    def streams(self) -> int:
+        """Model rows per prompt: the conditional and the unconditional with guidance, else one."""
+        return 2 if self.uses_cfg else 1

@@ -1,1 +1,2 @@
-"""Decoding: the one sampling pipeline, AR generation and (later) the speculative engine."""
+"""Decoding: the one sampling pipeline, AR generation, the speculative engine and its parts (draft-tree
+builders, acceptance rules, verification schedules), and the methods made of them (``methods``)."""

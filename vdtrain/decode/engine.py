@@ -12,6 +12,7 @@ slot and row layout; "VVS" the post-verification.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
@@ -19,7 +20,8 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from vdtrain.decode.acceptance import EXACT, BatchVerdict, Rule, accept_batch
-from vdtrain.decode.builders.base import DraftTreeBuilder, StepOutcome, StepState, node_budget
+from vdtrain.decode.budget import TreeBudget, tree_budget
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepOutcome, StepState
 from vdtrain.decode.compiled import DecodeOptions
 from vdtrain.decode.graphs import DeviceLog, Recorder, SplitStepGraph, StepGraph
 from vdtrain.decode.kernels import compiled_step_kernels, shared_arange, shared_full, step_kernel
@@ -89,10 +91,11 @@ LOG_FIELDS = ("verified", "skipped", "committed", "depth", "root", "accepted", "
 
 
 class StepCalls(NamedTuple):
-    """A step's drafter forwards, host ints (a recorded step replays the same calls)."""
+    """A step's drafter forwards, host ints (a recorded step replays the same calls), as its prompts see
+    them: which one a prompt's statistics count depends on whether the step verified it."""
 
-    verified: int  # what a verified step cost (tree + catch-up)
-    skipped: int  # what a skipped step cost (tree + stale catch-up)
+    when_verified: int  # the tree and the catch-up on the accepted tokens
+    when_skipped: int  # the tree and the catch-up with stale features (VVS)
 
 
 @dataclass
@@ -112,6 +115,7 @@ class DecodeRun:
     out: torch.Tensor  # [B, N + spare] committed tokens
     committed: torch.Tensor  # [B]
     rng: RowRandom
+    budget: TreeBudget  # the most nodes a tree of this call may have (``StepState.budget``)
     chain: int  # room for post-verified tokens before a tree (VVS), else 0
     pending: torch.Tensor  # [B] VVS: committed tokens before the root the target has not seen
     fcache: torch.Tensor | None  # VVS: [R, L + N + spare, H] target feature at every verified slot
@@ -177,8 +181,9 @@ class RootDraft(NamedTuple):
 
 class SpeculativeEngine:
     """``builder`` drafts the trees, ``accept`` verifies them (default: exact), ``schedule`` decides which
-    steps are verified (default: all; VVS skips some, ``vdtrain.decode.vvs``). The engine is the
-    builders' ``DraftContext``."""
+    steps are verified (default: all; VVS skips some, ``vdtrain.decode.vvs``). ``max_rows``
+    (``TreeConfig.max_rows``; None: the device's limit) sizes each call's trees (``generate``). The engine
+    is the builders' ``DraftContext``."""
 
     def __init__(
         self,
@@ -189,6 +194,7 @@ class SpeculativeEngine:
         accept: Rule = EXACT,
         schedule: VerificationSchedule | None = None,
         options: DecodeOptions | None = None,
+        max_rows: int | None = None,
     ) -> None:
         if drafter is not None:
             drafter.attach(target)  # refuses a drafter trained for another target
@@ -204,6 +210,7 @@ class SpeculativeEngine:
         self.accept = accept
         self.schedule = schedule if schedule is not None else VerificationSchedule(ScheduleConfig())
         self.options = options if options is not None else DecodeOptions()
+        self.max_rows = max_rows
         # The target layers the drafter reads besides the last (an eagle3 drafter's), every forward.
         self.taps = drafter.taps if drafter is not None and builder.needs_drafter else ()
         if self.schedule.can_skip and not builder.needs_drafter:
@@ -278,12 +285,33 @@ class SpeculativeEngine:
         planned_batch: int | None = None,
     ) -> DecodeResult:
         """Image tokens for ``cond``; ``on_step(target_cache, committed, tokens)`` runs after each step.
-        ``planned_batch``: the prompts per batch of the whole run, which sizes the tree (``node_budget``)
+        ``planned_batch``: the prompts per batch of the whole run, which sizes the trees (``tree_budget``)
         so that a prompt's sample does not depend on the batch it lands in (a last, short batch, a shard);
-        None: this batch's size. The step kernels run compiled when the options ask for it."""
+        a batch larger than planned sizes them itself. None: this batch's size, with a warning where that
+        shrinks the trees below one prompt's (T = 1 samples and the statistics then depend on the
+        batch's size). The step kernels run compiled when the options ask for it."""
+        budget = self.budget_for(len(cond), planned_batch)
         backend = self.options.compile_steps
         with compiled_step_kernels(backend is not None, backend or "inductor"):
-            return self._generate(cond, generators, on_step, planned_batch or len(cond))
+            return self._generate(cond, generators, on_step, budget)
+
+    def budget_for(self, batch: int, planned_batch: int | None) -> TreeBudget:
+        """The node budget of a ``generate`` call of ``batch`` prompts (see ``generate``)."""
+        if planned_batch is not None and planned_batch < 1:
+            raise ValueError(f"planned_batch must be a positive number of prompts, got {planned_batch}")
+        device, streams = self.target.token_embedding.weight.device, self.sampling.streams
+        budget = tree_budget(self.max_rows, max(planned_batch or batch, batch), streams, device)
+        nodes = self.builder.tree_size(budget)
+        alone = self.builder.tree_size(tree_budget(self.max_rows, 1, streams, device))
+        if planned_batch is None and nodes < alone:
+            warnings.warn(
+                f"generate() got no planned_batch, so its {batch} prompts' trees shrink to {nodes} nodes "
+                f"(tree.max_rows; {alone} for one prompt): T = 1 samples and acceptance then depend on the "
+                "batch's size. Pass planned_batch=<the run's prompts per batch> to give every batch the "
+                "same trees",
+                stacklevel=3,
+            )
+        return budget
 
     @torch.no_grad()
     def _generate(
@@ -291,26 +319,24 @@ class SpeculativeEngine:
         cond: Condition,
         generators: Sequence[torch.Generator | None],
         on_step: StepHook | None,
-        planned_batch: int,
+        budget: TreeBudget,
     ) -> DecodeResult:
         target, sampling, schedule = self.target, self.sampling, self.schedule
         start_time = time.perf_counter()
         batch, n_img = len(cond), target.num_image_tokens
         stream = cfg_batch(target, cond, sampling)
-        streams = len(stream) // batch
         device = target.token_embedding.weight.device
-        rows = streams * max(planned_batch, batch)  # a short batch gets the planned batch's tree
-        self.builder.limit_nodes(node_budget(self.builder.max_rows, rows, device))
-        extra = self.builder.max_nodes() + 1
+        extra = self.builder.max_nodes(budget) + 1
         skipping = schedule.can_skip
         chain = extra if skipping else 0  # post-verification feeds [unverified tokens ⊕ tree]
         recorder = self.recorder
-        key = (batch, extra, *((t.shape, t.dtype) for t in (stream.features, stream.mask)), device)
+        # A recorded step is the budget's: its trees' sizes are in its ops, whatever the buffers' sizes.
+        key = (batch, budget, extra, *((t.shape, t.dtype) for t in (stream.features, stream.mask)), device)
         if recorder is not None and self._recorded is not None and self._recorded.key == key:
             run, step = self._recorded.run, self._recorded.step  # replay the step recorded before
             run.restart(stream, generators)
         else:
-            run, step = self._new_run(stream, batch, generators, chain), self._step
+            run, step = self._new_run(stream, batch, generators, chain, budget), self._step
             if recorder is not None:
                 if schedule.can_skip:  # draft and plan, read the plan's flags, then the rest per flags
                     step = SplitStepGraph(self._draft, _plan_flags, self._finish_with, recorder, device)
@@ -362,12 +388,17 @@ class SpeculativeEngine:
         return run.draft_calls
 
     def _new_run(
-        self, stream: Condition, batch: int, generators: Sequence[torch.Generator | None], chain: int
+        self,
+        stream: Condition,
+        batch: int,
+        generators: Sequence[torch.Generator | None],
+        chain: int,
+        budget: TreeBudget,
     ) -> DecodeRun:
         """Fresh buffers and caches for a decode of ``batch`` prompts (``chain``: VVS's room for
-        post-verified tokens before a tree)."""
+        post-verified tokens before a tree) with trees of ``budget``."""
         target, device = self.target, self.target.token_embedding.weight.device
-        n_img, extra = target.num_image_tokens, self.builder.max_nodes() + 1
+        n_img, extra = target.num_image_tokens, self.builder.max_nodes(budget) + 1
         long = {"dtype": torch.long, "device": device}
         return DecodeRun(
             stream=stream,
@@ -381,6 +412,7 @@ class SpeculativeEngine:
             out=torch.zeros(batch, n_img + extra + chain, **long),
             committed=torch.ones(batch, **long),
             rng=RowRandom.from_generators(generators, device, horizon=target.num_image_tokens + 1),
+            budget=budget,
             chain=chain,
             pending=torch.zeros(batch, **long),
             fcache=None,
@@ -417,6 +449,7 @@ class SpeculativeEngine:
             depth_limit=(n_img - 1 - committed).clamp_min(0),  # 0 once a prompt is done (committed = N)
             generators=run.generators,
             rng=run.rng,
+            budget=run.budget,
         )
         tree, calls = self._counted(self.builder.build, self, state)
         tree.valid = torch.cat([tree.valid[:, :1], tree.valid[:, 1:] & active[:, None]], 1)  # roots stay
@@ -680,7 +713,7 @@ class SpeculativeEngine:
                 if verified:
                     st.steps += 1
                     st.target_forwards += 1
-                    st.drafter_forwards += calls.verified
+                    st.drafter_forwards += calls.when_verified
                     st.committed_per_step.append(count)
                     st.depth_per_step.append(depth)
                     st.accept_map.append((root, accepted))
@@ -688,5 +721,5 @@ class SpeculativeEngine:
                 elif skipped:
                     st.skipped_steps += 1
                     st.committed_per_skip.append(count)
-                    st.drafter_forwards += calls.skipped
+                    st.drafter_forwards += calls.when_skipped
         return stats

@@ -243,12 +243,11 @@ def verification_schedule(config: ScheduleConfig, target: Target) -> Verificatio
 
 
 def tree_builder(config: TreeConfig) -> DraftTreeBuilder:
+    """The builder of ``config``'s tree (its ``max_rows`` is the engine's: ``build_method``)."""
     part = _tree_part(config.kind)
     if part.make is None:
         raise ValueError(f"tree kind {config.kind!r} drafts nothing: it has no draft-tree builder (AR)")
-    builder = part.build(config)
-    builder.max_rows = config.max_rows
-    return builder
+    return part.build(config)
 
 
 class ARMethod:
@@ -275,8 +274,9 @@ class ARMethod:
         planned_batch: int | None = None,
     ) -> DecodeResult:
         """``on_step()`` runs after each step (as the engine's hook, without arguments); AR has no tree
-        for ``planned_batch`` to size (the engine's signature). Its sampling tail runs compiled where the
-        options ask for it (``DecodeOptions.compile_steps``), as the engine's step kernels do."""
+        for ``planned_batch`` to size (it is taken, as the engine takes it). Its sampling tail runs
+        compiled where the options ask for it (``DecodeOptions.compile_steps``), as the engine's step
+        kernels do."""
         start = time.perf_counter()
         backend = self.options.compile_steps
         with compiled_step_kernels(backend is not None, backend or "inductor"):
@@ -326,4 +326,5 @@ def build_method(
         acceptance_rule(config.acceptance, target),
         verification_schedule(config.schedule, target),
         options,
+        max_rows=config.tree.max_rows,
     )

@@ -231,7 +231,7 @@ def count_phase_ops(method: Any, cond: Any, generators: Sequence[torch.Generator
         for layer in layers:
             stack.enter_context(_layer_region(layer, counter))
         with torch.no_grad(), counter, _OneKernel(counter):
-            method.generate(cond, generators, on_step=counter.on_step)
+            method.generate(cond, generators, on_step=counter.on_step, planned_batch=len(cond))
     steps = [(b[0] - a[0], b[1] - a[1]) for a, b in pairwise(counter.marks)]  # every step after the first
     if not steps:
         raise ValueError("the decode finished in one step; nothing to count")

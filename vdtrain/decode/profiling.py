@@ -332,7 +332,7 @@ def count_steps(
 ) -> tuple[StepCounts, OpCounter]:
     """Run ``engine.generate`` under an ``OpCounter``; its per-step counts and the counter (``sites``)."""
     with OpCounter(as_if_gpu) as counter:
-        engine.generate(cond, generators, on_step=counter.on_step)
+        engine.generate(cond, generators, on_step=counter.on_step, planned_batch=len(cond))
     return counter.steps(), counter
 
 

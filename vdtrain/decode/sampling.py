@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def cfg_batch(target: Target, cond: Condition, sampling: SamplingConfig) -> Condition:
-    """Rows ``[cond; null]`` when CFG is on, else ``cond`` alone."""
+    """Rows ``[cond; null]`` when CFG is on, else ``cond`` alone (``sampling.streams`` rows per prompt)."""
     return cond.cat(target.null_condition(cond)) if sampling.uses_cfg else cond
 
 

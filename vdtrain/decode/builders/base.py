@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from vdtrain.decode.acceptance import BatchVerdict
+from vdtrain.decode.budget import WHOLE_TREE, TreeBudget
 from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.rows import DrafterRows, TargetGeometry
 from vdtrain.decode.schedule import StepPlan
@@ -70,8 +71,9 @@ class TreeConfig:
     keys. This class alone is kind ``none``: AR, nothing drafted."""
 
     kind: str = "none"
-    # Verification rows (streams × prompts × tree nodes) above which the tree's node budget shrinks
-    # (``node_budget``): None is the device's ridge (GPU_MAX_ROWS on a GPU, no limit elsewhere); 0: off.
+    # Verification rows (streams × prompts × tree nodes) above which a call's trees shrink
+    # (``vdtrain.decode.budget.tree_budget``): None is the device's limit (GPU_MAX_ROWS on a GPU, none
+    # elsewhere); 0: off. The engine reads it (``SpeculativeEngine(max_rows=)``), not the builder.
     max_rows: int | None = None
 
 
@@ -86,6 +88,7 @@ class StepState:
     depth_limit: torch.Tensor  # [B] max tree depth allowed (image tokens left to draft)
     generators: Sequence[torch.Generator | None]
     rng: RowRandom | None = None  # the run's per-row counter-based uniforms (this step's draws)
+    budget: TreeBudget = WHOLE_TREE  # the call's node budget, the same every step (``max_nodes``)
 
 
 @dataclass
@@ -106,38 +109,32 @@ class StepOutcome:
         return self.plan.verified
 
 
-# Rows one GPU forward verifies at about the cost of one (its compute/bandwidth ridge: H200 ~206 rows,
-# H100 ~295 in bf16). Past it verification is compute-bound and a bigger tree costs more than it gains.
-GPU_MAX_ROWS = 256
-
-
-def node_budget(max_rows: int | None, rows: int, device: torch.device) -> int | None:
-    """Tree nodes (root included, at least 2) that keep ``rows`` verified rows per node under the row
-    limit (``TreeConfig.max_rows``; None: the device's), or None for no limit."""
-    limit = (GPU_MAX_ROWS if device.type == "cuda" else 0) if max_rows is None else max_rows
-    return max(2, limit // rows) if limit > 0 else None
-
-
 class DraftTreeBuilder:
     """Builds each step's tree; subclasses decide its shape (static, dynamic, adaptive, Jacobi).
 
     ``reset`` and ``observe`` let a builder keep per-prompt state across steps (PEANUT's depth/width
     grid, SJD's window); the plain trees ignore them.
+
+    A ``generate`` call's node budget (``TreeBudget``, made by the engine once per call) reaches the
+    builder as ``StepState.budget`` in every ``build`` and as the argument of ``max_nodes`` and
+    ``tree_size``; a builder keeps none of it (the same builder serves calls of other budgets).
     """
 
     needs_drafter: ClassVar[bool] = True  # False: drafts without a drafter model (SJD)
     # True: every step has the same shapes and host work and the builder keeps no Python state across
     # steps, so the engine may record a step once and replay it (vdtrain.decode.graphs).
     graph_safe: ClassVar[bool] = False
-    max_rows: int | None = None  # TreeConfig.max_rows (``tree_builder`` sets it)
 
-    def max_nodes(self) -> int:
+    def max_nodes(self, budget: TreeBudget) -> int:
+        """The larger of the nodes (root included) of a tree built under ``budget`` and the drafter
+        scratch slots its build uses: the engine's room past the image, for the call."""
         raise NotImplementedError
 
-    def limit_nodes(self, nodes: int | None) -> None:
-        """Verify at most ``nodes`` tree nodes (root included) from now on; None: the configured size.
-        The engine calls it per ``generate`` with ``node_budget``; a builder whose trees cannot shrink
-        keeps them."""
+    def tree_size(self, budget: TreeBudget) -> int:
+        """Nodes (root included) of the trees built under ``budget``: fewer than under ``WHOLE_TREE`` where
+        the budget shrinks them. By default ``max_nodes`` (a builder whose scratch outgrows its trees
+        says otherwise)."""
+        return self.max_nodes(budget)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Fit settings to a vocabulary of ``vocab_size`` image tokens, or refuse them (the engine asks)."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from vdtrain.decode.budget import TreeBudget
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
 from vdtrain.decode.kernels import shared_arange, shared_eye, shared_full, step_kernel
 from vdtrain.decode.rows import DrafterRows, image_columns, per_stream
@@ -86,7 +87,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     (``check_vocabulary``): the envelope grows as ``top_k · (depth + 1)`` scratch slots and ``top_k²``
     candidates per round, so an uncapped setting (600 on 512 tokens) made every step crawl while its trees
     were the capped ones. ``keep_deepest_path`` (PEANUT): the best-scoring
-    path to the deepest level drafted is kept whatever the node budget prunes.
+    path to the deepest level drafted is kept whatever the node budget prunes. A call's node budget
+    (``StepState.budget``) keeps fewer of the drafted nodes: the rounds are drafted all the same.
     """
 
     keep_deepest_path: ClassVar[bool] = False
@@ -100,11 +102,6 @@ class DynamicTreeBuilder(DraftTreeBuilder):
                 f"(got top_k={top_k}, depth={depth}, total_tokens={total_tokens})"
             )
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
-        self.configured_total = total_tokens
-
-    def limit_nodes(self, nodes: int | None) -> None:
-        """Keep the best ``nodes`` (the drafted rounds stay; fewer nodes are selected and verified)."""
-        self.total_tokens = self.configured_total if nodes is None else min(self.configured_total, nodes)
 
     def check_vocabulary(self, vocab_size: int) -> None:
         if self.top_k > vocab_size:
@@ -115,8 +112,11 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             )
             self.top_k = vocab_size
 
-    def max_nodes(self) -> int:
-        return max(self.total_tokens, 1 + self.top_k * (self.depth + 1))
+    def tree_size(self, budget: TreeBudget) -> int:
+        return budget.cap(self.total_tokens)
+
+    def max_nodes(self, budget: TreeBudget) -> int:
+        return max(self.tree_size(budget), 1 + self.top_k * (self.depth + 1))
 
     def shape(self, state: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         """(expansion rounds [B], top_k [B]) for this step's trees, on the state's device."""
@@ -144,10 +144,11 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         rounds, widths = rounds.to(device), widths.to(device).clamp_max(vocab)
         depth_cap, k_cap = self.envelope(state)
         size = min(k_cap, vocab)  # K: frontier width and children per frontier node
-        if depth_cap * size > self.max_nodes():
+        room, kept = self.max_nodes(state.budget), self.tree_size(state.budget)
+        if depth_cap * size > room:
             raise ValueError(
                 f"{type(self).__name__}: an envelope of {depth_cap} rounds x {size} nodes needs "
-                f"{depth_cap * size} drafter scratch slots but max_nodes() reserves {self.max_nodes()}"
+                f"{depth_cap * size} drafter scratch slots but max_nodes() reserves {room}"
             )
         own_shape = type(self).shape is not DynamicTreeBuilder.shape  # this class's shape is its envelope
         if own_shape or type(self).envelope is not DynamicTreeBuilder.envelope:
@@ -162,8 +163,9 @@ class DynamicTreeBuilder(DraftTreeBuilder):
                 layer, front, rows = self._expand(ctx, state, front, f_hat, logits, r, depth_cap, size)
                 grown = [*grown, layer]
             else:
-                return self._last_round(ctx, state, front, logits, grown, depth_cap, size)
-        return self._select(*(torch.cat(column, 1) for column in zip(*grown, strict=True)), depth_cap, size)
+                return self._last_round(ctx, state, front, logits, grown, depth_cap, size, kept)
+        columns = (torch.cat(column, 1) for column in zip(*grown, strict=True))
+        return self._select(*columns, depth_cap, size, kept)
 
     @step_kernel
     def _root_children(self, ctx, state: StepState, rounds, widths, depth_cap: int, size: int):
@@ -272,11 +274,14 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         return layer, nxt, self._frontier_rows(ctx, nxt, r + 1, size)
 
     @step_kernel
-    def _last_round(self, ctx, state: StepState, front: Frontier, logits, grown, depth_cap: int, size: int):
+    def _last_round(
+        self, ctx, state: StepState, front: Frontier, logits, grown, depth_cap: int, size: int, kept: int
+    ):
         """The last round's candidates (from the frontier's ``logits`` [R, K, V]) added to the layers
-        ``grown`` so far, then the tree."""
+        ``grown`` so far, then the tree of ``kept`` nodes."""
         grown = [*grown, self._candidates(ctx, state, front, logits, depth_cap, size)]
-        return self._select(*(torch.cat(column, 1) for column in zip(*grown, strict=True)), depth_cap, size)
+        columns = (torch.cat(column, 1) for column in zip(*grown, strict=True))
+        return self._select(*columns, depth_cap, size, kept)
 
     def _select(
         self,
@@ -286,11 +291,13 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         valid: torch.Tensor,
         depth_cap: int,
         width: int,
+        total: int,
     ) -> DraftTree:
-        """Keep the best ``total_tokens − 1`` of the candidate nodes (``tokens``, ``scores``, ``valid``:
-        [B, N] each, ``parents`` as the layers hold them; a parent outranks its children: log q <= 0), laid
-        out by depth then creation order; padding nodes as the old builder writes them. The envelope
-        bounds the tree's depth and widest node on the host (batched acceptance loops that often)."""
+        """A tree of ``total`` nodes: the root and the best ``total − 1`` of the candidate nodes
+        (``tokens``, ``scores``, ``valid``: [B, N] each, ``parents`` as the layers hold them; a parent
+        outranks its children: log q <= 0), laid out by depth then creation order; padding nodes as the
+        node-by-node reference builder writes them (tests/reference_builders.py). The envelope bounds the
+        tree's depth and widest node on the host (batched acceptance loops that often)."""
         batch, count = tokens.shape
         if self.keep_deepest_path:
             every = shared_arange(count, tokens.device)
@@ -298,12 +305,12 @@ class DynamicTreeBuilder(DraftTreeBuilder):
                 scores, self._parents(parents, every, width), self._depths(every, width), valid, depth_cap
             )
             scores = scores.masked_fill(path, float("-inf"))
-        keep = min(self.total_tokens, count) - 1
+        keep = min(total, count) - 1
         # ``ranked`` by −log q, without its mask: a node outside the tree already scores +inf.
         kept = 1 + scores[:, 1:].sort(dim=-1, stable=True).indices[:, :keep]
         order = torch.where(valid.gather(1, kept), kept, kept + count).sort(dim=1).values
         kept, kept_bad = order % count, order >= count
-        pad = self.total_tokens - 1 - keep
+        pad = total - 1 - keep
         nodes = F.pad(kept, (1, pad))  # the root first; padding nodes are node 0
         node_bad = F.pad(kept_bad, (1, 0))  # the root is good; padding nodes are not
         node_bad = F.pad(node_bad, (0, pad), value=True) if pad else node_bad
@@ -321,8 +328,8 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             ~node_bad,
             None,
             False,
-            depth_bound=min(depth_cap + 1, self.total_tokens - 1),
-            width_bound=min(width, self.total_tokens - 1),
+            depth_bound=min(depth_cap + 1, total - 1),
+            width_bound=min(width, total - 1),
         )
 
     @staticmethod

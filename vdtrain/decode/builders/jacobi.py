@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vdtrain.decode.budget import TreeBudget
 from vdtrain.decode.builders.base import (
     DraftTreeBuilder,
     StepOutcome,
@@ -75,7 +76,8 @@ class JacobiTreeConfig(TreeConfig):
 
 
 class JacobiWindowBuilder(DraftTreeBuilder):
-    """SJD's Jacobi window as a chain tree of ``window`` drafts, kept and refined across steps."""
+    """SJD's Jacobi window as a chain tree of ``window`` drafts, kept and refined across steps; a call's
+    node budget (``StepState.budget``) shortens the window to ``nodes − 1`` drafts."""
 
     needs_drafter = False
     graph_safe = True  # the window is made at the first step and then updated in place
@@ -89,22 +91,16 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         if coupling not in COUPLINGS:
             raise ValueError(f"unknown Jacobi coupling {coupling!r}; known: {list(COUPLINGS)}")
         self.window, self.init, self.coupling = window, init, coupling
-        self.configured_window = window
         self._chains: dict[tuple[torch.device, int], torch.Tensor] = {}
         self._windows: _Windows | None = None
         self.reset(0)
 
-    def max_nodes(self) -> int:
-        return self.window + 1
-
-    def limit_nodes(self, nodes: int | None) -> None:
-        """A window of at most ``nodes - 1`` drafts (the engine calls this before ``reset``)."""
-        self.window = self.configured_window if nodes is None else min(self.configured_window, nodes - 1)
+    def max_nodes(self, budget: TreeBudget) -> int:
+        return budget.cap(self.window + 1)
 
     def reset(self, batch: int) -> None:
         win = self._windows
-        same = win is not None and win.tokens.shape[0] == batch and win.tokens.shape[1] == self.window
-        self._windows = win.restart() if same else None
+        self._windows = win.restart() if win is not None and win.tokens.shape[0] == batch else None
 
     def _chain_ancestors(self, length: int, device: torch.device) -> torch.Tensor:
         """[1, length, length] bool: a chain's ancestor matrix (node i sees j <= i), made once."""
@@ -114,18 +110,21 @@ class JacobiWindowBuilder(DraftTreeBuilder):
             ]
         return self._chains[device, length]
 
-    def _windows_for(self, batch: int, n_img: int, vocab: int, width: int, device: torch.device) -> _Windows:
+    def _windows_for(
+        self, batch: int, size: int, n_img: int, vocab: int, width: int, device: torch.device
+    ) -> _Windows:
+        """The windows of ``size`` drafts (made anew for another batch, size or device)."""
         win = self._windows
-        if win is None or win.tokens.shape[0] != batch or win.tokens.device != device:
+        if win is None or win.tokens.shape[:2] != (batch, size) or win.tokens.device != device:
             long = {"dtype": torch.long, "device": device}
             slots = width if self.init == "vertical_sample" else 1
             sample, repeat = self.init.endswith("_sample"), self.init.endswith("_repeat")
             win = self._windows = _Windows(
                 torch.empty(batch, **long),
                 torch.empty(batch, **long),
-                torch.empty(batch, self.window, **long),
-                torch.empty(batch, self.window, vocab, device=device),
-                torch.empty(batch, n_img + self.window + 1, **long) if repeat else None,
+                torch.empty(batch, size, **long),
+                torch.empty(batch, size, vocab, device=device),
+                torch.empty(batch, n_img + size + 1, **long) if repeat else None,
                 torch.empty(batch, slots, vocab, device=device) if sample else None,
                 torch.empty(batch, slots, **long) if sample else None,
             ).restart()
@@ -137,8 +136,10 @@ class JacobiWindowBuilder(DraftTreeBuilder):
             raise ValueError("JacobiWindowBuilder draws from the run's RowRandom: StepState.rng is None")
         target = ctx.target
         batch, device = len(state.roots), state.roots.device
-        win = self._windows_for(batch, target.num_image_tokens, target.vocab_size, target.grid[1], device)
-        size = self.window + 1
+        size = self.max_nodes(state.budget)  # the window's drafts and the root
+        win = self._windows_for(
+            batch, size - 1, target.num_image_tokens, target.vocab_size, target.grid[1], device
+        )
         return self._draft(ctx, state, win, shared_arange(size, device), self._chain_ancestors(size, device))
 
     @step_kernel
@@ -149,7 +150,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         arange(W + 1), ``ancestors`` [W + 1, W + 1]: the chain's ancestor matrix)."""
         target = ctx.target
         batch = len(state.roots)
-        n_img, vocab, size = target.num_image_tokens, target.vocab_size, self.window
+        n_img, vocab, size = target.num_image_tokens, target.vocab_size, win.tokens.shape[1]
         width = target.grid[1]
         entries = chain[None, :size]
         m = state.committed
@@ -195,7 +196,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         The fresh positions are ``first = m + keep`` onwards; the walk from position ``k`` goes left
         (``step`` 1) or up (``step`` = the grid's width) and may take ``reach`` steps before leaving the
         row or the image. It meets its first non-fresh position after ``hops`` steps."""
-        size = self.window
+        size = win.tokens.shape[1]
         horizontal = self.init.startswith("horizontal")
         step = 1 if horizontal else width
         m = state.committed[:, None]
@@ -231,7 +232,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
             raise RuntimeError("JacobiWindowBuilder.observe before build: no window to refine")
         o, device = outcome, outcome.p_nodes.device
         ring = None if win.stored is None else shared_arange(win.stored.shape[1], device)
-        chain = shared_arange(self.window + 1, device)
+        chain = shared_arange(win.tokens.shape[1] + 1, device)
         new = self._refine(
             o.tree, o.verdict, o.verified, o.p_nodes, o.roots_at, win, chain, ring, o.rng, o.greedy
         )
@@ -245,7 +246,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         ``verified`` [B] (``roots_at`` [B]: each root's image index; ``chain``: arange(W + 1), ``ring``:
         arange(S) of the stored distributions; ``rng``, ``greedy``: the step's, ``StepOutcome``)."""
         win = replace(win)  # a new state: the kernel changes none of its inputs' attributes
-        size, vocab, last = self.window, p_nodes.shape[-1], tree.size - 1
+        size, vocab, last = win.tokens.shape[1], p_nodes.shape[-1], tree.size - 1
         m, accepted = roots_at + 1, verdict.accepted
         entries = chain[None]
         # Refinement: entry k of the next window is position m + a + 1 + k, predicted by node a + 1 + k.

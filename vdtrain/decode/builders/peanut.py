@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vdtrain.decode.budget import TreeBudget
 from vdtrain.decode.builders.base import StepOutcome, StepState, TreeConfig
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.graphs import DeviceLog, recording
@@ -95,9 +96,9 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
         self.reset(0)
 
     # --- the rule ------------------------------------------------------------------------------------
-    def max_nodes(self) -> int:
-        # Drafter scratch: (rounds) × (the batch's widest frontier) columns; the target tree: total_tokens.
-        return max(self.total_tokens, 1 + self.k_ceiling * (self.d_max - 1))
+    def max_nodes(self, budget: TreeBudget) -> int:
+        # Drafter scratch: (rounds) × (the batch's widest frontier) columns; the target tree: ``tree_size``.
+        return max(self.tree_size(budget), 1 + self.k_ceiling * (self.d_max - 1))
 
     def adapt(self, d, k, alpha):
         """Bisectional adaptation of the initial (d̃, k̃) given the previous tree's acceptance rate α

@@ -31,6 +31,7 @@ from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf
 from vdtrain.decode.trees import DraftTree, static_tree
 
 if TYPE_CHECKING:
+    from vdtrain.decode.budget import TreeBudget
     from vdtrain.decode.builders.base import DraftContext
 
 
@@ -126,8 +127,8 @@ class SjdPacBuilder(DraftTreeBuilder):
         self._windows: _Windows | None = None
         self.reset(0)
 
-    def max_nodes(self) -> int:
-        return self.tokens_per_forward
+    def max_nodes(self, budget: TreeBudget) -> int:
+        return self.tokens_per_forward  # its proactive tree keeps its shape whatever the budget
 
     def reset(self, batch: int) -> None:
         win = self._windows

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from vdtrain.decode.budget import TreeBudget
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
 from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, inverse_cdf
@@ -33,6 +34,32 @@ class _Layout(NamedTuple):
     depths: torch.Tensor  # [T]
     ancestors: torch.Tensor  # [T, T] bool
     levels: list[torch.Tensor]  # per depth: its nodes
+
+
+class _Shape:
+    """One tree's levels, each level's families (a parent and its children in rank order), its widest
+    family, and its index tensors per device, made once."""
+
+    def __init__(self, tree: StaticTree) -> None:
+        self.tree = tree
+        self.levels = [tree.nodes_at(d) for d in range(1, tree.depth + 1)]
+        self.families = [
+            [
+                (p, [i for i in level if tree.parents[i] == p])
+                for p in sorted({tree.parents[i] for i in level})
+            ]
+            for level in self.levels
+        ]
+        self.width = max(len(kids) for families in self.families for _, kids in families)
+        self._layout: dict[torch.device, _Layout] = {}
+
+    def layout(self, device: torch.device) -> _Layout:
+        if device not in self._layout:
+            parents = torch.tensor(self.tree.parents, device=device)
+            depths = torch.tensor(self.tree.depths, device=device)
+            levels = [torch.tensor(level, device=device) for level in self.levels]
+            self._layout[device] = _Layout(parents, depths, ancestor_matrix(parents[None])[0], levels)
+        return self._layout[device]
 
 
 class LevelBuffers(NamedTuple):
@@ -66,53 +93,32 @@ class StaticTreeBuilder(DraftTreeBuilder):
             raise ValueError(f"unknown static tree {config.preset!r}; known: {sorted(STATIC_TREES)}")
         paths = STATIC_TREES[config.preset] if config.preset else [tuple(p) for p in config.paths]
         self.configured_tree = static_tree(paths)
-        self._use(self.configured_tree)
+        self._shapes: dict[int, _Shape] = {}  # by node count: each budget's tree, laid out once
 
-    def limit_nodes(self, nodes: int | None) -> None:
-        """The first ``nodes - 1`` rank paths (shortest first, then by rank: every kept path's parent and
-        lower-ranked siblings are kept too)."""
+    def shape(self, budget: TreeBudget) -> _Shape:
+        """The tree under ``budget``: the configured tree's first ``nodes - 1`` rank paths (shortest first,
+        then by rank: every kept path's parent and lower-ranked siblings are kept too)."""
         full = self.configured_tree
-        tree = full if nodes is None or nodes >= full.size else static_tree(full.paths[: nodes - 1])
-        if tree != self.tree:
-            self._use(tree)
+        size = budget.cap(full.size)
+        if size not in self._shapes:
+            self._shapes[size] = _Shape(full if size == full.size else static_tree(full.paths[: size - 1]))
+        return self._shapes[size]
 
-    def _use(self, tree: StaticTree) -> None:
-        self.tree = tree
-        self.levels = [tree.nodes_at(d) for d in range(1, tree.depth + 1)]
-        # Per level: (parent, its children in rank order) for every parent with children there.
-        self.families = [
-            [
-                (p, [i for i in level if tree.parents[i] == p])
-                for p in sorted({tree.parents[i] for i in level})
-            ]
-            for level in self.levels
-        ]
-        self.width = max(len(kids) for families in self.families for _, kids in families)
-        self._layout: dict[torch.device, _Layout] = {}
-
-    def max_nodes(self) -> int:
-        return self.tree.size
-
-    def layout(self, device: torch.device) -> _Layout:
-        """The tree's index tensors on ``device``, built once."""
-        if device not in self._layout:
-            parents = torch.tensor(self.tree.parents, device=device)
-            depths = torch.tensor(self.tree.depths, device=device)
-            levels = [torch.tensor(level, device=device) for level in self.levels]
-            self._layout[device] = _Layout(parents, depths, ancestor_matrix(parents[None])[0], levels)
-        return self._layout[device]
+    def max_nodes(self, budget: TreeBudget) -> int:
+        return self.shape(budget).tree.size
 
     def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
-        layout = self.layout(state.roots.device)
+        shape = self.shape(state.budget)
+        layout = shape.layout(state.roots.device)
         feats_of, logits_of = {0: state.root_feats}, {0: state.root_logits}
         drafted = None
-        for depth in range(1, self.tree.depth + 1):
-            drafted, rows = self._draw(ctx, state, layout, depth, drafted, feats_of, logits_of)
+        for depth in range(1, shape.tree.depth + 1):
+            drafted, rows = self._draw(ctx, state, shape, layout, depth, drafted, feats_of, logits_of)
             if rows is None:
                 break
             parent_feats, inputs = rows
             f_hat, logits = ctx.drafter_forward(parent_feats, inputs)
-            for j, node in enumerate(self.levels[depth - 1]):
+            for j, node in enumerate(shape.levels[depth - 1]):
                 feats_of[node], logits_of[node] = f_hat[:, j], logits[:, j]
         batch = len(state.roots)
         return DraftTree(
@@ -122,17 +128,19 @@ class StaticTreeBuilder(DraftTreeBuilder):
             drafted.valid,
             drafted.q,
             sampled=not ctx.sampling.greedy,
-            depth_bound=self.tree.depth,
-            width_bound=self.width,
+            depth_bound=shape.tree.depth,
+            width_bound=shape.width,
         )
 
     @step_kernel
-    def _draw(self, ctx, state: StepState, layout: _Layout, depth: int, drafted, feats_of, logits_of):
-        """Level ``depth``'s children from their parents' drafter logits (``logits_of``: node → [R, V];
-        ``feats_of``: node → [R, H]; ``drafted`` None: the first level, with the tree's buffers made
-        here); then, unless it is the deepest level, the drafter rows of this level's nodes (their
-        parents' features, the inputs). Returns (``LevelBuffers``, rows or None)."""
-        t, sampling = self.tree, ctx.sampling
+    def _draw(
+        self, ctx, state: StepState, shape: _Shape, layout: _Layout, depth: int, drafted, feats_of, logits_of
+    ):
+        """Level ``depth``'s children of the tree ``shape`` from their parents' drafter logits
+        (``logits_of``: node → [R, V]; ``feats_of``: node → [R, H]; ``drafted`` None: the first level,
+        with the tree's buffers made here); then, unless it is the deepest level, the drafter rows of this
+        level's nodes (their parents' features, the inputs). Returns (``LevelBuffers``, rows or None)."""
+        t, sampling = shape.tree, ctx.sampling
         batch, device = len(state.roots), state.roots.device
         size, vocab = t.size, state.root_logits.shape[-1]
         n_img = ctx.target.num_image_tokens
@@ -146,7 +154,7 @@ class StaticTreeBuilder(DraftTreeBuilder):
             drafted = LevelBuffers(tokens, valid, q_nodes, u)
         tokens, valid, q_nodes, u = drafted
         reach = state.depth_limit >= depth  # [B]
-        for parent, kids in self.families[depth - 1]:
+        for parent, kids in shape.families[depth - 1]:
             kids = kids[:vocab]  # never more children than tokens
             if sampling.greedy:
                 picks = ctx.draft_logits(logits_of[parent]).topk(len(kids), dim=-1).indices
@@ -165,7 +173,7 @@ class StaticTreeBuilder(DraftTreeBuilder):
         if depth == t.depth:
             return drafted, None
         # One drafter forward over this level to get its nodes' children distributions.
-        level = self.levels[depth - 1]
+        level = shape.levels[depth - 1]
         level_t = layout.levels[depth - 1]
         parent_feats = torch.stack([feats_of[t.parents[i]] for i in level], dim=1)  # [R, S, H]
         base = state.committed - 1
