@@ -330,7 +330,7 @@ def test_features_match_the_target_under_cond_or_null(target, coco_shards, tmp_p
         target, coco_shards, tmp_path / "feats", p_null=p_null, seed=seed, batch_size=3
     )
     assert manifest["kind"] == "features" and manifest["source"]["p_null"] == p_null
-    assert manifest["fields"] == ["tokens", "caption", "meta", "cond", "cond_mask", "feats"]
+    assert manifest["fields"] == ["tokens", "caption", "meta", "cond", "cond_mask", "feats", "feats_mask"]
     assert manifest["shapes"]["feats"] == [48 + N_TOKENS, 32]
     assert [s["name"] for s in manifest["shards"]] == [
         s["name"] for s in read_manifest(coco_shards)["shards"]

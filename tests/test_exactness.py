@@ -39,12 +39,13 @@ from vdtrain.decode.methods import ARMethod, build_method, decode_config, load_p
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree
 from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.eagle import Eagle1Drafter
 from vdtrain.targets.base import Condition
 
 SHARPEN = 8.0  # drafter logits × SHARPEN: q is nearly one-hot
 
 
-class ConfidentDrafter(Drafter):
+class ConfidentDrafter(Eagle1Drafter):
     """A drafter whose q is nearly one-hot, so top-p leaves it one token where a node has several
     children."""
 

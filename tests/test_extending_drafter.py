@@ -1,6 +1,6 @@
 """docs/extending.md, "Adding a drafter kind", followed literally: in a copy of the repository the Medusa
-kind is taken out (its module and its row, which must be the page's blocks as written) and added back
-from the page; no other file names it, and its registry-driven tests pass there."""
+kind is taken out (its module and its import in the drafters package, which must be the page's blocks as
+written) and added back from the page; no other file names it, and its tests pass there."""
 
 from __future__ import annotations
 
@@ -10,27 +10,26 @@ import pytest
 from walkthrough import REPO, blocks, copy_repo, follow, registry_parts, run_pytest
 
 SECTION = "Adding a drafter kind"
-MODULE, TABLE = "vdtrain/drafters/medusa.py", "vdtrain/drafters/registry.py"
+MODULE, PACKAGE = "vdtrain/drafters/medusa.py", "vdtrain/drafters/__init__.py"
 
 pytestmark = pytest.mark.slow  # a copy of the repository and a fresh interpreter decoding: 30-60 s
 
 
 def test_the_page_holds_the_kind_as_the_repository_has_it():
     found = blocks(SECTION)
-    assert set(found) == {MODULE, TABLE}
+    assert set(found) == {MODULE, PACKAGE}
     assert found[MODULE] == (REPO / MODULE).read_text()
-    imports, table, rows = registry_parts(found[TABLE])
-    text = (REPO / TABLE).read_text()
-    assert table == "DRAFTERS" and rows in text and all(line in text.splitlines() for line in imports)
+    imports, table, _ = registry_parts(found[PACKAGE])
+    assert table is None and imports and set(imports) <= set((REPO / PACKAGE).read_text().splitlines())
 
 
-def test_a_drafter_kind_is_its_module_and_its_row(tmp_path):
+def test_a_drafter_kind_is_its_module_and_its_import(tmp_path):
     root = copy_repo(tmp_path)
-    imports, _, rows = registry_parts(blocks(SECTION)[TABLE])
-    kinds = (root / TABLE).read_text().replace(rows, "")
+    imports, _, _ = registry_parts(blocks(SECTION)[PACKAGE])
+    package = (root / PACKAGE).read_text()
     for line in imports:
-        kinds = kinds.replace(line + "\n", "")
-    (root / TABLE).write_text(kinds)
+        package = package.replace(line + "\n", "")
+    (root / PACKAGE).write_text(package)
     (root / MODULE).unlink()
     named = [
         f"{path.relative_to(root)}:{n}"
@@ -40,7 +39,7 @@ def test_a_drafter_kind_is_its_module_and_its_row(tmp_path):
     ]
     docstrings = {"vdtrain/drafters/base.py"}  # names the kinds in prose only
     assert {name.split(":")[0] for name in named} <= docstrings, named
-    follow(SECTION, root, (TABLE,))
+    follow(SECTION, root, (PACKAGE,))
     result = run_pytest(root, "tests/test_medusa.py", "-k", "t0 and eagle2 or head_reads or compares")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert "3 passed" in result.stdout, result.stdout[-500:]

@@ -38,11 +38,14 @@ def copy_repo(dest: Path) -> Path:
     return dest
 
 
-def registry_parts(block: str) -> tuple[list[str], str, str]:
-    """A registry block → (its import lines, the table it adds to, its rows as written)."""
+def registry_parts(block: str) -> tuple[list[str], str | None, str]:
+    """A registry block → (its import lines, the table it adds to, its rows as written); a block of
+    imports alone (a registry its modules fill themselves) adds to no table."""
     imports = [line for line in block.splitlines() if line.startswith(("from ", "import "))]
     table = TABLE.search(block)
-    assert table, f"no `NAME: dict[...] = {{` table in the block:\n{block}"
+    if table is None:
+        assert "".join(imports) and len(imports) == len(block.strip().splitlines()), block
+        return imports, None, ""
     body = block[table.end() + 1 : block.rindex("}")]
     rows = "".join(
         line + "\n" for line in body.splitlines() if line.strip() != "# ... the kinds already there ..."
@@ -57,6 +60,9 @@ def add_rows(path: Path, block: str) -> None:
     text = path.read_text()
     last_import = [m.end() for m in re.finditer(r"^(from|import) [^\n]*(\([^)]*\))?[^\n]*\n", text, re.M)][-1]
     text = text[:last_import] + "".join(line + "\n" for line in imports) + text[last_import:]
+    if table is None:
+        path.write_text(text)
+        return
     start = text.index(f"\n{table}: dict[")
     end = text.index("\n}\n", start)
     path.write_text(text[: end + 1] + rows + text[end + 1 :])

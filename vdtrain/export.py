@@ -10,28 +10,11 @@ import hydra
 from omegaconf import DictConfig
 
 from vdtrain.cli import run_app, user_errors
-from vdtrain.export_format import CONFIG_FILE
+from vdtrain.export_format import CONFIG_FILE, is_run, no_drafter_here
 from vdtrain.preflight import check_export
 
 if TYPE_CHECKING:
     from vdtrain.hub import PushPlan
-
-
-def is_run(folder: Path) -> bool:
-    """A ``vdtrain.fit`` run folder (Hydra's record or fit's summary is there)."""
-    return (folder / ".hydra").is_dir() or (folder / "summary.json").is_file()
-
-
-def holds_drafter(folder: Path) -> bool:
-    """A run folder or a drafter folder: what ``source=`` may name besides a ``.ckpt`` or a repo id."""
-    return is_run(folder) or (folder / CONFIG_FILE).is_file()
-
-
-def no_drafter_here(source: str, folder: Path) -> FileNotFoundError:
-    return FileNotFoundError(
-        f"source={source!r}: no drafter here: {str(folder)!r} is not a vdtrain.fit run folder (.hydra/ or "
-        f"summary.json), a drafter folder ({CONFIG_FILE}) or a .ckpt"
-    )
 
 
 def resolve_source(source: str) -> tuple[str | Path, Path | None]:

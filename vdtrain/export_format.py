@@ -1,5 +1,6 @@
-"""The drafter export folder's file names and its download: the bottom layer that both the drafter (which
-reads and writes the folder) and the Hub side (which checks and pushes it) stand on."""
+"""The drafter export folder's file names, what a folder holding a drafter looks like, and its download:
+the bottom layer that the drafter (which reads and writes the folder), the Hub side (which checks and
+pushes it) and the export app's checks stand on."""
 
 from __future__ import annotations
 
@@ -15,6 +16,23 @@ CARD_FILE = "README.md"
 EXPORT_FILES = (CONFIG_FILE, WEIGHTS_FILE, CARD_FILE)
 # A Hugging Face Hub model id: ``owner/name``.
 REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def is_run(folder: Path) -> bool:
+    """A ``vdtrain.fit`` run folder (Hydra's record or fit's summary is there)."""
+    return (folder / ".hydra").is_dir() or (folder / "summary.json").is_file()
+
+
+def holds_drafter(folder: Path) -> bool:
+    """A run folder or a drafter folder: what ``source=`` may name besides a ``.ckpt`` or a repo id."""
+    return is_run(folder) or (folder / CONFIG_FILE).is_file()
+
+
+def no_drafter_here(source: str, folder: Path) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"source={source!r}: no drafter here: {str(folder)!r} is not a vdtrain.fit run folder (.hydra/ or "
+        f"summary.json), a drafter folder ({CONFIG_FILE}) or a .ckpt"
+    )
 
 
 def download(

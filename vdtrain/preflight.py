@@ -162,8 +162,7 @@ def target_exists(target: DictConfig) -> None:
 
 
 def check_export(cfg: DictConfig) -> None:
-    from vdtrain.export import holds_drafter, no_drafter_here
-    from vdtrain.export_format import REPO_ID
+    from vdtrain.export_format import REPO_ID, holds_drafter, no_drafter_here
     from vdtrain.paths import repo_path
 
     target_exists(cfg.target)

@@ -11,14 +11,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vdtrain.config import DrafterTrainConfig
+from vdtrain.drafters.registry import drafter_class
 from vdtrain.targets import draft_layer_class
 from vdtrain.targets.base import DraftLayer, Target, TargetIdentity
-
-if TYPE_CHECKING:
-    from vdtrain.drafters.base import Drafter
 
 # What a config written before drafter kinds existed holds (no ``kind`` key): every drafter was one.
 KIND_BEFORE_KINDS = "eagle1"
@@ -32,15 +30,6 @@ LLAMAGEN_LAYER_FIELDS = (
     "rope_base",
     "caption_rope",
 )
-
-
-def drafter_class(kind: str) -> type[Drafter]:
-    """The class of drafter ``kind`` (``vdtrain.drafters.registry.DRAFTERS``)."""
-    from vdtrain.drafters.registry import DRAFTERS  # the kinds' modules import this one
-
-    if kind not in DRAFTERS:
-        raise ValueError(f"drafter kind must be one of {list(DRAFTERS)}, got {kind!r}")
-    return DRAFTERS[kind]
 
 
 def kind_options(kind: str, given: Mapping[str, Any] | Any) -> Any:

@@ -15,6 +15,7 @@ from torch import nn
 
 from vdtrain.drafters.base import Drafter
 from vdtrain.drafters.config import DrafterConfig
+from vdtrain.drafters.registry import register
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Target
 
@@ -57,6 +58,7 @@ class EagleDrafter(Drafter):
         return f"Layer: hidden size {self.config.hidden_size}, {self.layer.describe()}"
 
 
+@register("eagle1")
 class Eagle1Drafter(EagleDrafter):
     """The target's last hidden state in, its next one regressed, teacher-forced (EAGLE-1)."""
 
@@ -80,6 +82,7 @@ class Eagle3Options:
         object.__setattr__(self, "feature_layers", tuple(int(k) for k in self.feature_layers))
 
 
+@register("eagle3")
 class Eagle3Drafter(EagleDrafter):
     """Fused target layers in, trained on its own unrolled outputs (EAGLE-3)."""
 

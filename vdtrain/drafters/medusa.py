@@ -21,6 +21,7 @@ from torch import nn
 
 from vdtrain.drafters.base import Drafter
 from vdtrain.drafters.config import DrafterConfig
+from vdtrain.drafters.registry import register
 from vdtrain.models.kv_cache import KVCache
 
 
@@ -39,6 +40,7 @@ def heads_used(feature: torch.Tensor) -> torch.Tensor:
     return feature[..., -1]
 
 
+@register("medusa")
 class MedusaDrafter(Drafter):
     """K residual heads on h_t, one per draft depth."""
 

@@ -1,22 +1,39 @@
 """Drafter kinds by name: ``DRAFTERS`` maps ``DrafterConfig.kind`` to the kind's class.
 
-A kind is a ``Drafter`` subclass with its options dataclass and its hooks (``vdtrain.drafters.base``).
-The drafter, the engine, fit, the train module and the exporter call the hooks and compare no kind's
-name. A new kind is one module and one entry here (docs/extending.md, "Adding a drafter kind"), and the
-registry-driven tests (tests/test_drafter_kinds.py) train, export, reload and decode it.
+A kind is a ``Drafter`` subclass with its options dataclass and its hooks (``vdtrain.drafters.base``),
+entered here by ``@register("<name>")`` in its own module; ``vdtrain/drafters/__init__.py`` imports the
+kinds' modules, so every kind is registered once ``vdtrain.drafters`` is. The drafter, the engine, fit, the
+train module and the exporter call the hooks and compare no kind's name. A new kind is one module and one
+import (docs/extending.md, "Adding a drafter kind"); the registry-driven tests (tests/test_drafter_kinds.py)
+train, export, reload and decode it.
 """
 
 from __future__ import annotations
 
-from vdtrain.drafters.base import Drafter
-from vdtrain.drafters.eagle import Eagle1Drafter, Eagle3Drafter
-from vdtrain.drafters.medusa import MedusaDrafter
+from collections.abc import Callable
+from typing import TypeVar
 
-DRAFTERS: dict[str, type[Drafter]] = {
-    # The target's last hidden state, teacher-forced feature regression (EAGLE-1).
-    "eagle1": Eagle1Drafter,
-    # Fused target layers, trained on its own unrolled outputs (EAGLE-3).
-    "eagle3": Eagle3Drafter,
-    # Residual heads on the target's last hidden state, one per draft depth (Medusa).
-    "medusa": MedusaDrafter,
-}
+K = TypeVar("K", bound=type)
+
+DRAFTERS: dict[str, type] = {}  # name -> Drafter subclass, in the order the kinds' modules register them
+
+
+def register(name: str) -> Callable[[K], K]:
+    """Enter the decorated ``Drafter`` subclass in ``DRAFTERS`` as kind ``name``."""
+
+    def enter(kind: K) -> K:
+        if name in DRAFTERS:
+            raise ValueError(
+                f"drafter kind {name!r} is registered twice ({DRAFTERS[name].__name__}, {kind.__name__})"
+            )
+        DRAFTERS[name] = kind
+        return kind
+
+    return enter
+
+
+def drafter_class(kind: str) -> type:
+    """The ``Drafter`` subclass of drafter ``kind``."""
+    if kind not in DRAFTERS:
+        raise ValueError(f"drafter kind must be one of {list(DRAFTERS)}, got {kind!r}")
+    return DRAFTERS[kind]
