@@ -1,5 +1,5 @@
-"""The shipped shapes target and drafters (eagle1, eagle3): they load, match, and speculative decoding is
-lossless on them."""
+"""The shipped shapes target and drafters (eagle1, eagle3), and the grain world's block drafter: they load,
+match, and speculative decoding is lossless on them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
+from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS
 from vdtrain.drafters.base import Drafter
@@ -51,3 +52,23 @@ def test_greedy_speculative_decoding_matches_ar_on_held_out_shapes_prompts(shipp
     result = SpeculativeEngine(target, drafter, builder, SAMPLING).generate(cond, [None] * PROMPTS)
     assert torch.equal(result.tokens, ar)
     assert sum(s.tau for s in result.stats) / PROMPTS > 1.5  # the trained drafter really drafts
+
+
+GRAIN = REPO_ROOT / "checkpoints" / "grain"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_shipped_grain_block_drafter_drafts_blocks_that_decode_ar_tokens():
+    """Both block presets (a chain and a tree over one forward's slots) on the grain target: AR's tokens
+    at T = 0, more than one token per step."""
+    with torch.no_grad():
+        target = load_target_folder(GRAIN / "target")
+        drafter = Drafter.from_pretrained(GRAIN / "drafter_block", target)
+        assert drafter.config.kind == "block" and drafter.block_slots == 8
+        sampling = SamplingConfig(cfg_scale=target.sampling_defaults.cfg_scale, temperature=0.0)
+        cond = target.encode_captions(shapes_heldout_captions(1))
+        ar = generate_ar(target, cond, sampling, [None])
+        for name, tau in (("block", 1.15), ("block_tree", 1.4)):
+            result = build_method(load_preset(name), target, drafter, sampling).generate(cond, [None])
+            assert torch.equal(result.tokens, ar), name
+            assert result.stats[0].tau > tau, f"{name}: τ {result.stats[0].tau:.2f}"
