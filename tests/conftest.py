@@ -17,7 +17,8 @@ from vdtrain.decode.methods import register_part_schemas
 from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.schedule import StepPlan
-from vdtrain.drafters import DRAFTERS, Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.base import block_kind
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.shapes.build import write_target_folder
@@ -119,9 +120,7 @@ def random_drafter(target: Target, seed: int = 0, std: float = 0.2, kind: str = 
 def drafter_kind_for(config) -> str:
     """The drafter kind the registry-driven tests draft a method (a ``DecodeConfig``) with: one that
     drafts blocks for a block tree (``DecodeConfig.drafts_blocks``), eagle1 for every other tree."""
-    if not config.drafts_blocks:
-        return "eagle1"
-    return next(name for name, kind in DRAFTERS.items() if kind.block_slots is not Drafter.block_slots)
+    return block_kind() if config.drafts_blocks else "eagle1"
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from torch import nn
 from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
 from vdtrain.config import DrafterTrainConfig
 from vdtrain.drafters.config import DrafterConfig
-from vdtrain.drafters.registry import drafter_class
+from vdtrain.drafters.registry import DRAFTERS, drafter_class
 from vdtrain.drafters.rows import after_prefix_rows, teacher_inputs, teacher_mask
 from vdtrain.drafters.unroll_cache import UnrollCache
 from vdtrain.export_format import CONFIG_FILE, REPO_ID, WEIGHTS_FILE, download
@@ -377,6 +377,15 @@ class Drafter(nn.Module):
     def read_metadata(folder: str | os.PathLike[str]) -> dict[str, Any]:
         """The ``metadata`` saved next to the config (empty if none)."""
         return _read_config_json(Path(folder) / CONFIG_FILE).get("metadata", {})
+
+
+def block_kind() -> str:
+    """The first registered kind that drafts blocks (``Drafter.block_slots``): the one a block tree is
+    given where no drafter is (benchmarks, tests)."""
+    kinds = [name for name, kind in DRAFTERS.items() if kind.block_slots is not Drafter.block_slots]
+    if not kinds:
+        raise ValueError(f"no registered drafter kind drafts blocks: {list(DRAFTERS)}")
+    return kinds[0]
 
 
 def _read_config_json(config_file: Path) -> dict[str, Any]:

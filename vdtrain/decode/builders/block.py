@@ -8,9 +8,12 @@ and sees the committed rows and the queries before it. A node at depth ``d`` dra
 gives a tree): at T = 0 a node's children are slot d's top-k, at T > 0 they are sampled without
 replacement from q_d, child after child by inverse CDF with their own uniforms (``Purpose.DRAFT`` at the
 child's index), and q is kept: exact verification's SpecInfer rule then keeps AR's distribution, and a
-relaxed rule (LANTERN++, GSD) applies as on a static tree. A child past q's support stays undrafted,
-with its subtree, as in ``static.py``. All parents of a rank draw at once: a step's draws take as many
-rounds as the widest node has children, whatever the depth.
+relaxed rule (LANTERN++, GSD) applies as on a static tree. q_d is the drafter's confidence
+(``DraftContext.draft_confidence``: the tempered softmax before top-k and top-p, as EAGLE-2 ranks by):
+the rule is exact for any q the drafts are drawn from, and this one needs no vocabulary-wide selection
+(the top-k filter's threshold), the one such kernel a block step's drafting would otherwise launch. A
+child past q's support stays undrafted, with its subtree, as in ``static.py``. All parents of a rank
+draw at once: a step's draws take as many rounds as the widest node has children, whatever the depth.
 """
 
 from __future__ import annotations
@@ -206,7 +209,7 @@ class BlockTreeBuilder(DraftTreeBuilder):
             tokens = torch.cat([state.roots[:, None], tokens[:, 1:]], 1)
             q_nodes = None
         else:
-            q = ctx.draft_probs(logits)  # [B, depth, V]
+            q = ctx.draft_confidence(logits)  # [B, depth, V]: no top-k filter (the module docstring)
             u = state.rng.uniform(Purpose.DRAFT, t.size)
             mass = q.double()  # [B, P, V] each family's mass not drawn yet
             if layout.family_slots is not None:
