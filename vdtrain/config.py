@@ -62,7 +62,7 @@ class OptimConfig:
 
 @dataclass
 class DrafterTrainConfig:
-    kind: str = "eagle1"  # a key of vdtrain.drafters.registry.DRAFTERS (eagle1, eagle3, medusa, block)
+    kind: str = "eagle1"  # a key of vdtrain.drafters.registry.DRAFTERS (eagle1, eagle3, block, ...)
     layer: dict[str, Any] = field(default_factory=dict)  # DrafterConfig layer overrides (n_head, ...)
     # the kind's own settings (its Options dataclass; unset: the kind's default for a new drafter of the
     # target), e.g. eagle3's feature_layers, input_norm and tap_norm, block's slots, width, heads, train_roots
