@@ -1,5 +1,5 @@
-"""The shipped shapes target and drafters (eagle1, eagle3), and the grain world's block drafter: they load,
-match, and speculative decoding is lossless on them."""
+"""The shipped shapes target and drafters (eagle1, eagle3, block), and the grain world's block drafter: they
+load, match, and speculative decoding is lossless on them."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.builders.block import BlockTreeBuilder, BlockTreeConfig
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.engine import SpeculativeEngine
@@ -20,6 +21,7 @@ from vdtrain.targets.shapes import REPO_ROOT, load_target_folder
 DRAFTERS = {
     "eagle1": REPO_ROOT / "checkpoints" / "shapes" / "drafter",
     "eagle3": REPO_ROOT / "checkpoints" / "shapes" / "drafter_eagle3",
+    "block": REPO_ROOT / "checkpoints" / "shapes" / "drafter_block",
 }
 
 
@@ -42,8 +44,14 @@ def shipped():
         ("eagle1", StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))),
         ("eagle1", DynamicTreeBuilder(DynamicTreeConfig(top_k=10, depth=5, total_tokens=59))),
         ("eagle3", DynamicTreeBuilder(DynamicTreeConfig(top_k=10, depth=5, total_tokens=59))),
+        ("block", BlockTreeBuilder(BlockTreeConfig(preset="lantern_pp"))),
     ],
-    ids=["eagle1-drafter-eagle1", "eagle1-drafter-eagle2", "eagle3-drafter-eagle2"],
+    ids=[
+        "eagle1-drafter-eagle1",
+        "eagle1-drafter-eagle2",
+        "eagle3-drafter-eagle2",
+        "block-drafter-block_tree",
+    ],
 )
 def test_greedy_speculative_decoding_matches_ar_on_held_out_shapes_prompts(shipped, kind, builder):
     target, cond, ar = shipped
