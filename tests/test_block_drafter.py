@@ -149,5 +149,5 @@ def test_a_block_tree_keeps_the_ar_distribution_at_t1():
     target, cond = micro_problem()
     drafter = random_drafter(target, std=0.5, kind="block")
     engine = build_method(load_preset("block_tree"), target, drafter, SAMPLED)
-    samples = sample_images(engine, cond, 6000, seed=1)
+    samples = sample_images(engine, cond, 3000, seed=1)
     assert chi_square_pvalue(samples, exact_ar_distribution(target, cond, SAMPLED)) > SIGNIFICANCE
