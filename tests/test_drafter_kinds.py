@@ -50,7 +50,9 @@ def test_fit_trains_the_kind_and_its_export_and_checkpoint_reload_it(kind, train
     assert type(exported) is DRAFTERS[kind] and exported.config.kind == kind
     config = json.loads((run / "drafter" / "config.json").read_text())
     assert DrafterConfig.from_dict({k: v for k, v in config.items() if k != "metadata"}) == exported.config
-    assert exported.title in (run / "drafter" / "README.md").read_text()
+    card = (run / "drafter" / "README.md").read_text()
+    assert exported.title in card and f"method={exported.method} " in card  # its own preset
+    load_preset(exported.method)  # a preset that exists
     checkpoint = Drafter.from_pretrained(run / "checkpoints" / "last.ckpt", target)
     assert checkpoint.config == exported.config
     saved = exported.state_dict()

@@ -63,6 +63,7 @@ class Drafter(nn.Module):
     ``config.kind``; the target's embedding and head are borrowed via ``attach``."""
 
     title: ClassVar[str]  # the model card's title: "<title> for `<target>`"
+    method: ClassVar[str] = "eagle2"  # the decode preset its model card samples with
     Options: ClassVar[type] = NoOptions  # its settings (DrafterConfig.options), a frozen dataclass
     feature_loss: ClassVar[bool] = True  # f̂ regresses the target's next feature (``w_cls`` / ``w_feature``)
 

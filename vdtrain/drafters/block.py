@@ -150,6 +150,7 @@ class BlockDrafter(Drafter):
     """EAGLE rows through a narrow 2-D layer, plus a block's query rows in the same forward."""
 
     title: ClassVar[str] = "Block drafter"
+    method: ClassVar[str] = "block"
     Options: ClassVar[type] = BlockOptions
 
     def build(self, config: DrafterConfig) -> None:
