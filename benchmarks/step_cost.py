@@ -45,10 +45,11 @@ import torch
 from benchmarks.step_cost_guard import check as check_references
 from vdtrain.decode.compiled import DecodeOptions, cuda_graph_recorder, prepare_decoding
 from vdtrain.decode.engine import SpeculativeEngine
-from vdtrain.decode.methods import build_method, load_preset, preset_names
+from vdtrain.decode.methods import DecodeConfig, build_method, load_preset, preset_names
 from vdtrain.decode.profiling import PHASES, PhaseTimer, StepTimes
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.base import block_kind
 from vdtrain.eval.papers import projected_speedup
 from vdtrain.eval.runner import device_description
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
@@ -241,6 +242,20 @@ def load(
         target, drafter = random_llamagen(name, device, seed, shape)
     target = cast_for_inference(target, dtype)
     return target, drafter.to(target.dtype)
+
+
+def drafter_for(config: DecodeConfig, name: str, target: Target, drafter: Drafter) -> Drafter:
+    """The drafter a preset drafts with: ``drafter``, unless the preset's tree drafts blocks and it drafts
+    none; then the embedded world's block drafter (``checkpoints/<world>/drafter_block``), or a
+    random-weight one for the other targets (its op counts and r do not depend on its weights)."""
+    if not config.drafts_blocks or drafter.block_slots:
+        return drafter
+    if name in EMBEDDED:
+        block = load_drafter(f"{EMBEDDED[name]}/drafter_block", target)
+    else:
+        torch.manual_seed(0)
+        block = Drafter(DrafterConfig.for_target(target, kind=block_kind())).attach(target)
+    return block.to(target.token_embedding.weight.device, target.dtype).eval()
 
 
 def conditions(target: Target, name: str, prompts: int, batch: int, seed: int) -> list[Condition]:
@@ -511,8 +526,9 @@ def measure(args: argparse.Namespace) -> list[Row]:
                 with torch.no_grad():
                     ar = time_ar(target, conds, args.seed, sampling, options, args.steps)
                     for preset in args.presets:
+                        drafts = drafter_for(load_preset(preset), name, target, drafter)
                         m = time_method(
-                            target, drafter, preset, conds, args.seed, sampling, options, knobs, args.steps
+                            target, drafts, preset, conds, args.seed, sampling, options, knobs, args.steps
                         )
                         if name == "shapes":
                             shapes_s[(preset, batch, mode)] = m["s"]

@@ -43,6 +43,7 @@ from benchmarks.step_cost import (
     _generators,
     _now,
     conditions,
+    drafter_for,
     load,
     random_llamagen,
 )
@@ -129,9 +130,8 @@ def xl_depth_phase_ops(
     for name in presets:
         overrides = {"acceptance": {"cache_dir": cache_dir}} if cache_dir and name != "ar" else None
         config = load_preset(name, overrides)
-        method = build_method(
-            config, target, drafter if config.needs_drafter else None, target.sampling_defaults
-        )
+        drafts = drafter_for(config, "llamagen-xl", target, drafter) if config.needs_drafter else None
+        method = build_method(config, target, drafts, target.sampling_defaults)
         out[name] = count_phase_ops(method, cond, _generators(torch.device("cpu"), seed, 0, 1))
     return out
 
@@ -187,7 +187,8 @@ def main() -> None:
     device = torch.device(args.device)
     target, drafter = load(args.target, device, args.drafter, args.seed)
     config = load_preset(args.preset)
-    engine = build_method(config, target, drafter if config.needs_drafter else None, target.sampling_defaults)
+    drafts = drafter_for(config, args.target, target, drafter) if config.needs_drafter else None
+    engine = build_method(config, target, drafts, target.sampling_defaults)
     cond = conditions(target, args.target, args.batch, args.batch, args.seed)[0]
     gens = _generators(device, args.seed, 0, args.batch)
 

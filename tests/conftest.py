@@ -18,6 +18,7 @@ from vdtrain.decode.rng import RowRandom
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.schedule import StepPlan
 from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.base import block_kind
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.shapes.build import write_target_folder
@@ -106,14 +107,20 @@ def tiny_folder(tmp_path_factory) -> Path:
     return folder
 
 
-def random_drafter(target: Target, seed: int = 0, std: float = 0.2) -> Drafter:
-    """A drafter of ``target``'s family with random weights, attached: its drafts are neither all right
-    nor all wrong, so trees are partly accepted."""
+def random_drafter(target: Target, seed: int = 0, std: float = 0.2, kind: str = "eagle1") -> Drafter:
+    """A ``kind`` drafter of ``target``'s family with random weights, attached: its drafts are neither
+    all right nor all wrong, so trees are partly accepted."""
     torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.for_target(target))
+    drafter = Drafter(DrafterConfig.for_target(target, kind=kind))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=std)
     return drafter.attach(target).eval()
+
+
+def drafter_kind_for(config) -> str:
+    """The drafter kind the registry-driven tests draft a method (a ``DecodeConfig``) with: one that
+    drafts blocks for a block tree (``DecodeConfig.drafts_blocks``), eagle1 for every other tree."""
+    return block_kind() if config.drafts_blocks else "eagle1"
 
 
 @pytest.fixture

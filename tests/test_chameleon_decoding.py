@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import test_chameleon
 import torch
-from conftest import one_per_part, random_drafter
+from conftest import drafter_kind_for, one_per_part, random_drafter
 from test_chameleon import CODEBOOK, anole_target, lumina_target
 from test_engine import SIGNIFICANCE, chi_square_pvalue, exact_ar_distribution, sample_images
 from test_exactness import EXACT_PRESETS, method
@@ -25,6 +25,7 @@ from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfi
 from vdtrain.decode.compiled import DecodeOptions, compile_decoding
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.graphs import record_fx
+from vdtrain.decode.methods import load_preset
 from vdtrain.decode.profiling import count_steps
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.models.chameleon import ChameleonConfig, ChameleonLM
@@ -83,7 +84,8 @@ def test_exact_methods_give_the_ar_tokens_at_t0(name, family, anole_files, lumin
     sampling = SamplingConfig(cfg_scale=3.0, temperature=0.0)
     cond = target.encode_captions(CAPTIONS)
     expected = generate_ar(target, cond, sampling, [None, None])
-    engine = method(name, target, random_drafter(target), sampling, tmp_path)
+    drafter = random_drafter(target, kind=drafter_kind_for(load_preset(name)))
+    engine = method(name, target, drafter, sampling, tmp_path)
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
     assert torch.equal(engine.generate(cond, gens).tokens, expected)
 
@@ -168,7 +170,8 @@ def test_the_enumerable_lumina_target_forces_its_end_of_row_column():
 @pytest.mark.parametrize(("enumerable", "name"), FAMILY_PRESETS, indirect=["enumerable"])
 def test_exact_methods_keep_the_ar_distribution_at_t1(enumerable, name, tmp_path):
     target, cond, sampling, exact = enumerable
-    engine = method(name, target, random_drafter(target, std=0.4), sampling, tmp_path)
+    drafter = random_drafter(target, std=0.4, kind=drafter_kind_for(load_preset(name)))
+    engine = method(name, target, drafter, sampling, tmp_path)
     if name == "ar":
         c = type(cond)(cond.features.expand(2000, -1, -1), cond.mask.expand(2000, -1))
         gens = [torch.Generator().manual_seed(7_000_000 + i) for i in range(2000)]

@@ -1,7 +1,8 @@
 """Every registered drafter kind (``DRAFTERS``), end to end, with no test of its own: ``fit`` trains it a few
-steps, its export and its checkpoint reload as the same drafter, the drafter-tree presets decode AR's
-tokens at T = 0 with it, and where it trains unrolled, step 0 of the unroll is its teacher-forced pass. A
-kind added later (docs/extending.md, "Adding a drafter kind") is tested here as it is registered."""
+steps, its export and its checkpoint reload as the same drafter, the drafter-tree presets (and the block
+presets, for a kind that drafts blocks) decode AR's tokens at T = 0 with it, and where it trains
+unrolled, step 0 of the unroll is its teacher-forced pass. A kind added later (docs/extending.md,
+"Adding a drafter kind") is tested here as it is registered."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 KINDS = list(DRAFTERS)
 GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
 TREE_PRESETS = ("eagle1", "eagle2")  # a static and a dynamic tree: every drafter-tree builder's calls
+BLOCK_PRESETS = ("block", "block_tree")  # a kind that drafts blocks: its chain and its tree
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +50,9 @@ def test_fit_trains_the_kind_and_its_export_and_checkpoint_reload_it(kind, train
     assert type(exported) is DRAFTERS[kind] and exported.config.kind == kind
     config = json.loads((run / "drafter" / "config.json").read_text())
     assert DrafterConfig.from_dict({k: v for k, v in config.items() if k != "metadata"}) == exported.config
-    assert exported.title in (run / "drafter" / "README.md").read_text()
+    card = (run / "drafter" / "README.md").read_text()
+    assert exported.title in card and f"method={exported.method} " in card  # its own preset
+    load_preset(exported.method)  # a preset that exists
     checkpoint = Drafter.from_pretrained(run / "checkpoints" / "last.ckpt", target)
     assert checkpoint.config == exported.config
     saved = exported.state_dict()
@@ -64,7 +68,7 @@ def test_the_tree_presets_decode_ar_tokens_with_the_trained_kind(kind, trained):
     drafter = Drafter.from_pretrained(trained["runs"][kind] / "drafter", target)
     cond = target.encode_captions(["a red circle", "two blue squares"])
     ar = generate_ar(target, cond, GREEDY, [None, None])
-    for preset in TREE_PRESETS:
+    for preset in TREE_PRESETS + (BLOCK_PRESETS if drafter.block_slots else ()):
         result = build_method(load_preset(preset), target, drafter, GREEDY).generate(cond, [None, None])
         assert torch.equal(result.tokens, ar), f"{kind} with {preset}"
 

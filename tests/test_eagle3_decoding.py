@@ -21,7 +21,10 @@ from vdtrain.decode.methods import load_preset, preset_names
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters import Drafter, DrafterConfig
 
-TREE_PRESETS = [n for n in preset_names() if load_preset(n).needs_drafter]
+# Every tree drafted one depth per drafter call (a block tree needs a drafter that drafts blocks).
+TREE_PRESETS = [
+    n for n in preset_names() if load_preset(n).needs_drafter and not load_preset(n).drafts_blocks
+]
 
 
 def eagle3_drafter(target, seed: int = 4, std: float = 0.3) -> Drafter:

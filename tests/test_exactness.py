@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_condition
+from conftest import drafter_kind_for, tiny_condition
 from test_engine import (
     MICRO_GPT,
     MICRO_VQ,
@@ -38,24 +38,32 @@ from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import ARMethod, build_method, decode_config, load_preset, preset_names
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree
-from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters import Drafter, DrafterConfig, drafter_class
 from vdtrain.drafters.eagle import Eagle1Drafter
 from vdtrain.targets.base import Condition
 
 SHARPEN = 8.0  # drafter logits × SHARPEN: q is nearly one-hot
 
 
-class ConfidentDrafter(Eagle1Drafter):
-    """A drafter whose q is nearly one-hot, so top-p leaves it one token where a node has several
-    children."""
+class Sharpened:
+    """Mixed into a drafter kind: its q is nearly one-hot, so top-p leaves it one token where a node has
+    several children."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().logits(hidden) * SHARPEN
 
 
-def confident_drafter(target, seed: int = 4) -> Drafter:
+class ConfidentDrafter(Sharpened, Eagle1Drafter):
+    """An eagle1 drafter with a nearly one-hot q."""
+
+
+def confident_drafter(target, seed: int = 4, kind: str = "eagle1") -> Drafter:
+    """A ``kind`` drafter with a nearly one-hot q (``Sharpened``), random weights, attached."""
+    sharpened = (
+        ConfidentDrafter if kind == "eagle1" else type("Confident", (Sharpened, drafter_class(kind)), {})
+    )
     torch.manual_seed(seed)
-    drafter = ConfidentDrafter(DrafterConfig.for_target(target))
+    drafter = sharpened(DrafterConfig.for_target(target, kind=kind))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.5)
     return drafter.attach(target).eval()
@@ -80,7 +88,7 @@ EXACT_PRESETS = [n for n in preset_names() if load_preset(n).exact]
 @pytest.fixture(scope="module")
 def truncated_micro():
     target, cond = micro_problem()
-    return target, confident_drafter(target), cond, exact_ar_distribution(target, cond, TRUNCATED)
+    return target, cond, exact_ar_distribution(target, cond, TRUNCATED)
 
 
 def test_the_exact_presets_are_found():
@@ -107,7 +115,8 @@ SHRUNK_TREES = {
 def test_exact_methods_keep_the_distribution_when_q_has_fewer_tokens_than_children(
     truncated_micro, name, overrides, tmp_path
 ):
-    target, drafter, cond, exact = truncated_micro
+    target, cond, exact = truncated_micro
+    drafter = confident_drafter(target, kind=drafter_kind_for(load_preset(name)))
     engine = method(name, target, drafter, TRUNCATED, tmp_path, **overrides)
     if isinstance(engine, ARMethod):
         c = Condition(cond.features.expand(3000, -1, -1), cond.mask.expand(3000, -1))
@@ -164,7 +173,7 @@ def test_static_children_outside_qs_support_are_not_drafted():
 @pytest.mark.parametrize("name", preset_names())
 def test_prompts_sample_alike_batched_and_alone(name, tmp_path):
     target = make_target(image_size=8)  # 4 × 4 tokens: rows reach the image's end at different steps
-    drafter = Drafter(DrafterConfig.for_target(target))
+    drafter = Drafter(DrafterConfig.for_target(target, kind=drafter_kind_for(load_preset(name))))
     torch.manual_seed(0)
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.2)
@@ -237,11 +246,11 @@ def test_trees_wider_than_the_vocabulary_are_capped(builder, temperature):
 # --- trees shrunk to the row limit ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["eagle1", "eagle2", "peanut", "sjd"])
+@pytest.mark.parametrize("name", ["eagle1", "eagle2", "peanut", "sjd", "block"])
 def test_a_tree_shrunk_to_the_row_limit_keeps_ar_tokens_at_t0(name, tmp_path):
     target, cond = make_target(), tiny_condition()  # 2 prompts × 2 CFG streams: 4 rows
     sampling = SamplingConfig(cfg_scale=2.0, temperature=0.0)
-    drafter = confident_drafter(target)
+    drafter = confident_drafter(target, kind=drafter_kind_for(load_preset(name)))
     full = method(name, target, drafter, sampling, tmp_path)
     config = load_preset(name, {"tree": {"max_rows": 12}})  # 12 // 4 = 3 nodes
     shrunk = build_method(config, target, drafter if config.needs_drafter else None, sampling)

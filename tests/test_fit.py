@@ -692,9 +692,17 @@ class StopAfter(L.Callback):
             trainer.should_stop = True
 
 
-def test_resume_reproduces_the_uninterrupted_run(tiny_folder, tmp_path):
+@pytest.mark.parametrize(
+    "kind", ["eagle1", "block"]
+)  # block: its loss draws blocks from the step's generator
+def test_resume_reproduces_the_uninterrupted_run(kind, tiny_folder, tmp_path):
     # 4 steps an epoch: the interruption (step 3) is mid-epoch, the resumed run crosses into epoch 1.
-    run = ("trainer.max_steps=6", "trainer.checkpoint_every_n_steps=1", "data.p_null=0.5")
+    run = (
+        "trainer.max_steps=6",
+        "trainer.checkpoint_every_n_steps=1",
+        "data.p_null=0.5",
+        f"drafter.kind={kind}",
+    )
     fit(fit_config(tiny_folder, tmp_path / "whole", *run))
     fit(fit_config(tiny_folder, tmp_path / "split", *run), callbacks=[StopAfter(3)])
     stopped = read_ckpt(tmp_path / "split" / "checkpoints" / "last.ckpt")

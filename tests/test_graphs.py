@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import one_per_part, random_drafter, random_gpt, random_vq, tiny_condition
+from conftest import drafter_kind_for, one_per_part, random_drafter, random_gpt, random_vq, tiny_condition
 
 from vdtrain.decode import graphs
 from vdtrain.decode.builders.peanut import PeanutTreeBuilder
@@ -51,7 +51,9 @@ def _engine(
     if name == "sjd_pac":  # its 64-node window would draw the tiny image in a step or two
         overrides["tree"].update(tokens_per_forward=8, width=2)
     config = load_preset(name, overrides)
-    drafter = random_drafter(target).to(device) if config.needs_drafter else None
+    drafter = (
+        random_drafter(target, kind=drafter_kind_for(config)).to(device) if config.needs_drafter else None
+    )
     options = DecodeOptions(step_recorder=recorder)
     if compile:
         options.compile_steps = compile_decoding(target, drafter)

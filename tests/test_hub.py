@@ -549,6 +549,6 @@ def test_the_cards_snippet_repeats_every_key_the_targets_kind_reads():
         "model_dir": "/models/lumina",
         "caption_overflow": "truncate",
     }
-    snippet = _usage_section({"config": {"target": recorded}})
+    snippet = _usage_section({"config": {"target": recorded}}, "eagle2")
     assert '"caption_overflow": "truncate"' in snippet and '"family": "lumina_mgpt"' in snippet
     assert '"gpt_ckpt"' not in snippet and '"folder"' not in snippet  # other kinds' keys stay out

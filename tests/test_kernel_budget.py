@@ -58,4 +58,10 @@ def test_a_step_makes_few_vocabulary_wide_selections(counts, name):
     assert c.vocabulary_selections <= most, f"{name}: {c.selections} selections per step by key bits"
     assert c.selections.get(64, 0) <= most_64, f"{name}: {c.selections[64]:.1f} on 64-bit keys per step"
     # Weighed at the H200's prices, a selection is tens of ordinary kernels.
-    assert c.weighted(KernelWeights.load()) >= c.total + 20 * c.vocabulary_selections
+    weights = KernelWeights.load()
+    assert c.weighted(weights) >= c.total + 20 * c.vocabulary_selections
+    # The engine phases share the step's ops and selections (the forwards inside them included).
+    assert sum(c.phases.values()) == pytest.approx(c.total)
+    assert sum(c.weighted_phase(p, weights) for p in c.phases) == pytest.approx(c.weighted(weights))
+    if name != "ar":  # a tree method drafts: its builder's ops and the drafter forwards it runs
+        assert c.phases["draft"] >= c.regions["draft"] > 0

@@ -75,6 +75,7 @@ def test_the_capabilities_of_the_presets():
         parts = TREES[config.tree.kind], ACCEPTANCE[config.acceptance.kind], SCHEDULES[config.schedule.kind]
         assert config.exact == (parts[1].lossless and parts[2].lossless)
         assert config.needs_drafter == parts[0].needs_drafter
+        assert config.drafts_blocks == parts[0].drafts_blocks
         rows = [line for line in table.splitlines() if line.startswith(f"| `{name}` |")]
         assert all(("lossy" in row) != config.exact for row in rows), rows
 
@@ -128,7 +129,8 @@ def test_each_preset_agrees_with_the_parts_it_builds(tiny, name, tmp_path):
         with pytest.raises(ValueError, match="no draft-tree builder"):
             tree_builder(config.tree)
     else:
-        assert tree_builder(config.tree).needs_drafter == config.needs_drafter
+        builder = tree_builder(config.tree)
+        assert (builder.needs_drafter, builder.drafts_blocks) == (config.needs_drafter, config.drafts_blocks)
     rule = acceptance_rule(config.acceptance, target)
     schedule = verification_schedule(config.schedule, target)
     accept, verify = ACCEPTANCE[config.acceptance.kind], SCHEDULES[config.schedule.kind]

@@ -14,7 +14,7 @@ from functools import cache
 
 import pytest
 import torch
-from conftest import random_gpt, random_vq, tiny_condition
+from conftest import drafter_kind_for, random_gpt, random_vq, tiny_condition
 
 from vdtrain.decode.methods import build_method, load_preset, preset_names
 from vdtrain.decode.profiling import StepCounts, count_steps
@@ -55,12 +55,12 @@ def _counts(name: str, temperature: float, batch: int, cache_dir: str) -> StepCo
     target = LlamaGenTarget(
         random_gpt(), VQTokenizer(random_vq(), image_size=8), None, "tiny", SamplingConfig(cfg_scale=2.0)
     )
+    config = load_preset(name, {"acceptance": {"cache_dir": cache_dir}})
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(target))
+    drafter = Drafter(DrafterConfig.for_target(target, kind=drafter_kind_for(config)))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.2)
     sampling = replace(target.sampling_defaults, temperature=temperature)
-    config = load_preset(name, {"acceptance": {"cache_dir": cache_dir}})
     method = build_method(config, target, drafter.eval(), sampling)
     generators = [torch.Generator().manual_seed(i) for i in range(batch)]
     counts, _ = count_steps(method, tiny_condition(batch), generators, as_if_gpu=True)

@@ -62,17 +62,19 @@ class OptimConfig:
 
 @dataclass
 class DrafterTrainConfig:
-    kind: str = "eagle1"  # a key of vdtrain.drafters.registry.DRAFTERS (eagle1, eagle3, ...)
+    kind: str = "eagle1"  # a key of vdtrain.drafters.registry.DRAFTERS (eagle1, eagle3, block, ...)
     layer: dict[str, Any] = field(default_factory=dict)  # DrafterConfig layer overrides (n_head, ...)
     # the kind's own settings (its Options dataclass; unset: the kind's default for a new drafter of the
-    # target), e.g. eagle3's feature_layers, input_norm and tap_norm
+    # target), e.g. eagle3's feature_layers, input_norm and tap_norm, block's slots, width, heads, train_roots
     options: dict[str, Any] = field(default_factory=dict)
     w_cls: float = 0.1  # eagle1: weight of the soft cross-entropy term
     w_feature: float = 0.0  # eagle3: weight of the optional feature loss (EAGLE-3 drops it)
     # the token-distribution term: soft_ce (EAGLE's) | acceptance (1 - Σ min(p, q)) | log_acceptance
     cls_loss: str = "soft_ce"
     ttt_steps: int = 7  # eagle3: drafter steps unrolled on its own outputs per sample (EAGLE-3's 7)
-    ttt_decay: float = 0.8  # unrolled kinds: weight decay^j of unrolled step j's loss (EAGLE-3's 0.8)
+    ttt_decay: float = (
+        0.8  # unrolled kinds: weight decay^j of unrolled step j's loss (EAGLE-3's 0.8); block: of slot j's
+    )
     feature_noise: float = 0.1  # uniform input-feature noise U(-a, a) (eagle3: on the fused layers)
     val_depth: int = 5  # draft depth unrolled at validation for per-depth agreement and tau_sim
     # the loss goes through the frozen head in this many chunks of rows, so it holds 1 / loss_chunks of the

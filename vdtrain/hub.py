@@ -262,7 +262,7 @@ def model_card(
         _front_matter(ident),
         _intro(drafter, ident),
         _target_section(ident),
-        _usage_section(metadata),
+        _usage_section(metadata, type(drafter).method),
         _training_section(metadata),
         _evaluation_section(results),
     ]
@@ -298,7 +298,7 @@ def _target_section(ident: TargetIdentity) -> str:
     )
 
 
-def _usage_section(metadata: Mapping[str, Any]) -> str:
+def _usage_section(metadata: Mapping[str, Any], method: str) -> str:
     recorded = metadata.get("config", {}).get("target", {})
     target_config = kind_config(recorded) if recorded.get("kind") else {}
     load = (
@@ -313,7 +313,7 @@ def _usage_section(metadata: Mapping[str, Any]) -> str:
         "Evaluate it (speed-up against plain AR decoding, acceptance, quality; `<path>` is this repo id "
         "or a local copy) and sample with it (from a local copy: `hf download <repo id> --local-dir "
         "<folder>`):\n\n```bash\npython -m vdtrain.evaluate drafter=<path>\n"
-        "python -m vdtrain.generate method=eagle2 drafter=<folder>\n```"
+        f"python -m vdtrain.generate method={method} drafter=<folder>\n```"
     )
 
 

@@ -201,6 +201,8 @@ class SpeculativeEngine:
         elif builder.needs_drafter:
             raise ValueError(f"{type(builder).__name__} drafts with a drafter model: pass one")
         builder.check_vocabulary(target.vocab_size)
+        if drafter is not None and builder.needs_drafter:
+            builder.check_drafter(drafter)  # a block tree refuses a drafter that drafts no blocks
         if not isinstance(accept, Rule):
             raise TypeError(f"accept must be an acceptance Rule (vdtrain.decode.acceptance), got {accept!r}")
         self.target = target
@@ -275,6 +277,11 @@ class SpeculativeEngine:
         out = self.drafter(feats, rows.embeds, rows.positions, rows.mask, run.dcache, rows.slots)
         run.draft_calls += 1
         return out, self.target.constrain_logits(self.drafter.logits(out), rows.predicts)
+
+    def drafter_block(self, roots: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block drafter's ``rows.embeds.shape[1]`` query rows from the roots' features ``roots`` [R, F]:
+        one ``drafter_forward`` (``Drafter.block_queries`` marks each row's offset in the block)."""
+        return self.drafter_forward(self.drafter.block_queries(roots, rows.embeds.shape[1]), rows)
 
     # --- the loop ---------------------------------------------------------------------------------
     def generate(
@@ -450,6 +457,7 @@ class SpeculativeEngine:
             generators=run.generators,
             rng=run.rng,
             budget=run.budget,
+            tokens=run.out,
         )
         tree, calls = self._counted(self.builder.build, self, state)
         tree.valid = torch.cat([tree.valid[:, :1], tree.valid[:, 1:] & active[:, None]], 1)  # roots stay

@@ -35,6 +35,7 @@ from vdtrain.decode.acceptance import (
 )
 from vdtrain.decode.ar import ARDecoder
 from vdtrain.decode.builders.base import DraftTreeBuilder, TreeConfig
+from vdtrain.decode.builders.block import BlockTreeBuilder, BlockTreeConfig
 from vdtrain.decode.builders.dynamic import DynamicTreeBuilder, DynamicTreeConfig
 from vdtrain.decode.builders.jacobi import JacobiTreeConfig, JacobiWindowBuilder
 from vdtrain.decode.builders.peanut import PeanutTreeBuilder, PeanutTreeConfig
@@ -66,6 +67,11 @@ class DecodeConfig:
     @property
     def needs_drafter(self) -> bool:
         return _tree_part(self.tree.kind).needs_drafter
+
+    @property
+    def drafts_blocks(self) -> bool:
+        """Its tree drafts a block in one forward: it needs a drafter kind that drafts blocks."""
+        return _tree_part(self.tree.kind).drafts_blocks
 
     @property
     def exact(self) -> bool:
@@ -166,16 +172,17 @@ class Part:
     it alone holds their defaults. ``make`` is the part's class (or, for the stateless exact rule, a
     function), called with the config section and what ``lends`` takes from the target (a rule's
     neighbour table, a schedule's codebook); None for the one part with nothing to build (tree
-    ``none``: AR). Each capability is read for one family only: ``needs_drafter`` for trees,
-    ``lossless`` for rules and schedules, ``needs_soft_p`` for rules. They must agree with the built
-    objects' own flags (``DraftTreeBuilder.needs_drafter``, ``Rule.needs_soft_p``,
-    ``VerificationSchedule.can_skip``); tests/test_method_registry.py checks that.
+    ``none``: AR). Each capability is read for one family only: ``needs_drafter`` and ``drafts_blocks``
+    for trees, ``lossless`` for rules and schedules, ``needs_soft_p`` for rules. They must agree with the
+    built objects' own flags (``DraftTreeBuilder.needs_drafter`` and ``drafts_blocks``,
+    ``Rule.needs_soft_p``, ``VerificationSchedule.can_skip``); tests/test_method_registry.py checks that.
     """
 
     config: type
     make: Callable[..., Any] | None
     lends: Callable[[Any, Target], tuple] | None = None  # the target's tables the part is made with
     needs_drafter: bool = False  # tree: drafts with the drafter model (else none is attached)
+    drafts_blocks: bool = False  # tree: one drafter forward drafts a block (a drafter kind with blocks)
     lossless: bool = False  # rule: keeps the target distribution; schedule: verifies every step
     needs_soft_p: bool = False  # rule: reads p beyond p(x) (a group's mass): at T = 0, the T = 1 softmax
 
@@ -189,6 +196,8 @@ TREES: dict[str, Part] = {
     "static": Part(StaticTreeConfig, StaticTreeBuilder, needs_drafter=True),  # ranks (EAGLE-1, LANTERN++)
     "dynamic": Part(DynamicTreeConfig, DynamicTreeBuilder, needs_drafter=True),  # EAGLE-2: by confidence
     "peanut": Part(PeanutTreeConfig, PeanutTreeBuilder, needs_drafter=True),  # per-tree depth and width
+    # A chain or static tree over one block drafter forward's slots (issue #48).
+    "block": Part(BlockTreeConfig, BlockTreeBuilder, needs_drafter=True, drafts_blocks=True),
     # SJD: a window of the target's own drafts; SJD-PAC: the same with a proactive tree. No drafter.
     "jacobi": Part(JacobiTreeConfig, JacobiWindowBuilder),
     "sjd_pac": Part(SjdPacTreeConfig, SjdPacBuilder),

@@ -15,6 +15,10 @@ over >= V columns) is a radix select with one thread block per row on a GPU, ten
 twice that on 64-bit keys. Such selections are counted apart by key width (``PhaseOps.selections``), and
 ``PhaseOps.weighted`` charges each at its measured price in ordinary kernels (``KernelWeights``, from the
 H200 profile in conf/benchmarks/kernel_weights.yaml); docs/decoding.md, "Vocabulary-wide selections".
+
+Beside the innermost regions, every op is also charged to the engine phase it runs in, the forwards inside
+it included (``PhaseOps.phases``, ``PhaseOps.weighted_phase``): the draft phase of a tree method is its
+builder's own work and the drafter forwards it runs, the cost issue #48 compares block drafting by.
 """
 
 from __future__ import annotations
@@ -100,6 +104,10 @@ class PhaseOps:
     num_layers: int
     steps: int
     selections: dict[int, float] = field(default_factory=dict)
+    # Per engine phase (``PHASES``, and ``other`` outside them): every op run inside it, forwards included,
+    # and its vocabulary-wide selections by key width.
+    phases: dict[str, float] = field(default_factory=dict)
+    phase_selections: dict[str, dict[int, float]] = field(default_factory=dict)
 
     @property
     def vocabulary_selections(self) -> float:
@@ -109,6 +117,12 @@ class PhaseOps:
         """The step in ordinary kernels: every op one, a vocabulary-wide selection its measured price."""
         extra = sum(n * (weights.selection(bits) - 1) for bits, n in self.selections.items())
         return self.total + extra
+
+    def weighted_phase(self, phase: str, weights: KernelWeights) -> float:
+        """Engine ``phase``'s ops per step, forwards inside it included, in ordinary kernels (as
+        ``weighted``)."""
+        selections = self.phase_selections.get(phase, {})
+        return self.phases[phase] + sum(n * (weights.selection(bits) - 1) for bits, n in selections.items())
 
     @property
     def total(self) -> float:
@@ -134,7 +148,7 @@ class _OneKernel(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func not in _ONE_KERNEL_ON_GPU:
             return func(*args, **(kwargs or {}))
-        self.regions.counts[self.regions.stack[-1]] += 1
+        self.regions.charge()
         self.regions.hidden += 1
         try:
             return func(*args, **(kwargs or {}))
@@ -166,18 +180,27 @@ class _Regions(TorchDispatchMode):
         self.hidden = 0
         self.counts: Counter[str] = Counter()
         self.selections: Counter[int] = Counter()
-        self.marks: list[tuple[Counter[str], Counter[int]]] = []
+        self.in_phase: Counter[str] = Counter()  # by the engine phase the op runs in
+        self.phase_selections: Counter[tuple[str, int]] = Counter()
+        self.marks: list[tuple[Counter, ...]] = []
+
+    def charge(self, bits: int | None = None) -> None:
+        """One op to the innermost region and to the engine phase it runs in; ``bits``: a selection's."""
+        phase = next((r for r in self.stack if r in PHASES), "other")
+        self.counts[self.stack[-1]] += 1
+        self.in_phase[phase] += 1
+        if bits is not None:
+            self.selections[bits] += 1
+            self.phase_selections[phase, bits] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.hidden and launches_kernel(func):
-            self.counts[self.stack[-1]] += 1
-            bits = selection_bits(func, args, kwargs or {}, self.vocab)
-            if bits is not None:
-                self.selections[bits] += 1
+            self.charge(selection_bits(func, args, kwargs or {}, self.vocab))
         return func(*args, **(kwargs or {}))
 
     def on_step(self, *_: object) -> None:
-        self.marks.append((self.counts.copy(), self.selections.copy()))
+        counters = (self.counts, self.selections, self.in_phase, self.phase_selections)
+        self.marks.append(tuple(c.copy() for c in counters))
 
     def wrap(self, region: str) -> Callable[[Callable], Callable]:
         def wrap(method: Callable) -> Callable:
@@ -232,13 +255,27 @@ def count_phase_ops(method: Any, cond: Any, generators: Sequence[torch.Generator
             stack.enter_context(_layer_region(layer, counter))
         with torch.no_grad(), counter, _OneKernel(counter):
             method.generate(cond, generators, on_step=counter.on_step, planned_batch=len(cond))
-    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in pairwise(counter.marks)]  # every step after the first
+    # every step after the first: (regions, selections, phases, phase selections) counted in it
+    steps = [tuple(y - x for x, y in zip(a, b, strict=True)) for a, b in pairwise(counter.marks)]
     if not steps:
         raise ValueError("the decode finished in one step; nothing to count")
-    regions = {r: sum(s[r] for s, _ in steps) / len(steps) for r in REGIONS}
-    widths = sorted({bits for _, s in steps for bits in s})
-    selections = {bits: sum(s[bits] for _, s in steps) / len(steps) for bits in widths}
-    return PhaseOps(regions, len(layers), len(steps), selections)
+
+    def mean(part: int, key: object) -> float:
+        return sum(s[part][key] for s in steps) / len(steps)
+
+    widths = sorted({bits for s in steps for bits in s[1]})
+    phase_keys = sorted({key for s in steps for key in s[3]})
+    phase_selections: dict[str, dict[int, float]] = {}
+    for phase, bits in phase_keys:
+        phase_selections.setdefault(phase, {})[bits] = mean(3, (phase, bits))
+    return PhaseOps(
+        {r: mean(0, r) for r in REGIONS},
+        len(layers),
+        len(steps),
+        {bits: mean(1, bits) for bits in widths},
+        {p: mean(2, p) for p in (*PHASES, "other")},
+        phase_selections,
+    )
 
 
 @contextmanager

@@ -2,6 +2,7 @@
 (``registry``), the drafter's rows against the target's slots (``rows``) and the unrolled training
 pass's cache (``unroll_cache``). Each kind's module is imported here, which registers it."""
 
+from vdtrain.drafters import block as block
 from vdtrain.drafters import eagle as eagle
 from vdtrain.drafters import medusa as medusa
 from vdtrain.drafters.base import Drafter

@@ -5,8 +5,9 @@ the drafter nor in its saved weights), the teacher-forced and unrolled passes tr
 prefix catch-up, and saving and loading. A kind is a subclass (``vdtrain.drafters.registry.DRAFTERS``)
 that names its options dataclass and fills the hooks below: its modules (``build``), how target features
 enter it (``input_features``), one drafter call (``draft``), what the head reads (``normed``), its cache,
-how it trains (``unroll_steps``) and its model card. ``Drafter(config)`` builds the class of
-``config.kind``.
+how it trains (``unroll_steps``, or a loss of its own: ``training_loss``), whether one forward drafts a
+block of tokens (``block_slots``, ``block_queries``) and its model card. ``Drafter(config)`` builds the
+class of ``config.kind``.
 
 Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}``, with a zero embedding
 where slot ``s + 1`` is a caption row; ``rows.teacher_inputs`` builds it.
@@ -27,8 +28,9 @@ import torch
 from torch import nn
 
 from vdtrain.checkpoint_io import CheckpointError, load_strict, read_state_dict
+from vdtrain.config import DrafterTrainConfig
 from vdtrain.drafters.config import DrafterConfig
-from vdtrain.drafters.registry import drafter_class
+from vdtrain.drafters.registry import DRAFTERS, drafter_class
 from vdtrain.drafters.rows import after_prefix_rows, teacher_inputs, teacher_mask
 from vdtrain.drafters.unroll_cache import UnrollCache
 from vdtrain.export_format import CONFIG_FILE, REPO_ID, WEIGHTS_FILE, download
@@ -61,6 +63,7 @@ class Drafter(nn.Module):
     ``config.kind``; the target's embedding and head are borrowed via ``attach``."""
 
     title: ClassVar[str]  # the model card's title: "<title> for `<target>`"
+    method: ClassVar[str] = "eagle2"  # the decode preset its model card samples with
     Options: ClassVar[type] = NoOptions  # its settings (DrafterConfig.options), a frozen dataclass
     feature_loss: ClassVar[bool] = True  # f̂ regresses the target's next feature (``w_cls`` / ``w_feature``)
 
@@ -142,6 +145,37 @@ class Drafter(nn.Module):
         """Training: None trains teacher-forced (one pass, ``forward_teacher``); else the number of
         unrolled passes (``unroll``), given ``drafter.ttt_steps``."""
         return None
+
+    def training_loss(
+        self,
+        tokens: torch.Tensor,
+        cond_mask: torch.Tensor,
+        hidden: torch.Tensor,
+        hidden_in: torch.Tensor,
+        tapped: torch.Tensor | None,
+        train: DrafterTrainConfig,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
+        """A kind's own training loss and its logged parts (``DrafterModule.loss_on`` calls it first): from
+        the target's final-norm states ``hidden`` [B, L+N, H], what the drafter reads of them (``hidden_in``
+        and ``tapped``, noised), ``tokens`` [B, N] and ``cond_mask`` [B, L], with ``generator`` for any
+        draw of its own (None in validation). None (the default): the teacher-forced or unrolled passes
+        (``unroll_steps``) and their loss."""
+        return None
+
+    @property
+    def block_slots(self) -> int:
+        """Tokens one forward drafts as a block (``block_queries``); 0 (the default): a kind that drafts
+        one depth per call."""
+        return 0
+
+    def block_queries(self, roots: torch.Tensor, count: int) -> torch.Tensor:
+        """The features [R, count, F] of a block's ``count`` query rows from the roots' features ``roots``
+        [R, F]; one forward over them drafts the tokens 1 .. ``count`` past the root's child (a block
+        tree's, ``vdtrain.decode.builders.block``). Only a kind with ``block_slots`` has them."""
+        raise ValueError(
+            f"a {self.config.kind} drafter drafts no blocks: train one that does (drafter.kind=block)"
+        )
 
     def card(self) -> str:
         """The model card's design sentence, up to "and the target's head ..." (``hub``)."""
@@ -344,6 +378,15 @@ class Drafter(nn.Module):
     def read_metadata(folder: str | os.PathLike[str]) -> dict[str, Any]:
         """The ``metadata`` saved next to the config (empty if none)."""
         return _read_config_json(Path(folder) / CONFIG_FILE).get("metadata", {})
+
+
+def block_kind() -> str:
+    """The first registered kind that drafts blocks (``Drafter.block_slots``): the one a block tree is
+    given where no drafter is (benchmarks, tests)."""
+    kinds = [name for name, kind in DRAFTERS.items() if kind.block_slots is not Drafter.block_slots]
+    if not kinds:
+        raise ValueError(f"no registered drafter kind drafts blocks: {list(DRAFTERS)}")
+    return kinds[0]
 
 
 def _read_config_json(config_file: Path) -> dict[str, Any]:

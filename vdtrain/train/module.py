@@ -1,7 +1,8 @@
 """The Lightning module that trains a drafter against a frozen target.
 
 How is its kind's (``Drafter.unroll_steps``): teacher-forced feature regression (eagle1), or its own unrolled
-outputs (training-time test, ``Drafter.unroll``: eagle3), with a feature loss or logits only.
+outputs (training-time test, ``Drafter.unroll``: eagle3), with a feature loss or logits only, or a loss of
+the kind's own (``Drafter.training_loss``: a block drafter's).
 
 The target is *not* a registered submodule: its weights never enter checkpoints, optimisers or DDP
 buckets; the module moves it to its own device. Features come from the target on the fly (``online``,
@@ -142,12 +143,17 @@ class DrafterModule(L.LightningModule):
         noise: float,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The drafter's loss on ``prepare``'s output (``states`` [B, L+N, (1 + taps)·H]), with noise
-        ``U(-noise, noise)`` on what the drafter reads of the target (its taps, else the last state)."""
+        ``U(-noise, noise)`` on what the drafter reads of the target (its taps, else the last state): the
+        kind's own (``Drafter.training_loss``, eager), else ``drafter_loss`` (compiled where asked)."""
         hidden, tapped = split_taps(states, self.target.hidden_size, len(self.drafter.taps))
         if tapped is None:
             hidden_in = uniform_feature_noise(hidden, noise, generator)
         else:
             hidden_in, tapped = hidden, uniform_feature_noise(tapped, noise, generator)
+        cfg = self.train_cfg
+        own = self.drafter.training_loss(tokens, cond_mask, hidden, hidden_in, tapped, cfg, generator)
+        if own is not None:
+            return own
         if self.compile_step and self._compiled is None:
             self._compiled = torch.compile(self.drafter_loss)
         step = self.drafter_loss if self._compiled is None else self._compiled

@@ -18,6 +18,7 @@ from vdtrain.decode.trees import DraftTree
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from vdtrain.drafters import Drafter
     from vdtrain.sampling_config import SamplingConfig
 
 
@@ -64,6 +65,11 @@ class DraftContext(Protocol):
         """Features ``feats`` [R, S, H] at ``rows`` → (f̂ [R, S, H], logits [R, S, V])."""
         ...
 
+    def drafter_block(self, roots: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block drafter's query rows from the roots' features ``roots`` [R, H] at ``rows`` (S of them:
+        the tokens 1 .. S past the root's child) → (f̂ [R, S, H], logits [R, S, V]): one forward."""
+        ...
+
 
 @dataclass
 class TreeConfig:
@@ -89,6 +95,7 @@ class StepState:
     generators: Sequence[torch.Generator | None]
     rng: RowRandom | None = None  # the run's per-row counter-based uniforms (this step's draws)
     budget: TreeBudget = WHOLE_TREE  # the call's node budget, the same every step (``max_nodes``)
+    tokens: torch.Tensor | None = None  # [B, N + spare] the committed image tokens (read, never write)
 
 
 @dataclass
@@ -121,6 +128,7 @@ class DraftTreeBuilder:
     """
 
     needs_drafter: ClassVar[bool] = True  # False: drafts without a drafter model (SJD)
+    drafts_blocks: ClassVar[bool] = False  # True: one forward drafts a block (``DraftContext.drafter_block``)
     # True: every step has the same shapes and host work and the builder keeps no Python state across
     # steps, so the engine may record a step once and replay it (vdtrain.decode.graphs).
     graph_safe: ClassVar[bool] = False
@@ -138,6 +146,10 @@ class DraftTreeBuilder:
 
     def check_vocabulary(self, vocab_size: int) -> None:
         """Fit settings to a vocabulary of ``vocab_size`` image tokens, or refuse them (the engine asks)."""
+
+    def check_drafter(self, drafter: Drafter) -> None:
+        """Refuse a ``drafter`` this builder cannot draft with (the engine asks; every kind drafts one
+        depth per call, only some draft blocks: ``Drafter.block_slots``)."""
 
     def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
         raise NotImplementedError

@@ -1,0 +1,153 @@
+"""The block drafter kind (issue #48): each training step's blocks are drawn from the step's generator (so
+resume is exact); one forward of it drafts a block, the block a decode drafts is the block training
+scores, and the block presets verify it exactly: AR's tokens at T = 0, AR's distribution at T = 1 with a
+spread-out q, relaxed rules at their exact settings reproduce exact verification, a drafter that drafts
+no blocks is refused. The registry-driven tests cover the rest: fit trains, exports and reloads the kind
+and the block presets decode AR's tokens with it (tests/test_drafter_kinds.py); the block presets decode
+with a block drafter (``conftest.drafter_kind_for``) for AR's distribution at T = 1 with a confident q
+(tests/test_exactness.py, tests/test_chameleon_decoding.py), batch independence, a recorded step
+(tests/test_graphs.py) and the step budget (tests/test_step_budget.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import random_drafter, tiny_condition
+from test_engine import (
+    SIGNIFICANCE,
+    chi_square_pvalue,
+    exact_ar_distribution,
+    make_target,
+    micro_problem,
+    sample_images,
+)
+from test_fit import shapes_batch
+
+from vdtrain.config import DrafterTrainConfig, OptimConfig
+from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.methods import build_method, load_preset
+from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.block import training_roots
+from vdtrain.targets import load_target
+from vdtrain.train.module import DrafterModule
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
+SAMPLED = SamplingConfig(cfg_scale=2.0, temperature=1.0)
+
+
+def test_the_loss_draws_its_blocks_from_the_steps_generator(tiny_folder):
+    """What a step trains is a function of its generator (fit seeds one per step, rank and micro-batch),
+    so a resumed run repeats the uninterrupted one (tests/test_fit.py checks the machinery); the null
+    rows come from ``prepare`` as for every kind."""
+    target = load_target({"kind": "folder", "folder": str(tiny_folder)})
+    drafter = Drafter(DrafterConfig.for_target(target, kind="block", slots=4, train_roots=5), target)
+    torch.manual_seed(0)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    module = DrafterModule(target, drafter, DrafterTrainConfig(), OptimConfig(), "online", 0.5)
+    batch = shapes_batch(2)
+
+    def loss(seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        total, parts = module.loss(batch, torch.Generator().manual_seed(seed))
+        return total.detach(), parts
+
+    (first, parts), (again, _), (other, _) = loss(3), loss(3), loss(4)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert {"feature", "cls", "top1", "block", "tau_block", "top1_slot3"} <= set(parts)
+    roots = training_roots(256, 5, torch.Generator().manual_seed(3), torch.device("cpu"))
+    assert roots.tolist() == sorted(set(roots.tolist())) and len(roots) == 5 and int(roots.max()) < 254
+
+
+def test_the_block_a_decode_drafts_is_the_block_training_scores():
+    """Every query row the builder drafts (its position, mask, root feature and token above) gives the
+    logits of the same row in ``teacher_blocks``, training's pass, on the decoded tokens; the decode is
+    AR's, one block drafter forward per step beside the catch-up."""
+    target = make_target(image_size=8)  # 4 × 4 tokens: rows above and blocks that run past the image
+    drafter = random_drafter(target, std=0.3, kind="block")
+    cond = tiny_condition(batch=2)
+    engine = build_method(load_preset("block", {"tree": {"depth": 5}}), target, drafter, GREEDY)
+    drafted, block = [], engine.drafter_block
+
+    def spy(roots, rows):
+        f_hat, logits = block(roots, rows)
+        drafted.append((engine.run.committed.clone(), logits[: len(cond)].clone()))  # the cond stream
+        return f_hat, logits
+
+    engine.drafter_block = spy
+    result = engine.generate(cond, [None, None])
+    tokens = result.tokens
+    assert torch.equal(tokens, generate_ar(target, cond, GREEDY, [None, None]))
+    assert all(st.drafter_forwards == 1 + 2 * st.steps for st in result.stats)  # prefill, block, catch-up
+    num = target.num_image_tokens
+    with torch.no_grad():
+        states = drafter.input_features(target.sequence_features(cond, tokens, ()).float(), None)
+        teacher = drafter.teacher_blocks(states, tokens, cond.mask, torch.arange(num - 2))
+    compared = 0
+    for committed, logits in drafted:
+        count = logits.shape[1]  # the preset's depth − 1 of the drafter's 7 query rows
+        for b, root in enumerate((committed - 1).tolist()):
+            if root >= num - 2:  # no query token left in the image
+                continue
+            inside = teacher.drafted[root, :count] < num
+            want = drafter.logits(teacher.queries[b, root, :count])
+            torch.testing.assert_close(logits[b, inside], want[inside], rtol=0, atol=1e-4)
+            compared += int(inside.sum())
+    assert compared > 20
+
+
+def test_a_block_tree_needs_a_drafter_that_drafts_blocks():
+    target = make_target(image_size=8)
+    with pytest.raises(ValueError, match=r"eagle1 drafter drafts none .*drafter.kind=block"):
+        build_method(load_preset("block"), target, random_drafter(target), GREEDY)
+    short = random_drafter(target, kind="block")
+    config = dataclasses.replace(short.config, options={"slots": 4})
+    with pytest.raises(ValueError, match=r"depth 8 .* drafts 4 "):
+        build_method(load_preset("block"), target, Drafter(config), GREEDY)
+    with pytest.raises(ValueError, match=r"a medusa drafter drafts no blocks"):
+        random_drafter(target, kind="medusa").block_queries(torch.zeros(1, 4), 2)
+
+
+@pytest.mark.parametrize(
+    "relaxed",
+    [{"kind": "lantern_pp", "lam": 1.0, "k": 3}, {"kind": "gsd", "group_size": 1}],
+    ids=["lantern_pp_lam_1", "gsd_group_1"],
+)
+def test_relaxed_rules_at_their_exact_settings_verify_a_block_tree_exactly(relaxed, tmp_path):
+    """LANTERN++ and GSD apply to a block tree's verification as to an eagle tree's; λ = 1 and G = 1
+    decode exact verification's tokens and steps, bit for bit, at T = 1."""
+    target, cond = make_target(image_size=8), tiny_condition(batch=3)
+    drafter = random_drafter(target, std=0.3, kind="block")
+
+    def decode(acceptance: dict):
+        config = load_preset("block_tree", {"acceptance": {**acceptance, "cache_dir": str(tmp_path)}})
+        gens = [torch.Generator().manual_seed(40 + i) for i in range(3)]
+        return build_method(config, target, drafter, SAMPLED).generate(cond, gens)
+
+    exact, relaxed_result = decode({"kind": "exact"}), decode(relaxed)
+    assert torch.equal(relaxed_result.tokens, exact.tokens)
+    steps = [st.committed_per_step for st in exact.stats]
+    assert [st.committed_per_step for st in relaxed_result.stats] == steps
+    assert max(max(s) for s in steps) > 1  # drafts were accepted
+
+
+def test_a_block_drafter_drafts_one_depth_per_call_for_the_other_trees():
+    target, cond = make_target(image_size=8), tiny_condition()
+    drafter = random_drafter(target, std=0.3, kind="block")
+    result = build_method(load_preset("eagle2"), target, drafter, GREEDY).generate(cond, [None, None])
+    assert torch.equal(result.tokens, generate_ar(target, cond, GREEDY, [None, None]))
+    assert max(max(st.depth_per_step) for st in result.stats) > 2
+
+
+def test_a_block_tree_keeps_the_ar_distribution_at_t1():
+    """A spread-out q (the registry's test has a confident one): siblings drawn without replacement from
+    their slot's q and judged against it (a chain is the tree's width-1 case)."""
+    target, cond = micro_problem()
+    drafter = random_drafter(target, std=0.5, kind="block")
+    engine = build_method(load_preset("block_tree"), target, drafter, SAMPLED)
+    samples = sample_images(engine, cond, 3000, seed=1)
+    assert chi_square_pvalue(samples, exact_ar_distribution(target, cond, SAMPLED)) > SIGNIFICANCE

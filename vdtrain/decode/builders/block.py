@@ -1,0 +1,245 @@
+"""Trees over a block drafter's slots (issue #48): one drafter forward proposes the next ``depth`` tokens.
+
+Slot 1 of the block is the root's own drafter view (the catch-up row's logits, as for every tree); one
+forward of ``depth − 1`` query rows (``DraftContext.drafter_block``) gives slots 2 .. ``depth``: row ``j``
+sits at the position of the token ``j`` past the root's child, carries the committed token above it,
+and sees the committed rows and the queries before it. A node at depth ``d`` draws its children from slot
+``d``'s q whatever its path holds, so the tree is a fixed list of rank paths (a chain unless ``paths``
+gives a tree): at T = 0 a node's children are slot d's top-k, at T > 0 they are sampled without
+replacement from q_d, child after child by inverse CDF with their own uniforms (``Purpose.DRAFT`` at the
+child's index), and q is kept: exact verification's SpecInfer rule then keeps AR's distribution, and a
+relaxed rule (LANTERN++, GSD) applies as on a static tree. q_d is the drafter's confidence
+(``DraftContext.draft_confidence``: the tempered softmax before top-k and top-p, as EAGLE-2 ranks by):
+the rule is exact for any q the drafts are drawn from, and this one needs no vocabulary-wide selection
+(the top-k filter's threshold), the one such kernel a block step's drafting would otherwise launch. A
+child past q's support stays undrafted, with its subtree, as in ``static.py``. All parents of a rank
+draw at once: a step's draws take as many rounds as the widest node has children, whatever the depth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from vdtrain.decode.budget import TreeBudget
+from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
+from vdtrain.decode.kernels import shared_arange, shared_full, step_kernel
+from vdtrain.decode.rng import Purpose, inverse_cdf
+from vdtrain.decode.rows import DrafterRows, chain_visibility, per_stream
+from vdtrain.decode.trees import STATIC_TREES, DraftTree, StaticTree, ancestor_matrix, static_tree
+
+if TYPE_CHECKING:
+    from vdtrain.decode.builders.base import DraftContext
+    from vdtrain.drafters import Drafter
+
+
+@dataclass
+class BlockTreeConfig(TreeConfig):
+    """A tree over a block drafter's slots (``BlockTreeBuilder``)."""
+
+    kind: str = "block"
+    depth: int = 8  # levels drafted: the block's first `depth` slots (at most the drafter's)
+    # A tree over the slots' first levels: a named static tree (eagle1, lantern_pp) or rank paths, cut to
+    # `depth`; its top-ranked path goes on as a chain down to `depth`. Neither: a chain.
+    preset: str | None = None
+    paths: list[list[int]] | None = None
+
+
+class _Round(NamedTuple):
+    """The children of one rank: drawn at once, one per family that has a child of that rank."""
+
+    kids: torch.Tensor | slice  # [n] their nodes (a slice where they follow each other)
+    within: torch.Tensor | None  # [n] their families' places among the last round's (None: round 0, all)
+
+
+class _Layout(NamedTuple):
+    """The tree's index tensors on one device."""
+
+    parents: torch.Tensor  # [T]
+    depths: torch.Tensor  # [T]
+    ancestors: torch.Tensor  # [T, T] bool: j is i or one of its ancestors
+    descends: torch.Tensor | None  # [T, T] float: ancestors transposed (None: a chain, no rank past 0)
+    slot_rank: torch.Tensor  # [T] long: (depth − 1) · width + rank, where a node's token sits in the top-k
+    family_slots: torch.Tensor | None  # [P] the slot each family's children come from (None: slot = place)
+    node_slots: torch.Tensor  # [T] the slot each node's children come from (a leaf: the last)
+    rounds: list[_Round]  # rank by rank
+    order: torch.Tensor | None  # [T] node n's place in [root, round 0's kids, round 1's, ...] (None: n)
+
+
+class _Shape:
+    """One tree over the block's slots, its widest family, and its index tensors per device, made once."""
+
+    def __init__(self, tree: StaticTree) -> None:
+        self.tree = tree
+        self.width = max(tree.width(n) for n in range(tree.size))
+        self._layouts: dict[torch.device, _Layout] = {}
+
+    def layout(self, device: torch.device) -> _Layout:
+        """The tree's index tensors on ``device``, built once. Round ``r`` draws the rank-``r`` child of
+        every family (a node with children) that has one, in the order of round ``r − 1``'s families,
+        so each round's families are a subset of the last one's."""
+        if device not in self._layouts:
+            t, width = self.tree, self.width
+
+            def index(values: list[int]) -> torch.Tensor | slice:
+                if values == list(range(values[0], values[0] + len(values))):
+                    return slice(values[0], values[0] + len(values))
+                return torch.tensor(values, device=device)
+
+            families = [n for n in range(t.size) if t.width(n)]
+            rounds, drawn = [], [0]
+            for rank in range(width):
+                kept = [f for f in families if t.width(f) > rank]
+                kids = [
+                    next(n for n in range(t.size) if t.parents[n] == f and t.ranks[n] == rank) for f in kept
+                ]
+                within = None if rank == 0 else torch.tensor([families.index(f) for f in kept], device=device)
+                rounds.append(_Round(index(kids), within))
+                families, drawn = kept, drawn + kids
+            order = [drawn.index(n) for n in range(t.size)]
+            parents = torch.tensor(t.parents, device=device)
+            depths = torch.tensor(t.depths, device=device)
+            ancestors = ancestor_matrix(parents[None])[0]
+            slots = [t.depths[n] for n in range(t.size) if t.width(n)]
+            self._layouts[device] = _Layout(
+                parents,
+                depths,
+                ancestors,
+                ancestors.T.float() if width > 1 else None,
+                (depths - 1).clamp_min(0) * width + torch.tensor(t.ranks, device=device),
+                None if slots == list(range(len(slots))) else torch.tensor(slots, device=device),
+                depths.clamp_max(t.depth - 1),
+                rounds,
+                None if order == list(range(t.size)) else torch.tensor(order, device=device),
+            )
+        return self._layouts[device]
+
+
+class BlockTreeBuilder(DraftTreeBuilder):
+    """A chain or a static tree over the slots of one block, drafted by one drafter forward."""
+
+    graph_safe = True
+    drafts_blocks = True
+
+    def __init__(self, config: BlockTreeConfig) -> None:
+        if config.depth < 1:
+            raise ValueError(f"a block tree drafts at least one level, got tree.depth={config.depth}")
+        if config.preset is not None and config.paths is not None:
+            raise ValueError("a block tree takes tree.preset or tree.paths, not both")
+        if config.preset is not None and config.preset not in STATIC_TREES:
+            raise ValueError(f"unknown static tree {config.preset!r}; known: {sorted(STATIC_TREES)}")
+        tree = STATIC_TREES[config.preset] if config.preset else config.paths or []
+        chain = {(0,) * d for d in range(1, config.depth + 1)}
+        paths = chain | {tuple(p) for p in tree if len(p) <= config.depth}
+        self.configured_tree = static_tree(sorted(paths, key=lambda p: (len(p), p)))
+        self._shapes: dict[int, _Shape] = {}  # by node count: each budget's tree, laid out once
+
+    def shape(self, budget: TreeBudget) -> _Shape:
+        """The tree under ``budget``: the configured tree's first ``nodes − 1`` rank paths (shortest
+        first, then by rank), as ``static.py`` cuts it."""
+        full = self.configured_tree
+        size = budget.cap(full.size)
+        if size not in self._shapes:
+            self._shapes[size] = _Shape(full if size == full.size else static_tree(full.paths[: size - 1]))
+        return self._shapes[size]
+
+    def max_nodes(self, budget: TreeBudget) -> int:
+        """The tree's nodes: its ``depth − 1`` query rows take no more scratch slots than that."""
+        return self.shape(budget).tree.size
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Ranks past the vocabulary are dropped, with their subtrees: a node has no more children than
+        there are tokens."""
+        kept = [p for p in self.configured_tree.paths if max(p) < vocab_size]
+        if len(kept) < len(self.configured_tree.paths):
+            self.configured_tree = static_tree(kept)
+            self._shapes = {}
+
+    def check_drafter(self, drafter: Drafter) -> None:
+        if drafter.block_slots < self.configured_tree.depth:
+            raise ValueError(
+                f"a block tree of depth {self.configured_tree.depth} needs a drafter that drafts blocks of "
+                f"at least that many tokens; this {drafter.config.kind} drafter drafts "
+                f"{drafter.block_slots or 'none'} (train one with drafter.kind=block, or lower tree.depth)"
+            )
+
+    def build(self, ctx: DraftContext, state: StepState) -> DraftTree:
+        if state.tokens is None:
+            raise ValueError("BlockTreeBuilder reads the committed tokens above the block: StepState.tokens")
+        shape = self.shape(state.budget)
+        logits = state.root_logits[:, None]  # slot 1: the root's catch-up row
+        if shape.tree.depth > 1:
+            _, block = ctx.drafter_block(state.root_feats, self._query_rows(ctx, state, shape.tree.depth - 1))
+            logits = torch.cat([logits, block], 1)  # [R, depth, V]
+        return self._draw(ctx, state, shape, logits)
+
+    @step_kernel
+    def _query_rows(self, ctx: DraftContext, state: StepState, count: int) -> DrafterRows:
+        """Rows ``j = 1 .. depth − 1`` of the block: the token ``m + j`` each drafts (m committed), at its
+        row position, laid out as a chain in scratch columns from the root's on (row j sees the committed
+        rows up to the root's and the rows 1 .. j, so a shorter block drafts the same first rows),
+        carrying the committed token above it: zero embeddings in the first image row, and where the block
+        reaches past a row's width to tokens not committed yet."""
+        committed = state.committed
+        batch, device = len(committed), committed.device
+        n_img, cols = ctx.target.num_image_tokens, ctx.target.grid[1]
+        index = committed[:, None] + shared_arange(count, device)[None]  # the token before each drafted one
+        column = index - 1  # row j's scratch column: the root's, then one per row
+        above = index - (cols - 1)  # the token above the drafted one
+        known = above >= 0
+        if count >= cols:  # rows that reach a token of the block's own row: not committed
+            known = known & (shared_arange(count, device) < cols - 1)
+        embeds = ctx.drafter_embeds(state.tokens.gather(1, above.clamp_min(0)))
+        embeds = embeds * per_stream(known, len(embeds) // batch)[..., None]
+        slots, vis = ctx.target.image_slot(column), chain_visibility(column, n_img)
+        return ctx.drafter_inputs(None, index.clamp_max(n_img), slots, vis, next_embeds=embeds)
+
+    @step_kernel
+    def _draw(self, ctx: DraftContext, state: StepState, shape: _Shape, logits: torch.Tensor) -> DraftTree:
+        """The tree's tokens from the slots' drafter ``logits`` [R, depth, V]: slot d's top-k at T = 0,
+        sampled without replacement from slot d's q at T > 0 (see the module docstring). A rank-0 child
+        draws from its slot's whole q, so only later ranks can run past q's support."""
+        t, batch, layout = shape.tree, len(state.roots), shape.layout(state.roots.device)
+        valid = state.depth_limit[:, None] >= layout.depths[None]  # [B, T]: within the image
+        if ctx.sampling.greedy:
+            top = ctx.draft_logits(logits).topk(shape.width, dim=-1).indices.flatten(1)  # [B, depth·width]
+            tokens = top.gather(1, layout.slot_rank[None].expand(batch, -1))
+            tokens = torch.cat([state.roots[:, None], tokens[:, 1:]], 1)
+            q_nodes = None
+        else:
+            q = ctx.draft_confidence(logits)  # [B, depth, V]: no top-k filter (the module docstring)
+            u = state.rng.uniform(Purpose.DRAFT, t.size)
+            mass = q.double()  # [B, P, V] each family's mass not drawn yet
+            if layout.family_slots is not None:
+                mass = mass.index_select(1, layout.family_slots)
+            drawn, found = [state.roots[:, None]], []
+            for kids, within in layout.rounds:
+                if within is not None:  # the families with a child of this rank: their earlier draws out
+                    last = drawn[-1].index_select(1, within)
+                    mass = mass.index_select(1, within).scatter(-1, last[..., None], 0.0)
+                    found.append((mass > 0).any(-1))  # past the support: undrafted
+                pick = u[:, kids] if isinstance(kids, slice) else u.index_select(1, kids)
+                drawn.append(inverse_cdf(mass, pick))
+            tokens = torch.cat(drawn, 1)
+            if layout.order is not None:
+                tokens = tokens.index_select(1, layout.order)
+            if found:  # a node is drafted when it and all its ancestors are
+                first = shared_full(True, valid.device, torch.bool).expand(batch, 1 + drawn[1].shape[1])
+                found = torch.cat([first, *found], 1)
+                if layout.order is not None:
+                    found = found.index_select(1, layout.order)
+                valid = (~(valid & found)).float() @ layout.descends == 0
+            q_nodes = q.index_select(1, layout.node_slots)  # each node's children's q
+        return DraftTree(
+            tokens,
+            layout.parents.expand(batch, -1),
+            layout.depths.expand(batch, -1),
+            valid,
+            q_nodes,
+            sampled=not ctx.sampling.greedy,
+            depth_bound=t.depth,
+            width_bound=shape.width,
+            ancestors=layout.ancestors[None],
+        )

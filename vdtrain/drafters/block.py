@@ -1,0 +1,324 @@
+"""A block drafter (issue #48): one forward drafts the next ``slots`` image tokens of the row.
+
+Its rows are EAGLE rows, ``[embed(x_{s+1}); f_s]``, through a narrow decoder layer of its own (``width``
+wide, 2-D RoPE over the image grid) and back into the target's space as a residual on the row's
+feature: ``f̂ = f + W_out(h)``, read by the target's head. The engine catches it up on committed tokens
+like an eagle1 drafter, so the catch-up row of the root predicts the block's first token. A *block*
+adds ``slots − 1`` query rows in one forward (``block_queries``): query ``j`` drafts the token ``j``
+past that one, sits at its position, carries the root's feature, the embedding of the committed token
+above it (zero in the first row) and a one-hot of its offset, and sees the committed rows and the
+queries before it. The kind's feature is ``f`` and that one-hot, [.., H + slots − 1]: all zero for a
+committed row, so the engine's one-call-per-depth trees draft with it too.
+docs/training.md, "Block drafters", gives the design and what it borrows;
+``vdtrain/decode/builders/block.py`` drafts with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vdtrain.config import DrafterTrainConfig
+from vdtrain.drafters.base import Drafter
+from vdtrain.drafters.config import DrafterConfig
+from vdtrain.drafters.registry import register
+from vdtrain.drafters.rows import after_prefix_rows, teacher_mask
+from vdtrain.models.kv_cache import AttendingCache, KVCache
+from vdtrain.models.llamagen_gpt import GPTConfig, TransformerBlock, attention_bias
+from vdtrain.train import losses  # a module: vdtrain.train.losses imports vdtrain.drafters
+from vdtrain.train.head_loss import head_token_loss
+
+
+@dataclass(frozen=True)
+class BlockOptions:
+    """A block drafter's settings."""
+
+    slots: int = 8  # tokens one block drafts: the root's catch-up row, then slots − 1 query rows
+    width: int = 64  # the layer's width (the target's features are projected into it and back)
+    heads: int = 4  # its attention heads (head dim width / heads, a multiple of 4 for 2-D RoPE)
+    train_roots: int = 32  # blocks trained per sample and step (their roots drawn at random)
+
+
+class GridLayer(nn.Module):
+    """One LlamaGen decoder block ``width`` wide with a 2-D RoPE table over the drafter's grid (any
+    height and width: a Lumina-mGPT grid holds its end-of-row column); the caption rows unrotated.
+    Indexed by the engine's row positions, ``prefix_length + image index``."""
+
+    def __init__(self, width: int, heads: int, prefix_length: int, grid: tuple[int, int]) -> None:
+        super().__init__()
+        config = GPTConfig(
+            dim=width,
+            n_layer=1,
+            n_head=heads,
+            multiple_of=32,
+            token_dropout_p=0.0,
+            resid_dropout_p=0.0,
+            ffn_dropout_p=0.0,
+            class_dropout_prob=0.0,
+        )
+        self.block = TransformerBlock(config)
+        self.heads, self.head_dim = heads, config.head_dim
+        self.register_buffer("rope", grid_rope(prefix_length, grid, config.head_dim), persistent=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | AttendingCache | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        layer_cache = None if cache is None else cache.layer(0)
+        return self.block(x, self.rope[positions], attention_bias(mask, x.dtype), layer_cache, slots)
+
+    def _apply(self, fn, recurse: bool = True):
+        # The RoPE table follows the device but stays fp32 (rotations are computed in fp32).
+        table = self.rope
+        super()._apply(fn, recurse)
+        self.rope = table.to(self.rope.device)
+        return self
+
+
+def grid_rope(
+    prefix_length: int, grid: tuple[int, int], head_dim: int, base: float = 10000.0
+) -> torch.Tensor:
+    """(cos, sin) [prefix_length + h·w, head_dim // 2, 2]: half of each head's pairs turn with the row,
+    half with the column (LlamaGen's 2-D RoPE, for a grid of any shape); caption rows unrotated."""
+    quarter = head_dim // 4
+    inv_freq = 1.0 / (base ** (torch.arange(quarter).float() * 2 / (head_dim // 2)))
+    rows, cols = grid
+    row = torch.outer(torch.arange(rows).float(), inv_freq)[:, None].expand(-1, cols, -1)
+    col = torch.outer(torch.arange(cols).float(), inv_freq)[None].expand(rows, -1, -1)
+    angles = torch.cat([row, col], -1).flatten(0, 1)
+    table = torch.stack([angles.cos(), angles.sin()], -1)
+    prefix = torch.zeros(prefix_length, head_dim // 2, 2)
+    prefix[..., 0] = 1.0
+    return torch.cat([prefix, table])
+
+
+class _ContextThenQueries(AttendingCache):
+    """Training's two passes through the layer: the committed rows (causal), then every block's query
+    rows, which attend to the committed rows' keys and their own. Out of place, so gradients flow."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def layer(self, index: int) -> _ContextThenQueries:
+        return self
+
+    def write(
+        self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:  # the committed rows: kept for the queries
+            self.k, self.v = k, v
+            return k, v
+        return torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def training_roots(
+    num_tokens: int, count: int, generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    """The image indices of the roots whose blocks a step trains: ``count`` of ``0 .. N − 3`` (a block
+    drafts at least one query token), drawn with ``generator``, evenly spaced without one (validation)."""
+    choices = max(1, num_tokens - 2)
+    count = min(count, choices)
+    if generator is None:
+        roots = torch.linspace(0, choices - 1, count).round().long()
+    else:
+        roots = torch.randperm(choices, generator=generator)[:count].sort().values
+    return roots.to(device)
+
+
+class TeacherBlocks(NamedTuple):
+    """One teacher-forced pass: every committed row, then the blocks of some roots."""
+
+    rows: torch.Tensor  # [B, L+N-1, H + slots − 1] the committed rows' outputs (row s drafts slot s + 1)
+    queries: torch.Tensor  # [B, R, J, H + slots − 1] block r's query row j (drafting ``drafted[r, j]``)
+    drafted: torch.Tensor  # [R, J] the image index each query row drafts (>= N: past the image)
+
+
+@register("block")
+class BlockDrafter(Drafter):
+    """EAGLE rows through a narrow 2-D layer, plus a block's query rows in the same forward."""
+
+    title: ClassVar[str] = "Block drafter"
+    method: ClassVar[str] = "block"
+    Options: ClassVar[type] = BlockOptions
+
+    def build(self, config: DrafterConfig) -> None:
+        """The projection into the layer (its last ``slots − 1`` input columns read the query rows'
+        offset one-hot), the layer, a norm and the projection back (zero at the start: a row first
+        drafts what its own feature predicts). No input norms: ``fc`` learns the scales of the embedding
+        and the feature, and a drafter forward is two kernels shorter."""
+        hidden, o = config.hidden_size, config.options
+        self.fc = nn.Linear(2 * hidden + o.slots - 1, o.width)
+        self.layer = GridLayer(o.width, o.heads, config.prefix_length, config.grid)
+        self.out_norm = nn.RMSNorm(o.width, eps=1e-6)
+        self.out = nn.Linear(o.width, hidden)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    @classmethod
+    def check(cls, config: DrafterConfig) -> None:
+        o = config.options
+        if o.slots < 2:
+            raise ValueError(f"a block drafter needs slots >= 2 (the root's row and a query), got {o.slots}")
+        if o.width < 4 or o.heads < 1 or o.width % (4 * o.heads):
+            raise ValueError(
+                f"a block drafter's width must be a multiple of 4 x heads (2-D RoPE splits each head in "
+                f"row and column halves of pairs), got width {o.width}, heads {o.heads}"
+            )
+        if o.train_roots < 1:
+            raise ValueError(f"a block drafter trains at least one block per sample, got {o.train_roots}")
+
+    @property
+    def block_slots(self) -> int:
+        return self.options.slots
+
+    def input_features(self, hidden: torch.Tensor, tapped: torch.Tensor | None) -> torch.Tensor:
+        """The target's final-norm ``hidden`` [.., H] → [.., H + slots − 1]: ``f`` and a one-hot of the
+        row's offset in a block, all zero for a committed row."""
+        return F.pad(hidden, (0, self.options.slots - 1))
+
+    def draft(
+        self,
+        features: torch.Tensor,
+        next_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: KVCache | AttendingCache | None,
+        slots: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Rows ``(f, offset)`` [B, S, H + slots − 1] with the ``next_embeds`` [B, S, H] at ``positions`` →
+        ``(f̂, 0)``: committed rows and a block's query rows alike."""
+        dtype, hidden = self.fc.weight.dtype, next_embeds.shape[-1]
+        x = self.fc(torch.cat([next_embeds.to(dtype), features.to(dtype)], -1))
+        h = self.layer(x, positions, mask, cache, slots)
+        f_hat = features[..., :hidden].to(dtype) + self.out(self.out_norm(h))
+        return F.pad(f_hat, (0, features.shape[-1] - hidden))
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``(f̂, offset)`` → ``f̂`` [.., H]: the target's head reads it as is (it regresses final-norm
+        states)."""
+        return hidden[..., : self.config.hidden_size]
+
+    def block_queries(self, roots: torch.Tensor, count: int) -> torch.Tensor:
+        """The features [R, count, H + slots − 1] of a block's query rows 1 .. ``count``: the root's
+        catch-up output ``roots`` [R, H + slots − 1] with row ``j``'s offset one-hot."""
+        slots, hidden = self.options.slots, self.config.hidden_size
+        if count >= slots:
+            raise ValueError(f"a block of {count + 1} tokens exceeds the drafter's {slots} slots")
+        offsets = torch.eye(count, slots - 1, dtype=roots.dtype, device=roots.device)
+        rows = roots[:, None, :hidden].expand(-1, count, -1)
+        return torch.cat([rows, offsets.expand(len(roots), -1, -1)], -1)
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        ref, layer = self.fc.weight, self.layer
+        length = max_len or self.config.max_seq_len
+        return KVCache(1, batch, layer.heads, length, layer.head_dim, ref.dtype, ref.device)
+
+    # --- training ---------------------------------------------------------------------------------
+    def teacher_blocks(
+        self, states: torch.Tensor, tokens: torch.Tensor, cond_mask: torch.Tensor, roots: torch.Tensor
+    ) -> TeacherBlocks:
+        """The committed rows of ``states`` [B, L+N, H + slots − 1] (the kind's features) on ``tokens``
+        [B, N], causal as decoding's catch-up writes them, then the block of each root in ``roots`` [R]
+        (image indices) as ``BlockTreeBuilder`` drafts it: query row ``j`` drafts token ``t = r + 1 + j``
+        at row position ``L + t − 2`` with the root row's output and the token above ``t`` where
+        committed, and sees the rows up to the root's and the block's rows 1 .. j."""
+        cols = self.config.grid[1]
+        prefix, num = cond_mask.shape[1], tokens.shape[1]
+        seq, device, batch = prefix + num - 1, states.device, len(tokens)
+        embeds = after_prefix_rows(self.embed(tokens), prefix)
+        positions = torch.arange(seq, device=device)
+        teacher = teacher_mask(cond_mask, seq)
+        cache = _ContextThenQueries()
+        rows = self(states[:, :-1], embeds, positions, teacher, cache, positions)
+        j = torch.arange(1, self.options.slots, device=device)
+        drafted = roots[:, None] + 1 + j  # [R, J]
+        root_rows = prefix + roots - 1  # the row that pairs f at the root's predecessor with the root
+        queries = self.block_queries(rows[:, root_rows].flatten(0, 1), len(j))
+        queries = queries.unflatten(0, (batch, len(roots))).flatten(1, 2)  # [B, R·J, F]
+        above = drafted - cols
+        committed = (above >= 0) & (above <= roots[:, None])
+        above_embeds = self.embed(tokens[:, above.clamp(0, num - 1).flatten()])
+        above_embeds = above_embeds * committed.flatten()[None, :, None]
+        query_pos = prefix + drafted.clamp_max(num + 1).flatten() - 2
+        seen = teacher[:, 0, root_rows].repeat_interleave(len(j), 1)  # [B, R·J, seq]: the root row's
+        causal = torch.ones(len(j), len(j), dtype=torch.bool, device=device).tril()
+        block = torch.block_diag(*[causal] * len(roots))
+        mask = torch.cat([seen, block.expand(batch, -1, -1)], -1)[:, None]
+        out = self(queries, above_embeds, query_pos.expand(batch, -1), mask, cache, query_pos)
+        return TeacherBlocks(rows, out.unflatten(1, (len(roots), len(j))), drafted)
+
+    def training_loss(
+        self,
+        tokens: torch.Tensor,
+        cond_mask: torch.Tensor,
+        hidden: torch.Tensor,
+        hidden_in: torch.Tensor,
+        tapped: torch.Tensor | None,
+        train: DrafterTrainConfig,
+        generator: torch.Generator | None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The committed rows' EAGLE-1 loss (feature regression + ``w_cls`` · the token loss: they draft
+        each block's first token) plus ``Σ_j decay^j · loss_j`` over the query rows of ``train_roots``
+        blocks per sample (their roots drawn with ``generator``), against the target's distribution at
+        the token each drafts. Parts: the loss terms, ``top1`` (the first slot), ``top1_slot{j}`` and
+        ``tau_block``, the chain estimate from the per-slot agreement."""
+        prefix, num, size = cond_mask.shape[1], tokens.shape[1], hidden.shape[-1]
+        states = self.input_features(hidden_in, tapped)
+        roots = training_roots(num, self.options.train_roots, generator, hidden.device)
+        rows, queries, drafted = self.teacher_blocks(states, tokens, cond_mask, roots)
+        total, parts = losses.teacher_loss(
+            rows[..., :size], hidden[:, 1:], self.normed, self.head, prefix, train.w_cls, train.cls_loss,
+            train.loss_chunks,
+        )  # fmt: skip
+        valid = (drafted < num).flatten()
+        slot_of = (drafted - roots[:, None]).flatten()[valid] - 1  # j of each scored query row
+        batch, scored = len(tokens), int(valid.sum())
+        target = hidden[:, prefix + drafted.flatten()[valid] - 1]  # [B, Q, H]: what predicts that token
+        drafts = self.normed(queries.flatten(1, 2)[:, valid])
+        per_row, hits = head_token_loss(
+            drafts.flatten(0, 1)[:, None], target.flatten(0, 1), self.head, train.cls_loss, train.loss_chunks
+        )
+        per_row, hits = per_row.view(batch, scored), hits.view(batch, scored).float()
+        block_loss = (per_row * train.ttt_decay ** slot_of.float()).mean()
+        total = total + block_loss
+        agreement = [parts["top1"]]
+        for k in range(1, drafted.shape[1] + 1):
+            at = slot_of == k
+            parts[f"top1_slot{k}"] = hits[:, at].mean() if at.any() else hits.new_zeros(())
+            agreement.append(parts[f"top1_slot{k}"])
+        parts["tau_block"] = hits.new_tensor(losses.simulated_tau(agreement))
+        parts["block"] = block_loss.detach()
+        parts["total"] = total.detach()
+        return total, parts
+
+    # --- the model card ---------------------------------------------------------------------------
+    def card(self) -> str:
+        o = self.options
+        return (
+            f"A block drafter trained with vdtrain: one forward drafts the next {o.slots} image tokens. "
+            f"EAGLE rows `[embed(x_{{t+1}}); f_t]` through one {o.width}-wide decoder layer with 2-D RoPE, "
+            "read back as a residual on the row's feature; the root's row drafts the first token and "
+            f"{o.slots - 1} query rows (the root's feature, the committed token above, a one-hot of the "
+            "offset) the rest in the same forward, and "
+        )
+
+    def shape(self) -> str:
+        o = self.options
+        ffn = self.layer.block.feed_forward.w2.in_features
+        return (
+            f"Layer: width {o.width} ({o.heads} heads, SwiGLU {ffn}, 2-D RoPE) between the target's "
+            f"width {self.config.hidden_size}; {o.slots} slots per block; "
+            f"{sum(p.numel() for p in self.parameters()) / 1e3:.0f}k parameters"
+        )
