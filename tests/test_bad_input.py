@@ -30,7 +30,7 @@ CASES = [
     ("vdtrain.generate", ["num_prompts=0"], "num_prompts must be at least 1, got 0"),
     pytest.param("vdtrain.generate", ["device=cuda"], "device='cuda', but this torch", marks=NO_CUDA),
     ("vdtrain.generate", ["out_dir={tmp}/a_file/x"], "a_file' is a file"),
-    ("vdtrain.generate", ["method=nope"], "unknown method 'nope' (method=); known: ar, eagle1"),
+    ("vdtrain.generate", ["method=nope"], "unknown method 'nope' (method=); known: ar, block, block_tree"),
     ("vdtrain.generate", ["target=nope"], "Could not find 'target/nope'"),
     ("vdtrain.generate", ["prompts={tmp}/links.csv"], "among the columns ['id', 'url']; name the one"),
     ("vdtrain.evaluate", ["methods=[nope]"], "unknown method preset 'nope'"),
