@@ -53,11 +53,11 @@ from torch.profiler._memory_profiler import Action
 from benchmarks.step_cost import random_llamagen
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.losses import image_target_mask
 from vdtrain.drafters.rows import chain_rows
 from vdtrain.eval.runner import device_description, synchronize
 from vdtrain.targets import cast_for_inference
 from vdtrain.targets.base import Target, split_taps
-from vdtrain.train.losses import image_target_mask
 from vdtrain.train.module import DrafterModule
 
 # A LlamaGen-shaped target small enough for a CPU: GPT-B's vocabulary and caption rows, 4 layers of 256.

@@ -1,7 +1,8 @@
-"""The drafter loss as it was before the chunked head loss (``vdtrain.train.head_loss``) replaced it, kept as
-the reference the new loss and its gradients are compared with (tests/test_train_speed.py) and measured
-against (``python -m benchmarks.train_throughput --reference-loss``): every [rows, V] logits tensor whole,
-autograd through them, a Python loop over the unrolled steps with boolean-mask row selection."""
+"""The drafter loss as it was before the chunked head loss (``vdtrain.drafters.head_loss``) replaced it,
+kept as the reference the new loss and its gradients are compared with (tests/test_train_speed.py) and
+measured against (``python -m benchmarks.train_throughput --reference-loss``): every [rows, V] logits
+tensor whole, autograd through them, a Python loop over the unrolled steps with boolean-mask row
+selection."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vdtrain.train.losses import _masked_mean, feature_loss, top_k_agreement
+from vdtrain.drafters.losses import _masked_mean, feature_loss, top_k_agreement
 
 
 def soft_ce(

@@ -13,10 +13,8 @@ from torch import nn
 
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters import Drafter, DrafterConfig
-from vdtrain.drafters.rows import feature_targets, teacher_inputs, teacher_mask
-from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
-from vdtrain.train.head_loss import token_loss
-from vdtrain.train.losses import (
+from vdtrain.drafters.head_loss import token_loss
+from vdtrain.drafters.losses import (
     feature_loss,
     image_target_mask,
     simulated_tau,
@@ -25,6 +23,8 @@ from vdtrain.train.losses import (
     trained_rows,
     uniform_feature_noise,
 )
+from vdtrain.drafters.rows import feature_targets, teacher_inputs, teacher_mask
+from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 
 def make_drafter(target, seed: int = 0) -> Drafter:

@@ -14,6 +14,7 @@ from reference_unroll import dense_unroll, tree_step_mask
 
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.losses import unrolled_loss
 from vdtrain.drafters.rows import chain_rows, teacher_mask
 from vdtrain.drafters.unroll_cache import UnrollCache
 from vdtrain.eval.logit_lens import logit_lens
@@ -21,7 +22,6 @@ from vdtrain.hub import export_drafter, push_to_hub
 from vdtrain.targets import load_target_folder
 from vdtrain.targets.base import split_taps
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
-from vdtrain.train.losses import unrolled_loss
 
 DEEP_GPT = replace(TINY_GPT, n_layer=6)
 

@@ -33,6 +33,7 @@ from vdtrain.config import DrafterTrainConfig, FitConfig, OptimConfig, UnknownCo
 from vdtrain.data.streams import ShapesStream, collate
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.losses import image_target_mask
 from vdtrain.drafters.rows import chain_rows
 from vdtrain.fit import build_strategy, fit
 from vdtrain.images import images_to_tensor
@@ -40,7 +41,6 @@ from vdtrain.shapes.scene import HELDOUT_SEED, TRAIN_SEED, generate
 from vdtrain.targets import load_target
 from vdtrain.targets.base import split_taps
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
-from vdtrain.train.losses import image_target_mask
 from vdtrain.train.module import DrafterModule, NonFiniteLossError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -20,12 +20,12 @@ from reference_losses import unrolled_loss as reference_unrolled_loss
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.head_loss import head_token_loss, token_loss
+from vdtrain.drafters.losses import image_target_mask, teacher_loss, unrolled_loss
 from vdtrain.drafters.rows import chain_rows
 from vdtrain.models.janus import GenerationHead
 from vdtrain.targets.base import split_taps
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
-from vdtrain.train.head_loss import head_token_loss, token_loss
-from vdtrain.train.losses import image_target_mask, teacher_loss, unrolled_loss
 from vdtrain.train.module import DrafterModule
 
 LOSS = {"rtol": 1e-5, "atol": 1e-6}

@@ -1,6 +1,7 @@
 """The drafter: what every kind shares (``base``), its configuration (``config``), the kinds by name
-(``registry``), the drafter's rows against the target's slots (``rows``) and the unrolled training
-pass's cache (``unroll_cache``). Each kind's module is imported here, which registers it."""
+(``registry``), the drafter's rows against the target's slots (``rows``), the losses every kind trains
+with (``losses``, through the frozen head in chunks: ``head_loss``) and the unrolled training pass's cache
+(``unroll_cache``). Each kind's module is imported here, which registers it."""
 
 from vdtrain.drafters import block as block
 from vdtrain.drafters import eagle as eagle

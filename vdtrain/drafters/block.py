@@ -23,14 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from vdtrain.config import DrafterTrainConfig
+from vdtrain.drafters import losses
 from vdtrain.drafters.base import Drafter
 from vdtrain.drafters.config import DrafterConfig
+from vdtrain.drafters.head_loss import head_token_loss
 from vdtrain.drafters.registry import register
 from vdtrain.drafters.rows import after_prefix_rows, teacher_mask
 from vdtrain.models.kv_cache import AttendingCache, KVCache
 from vdtrain.models.llamagen_gpt import GPTConfig, TransformerBlock, attention_bias
-from vdtrain.train import losses  # a module: vdtrain.train.losses imports vdtrain.drafters
-from vdtrain.train.head_loss import head_token_loss
 
 
 @dataclass(frozen=True)

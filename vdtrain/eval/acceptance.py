@@ -30,13 +30,13 @@ import torch
 from vdtrain.config import AcceptanceReportConfig
 from vdtrain.decode.engine import DecodeStats
 from vdtrain.drafters.base import Drafter
+from vdtrain.drafters.losses import simulated_tau
 from vdtrain.eval.quality import QualityConfig
 from vdtrain.eval.runner import EvalResult, UnitRecord, evaluate
 from vdtrain.eval.table import EvalRow
 from vdtrain.sharding import Ranks
 from vdtrain.targets.base import Target
 from vdtrain.train.agreement import depth_agreement
-from vdtrain.train.losses import simulated_tau
 
 log = logging.getLogger(__name__)
 

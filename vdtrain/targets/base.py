@@ -296,7 +296,7 @@ class Target(nn.Module, ABC):
     def head(self) -> nn.Module:
         """Maps final-norm hidden states to image-token logits: an ``nn.Linear``, or a module naming its last
         linear ``final`` and what runs before it ``inner`` (the drafter's training loss runs that linear a
-        chunk of rows at a time, ``vdtrain.train.head_loss``)."""
+        chunk of rows at a time, ``vdtrain.drafters.head_loss``)."""
 
     def constrain_logits(self, logits: torch.Tensor, predicts: torch.Tensor) -> torch.Tensor:
         """``logits`` [..., V] of rows predicting image index ``predicts`` [...] with the family's forced

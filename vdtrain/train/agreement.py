@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from vdtrain.drafters.base import Drafter
+from vdtrain.drafters.losses import image_target_mask, top_k_agreement
 from vdtrain.drafters.rows import chain_rows
 from vdtrain.targets.base import Condition, Target, split_taps
-from vdtrain.train.losses import image_target_mask, top_k_agreement
 
 
 @torch.no_grad()

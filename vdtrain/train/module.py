@@ -23,11 +23,11 @@ from lightning.pytorch.callbacks import Timer
 
 from vdtrain.config import DataConfig, DrafterTrainConfig, OptimConfig, TrainerConfig
 from vdtrain.drafters.base import CHECKPOINT_CONFIG_KEY, Drafter
+from vdtrain.drafters.head_loss import CLS_LOSSES
+from vdtrain.drafters.losses import simulated_tau, teacher_loss, uniform_feature_noise, unrolled_loss
 from vdtrain.images import images_to_tensor
 from vdtrain.targets.base import Target, split_taps
 from vdtrain.train.agreement import unrolled_agreement
-from vdtrain.train.head_loss import CLS_LOSSES
-from vdtrain.train.losses import simulated_tau, teacher_loss, uniform_feature_noise, unrolled_loss
 
 
 class NonFiniteLossError(FloatingPointError):

@@ -3,7 +3,7 @@ implementation makes").
 
 Only the ``N`` rows whose target feature predicts an image token are trained (``trained_rows``):
 docs/training.md, "Which rows are trained", says why. The token-distribution term goes through the frozen
-head a chunk of rows at a time (``vdtrain.train.head_loss``).
+head a chunk of rows at a time (``vdtrain.drafters.head_loss``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vdtrain.config import DrafterTrainConfig
+from vdtrain.drafters.head_loss import head_token_loss
 from vdtrain.drafters.rows import chain_start
-from vdtrain.train.head_loss import head_token_loss
 
 
 def trained_rows(prefix_length: int, num_image_tokens: int) -> slice:
