@@ -1,20 +1,14 @@
 """Step kernels: the tensor work between a step's forwards, compiled into a few graphs when asked.
 
-A speculative step's bookkeeping between forwards is several hundred small ATen ops, each a launch or a
-dispatch. The engine and its parts keep that work in pure tensor functions marked ``@step_kernel``, one
-per gap between forwards: eagerly plain calls (the reference every test compares against), inside
-``compiled_step_kernels()`` one ``torch.compile`` graph each (static shapes, ``fullgraph=True``: a graph
-break is a bug). ``DecodeOptions.compile_steps`` turns this on. A kernel must be a pure function of its
-arguments (it may change tensors in place, never Python caches or attributes), or every decode would
-trace it anew; each compiles once per shape and set of Python constants, bounded by ``RECOMPILE_LIMIT``.
-``shared_arange`` and its kin keep constant tensors across steps, a cache bypassed while compiling.
-docs/decoding.md, "Step kernels".
-
-Where a rewrite replaced readable code to save kernels (children ranked by chunks, ``selection``; the
-accepted path by pointer doubling, ``acceptance._follow``; random numbers gathered from a table, ``rng``),
-the plain version stays beside it, and ``plain_kernels()`` is the one switch between them (the environment
-variable ``VDTRAIN_PLAIN_KERNELS=1``, or ``plain_twins()``): tests run both and compare.
-"""
+A speculative step's bookkeeping is several hundred small ATen ops. The engine keeps it in pure tensor
+functions marked ``@step_kernel``, one per gap between forwards: plain calls eagerly (the reference every
+test compares against), one ``torch.compile`` graph each (static shapes, ``fullgraph=True``) inside
+``compiled_step_kernels()`` (``DecodeOptions.compile_steps``). A kernel must be a pure function of its
+arguments (it may change tensors in place, never Python state), or every decode would trace it anew;
+recompiles are bounded by ``RECOMPILE_LIMIT``. ``shared_arange`` and its kin cache constant tensors across
+steps, bypassed while compiling. Where a rewrite replaced readable code to save kernels (``selection``,
+``acceptance._follow``, ``rng``), the plain version stays beside it and ``plain_kernels()`` switches to it
+(``VDTRAIN_PLAIN_KERNELS=1``, or ``plain_twins()`` in tests). docs/decoding.md, "Step kernels"."""
 
 from __future__ import annotations
 

@@ -1,25 +1,14 @@
-"""Kernel-launching ATen ops per decoding step, split by where they run (issue #33's kernel budget).
+"""Kernel-launching ATen ops per decoding step, split by where they run (the kernel budget).
 
-A replayed GPU step is bound by how many kernels it launches, not by bytes, so the budget is counted in
-ATen ops that launch a kernel: views and metadata ops (``view``, ``expand``, ``split``, ``empty`` ...)
-are left out, and ``F.rms_norm`` counts as one op: a CUDA build of torch (2.8 on) runs it as one fused
-kernel while a CPU build dispatches its pieces. Each op is charged to the innermost region it runs in: a
-decoder layer of the target (``layers``), the rest of a target forward (``forward``: embeddings, mask,
-RoPE gather, final norm, head), the drafter (``drafter``), the engine's phases (``draft`` / ``verify`` /
-``accept`` / ``commit``, as in ``profiling.phase_methods``) or ``other`` (the loop, and AR's sampling and
-RNG). ``benchmarks.step_kernels --phases`` prints the table; docs/decoding.md, "Kernels per step", has it
-and the budget.
-
-Not every kernel costs the same: a selection over the whole vocabulary (``topk``, ``sort``, ``kthvalue``
-over >= V columns) is a radix select with one thread block per row on a GPU, tens of ordinary kernels, and
-twice that on 64-bit keys. Such selections are counted apart by key width (``PhaseOps.selections``), and
-``PhaseOps.weighted`` charges each at its measured price in ordinary kernels (``KernelWeights``, from the
-H200 profile in conf/benchmarks/kernel_weights.yaml); docs/decoding.md, "Vocabulary-wide selections".
-
-Beside the innermost regions, every op is also charged to the engine phase it runs in, the forwards inside
-it included (``PhaseOps.phases``, ``PhaseOps.weighted_phase``): the draft phase of a tree method is its
-builder's own work and the drafter forwards it runs, the cost issue #48 compares block drafting by.
-"""
+A replayed GPU step is bound by how many kernels it launches, so views and metadata ops are left out and
+``F.rms_norm`` counts as one op (one fused kernel on CUDA). Each op is charged to the innermost region it
+runs in: a target decoder layer (``layers``), the rest of a target forward (``forward``), the drafter, the
+engine's phases (``draft`` / ``verify`` / ``accept`` / ``commit``) or ``other``; and also to the engine
+phase it runs in, forwards included (``PhaseOps.phases``). Vocabulary-wide selections (``topk``, ``sort``,
+``kthvalue`` over >= V columns), tens of ordinary kernels each on a GPU, are counted apart by key width,
+and ``PhaseOps.weighted`` charges each at its H200 price (conf/benchmarks/kernel_weights.yaml).
+``benchmarks.step_kernels --phases`` prints the table; docs/decoding.md, "Kernels per step" and
+"Vocabulary-wide selections"."""
 
 from __future__ import annotations
 

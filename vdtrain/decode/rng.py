@@ -1,20 +1,14 @@
 """Counter-based randomness per batch row, and the samplers that turn uniforms into tokens.
 
-A ``torch.Generator`` per row costs one op per row per draw. ``RowRandom`` derives every uniform from a
-hash of ``(seed_b, step_b, purpose, element index)`` in plain int64 ops: one op sequence for the whole
-batch, row ``b``'s draws depend on its own seed and step only (so a prompt draws the same numbers in any
-batch), and integer arithmetic gives the same values on a CPU and a GPU. The hash (``_mix``, an
-xor-shift / multiply bijection of 32-bit words kept below 2^63) gives doubles with 53 random bits.
-One ``(step, purpose)`` pair is one stream: ``uniform(purpose, n)[:, :m]`` equals ``uniform(purpose,
-m)``, so draw each purpose once per step (or use another purpose) and ``advance`` between steps.
-With a ``horizon`` (the most steps a decode takes), each set of blocks is hashed for every step of the
-decode the first time it is asked for, and later steps gather their row's numbers from that table: one op
-per draw instead of about fifty (a replayed GPU step is bound by kernel launches). Measured at the
-LlamaGen-XL shape (``benchmarks.step_kernels --phases``, B = 1) against the plain twin, which hashes every
-draw when it is made (``kernels.plain_kernels()``, as compiled code and draws too large for a table do):
-AR's kernels outside the decoder layers 81 → 29 a step, eagle2's beyond them 514 → 450, sjd's 340 → 172.
-The values are the same either way.
-"""
+``RowRandom`` derives every uniform from a hash of ``(seed_b, step_b, purpose, element index)`` in plain
+int64 ops (``_mix``, 53 random bits a double): one op sequence for the whole batch, row ``b``'s draws
+depend on its own seed and step only (a prompt draws the same numbers in any batch), and the values are
+the same on a CPU and a GPU. One ``(step, purpose)`` pair is one stream: ``uniform(purpose, n)[:, :m]``
+equals ``uniform(purpose, m)``, so draw each purpose once per step and ``advance`` between steps. With a
+``horizon``, each set of blocks is hashed for every step of the decode once and later steps gather from
+that table: one op per draw instead of about fifty. The plain twin hashes every draw when it is made
+(``kernels.plain_kernels()``); the values are the same, and docs/decoding.md, "Fast kernels and their
+plain twins", has what the table saves."""
 
 from __future__ import annotations
 
@@ -134,6 +128,8 @@ class RowRandom:
         counts = [_count(purpose, shape) for purpose, shape in blocks]
         total = sum(counts)
         # Compiled code hashes inline (inductor fuses the hash into a kernel or two): it grows no table.
+        # The table saves, at the LlamaGen-XL shape (B = 1, `step_kernels --phases`), AR 81 → 29 ops a step
+        # outside the layers, eagle2 514 → 450 and sjd 340 → 172 beyond them.
         tabled = self.horizon is not None and not torch.compiler.is_compiling() and not plain_kernels()
         if tabled and self.batch * self.horizon * total <= _MAX_TABLE:
             if blocks not in self._tables:

@@ -1,23 +1,13 @@
 """The ``k`` largest values of each row, ties to the lower index: how a dynamic tree picks a node's children.
 
-Two twins, chosen by ``kernels.plain_kernels()`` and tested equal (``tests/test_dynamic_builder.py``):
+Two twins, chosen by ``kernels.plain_kernels()`` and tested equal (``tests/test_dynamic_builder.py``): plain,
+one stable descending sort of the row cut at ``k``; fast (``_chunked``), no selection over the whole row
+(a slow radix select on a GPU; docs/decoding.md, "Vocabulary-wide selections"): the row is cut into about
+√N chunks and only the ``k`` chunks whose maxima come first by (maximum, chunk index) are sorted.
 
-- plain: one stable descending sort of the whole row, cut at ``k``;
-- fast (``_chunked``): no selection over the whole row. The row is cut into about √N contiguous chunks;
-  the ``k`` largest values lie in the ``k`` chunks whose maxima come first by (maximum, chunk index), so
-  only those ``k`` chunks are sorted. A vocabulary-wide selection is a slow kernel on a GPU (radix select,
-  one block per row: about 73 µs for float32 over 16 384 columns on an H200, 145 µs for the int64 key
-  ``topk`` that ranked children before; ``conf/benchmarks/kernel_weights.yaml``). What it saves, measured
-  at the LlamaGen-XL shape (``benchmarks.step_kernels --phases``, eagle2, B = 1): the plain twin's six
-  vocabulary-wide sorts a step, for 31 more ordinary kernels (a chunk maximum, two small sorts, two
-  gathers each): eagle2's step beyond the target's layers weighs 471 ordinary kernels instead of 565
-  (docs/decoding.md, "Vocabulary-wide selections").
-
-Why the chunks suffice: let e be among the first ``k`` by (value desc, index asc), in chunk X. Each chunk
-Y ranked before X by (maximum desc, chunk asc) holds an element y that precedes e (its maximum, first
-occurrence: a larger value, or an equal one at a lower index since Y lies before X). So fewer than ``k``
-chunks precede X.
-"""
+Why those chunks suffice: let e be among the first ``k`` by (value desc, index asc), in chunk X. Each chunk
+Y ranked before X holds an element that precedes e (its maximum's first occurrence: a larger value, or an
+equal one at a lower index since Y lies before X), so fewer than ``k`` chunks precede X."""
 
 from __future__ import annotations
 
@@ -43,6 +33,8 @@ def _sorted(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _chunked(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Saves eagle2 the plain twin's six vocabulary-wide sorts a step for 31 ordinary kernels: 471 weighted
+    ops beyond the target's layers instead of 565 (LlamaGen-XL shape, B = 1, ``step_kernels --phases``)."""
     n = values.shape[-1]
     chunk = max(1, math.isqrt(n))
     chunks = -(-n // chunk)

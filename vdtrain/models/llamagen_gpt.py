@@ -1,19 +1,12 @@
 """LlamaGen's text-to-image GPT, with the official checkpoint's parameter names.
 
 The module tree (``cls_embedding.cap_proj.fc1``, ``layers.3.attention.wqkv`` ...) mirrors the official
-release so its ``state_dict`` loads unchanged. Two behaviours of the original are kept on purpose
-because the released weights depend on them (docs/targets.md, "LlamaGen t2i"):
-
-- the 2D RoPE table has zero rows for the caption prefix, so caption queries and keys are *zero
-  vectors*: captions reach image tokens through their values only;
-- the caption is left-padded; padded caption keys are masked for every query, and every position may
-  attend to itself.
-
-A GPU decode step is bound by kernel launches, so a layer is few kernels (docs/decoding.md, "Kernels per
-step"): native RMSNorm, q and k rotated by one complex product (real arithmetic under ``torch.compile``:
-``apply_rope``), one ``w1‖w3`` GEMM (the state dict keeps ``w1`` / ``w3``), the mask made an additive bias
-once per forward.
-"""
+release so its ``state_dict`` loads unchanged. Two behaviours of the original are kept because the
+released weights depend on them (docs/targets.md, "LlamaGen t2i"): the 2D RoPE table has zero rows for
+the caption prefix (captions reach image tokens through their values only), and the left-padded caption's
+padded keys are masked for every query, each position attending to itself. A layer is few kernels
+(docs/decoding.md, "Kernels per step"): native RMSNorm, RoPE as one complex product (real arithmetic under
+``torch.compile``: ``apply_rope``), one ``w1‖w3`` GEMM, the mask an additive bias made once per forward."""
 
 from __future__ import annotations
 

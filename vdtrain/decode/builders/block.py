@@ -1,20 +1,14 @@
 """Trees over a block drafter's slots (issue #48): one drafter forward proposes the next ``depth`` tokens.
 
-Slot 1 of the block is the root's own drafter view (the catch-up row's logits, as for every tree); one
-forward of ``depth − 1`` query rows (``DraftContext.drafter_block``) gives slots 2 .. ``depth``: row ``j``
-sits at the position of the token ``j`` past the root's child, carries the committed token above it,
-and sees the committed rows and the queries before it. A node at depth ``d`` draws its children from slot
-``d``'s q whatever its path holds, so the tree is a fixed list of rank paths (a chain unless ``paths``
-gives a tree): at T = 0 a node's children are slot d's top-k, at T > 0 they are sampled without
-replacement from q_d, child after child by inverse CDF with their own uniforms (``Purpose.DRAFT`` at the
-child's index), and q is kept: exact verification's SpecInfer rule then keeps AR's distribution, and a
-relaxed rule (LANTERN++, GSD) applies as on a static tree. q_d is the drafter's confidence
-(``DraftContext.draft_confidence``: the tempered softmax before top-k and top-p, as EAGLE-2 ranks by):
-the rule is exact for any q the drafts are drawn from, and this one needs no vocabulary-wide selection
-(the top-k filter's threshold), the one such kernel a block step's drafting would otherwise launch. A
-child past q's support stays undrafted, with its subtree, as in ``static.py``. All parents of a rank
-draw at once: a step's draws take as many rounds as the widest node has children, whatever the depth.
-"""
+Slot 1 is the root's own drafter view (the catch-up row's logits); one forward of ``depth − 1`` query rows
+(``DraftContext.drafter_block``) gives slots 2 .. ``depth``. A node at depth ``d`` draws its children from
+slot ``d``'s q whatever its path holds, so the tree is a fixed list of rank paths (a chain unless ``paths``
+gives a tree). At T = 0 the children are slot d's top-k; at T > 0 they are sampled without replacement
+from q_d (inverse CDF, ``Purpose.DRAFT`` uniforms at the child's index) and q is kept, so exact
+verification keeps AR's distribution and LANTERN++ / GSD apply as on a static tree. q_d is the drafter's
+confidence (``DraftContext.draft_confidence``): the rule is exact for any q, and this one needs no
+vocabulary-wide selection. A child past q's support stays undrafted, with its subtree, as in
+``static.py``; all parents of a rank draw at once. docs/decoding.md, "Block drafting"."""
 
 from __future__ import annotations
 
