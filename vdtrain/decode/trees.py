@@ -101,6 +101,12 @@ def static_tree(paths: tuple[tuple[int, ...], ...] | list[list[int]]) -> StaticT
     return StaticTree(tuple(unique), tuple(parents), tuple(depths), tuple(ranks))
 
 
+def first_nodes(tree: StaticTree, nodes: int) -> StaticTree:
+    """``tree`` cut to ``nodes`` nodes: its first ``nodes - 1`` rank paths (laid out shortest first, then by
+    rank, so every kept path's parent and lower-ranked siblings are kept too); a tree under a node budget."""
+    return tree if nodes >= tree.size else static_tree(tree.paths[: nodes - 1])
+
+
 def first_flagged_child(flag: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     """[B, T]: each node's first (lowest-stored) child with ``flag`` [B, T] set, −1 where none
     (``parents`` [B, T]; a flagged node has one). Unflagged nodes scatter to a spare column, so a node

@@ -23,7 +23,14 @@ from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
 from vdtrain.decode.kernels import step_kernel
 from vdtrain.decode.rng import Purpose, inverse_cdf
 from vdtrain.decode.rows import visibility
-from vdtrain.decode.trees import STATIC_TREES, DraftTree, StaticTree, ancestor_matrix, static_tree
+from vdtrain.decode.trees import (
+    STATIC_TREES,
+    DraftTree,
+    StaticTree,
+    ancestor_matrix,
+    first_nodes,
+    static_tree,
+)
 
 if TYPE_CHECKING:
     from vdtrain.decode.builders.base import DraftContext
@@ -101,7 +108,7 @@ class StaticTreeBuilder(DraftTreeBuilder):
         full = self.configured_tree
         size = budget.cap(full.size)
         if size not in self._shapes:
-            self._shapes[size] = _Shape(full if size == full.size else static_tree(full.paths[: size - 1]))
+            self._shapes[size] = _Shape(first_nodes(full, size))
         return self._shapes[size]
 
     def max_nodes(self, budget: TreeBudget) -> int:
