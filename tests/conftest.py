@@ -12,6 +12,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from torch_settings import missing_settings, restore, setting_names
+
 from vdtrain.decode.builders.base import StepOutcome
 from vdtrain.decode.methods import register_part_schemas
 from vdtrain.decode.rng import RowRandom
@@ -121,6 +123,24 @@ def drafter_kind_for(config) -> str:
     """The drafter kind the registry-driven tests draft a method (a ``DecodeConfig``) with: one that
     drafts blocks for a block tree (``DecodeConfig.drafts_blocks``), eagle1 for every other tree."""
     return block_kind() if config.drafts_blocks else "eagle1"
+
+
+_TORCH_SETTINGS = setting_names()
+
+
+@pytest.fixture(autouse=True)
+def torch_settings_stay_readable():
+    """Fails the test that deleted one of torch's settings (tests/torch_settings.py: ``monkeypatch``'s
+    undo does so under pytest ≥ 9), and brings the setting back so the tests after it still run."""
+    yield
+    missing = missing_settings(_TORCH_SETTINGS)
+    if missing:
+        restore(missing)
+        pytest.fail(
+            f"this test deleted torch settings {missing}: patch them with torch's own "
+            "torch._dynamo.config.patch(...), never monkeypatch.setattr or mock.patch",
+            pytrace=False,
+        )
 
 
 @pytest.fixture

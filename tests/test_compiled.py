@@ -179,11 +179,12 @@ def test_missing_compile_options_fall_back_to_the_process_wide_limit(tiny_target
     drafter = random_drafter(tiny_target)
     eager = decode(tiny_target, drafter)
     monkeypatch.setattr(torch, "compile", old_compile)
-    monkeypatch.setattr(torch._dynamo.config, kernels._limit_name(), 8)
-    torch._dynamo.reset()
-    compile_decoding(tiny_target, drafter, backend="eager")
-    assert seen and set(seen) == {"eager"} and kernels.recompile_limit() >= kernels.RECOMPILE_LIMIT
-    compiled = decode(tiny_target, drafter)
+    # torch's own patch: monkeypatch's undo deletes a config module's setting under pytest ≥ 9
+    with torch._dynamo.config.patch({kernels._limit_name(): 8}):
+        torch._dynamo.reset()
+        compile_decoding(tiny_target, drafter, backend="eager")
+        assert seen and set(seen) == {"eager"} and kernels.recompile_limit() >= kernels.RECOMPILE_LIMIT
+        compiled = decode(tiny_target, drafter)
     torch._dynamo.reset()
     assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
 
