@@ -33,6 +33,9 @@ class TargetConfig:
     # (vdtrain/target_settings.py)
     decode: dict[str, Any] = field(default_factory=dict)
     drafter: str | None = None  # the drafter shipped for it: generate's and evaluate's default drafter=
+    # its other shipped drafters (other kinds): evaluate decodes a preset `drafter` cannot serve (a block
+    # tree needs a drafter that drafts blocks) with the first of these that can (vdtrain/eval/serving.py)
+    more_drafters: list[str] = field(default_factory=list)
 
 
 @dataclass

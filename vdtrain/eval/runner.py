@@ -236,7 +236,7 @@ def throughput(records: Sequence[UnitRecord]) -> float:
 
 def evaluate(
     target: Target,
-    drafter: Drafter | None,
+    drafter: Drafter | Mapping[str, Drafter] | None,
     prompts: list[str],
     methods: Sequence[str | DecodeConfig],
     temperatures: Sequence[float],
@@ -270,16 +270,27 @@ def evaluate(
     order whatever the world size; ``store`` saves finished units and loads them instead of decoding
     (then only the main rank merges, the others return None); ``merge_only`` decodes nothing;
     ``keep_images`` keeps that many images per row in memory; ``keep_decoded`` False keeps
-    ``EvalResult.decoded`` empty, so a merge holds one row's stats at a time.
+    ``EvalResult.decoded`` empty, so a merge holds one row's stats at a time. ``drafter`` may map method
+    names to drafters (``vdtrain.eval.serving.drafters_for``): each method decodes with its own.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate (the prompt set is empty)")
     ranks = ranks or Ranks()
     configs = method_configs(methods, decode_overrides)
     needy = [c.name for c in configs if c.needs_drafter]
-    if needy and drafter is None:
-        raise ValueError(f"methods {needy} need a drafter; none was given")
-    options = prepare_decoding(target, drafter, compile=compile, cuda_graphs=cuda_graphs)
+    missing = [n for n in needy if drafter is None or (isinstance(drafter, Mapping) and n not in drafter)]
+    if missing:
+        raise ValueError(f"methods {missing} need a drafter; none was given")
+    if isinstance(drafter, Mapping):
+        distinct = list({id(d): d for d in drafter.values()}.values())
+    else:
+        distinct = [drafter]
+    if compile and len(distinct) > 1:
+        raise ValueError(
+            "compile=true compiles one drafter, but these methods decode with different drafters: "
+            "evaluate each drafter's methods separately"
+        )
+    options = prepare_decoding(target, next(iter(distinct), None), compile=compile, cuda_graphs=cuda_graphs)
     scorer = QualityScorer(quality, target.token_embedding.weight.device, target.tokenizer)
     names = scorer.metrics_for(prompts)
     wants_floor = scorer.wants_reference(prompts)
@@ -369,7 +380,7 @@ class UnitWork:
     def __init__(
         self,
         target: Target,
-        drafter: Drafter | None,
+        drafter: Drafter | Mapping[str, Drafter] | None,
         prompts: Sequence[str],
         seed: int,
         batch_size: int,
@@ -396,7 +407,8 @@ class UnitWork:
         """Each unit's record as it is done; the first unit decodes twice with ``warmup``, untimed first."""
         target, bs = self.target, self.batch_size
         sampling = replace(target.sampling_defaults, temperature=temperature)
-        method = build_method(config, target, self.drafter, sampling, self.options)
+        drafter = self.drafter.get(config.name) if isinstance(self.drafter, Mapping) else self.drafter
+        method = build_method(config, target, drafter, sampling, self.options)
         first = units[0]
         cold = (
             warm_up(method, target, self.prompts[first[0] : first[1]], self.seed + first[0], bs)
