@@ -119,6 +119,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
         store=store,
         keep_images=PLOT_PROMPTS,
         merge_only=cfg.merge,
+        speed_repeats=cfg.speed_repeats,
         keep_decoded=acceptance.enabled
         and drafter is not None,  # the report reads them; else one row at a time
     )

@@ -31,9 +31,10 @@ FIT_MINIMUMS = (
     ("eval.num_prompts", 1),
     ("eval.batch_size", 1),
     ("eval.every_n_epochs", 1),
+    ("eval.speed_repeats", 0),
     ("optim.warmup_steps", 0),
 )
-DECODE_MINIMUMS = (("num_prompts", 1), ("batch_size", 1), ("threads", 1))
+DECODE_MINIMUMS = (("num_prompts", 1), ("batch_size", 1), ("threads", 1), ("speed_repeats", 0))
 # (key, low, high, whether low itself is allowed) for the real-valued settings; high None: no bound.
 FIT_RANGES = (
     ("optim.lr", 0.0, None, True),  # 0: the drafter stays as it starts (tests compare runs with it)

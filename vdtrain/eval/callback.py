@@ -156,6 +156,7 @@ class EvalAfterEpoch(L.Callback):
                     decode_overrides=self.decode_overrides,
                     ranks=ranks,
                     keep_images=SAMPLE_GRID_PROMPTS,
+                    speed_repeats=self.cfg.speed_repeats,
                 )
                 assert result is not None  # no store: every rank merges
                 if not report:
