@@ -469,25 +469,23 @@ def timed_speedups(
     prompts = work.prompts[: work.batch_size]
     for temperature in dict.fromkeys(t for t, _ in runs):
         configs = [c for t, c in runs if t == temperature]  # AR first
-        decodes = {
-            c.name: functools.partial(_seconds, work.method(c, temperature), work, prompts) for c in configs
-        }
-        log.info(
-            "timing %s at T = %g: %d interleaved rounds of %d prompt(s)",
-            ", ".join(decodes),
-            temperature,
-            repeats,
-            len(prompts),
-        )
-        seconds = interleaved(decodes, repeats)
+        total = (repeats + 1) * len(configs) * len(prompts)
+        with Heartbeat(f"timing {len(configs)} methods T={temperature:g}", total) as beat:
+            decodes = {
+                c.name: functools.partial(_seconds, work.method(c, temperature), work, prompts, beat)
+                for c in configs
+            }
+            seconds = interleaved(decodes, repeats)
         baseline = configs[0].name
         for name in list(decodes)[1:]:
             out[name, float(temperature)] = paired_speedup(seconds[baseline], seconds[name])
     return out
 
 
-def _seconds(method: ARMethod | SpeculativeEngine, work: UnitWork, prompts: Sequence[str]) -> float:
-    return decode_prompts(method, work.target, prompts, work.seed, work.batch_size).seconds
+def _seconds(
+    method: ARMethod | SpeculativeEngine, work: UnitWork, prompts: Sequence[str], beat: Heartbeat
+) -> float:
+    return decode_prompts(method, work.target, prompts, work.seed, work.batch_size, beat).seconds
 
 
 def merge(

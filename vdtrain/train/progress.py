@@ -18,7 +18,9 @@ log = logging.getLogger("vdtrain.fit")
 
 LINES_PER_RUN = 10
 DEFAULT_EVERY = 25
-MAX_SILENCE_S = 60.0  # a line at least this often while training or validating, whatever the step count
+# a line at least once a minute while training or validating, whatever the step count: checked after each
+# step or batch, so the limit leaves a loaded machine's step room (at 60, gaps of 61-67 s: issue 58)
+MAX_SILENCE_S = 45.0
 
 
 def progress_interval(every: int | None, max_steps: int) -> int:
