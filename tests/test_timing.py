@@ -87,3 +87,16 @@ def test_evaluate_reports_the_true_ratio_when_one_ar_decode_is_30x_slow(monkeypa
     _, eagle2 = result.rows
     assert clock["calls"] == 8
     assert eagle2.speedup == pytest.approx(11.0) and eagle2.speedup_rounds == 5 and eagle2.speedup_clear()
+
+
+def test_coinciding_points_of_the_tradeoff_plot_share_one_stacked_label():
+    """AR and the exact methods at T = 0 share a quality and rows can share an S: their labels printed
+    over each other in tradeoff.png."""
+    from vdtrain.eval.plots import label_groups
+
+    points = [(1.0, 0.9, "ar T=0"), (2.5, 0.9, "eagle2 T=0"), (2.5, 0.9, "peanut T=0"), (1.0, 0.5, "ar T=1")]
+    assert label_groups(points) == [
+        (1.0, 0.9, "ar T=0"),
+        (2.5, 0.9, "eagle2 T=0\npeanut T=0"),
+        (1.0, 0.5, "ar T=1"),
+    ]
