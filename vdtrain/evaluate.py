@@ -165,7 +165,7 @@ def method_drafters(
 ) -> tuple[dict[str, Drafter], dict[str, str]]:
     """Each method's drafter (and its source), the acceptance report's method included: the user's
     ``drafter=`` checked against every method, else the target's shipped drafter of the kind each needs
-    (``vdtrain.eval.serving``). Refused before anything decodes."""
+    (``vdtrain.eval.serving``; ``drafter=null``: none). Refused before anything decodes."""
     from vdtrain.eval.runner import method_configs
     from vdtrain.eval.serving import drafters_for
     from vdtrain.target_settings import load_drafter
@@ -173,6 +173,8 @@ def method_drafters(
     own = cfg.target.get("drafter")
     shipped = [str(s) for s in [own, *(cfg.target.get("more_drafters") or [])] if s]
     given = str(cfg.drafter) if cfg.drafter and cfg.drafter != own else None
+    if not cfg.drafter:  # drafter=null: no drafter at all, not the target's
+        shipped = []
     loaded: dict[str, Drafter] = {}
 
     def load(source: str) -> Drafter:
