@@ -51,6 +51,11 @@ class ProgressLog(L.Callback):
         self._last_line = time.monotonic()
         self._validating_since = 0.0
 
+    @property
+    def first_step(self) -> int:
+        """The step this launch's training began at (a resumed run's checkpoint step; 0 before training)."""
+        return self._start[1] if self._start is not None else 0
+
     def training_seconds(self, now: float) -> float:
         pausing = now - self._pause_from if self._pause_from is not None else 0.0
         return now - self._started_at - self._paused - pausing
