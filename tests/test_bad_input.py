@@ -19,7 +19,15 @@ HEAVY = ("torch", "lightning")  # what a mistake must be reported before
 NO_CUDA = pytest.mark.skipif(torch_built_with_cuda(), reason="this torch has CUDA: the case is no error")
 # (app, arguments, a part of the message); {tmp} is the test's folder, the working directory.
 CASES = [
-    ("vdtrain.fit", ["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
+    # issue 58: a plain misspelt key gets a "did you mean", never advice to add it with '+'
+    (
+        "vdtrain.fit",
+        ["trainer.max_stepz=3"],
+        "unknown config key 'trainer.max_stepz' (did you mean trainer.max_steps?)",
+    ),
+    ("vdtrain.fit", ["device=cuda"], "unknown config key 'device' (did you mean trainer.devices?)"),
+    ("vdtrain.evaluate", ["num_promptz=3"], "unknown config key 'num_promptz' (did you mean num_prompts?)"),
+    ("vdtrain.fit", ["drafter.kind=blok"], "drafter.kind must be one of ['block', 'eagle1', 'eagle3'"),
     ("vdtrain.fit", ["+trainer.max_stepz=3"], "did you mean trainer.max_steps"),
     ("vdtrain.fit", ["trainer.max_steps=-5"], "trainer.max_steps must be at least 1, got -5"),
     ("vdtrain.fit", ["data.batch_size=0"], "data.batch_size must be at least 1, got 0"),
@@ -86,6 +94,7 @@ def test_bad_input_is_one_line_status_2_before_torch_or_lightning(app, args, mes
     assert done.returncode == 2, done.stderr[-2000:]
     (line,) = lines  # one line, nothing else
     assert line.startswith(f"{app}: error: ") and message in line, line
+    assert "use +" not in line  # Hydra's advice to append a key the typed config then refuses
     assert sorted(tmp_path.iterdir()) == before  # no output or run folder left behind
     assert not imported & set(HEAVY), f"{sorted(imported & set(HEAVY))} imported before the error"
 

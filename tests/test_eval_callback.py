@@ -238,3 +238,21 @@ def test_the_acceptance_report_comes_with_the_last_evaluation_unless_asked_every
         callback.run(run, None, "epoch000", last=False)
         callback.run(run, None, "final", last=True)
     assert asked == [False, True, True, True]
+
+
+def test_a_method_the_trained_drafter_cannot_serve_is_refused_before_training(tiny_folder):
+    """eval.methods with a block tree while an eagle1 drafter trains: refused at fit start, naming the
+    method, not after the first epoch's AR and eagle2 decodes."""
+    from types import SimpleNamespace
+
+    from conftest import random_drafter
+
+    from vdtrain.targets import load_target_folder
+
+    target = load_target_folder(tiny_folder)
+    callback = EvalAfterEpoch(EvalCallbackConfig(methods=["eagle2", "block_tree"]), "unused", ["a caption"])
+    module = SimpleNamespace(target=target, drafter=random_drafter(target))
+    with pytest.raises(ValueError, match=r"\['block_tree'\] cannot decode with the eagle1 drafter"):
+        callback.on_fit_start(SimpleNamespace(), module)
+    callback.cfg.methods = ["eagle2"]
+    callback.on_fit_start(SimpleNamespace(), module)  # eagle2 is served

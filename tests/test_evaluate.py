@@ -363,3 +363,57 @@ def test_a_row_scores_a_metric_or_nan():
     row = EvalRow("ar", 1.0, 1, 1, 0, 1, 1, 1, 1, 1, quality=quality)
     assert row.score("fid") == 3.5
     assert math.isnan(row.score("clip")) and math.isnan(row.score("missing"))
+
+
+def _two_drafters(tiny_folder, tmp_path) -> tuple[Path, Path]:
+    """An eagle1 and a block drafter of the tiny target, saved as export folders."""
+    from vdtrain.drafters.base import block_kind
+
+    tiny = load_target_folder(tiny_folder)
+    eagle, block = tmp_path / "eagle", tmp_path / "block"
+    Drafter(DrafterConfig.for_target(tiny)).save_pretrained(eagle)
+    Drafter(DrafterConfig.for_target(tiny, kind=block_kind())).save_pretrained(block)
+    return eagle, block
+
+
+def test_each_preset_decodes_with_the_target_drafter_of_the_kind_it_needs(tiny_folder, tmp_path):
+    """eagle and block presets in one table: each takes the target's own drafter that can serve it."""
+    eagle, block = _two_drafters(tiny_folder, tmp_path)
+    out = tmp_path / "run"
+    cfg = _config(
+        "eval=fast",
+        f"target.folder={tiny_folder}",
+        f"++target.drafter={eagle}",
+        f"++target.more_drafters=[{block}]",
+        "methods=[eagle1,block]",
+        "temperatures=[0]",
+        "num_prompts=1",
+        "batch_size=1",
+        "plots=false",
+        "acceptance.enabled=false",
+        f"out_dir={out}",
+    )
+    run(cfg)
+    rows, settings = read_results(out)
+    assert [(r.method, r.identical_to_ar) for r in rows] == [("ar", True), ("eagle1", True), ("block", True)]
+    assert settings["drafters"] == {"eagle1": str(eagle), "block": str(block)}
+
+
+def test_a_given_drafter_is_checked_against_every_preset_before_any_decode(tiny_folder, tmp_path):
+    """A user's eagle drafter asked to serve a block preset is refused before AR or eagle1 decodes, and
+    the refusal names the target's drafter that would serve it."""
+    eagle, block = _two_drafters(tiny_folder, tmp_path)
+    out = tmp_path / "run"
+    cfg = _config(
+        "eval=fast",
+        f"target.folder={tiny_folder}",
+        f"++target.more_drafters=[{block}]",
+        f"drafter={eagle}",
+        "methods=[eagle1,block]",
+        "num_prompts=1",
+        f"out_dir={out}",
+    )
+    with pytest.raises(ValueError, match=f"drafter={eagle} cannot decode block: .*drafter={block}"):
+        run(cfg)
+    assert not (out / "units").exists() or not any((out / "units").iterdir())
+    assert not (out / "images").exists()

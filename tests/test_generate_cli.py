@@ -249,3 +249,18 @@ def test_the_grid_shows_every_line_of_a_long_caption():
     grid = np.asarray(captioned_grid([np.full((64, 64, 3), 255, np.uint8)], [caption]).convert("L"))
     below = grid[128 + 2 + 12 * (len(lines) - 1) :, :128]  # where the last line is drawn
     assert len(lines) > 4 and (below < 128).any()
+
+
+def test_a_drafter_given_to_a_method_that_uses_none_is_named_in_a_warning(
+    tiny_folder, tmp_path, caplog, monkeypatch
+):
+    """generate's default method is AR: a drafter on the command line would be silently ignored."""
+    from vdtrain import generate
+
+    for line, warned in ((["drafter=some/drafter"], True), ([], False)):  # [] : the target's own, not given
+        monkeypatch.setattr(generate, "command_line", lambda cfg, line=line: line)
+        cfg = _config(tiny_folder, tmp_path / str(warned), "num_prompts=1", *line)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vdtrain.generate"):
+            run(cfg)
+        assert ("drafter=some/drafter is not used: method ar drafts with no drafter" in caplog.text) == warned

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -158,3 +159,19 @@ def test_resume_last_of_a_named_run_without_a_checkpoint_says_so(tmp_path):
     assert done.returncode == 2
     assert "has no checkpoint" in done.stderr and "start it again without resume=last" in done.stderr
     assert "hydra.run.dir=<run folder>" not in done.stderr
+
+
+def test_a_resumed_runs_samples_per_second_count_only_its_own_steps(tiny_folder, tmp_path):
+    """A run resumed at step 2 of 4 reported all 4 steps over the resumed launch's minutes (13.7 samples/s
+    where its own progress lines read 7.2-9.4), and Lightning warned that its checkpoint folder was not
+    empty."""
+    run = tmp_path / "run"
+    first = fit(fit_config(tiny_folder, run, "trainer.max_steps=2", "trainer.checkpoint_every_n_steps=1"))
+    assert first["steps"] == 2
+    ckpt = run / "checkpoints" / "last.ckpt"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = fit(fit_config(tiny_folder, run, "trainer.max_steps=4", f"resume={ckpt}"))
+    assert not [w for w in caught if "exists and is not empty" in str(w.message)]  # the run's own folder
+    counted = summary["samples_per_s"] * summary["minutes"] * 60 / 2  # data.batch_size=2
+    assert summary["steps"] == 4 and counted == pytest.approx(2)

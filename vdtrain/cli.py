@@ -12,10 +12,12 @@ are reported in about a second. This module imports neither.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import itertools
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -153,8 +155,55 @@ def run_app(
     except Exception as err:
         if not is_user_error(err) or debug_requested(args):
             raise
-        fail(app, err)
+        fail(app, plain_key_error(err, config_name, args, light) or err)
     entry()
+
+
+def plain_key_error(
+    err: BaseException, config_name: str, args: list[str], light: Callable[[list[str]], list[str]] | None
+) -> ValueError | None:
+    """Hydra's refusal of a plain ``key=value`` whose key the config lacks advises ``+key=value``, which a
+    typed config refuses in turn and an untyped one ignores: instead, the key and the config's keys
+    closest to it (composed without it)."""
+    found = _CANNOT_OVERRIDE.search(str(err))
+    if found is None:
+        return None
+    key = found.group(1)
+    rest = [a for a in args if a.lstrip("~+").split("=", 1)[0] != key]
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            cfg = compose(config_name, overrides=light(rest) if light else rest)
+    except Exception:  # another mistake too: it is reported once this one is fixed
+        return ValueError(f"unknown config key {key!r}")
+    close = closest_keys(key, list(_dotted(cfg)))
+    hint = f"did you mean {', '.join(close)}?" if close else "see conf/ for the keys this app takes"
+    return ValueError(f"unknown config key {key!r} ({hint})")
+
+
+_CANNOT_OVERRIDE = re.compile(r"Could not override '([^']+)'")
+
+
+def closest_keys(key: str, keys: list[str]) -> list[str]:
+    """The dotted ``keys`` nearest ``key``: whole paths first, else the same last name anywhere."""
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.75)
+    if close:
+        return close
+    leaves = {k: k.rsplit(".", 1)[-1] for k in keys}
+    near = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(set(leaves.values())), n=3, cutoff=0.75)
+    return [k for k, leaf in leaves.items() if leaf in near][:3]
+
+
+def _dotted(node: object, prefix: str = "") -> list[str]:
+    """Every key of a composed config as a dotted path (Hydra's own section left out)."""
+    out: list[str] = []
+    for key, child in node.items_ex(resolve=False) if isinstance(node, DictConfig) else []:
+        if prefix == "" and key == "hydra":
+            continue
+        out.append(f"{prefix}{key}")
+        out += _dotted(child, f"{prefix}{key}.")
+    return out
 
 
 def user_errors(

@@ -33,6 +33,9 @@ class TargetConfig:
     # (vdtrain/target_settings.py)
     decode: dict[str, Any] = field(default_factory=dict)
     drafter: str | None = None  # the drafter shipped for it: generate's and evaluate's default drafter=
+    # its other shipped drafters (other kinds): evaluate decodes a preset `drafter` cannot serve (a block
+    # tree needs a drafter that drafts blocks) with the first of these that can (vdtrain/eval/serving.py)
+    more_drafters: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -147,6 +150,9 @@ class EvalCallbackConfig:
     num_prompts: int = 4
     batch_size: int = 8
     seed: int = 0  # prompt i uses seed + i, so epochs are compared on identical draws
+    # the speedup: the median of this many interleaved rounds of AR and each method on the first batch,
+    # after an untimed one (docs/evaluation.md, "How speed is measured"); 0: the round's one ratio
+    speed_repeats: int = 5
     log_images: bool = True  # AR-vs-method sample grid to TensorBoard / wandb (always saved as PNG)
     at_fit_end: bool = True  # also measure the final drafter when training stops mid-epoch
     acceptance: AcceptanceReportConfig = field(

@@ -23,12 +23,17 @@ from omegaconf import DictConfig, OmegaConf
 from vdtrain.cli import run_app, user_errors
 from vdtrain.config import as_list, presets_except
 from vdtrain.preflight import check_decoding
+from vdtrain.target_settings import world_knobs
 
 OmegaConf.register_new_resolver("presets_except", presets_except, replace=True)  # conf/eval/default.yaml
 
 if TYPE_CHECKING:
+    from vdtrain.config import AcceptanceReportConfig
+    from vdtrain.decode.methods import DecodeConfig
+    from vdtrain.drafters.base import Drafter
     from vdtrain.eval.runner import EvalResult
     from vdtrain.sharding import Ranks
+    from vdtrain.targets.base import Target
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +74,11 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     from vdtrain.eval.table import write_tables
     from vdtrain.prompts import prompts_for_run
     from vdtrain.sharding import UnitStore
-    from vdtrain.target_settings import load_drafter, world_knobs
     from vdtrain.targets import target_for_run
 
     decode_overrides = world_knobs(cfg.target)
     configs = method_configs(as_list(cfg.methods), decode_overrides)
     temperatures = as_list(cfg.temperatures)
-    needy = [c.name for c in configs if c.needs_drafter]
-    if needy and not cfg.drafter:
-        raise ValueError(f"methods {needy} need a drafter: set drafter=<export folder, .ckpt or Hub repo id>")
     quality = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QualityConfig), cfg.quality))
     acceptance = OmegaConf.to_object(
         OmegaConf.merge(OmegaConf.structured(AcceptanceReportConfig), cfg.acceptance)
@@ -85,9 +86,9 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     prompts = prompts_for_run(cfg.prompts, cfg.num_prompts, cfg.caption_column)
     target = target_for_run(cfg, apply_dtype=True)
     device = target.token_embedding.weight.device
-    # the acceptance report compares the drafter's simulation with its decode: it loads the drafter too
-    wanted = needy or (acceptance.enabled and cfg.drafter)
-    drafter = load_drafter(cfg.drafter, target, cfg.target.get("drafter")) if wanted else None
+    drafters, sources = method_drafters(cfg, configs, acceptance, target)
+    # the acceptance report compares the drafter's simulation with its decode: the drafter of its method
+    drafter = drafters.get(acceptance.method) if acceptance.enabled else None
     out = Path(ranks.broadcast(str(cfg.out_dir)))  # rank 0's, should a timestamp differ
     store = UnitStore(out / "units")
     store.check_settings(
@@ -102,7 +103,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     )
     result = evaluate(
         target,
-        drafter,
+        drafters,
         prompts,
         configs,
         temperatures,
@@ -118,6 +119,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
         store=store,
         keep_images=PLOT_PROMPTS,
         merge_only=cfg.merge,
+        speed_repeats=cfg.speed_repeats,
         keep_decoded=acceptance.enabled
         and drafter is not None,  # the report reads them; else one row at a time
     )
@@ -130,7 +132,8 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
         "dtype": str(target.dtype).removeprefix("torch."),
         "target": asdict(target.identity),
         "sampling_defaults": asdict(target.sampling_defaults),
-        "drafter": str(cfg.drafter) if drafter is not None else None,
+        "drafter": str(cfg.drafter) if drafters else None,
+        "drafters": sources,  # method -> the drafter it decoded with
         "num_prompts": len(prompts),
         "world_size": ranks.world,
         "config": OmegaConf.to_container(cfg, resolve=True),
@@ -155,6 +158,38 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
             plot_acceptance(reports, out / "plots" / "acceptance.png")
     log.info("wrote results, plots and images to %s", out)
     return result
+
+
+def method_drafters(
+    cfg: DictConfig, configs: list[DecodeConfig], acceptance: AcceptanceReportConfig, target: Target
+) -> tuple[dict[str, Drafter], dict[str, str]]:
+    """Each method's drafter (and its source), the acceptance report's method included: the user's
+    ``drafter=`` checked against every method, else the target's shipped drafter of the kind each needs
+    (``vdtrain.eval.serving``; ``drafter=null``: none). Refused before anything decodes."""
+    from vdtrain.eval.runner import method_configs
+    from vdtrain.eval.serving import drafters_for
+    from vdtrain.target_settings import load_drafter
+
+    own = cfg.target.get("drafter")
+    shipped = [str(s) for s in [own, *(cfg.target.get("more_drafters") or [])] if s]
+    given = str(cfg.drafter) if cfg.drafter and cfg.drafter != own else None
+    if not cfg.drafter:  # drafter=null: no drafter at all, not the target's
+        shipped = []
+    loaded: dict[str, Drafter] = {}
+
+    def load(source: str) -> Drafter:
+        if source not in loaded:
+            loaded[source] = load_drafter(source, target, own)
+        return loaded[source]
+
+    sources = drafters_for(configs, given, shipped, load)
+    if acceptance.enabled and acceptance.method not in sources:
+        try:
+            report = method_configs([acceptance.method], world_knobs(cfg.target))
+            sources |= drafters_for(report, given, shipped, load)
+        except ValueError as err:  # the report is an extra: the table goes on without it
+            log.info("no acceptance report for %s: %s", acceptance.method, err)
+    return {name: load(source) for name, source in sources.items()}, sources
 
 
 def _kept(cfg: DictConfig) -> str:

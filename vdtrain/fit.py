@@ -136,11 +136,16 @@ STREAM_HANDLES = (
 )
 
 
+# A resume writes into its own run's checkpoint folder: that it is not empty is the point, not a warning.
+RESUME_HANDLES = (r"Checkpoint directory .* exists and is not empty",)
+
+
 @contextmanager
-def without_false_warnings() -> Iterator[None]:
-    """``STREAM_HANDLES`` silenced inside the block only; every other warning is kept."""
+def without_false_warnings(resuming: bool = False) -> Iterator[None]:
+    """``STREAM_HANDLES`` (and a resume's ``RESUME_HANDLES``) silenced inside the block only; every other
+    warning is kept."""
     with warnings.catch_warnings():
-        for message in STREAM_HANDLES:
+        for message in (*STREAM_HANDLES, *(RESUME_HANDLES if resuming else ())):
             warnings.filterwarnings("ignore", message=message)
         yield
 
@@ -229,7 +234,8 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     ]
     t = cfg.trainer
     samples_per_step = cfg.data.batch_size * t.accumulate_grad_batches
-    hooks.append(ProgressLog(progress_interval(t.progress_every_n_steps, t.max_steps), samples_per_step))
+    progress = ProgressLog(progress_interval(t.progress_every_n_steps, t.max_steps), samples_per_step)
+    hooks.append(progress)
     terminal = sys.stderr.isatty()
     if terminal:
         hooks.append(StepProgressBar())
@@ -269,7 +275,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
 
     with CtrlC(trainer) as ctrl_c:
         try:
-            with without_false_warnings():
+            with without_false_warnings(resuming=ckpt_path is not None):
                 trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
             minutes = (time.monotonic() - start) / 60
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}  # train/* and eval/*
@@ -290,7 +296,8 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         "run_dir": str(run_dir),
         "steps": trainer.global_step,
         "minutes": minutes,
-        "samples_per_s": trainer.global_step
+        # this launch's steps over this launch's minutes (a resumed run's earlier steps took other time)
+        "samples_per_s": (trainer.global_step - progress.first_step)
         * t.accumulate_grad_batches
         * cfg.data.batch_size
         * trainer.world_size

@@ -130,6 +130,12 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
         if not cfg.drafter:
             raise ValueError(f"method {method_cfg.name!r} needs a drafter: set drafter=<folder>")
         drafter = load_drafter(cfg.drafter, target, cfg.target.get("drafter"))
+    elif drafter_given(command_line(cfg)):
+        log.warning(
+            "drafter=%s is not used: method %s drafts with no drafter (a drafter method: method=eagle2)",
+            cfg.drafter,
+            method_cfg.name,
+        )
     options = prepare_decoding(
         target, drafter, compile=cfg.get("compile", False), cuda_graphs=cfg.get("cuda_graphs", "auto")
     )
@@ -257,6 +263,11 @@ def _main(cfg: DictConfig) -> None:
     summary = run(cfg)
     if summary is not None:  # the main rank
         print(json.dumps(summary, indent=2))
+
+
+def drafter_given(overrides: list[str]) -> bool:
+    """The command line names a drafter (not the target's default one)."""
+    return any(o.lstrip("+").split("=", 1)[0] == "drafter" for o in overrides)
 
 
 def method_alias(argv: list[str]) -> list[str]:

@@ -38,7 +38,7 @@ RESULTS_FILE = "results.json"
 TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # huggingface_hub reads them in this order
 # What an absolute path outside the repository becomes in an export: this prefix and its last component.
 LOCAL_PATH = "<local>"
-CARD_TAGS = ("vdtrain", "speculative-decoding", "eagle", "drafter", "text-to-image")
+CARD_TAGS = ("vdtrain", "speculative-decoding", "drafter", "text-to-image")  # + the kind's (card_tags)
 # Unexpected weight names that give away a copied target embedding or head.
 BORROWED_WORDS = ("embed", "head", "output")
 
@@ -259,7 +259,7 @@ def model_card(
     and the latest evaluation table."""
     ident = drafter.config.identity()
     sections = [
-        _front_matter(ident),
+        _front_matter(ident, type(drafter).card_tags),
         _intro(drafter, ident),
         _target_section(ident),
         _usage_section(metadata, type(drafter).method),
@@ -269,8 +269,8 @@ def model_card(
     return "\n\n".join(sections) + "\n"
 
 
-def _front_matter(ident: TargetIdentity) -> str:
-    tags = "\n".join(f"- {tag}" for tag in dict.fromkeys((*CARD_TAGS, ident.family)))
+def _front_matter(ident: TargetIdentity, kind_tags: tuple[str, ...]) -> str:
+    tags = "\n".join(f"- {tag}" for tag in dict.fromkeys((*CARD_TAGS, *kind_tags, ident.family)))
     return f"---\nlibrary_name: vdtrain\ntags:\n{tags}\n---"
 
 

@@ -5,7 +5,9 @@ module only decides which apply to which app, so a mistake costs a second, not a
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -31,9 +33,10 @@ FIT_MINIMUMS = (
     ("eval.num_prompts", 1),
     ("eval.batch_size", 1),
     ("eval.every_n_epochs", 1),
+    ("eval.speed_repeats", 0),
     ("optim.warmup_steps", 0),
 )
-DECODE_MINIMUMS = (("num_prompts", 1), ("batch_size", 1), ("threads", 1))
+DECODE_MINIMUMS = (("num_prompts", 1), ("batch_size", 1), ("threads", 1), ("speed_repeats", 0))
 # (key, low, high, whether low itself is allowed) for the real-valued settings; high None: no bound.
 FIT_RANGES = (
     ("optim.lr", 0.0, None, True),  # 0: the drafter stays as it starts (tests compare runs with it)
@@ -101,6 +104,7 @@ def check_fit(cfg: DictConfig) -> None:
     at_least(cfg, FIT_MINIMUMS)
     within(cfg, FIT_RANGES)
     target_exists(cfg.target)
+    kind_known(str(cfg.drafter.kind))
     if cfg.trainer.max_minutes is not None and cfg.trainer.max_minutes <= 0:
         raise ValueError(f"trainer.max_minutes must be positive (or null), got {cfg.trainer.max_minutes}")
     if cfg.trainer.accelerator in ("gpu", "cuda"):
@@ -124,6 +128,26 @@ def check_fit(cfg: DictConfig) -> None:
         presets_known(list(cfg.eval.methods), "eval.methods")
         presets_known([cfg.eval.acceptance.method], "eval.acceptance.method")
         _prompts(cfg.eval)
+
+
+def declared_drafter_kinds() -> list[str]:
+    """The drafter kinds vdtrain's kind modules register, read from their ``@register("<name>")`` lines:
+    importing them (``vdtrain.drafters.registry.DRAFTERS``) would import torch."""
+    folder = Path(__file__).parent / "drafters"
+    sources = [f.read_text(encoding="utf-8") for f in sorted(folder.glob("*.py"))]
+    return [name for source in sources for name in _REGISTERED.findall(source)]
+
+
+_REGISTERED = re.compile(r'^@register\("([^"]+)"\)', re.MULTILINE)
+
+
+def kind_known(kind: str) -> None:
+    """``drafter.kind`` names a kind (``drafter_class``'s refusal, before torch loads)."""
+    kinds = declared_drafter_kinds()
+    if kind not in kinds:
+        close = difflib.get_close_matches(kind, kinds, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ValueError(f"drafter.kind must be one of {kinds}, got {kind!r}{hint}")
 
 
 def check_decoding(cfg: DictConfig) -> None:

@@ -64,6 +64,7 @@ class Drafter(nn.Module):
 
     title: ClassVar[str]  # the model card's title: "<title> for `<target>`"
     method: ClassVar[str] = "eagle2"  # the decode preset its model card samples with
+    card_tags: ClassVar[tuple[str, ...]] = ("eagle",)  # the model card's tags for the kind's design
     Options: ClassVar[type] = NoOptions  # its settings (DrafterConfig.options), a frozen dataclass
     feature_loss: ClassVar[bool] = True  # f̂ regresses the target's next feature (``w_cls`` / ``w_feature``)
 
@@ -318,7 +319,7 @@ class Drafter(nn.Module):
     ) -> Path:
         """Write ``config.json`` (the ``DrafterConfig``, plus optional JSON ``metadata``) and
         ``model.safetensors`` (the drafter's own weights only)."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         path = Path(folder)
         path.mkdir(parents=True, exist_ok=True)
@@ -329,7 +330,9 @@ class Drafter(nn.Module):
         # clone: some entries are views of one fused weight (LlamaGen's w1 / w3), and safetensors
         # refuses tensors that share memory
         state = {k: v.detach().to("cpu").clone() for k, v in self.state_dict().items()}
-        save_file(state, str(path / WEIGHTS_FILE))
+        # written as bytes through an ordinary open: safetensors' own save_file makes the file 0600, unlike
+        # config.json and the card beside it (0644 under the usual umask), which a shared cache then hides
+        (path / WEIGHTS_FILE).write_bytes(save(state))
         return path
 
     @classmethod

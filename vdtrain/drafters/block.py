@@ -151,6 +151,7 @@ class BlockDrafter(Drafter):
 
     title: ClassVar[str] = "Block drafter"
     method: ClassVar[str] = "block"
+    card_tags: ClassVar[tuple[str, ...]] = ("block-drafting",)  # not EAGLE's one token per forward
     Options: ClassVar[type] = BlockOptions
 
     def build(self, config: DrafterConfig) -> None:
@@ -317,8 +318,11 @@ class BlockDrafter(Drafter):
     def shape(self) -> str:
         o = self.options
         ffn = self.layer.block.feed_forward.w2.in_features
+        n_head = self.config.layer.get("n_head")  # the family's EAGLE layer's: this kind does not build it
+        unused = f"; config.json's `layer.n_head` {n_head}: the EAGLE layer's, unused here" if n_head else ""
         return (
-            f"Layer: width {o.width} ({o.heads} heads, SwiGLU {ffn}, 2-D RoPE) between the target's "
-            f"width {self.config.hidden_size}; {o.slots} slots per block; "
+            f"Layer: width {o.width} (its own {o.heads} attention heads, `options.heads`{unused}; "
+            f"SwiGLU {ffn}, 2-D RoPE) between the target's width {self.config.hidden_size}; "
+            f"{o.slots} slots per block; "
             f"{sum(p.numel() for p in self.parameters()) / 1e3:.0f}k parameters"
         )

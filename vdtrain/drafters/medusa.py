@@ -45,6 +45,7 @@ class MedusaDrafter(Drafter):
     """K residual heads on h_t, one per draft depth."""
 
     title: ClassVar[str] = "Medusa-style drafter"
+    card_tags: ClassVar[tuple[str, ...]] = ("medusa",)
     Options: ClassVar[type] = MedusaOptions
     feature_loss: ClassVar[bool] = False
 

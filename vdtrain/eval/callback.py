@@ -35,7 +35,8 @@ from vdtrain.eval.acceptance import (
     write_report,
 )
 from vdtrain.eval.plots import plot_acceptance, plot_samples
-from vdtrain.eval.runner import EvalResult, UnitRecord, evaluate
+from vdtrain.eval.runner import EvalResult, UnitRecord, evaluate, method_configs
+from vdtrain.eval.serving import refusal
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
 from vdtrain.sharding import current_ranks
 
@@ -81,6 +82,22 @@ class EvalAfterEpoch(L.Callback):
         # speedup divides times measured minutes apart, not hours (the machine's load changes); the
         # acceptance report's other temperatures read only its tokens and reuse them.
         self.ar_runs: dict[tuple[float, int], UnitRecord] = {}
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Every method in ``eval.methods`` can decode with the drafter being trained: a block tree given
+        an eagle drafter is refused before the first step, not after the first epoch."""
+        refused = {
+            c.name: why
+            for c in method_configs(list(self.cfg.methods), self.decode_overrides)
+            if (why := refusal(c, pl_module.drafter)) is not None
+        }
+        if refused:
+            name, why = next(iter(refused.items()))
+            kind = pl_module.drafter.config.kind
+            raise ValueError(
+                f"eval.methods {sorted(refused)} cannot decode with the {kind} drafter being trained "
+                f"({name}: {why}); leave them out of eval.methods"
+            )
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if (trainer.current_epoch + 1) % self.cfg.every_n_epochs == 0 and not self._final_is_near(trainer):
@@ -139,6 +156,7 @@ class EvalAfterEpoch(L.Callback):
                     decode_overrides=self.decode_overrides,
                     ranks=ranks,
                     keep_images=SAMPLE_GRID_PROMPTS,
+                    speed_repeats=self.cfg.speed_repeats,
                 )
                 assert result is not None  # no store: every rank merges
                 if not report:

@@ -12,7 +12,9 @@ from typing import Any
 from vdtrain.durations import duration
 
 log = logging.getLogger("vdtrain.eval")
-EVERY_S = 60.0
+# the promise is a line at least once a minute: a loaded machine wakes the thread and runs the lines late
+# (61-67 s apart at 60 under load, issue 58), so it beats with room to spare
+EVERY_S = 45.0
 
 
 class Heartbeat:

@@ -65,21 +65,40 @@ def plot_tradeoff(rows: list[EvalRow], path: str | os.PathLike[str]) -> Path | N
     colours = {m: colormaps["tab10"](i % 10) for i, m in enumerate(methods)}
     panels = [("S", "step compression S"), ("speedup", "latency speedup (×)")]
     for ax, (field, label) in zip(axes, panels, strict=True):
-        for r in scored:
-            x, y = getattr(r, field), r.quality[metric].value
+        points = [
+            (getattr(r, field), r.quality[metric].value, f"{r.method} T={r.temperature:g}") for r in scored
+        ]
+        for r, (x, y, _) in zip(scored, points, strict=True):
             ax.scatter(x, y, color=colours[r.method], marker="o" if r.temperature == 0 else "s")
-            ax.annotate(
-                f"{r.method} T={r.temperature:g}",
-                (x, y),
-                fontsize=7,
-                xytext=(3, 3),
-                textcoords="offset points",
-            )
+        for x, y, text in label_groups(points):
+            ax.annotate(text, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points", va="bottom")
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(metric)
     fig.suptitle(f"speed vs {metric} (circles: T = 0, squares: T > 0)")
     return _save(fig, Path(path))
+
+
+def label_groups(
+    points: list[tuple[float, float, str]], near: float = 0.02
+) -> list[tuple[float, float, str]]:
+    """One label per group of points closer than ``near`` of the axes' spans (AR and the exact methods at
+    T = 0 share a quality; rows can share an S): their names stacked at the group's first point, where
+    separate labels would print over each other."""
+    if not points:
+        return []
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    span_x, span_y = (max(xs) - min(xs)) or 1.0, (max(ys) - min(ys)) or 1.0
+    groups: list[list[tuple[float, float, str]]] = []
+    for point in points:
+        for group in groups:
+            x, y, _ = group[0]
+            if abs(point[0] - x) <= near * span_x and abs(point[1] - y) <= near * span_y:
+                group.append(point)
+                break
+        else:
+            groups.append([point])
+    return [(g[0][0], g[0][1], "\n".join(p[2] for p in g)) for g in groups]
 
 
 def plot_position_maps(

@@ -14,6 +14,7 @@ noise floor. At T = 0 that second decode is skipped: greedy decoding ignores the
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -38,6 +39,7 @@ from vdtrain.eval.heartbeat import Heartbeat
 from vdtrain.eval.papers import projected_speedup
 from vdtrain.eval.quality import REFERENCE_METRICS, Partial, QualityConfig, QualityScorer, add_partials
 from vdtrain.eval.table import EvalRow
+from vdtrain.eval.timing import Spread, interleaved, paired_speedup
 from vdtrain.images import save_png, tensor_to_images
 from vdtrain.sharding import Ranks, UnitStore, units_of
 from vdtrain.targets.base import Target
@@ -236,7 +238,7 @@ def throughput(records: Sequence[UnitRecord]) -> float:
 
 def evaluate(
     target: Target,
-    drafter: Drafter | None,
+    drafter: Drafter | Mapping[str, Drafter] | None,
     prompts: list[str],
     methods: Sequence[str | DecodeConfig],
     temperatures: Sequence[float],
@@ -257,6 +259,7 @@ def evaluate(
     keep_images: int | None = None,
     merge_only: bool = False,
     keep_decoded: bool = True,
+    speed_repeats: int = 5,
 ) -> EvalResult | None:
     """Rows, per-position maps and images for AR and every method (preset names or typed configs) at every
     temperature; relaxed methods are left out at T = 0 with ``exact_only_at_zero``.
@@ -270,16 +273,29 @@ def evaluate(
     order whatever the world size; ``store`` saves finished units and loads them instead of decoding
     (then only the main rank merges, the others return None); ``merge_only`` decodes nothing;
     ``keep_images`` keeps that many images per row in memory; ``keep_decoded`` False keeps
-    ``EvalResult.decoded`` empty, so a merge holds one row's stats at a time.
+    ``EvalResult.decoded`` empty, so a merge holds one row's stats at a time. ``drafter`` may map method
+    names to drafters (``vdtrain.eval.serving.drafters_for``): each method decodes with its own. The
+    speedup is the median of ``speed_repeats`` interleaved rounds of the first batch (``timed_speedups``),
+    measured by the main process; 0 (only counts are read) and a merge keep the whole run's one ratio.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate (the prompt set is empty)")
     ranks = ranks or Ranks()
     configs = method_configs(methods, decode_overrides)
     needy = [c.name for c in configs if c.needs_drafter]
-    if needy and drafter is None:
-        raise ValueError(f"methods {needy} need a drafter; none was given")
-    options = prepare_decoding(target, drafter, compile=compile, cuda_graphs=cuda_graphs)
+    missing = [n for n in needy if drafter is None or (isinstance(drafter, Mapping) and n not in drafter)]
+    if missing:
+        raise ValueError(f"methods {missing} need a drafter; none was given")
+    if isinstance(drafter, Mapping):
+        distinct = list({id(d): d for d in drafter.values()}.values())
+    else:
+        distinct = [drafter]
+    if compile and len(distinct) > 1:
+        raise ValueError(
+            "compile=true compiles one drafter, but these methods decode with different drafters: "
+            "evaluate each drafter's methods separately"
+        )
+    options = prepare_decoding(target, next(iter(distinct), None), compile=compile, cuda_graphs=cuda_graphs)
     scorer = QualityScorer(quality, target.token_embedding.weight.device, target.tokenizer)
     names = scorer.metrics_for(prompts)
     wants_floor = scorer.wants_reference(prompts)
@@ -358,7 +374,9 @@ def evaluate(
         def records_of(key: tuple[str, float]) -> list[UnitRecord]:
             return [r for part in gathered for r in part[key]]
 
-    result = merge(records_of, runs, scorer, prompts, target, ranks.world, keep_decoded)
+    timed = speed_repeats > 0 and not merge_only and ranks.is_main
+    spreads = timed_speedups(work, runs, speed_repeats) if timed else {}
+    result = merge(records_of, runs, scorer, prompts, target, ranks.world, keep_decoded, spreads)
     log.info("evaluation done in %s", duration(time.monotonic() - started))
     return result
 
@@ -369,7 +387,7 @@ class UnitWork:
     def __init__(
         self,
         target: Target,
-        drafter: Drafter | None,
+        drafter: Drafter | Mapping[str, Drafter] | None,
         prompts: Sequence[str],
         seed: int,
         batch_size: int,
@@ -383,6 +401,12 @@ class UnitWork:
         self.batch_size, self.scorer, self.names, self.options = batch_size, scorer, names, options
         self.image_dir, self.keep_images = image_dir, keep_images
 
+    def method(self, config: DecodeConfig, temperature: float) -> ARMethod | SpeculativeEngine:
+        """``config`` built to decode at ``temperature`` with its drafter."""
+        sampling = replace(self.target.sampling_defaults, temperature=temperature)
+        drafter = self.drafter.get(config.name) if isinstance(self.drafter, Mapping) else self.drafter
+        return build_method(config, self.target, drafter, sampling, self.options)
+
     def run(
         self,
         config: DecodeConfig,
@@ -395,8 +419,7 @@ class UnitWork:
     ) -> Iterator[UnitRecord]:
         """Each unit's record as it is done; the first unit decodes twice with ``warmup``, untimed first."""
         target, bs = self.target, self.batch_size
-        sampling = replace(target.sampling_defaults, temperature=temperature)
-        method = build_method(config, target, self.drafter, sampling, self.options)
+        method = self.method(config, temperature)
         first = units[0]
         cold = (
             warm_up(method, target, self.prompts[first[0] : first[1]], self.seed + first[0], bs)
@@ -437,6 +460,34 @@ class UnitWork:
             yield record
 
 
+def timed_speedups(
+    work: UnitWork, runs: Sequence[tuple[float, DecodeConfig]], repeats: int
+) -> dict[tuple[str, float], Spread]:
+    """Per (method, T): the speedup over ``repeats`` interleaved rounds of the first batch's decode by AR
+    and every method of that temperature, after an untimed one each (``vdtrain.eval.timing``)."""
+    out: dict[tuple[str, float], Spread] = {}
+    prompts = work.prompts[: work.batch_size]
+    for temperature in dict.fromkeys(t for t, _ in runs):
+        configs = [c for t, c in runs if t == temperature]  # AR first
+        total = (repeats + 1) * len(configs) * len(prompts)
+        with Heartbeat(f"timing {len(configs)} methods T={temperature:g}", total) as beat:
+            decodes = {
+                c.name: functools.partial(_seconds, work.method(c, temperature), work, prompts, beat)
+                for c in configs
+            }
+            seconds = interleaved(decodes, repeats)
+        baseline = configs[0].name
+        for name in list(decodes)[1:]:
+            out[name, float(temperature)] = paired_speedup(seconds[baseline], seconds[name])
+    return out
+
+
+def _seconds(
+    method: ARMethod | SpeculativeEngine, work: UnitWork, prompts: Sequence[str], beat: Heartbeat
+) -> float:
+    return decode_prompts(method, work.target, prompts, work.seed, work.batch_size, beat).seconds
+
+
 def merge(
     records_of: Callable[[tuple[str, float]], Sequence[UnitRecord]],
     runs: Sequence[tuple[float, DecodeConfig]],
@@ -445,9 +496,12 @@ def merge(
     target: Target,
     world_size: int,
     keep_decoded: bool = True,
+    spreads: Mapping[tuple[str, float], Spread] | None = None,
 ) -> EvalResult:
     """The rows from every unit of every run (``records_of`` a (method, T)), in prompt order, AR's row
-    first at each temperature."""
+    first at each temperature; a row's speedup is its ``spreads`` median where timed, else the whole
+    run's ratio."""
+    spreads = spreads or {}
     result = EvalResult([], {}, {}, list(prompts))
     device = device_description(target.token_embedding.weight.device)
     for temperature, config in runs:
@@ -460,13 +514,17 @@ def merge(
         else:
             reference = ar_quality
         summary = summarize(decoded.stats, target.num_image_tokens)
-        speedup = ar.seconds / decoded.seconds
+        spread = spreads.get(key)
+        speedup = spread.median if spread is not None else ar.seconds / decoded.seconds
         result.rows.append(
             EvalRow(
                 method=config.name,
                 temperature=float(temperature),
                 **summary,
                 speedup=speedup,
+                speedup_low=None if spread is None else spread.low,
+                speedup_high=None if spread is None else spread.high,
+                speedup_rounds=0 if spread is None else spread.rounds,
                 paper_speedup=projected_speedup(config.name, summary["S"] / speedup),
                 speedup_with_vq_decode=(ar.seconds + ar_vq_seconds) / (decoded.seconds + ar_vq_seconds),
                 method_seconds=decoded.seconds,

@@ -28,6 +28,9 @@ class QualityValue:
 # EvalRow fields read off a clock: everything else is a function of the prompts, seeds and settings
 WALL_CLOCK = (
     "speedup",
+    "speedup_low",
+    "speedup_high",
+    "speedup_rounds",
     "speedup_with_vq_decode",
     "method_seconds",
     "ar_seconds",
@@ -68,7 +71,19 @@ class EvalRow:
     world_size: int = 1
     # Images per second of all processes together: the row's images over the busiest process's seconds
     images_per_second: float | None = None
+    # speedup's spread (vdtrain/eval/timing.py): the quartiles of AR's time over the method's in each of
+    # speedup_rounds interleaved rounds of one fixed batch, speedup their median; None and 0 where the
+    # speedup is the whole run's one ratio (a merge of stored units, or before this was measured)
+    speedup_low: float | None = None
+    speedup_high: float | None = None
+    speedup_rounds: int = 0
     quality: dict[str, QualityValue] = field(default_factory=dict)
+
+    def speedup_clear(self) -> bool:
+        """The speedup's spread is no wider than its distance from 1 (``timing.Spread.clear``)."""
+        if self.speedup_low is None or self.speedup_high is None:
+            return True
+        return self.speedup_high - self.speedup_low <= abs(self.speedup - 1.0)
 
     def score(self, metric: str) -> float:
         """A quality metric's value, NaN where it is not available (comparisons with it are False)."""
@@ -103,13 +118,22 @@ COLUMNS = [  # (header, row -> cell)
     ("TPF", lambda r: f"{r.TPF:.2f}"),
     ("skipped", lambda r: f"{r.skipped_steps:.1f}"),
     ("relaxed", lambda r: f"{r.relaxed_acceptances:.1f}"),
-    ("latency speedup", lambda r: f"{r.speedup:.2f}×"),
+    ("latency speedup", lambda r: speedup_cell(r)),
     ("with VQ decode", lambda r: f"{r.speedup_with_vq_decode:.2f}×"),
     ("at paper S", lambda r: "–" if r.paper_speedup is None else f"{r.paper_speedup:.2f}×"),
     ("= AR", lambda r: {None: "–", True: "yes", False: "NO"}[r.identical_to_ar]),
     ("start-up s", lambda r: "–" if r.startup_seconds is None else f"{r.startup_seconds:.1f}"),
     ("img/s", lambda r: "–" if r.images_per_second is None else f"{r.images_per_second:.3g}"),
 ]
+
+
+def speedup_cell(row: EvalRow) -> str:
+    """``0.43× (0.40–0.47)``: the median over rounds and its quartiles; ``?`` marks a ratio whose spread
+    is wider than its distance from 1 (it cannot tell faster from slower)."""
+    if row.speedup_low is None or row.speedup_high is None:
+        return f"{row.speedup:.2f}×"
+    mark = "" if row.speedup_clear() else " ?"
+    return f"{row.speedup:.2f}× ({row.speedup_low:.2f}–{row.speedup_high:.2f}){mark}"
 
 
 def quality_names(rows: list[EvalRow]) -> list[str]:
@@ -123,6 +147,10 @@ SPEED_COLUMNS = ("latency speedup", "with VQ decode", "at paper S", "img/s")
 CPU_NOTE = (
     "Speeds on a CPU: tree methods are compute-bound there (a tree of n nodes costs about n times an AR "
     "step's arithmetic), so only GPU tables say what a method gains (docs/evaluation.md)."
+)
+UNCLEAR_NOTE = (
+    "? : the speedup's spread over {rounds} interleaved rounds (in brackets, quartiles) is wider than its "
+    "distance from 1: this machine's load hid which is faster; measure again on a quiet machine."
 )
 WORLD_NOTE = (
     "Decoded by {world} processes, one per device: speedups and start-up are per device (every process's "
@@ -157,6 +185,9 @@ def to_markdown(rows: list[EvalRow]) -> str:
             lines.append(WORLD_NOTE.format(world="/".join(map(str, worlds))))
         if any(d.startswith("cpu") for d in devices):
             lines.append(CPU_NOTE)
+    unclear = [r for r in rows if not r.speedup_clear()]
+    if unclear:
+        lines.append(UNCLEAR_NOTE.format(rounds=unclear[0].speedup_rounds))
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -18,7 +18,9 @@ log = logging.getLogger("vdtrain.fit")
 
 LINES_PER_RUN = 10
 DEFAULT_EVERY = 25
-MAX_SILENCE_S = 60.0  # a line at least this often while training or validating, whatever the step count
+# a line at least once a minute while training or validating, whatever the step count: checked after each
+# step or batch, so the limit leaves a loaded machine's step room (at 60, gaps of 61-67 s: issue 58)
+MAX_SILENCE_S = 45.0
 
 
 def progress_interval(every: int | None, max_steps: int) -> int:
@@ -48,6 +50,11 @@ class ProgressLog(L.Callback):
         self._pause_from: float | None = None
         self._last_line = time.monotonic()
         self._validating_since = 0.0
+
+    @property
+    def first_step(self) -> int:
+        """The step this launch's training began at (a resumed run's checkpoint step; 0 before training)."""
+        return self._start[1] if self._start is not None else 0
 
     def training_seconds(self, now: float) -> float:
         pausing = now - self._pause_from if self._pause_from is not None else 0.0
