@@ -19,6 +19,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from vdtrain.paths import CONF_DIR
+
 
 @dataclass
 class TargetConfig:
@@ -191,7 +193,7 @@ def as_list(value: Any) -> list[Any]:
 RECORD = ".hydra"  # a run's own record of its launch: config.yaml, hydra.yaml, overrides.yaml
 
 
-DECODE_PRESETS = Path(__file__).resolve().parents[1] / "conf" / "decode"
+DECODE_PRESETS = CONF_DIR / "decode"
 
 
 def presets_except(*left_out: str) -> list[str]:
