@@ -35,6 +35,9 @@ class TargetConfig:
     # (vdtrain/target_settings.py)
     decode: dict[str, Any] = field(default_factory=dict)
     drafter: str | None = None  # the drafter shipped for it: generate's and evaluate's default drafter=
+    # its official Hub repo: the drafter's model card names it as base_model (docs/hub.md); null for the
+    # embedded worlds, which exist only in this repository
+    hub_id: str | None = None
 
 
 @dataclass
