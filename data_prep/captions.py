@@ -17,6 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import user_errors
+from vdtrain.paths import CONF_DIR
 
 
 def run(cfg: DictConfig) -> Path:
@@ -43,7 +44,7 @@ def run(cfg: DictConfig) -> Path:
     return path
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="data_prep/captions")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="data_prep/captions")
 @user_errors("data_prep.captions")
 def main(cfg: DictConfig) -> None:
     run(cfg)

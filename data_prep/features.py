@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from vdtrain.cli import user_errors
 from vdtrain.config import DataConfig
 from vdtrain.data.prepare import prepare_features
+from vdtrain.paths import CONF_DIR
 from vdtrain.sharding import Ranks, decoding_processes, ranks_from_env
 from vdtrain.targets import target_for_run
 
@@ -45,7 +46,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict:
     return {"out_dir": cfg.out_dir, "num_samples": manifest["num_samples"], "shards": len(manifest["shards"])}
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="data_prep/features")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="data_prep/features")
 @user_errors("data_prep.features")
 def main(cfg: DictConfig) -> None:
     summary = run(cfg)

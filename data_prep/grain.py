@@ -13,9 +13,10 @@ from omegaconf import DictConfig
 
 from data_prep.shapes import build_world
 from vdtrain.cli import user_errors
+from vdtrain.paths import CONF_DIR
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="grain_world")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="grain_world")
 @user_errors("data_prep.grain")
 def main(cfg: DictConfig) -> None:
     build_world(cfg)

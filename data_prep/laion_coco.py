@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 
 from vdtrain.cli import user_errors
 from vdtrain.data.prepare import prepare_laion_coco
+from vdtrain.paths import CONF_DIR
 from vdtrain.targets import target_for_run
 
 
@@ -54,7 +55,7 @@ def run(cfg: DictConfig) -> dict:
     }
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="data_prep/laion_coco")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="data_prep/laion_coco")
 @user_errors("data_prep.laion_coco")
 def main(cfg: DictConfig) -> None:
     print(json.dumps(run(cfg), indent=2))

@@ -27,6 +27,7 @@ from vdtrain.data.prepare import prepare_self_generate
 from vdtrain.decode.compiled import prepare_decoding
 from vdtrain.decode.methods import load_preset
 from vdtrain.generate import sampling_config
+from vdtrain.paths import CONF_DIR
 from vdtrain.sharding import Ranks, decoding_processes, ranks_from_env
 from vdtrain.target_settings import load_drafter, world_knobs
 from vdtrain.targets import target_for_run
@@ -76,7 +77,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict:
     return {"out_dir": cfg.out_dir, "num_samples": manifest["num_samples"], "shards": len(manifest["shards"])}
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="data_prep/self_generate")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="data_prep/self_generate")
 @user_errors("data_prep.self_generate")
 def main(cfg: DictConfig) -> None:
     summary = run(cfg)

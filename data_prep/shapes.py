@@ -21,6 +21,7 @@ from vdtrain.cli import user_errors
 from vdtrain.models.llamagen_gpt import GPTConfig, LlamaGenGPT
 from vdtrain.models.llamagen_io import load_vq
 from vdtrain.models.vq import VQConfig, VQModel
+from vdtrain.paths import CONF_DIR
 from vdtrain.shapes.build import (
     OptimConfig,
     load_init_target,
@@ -174,7 +175,7 @@ def write_report(folder: Path, cfg: DictConfig, metrics: dict) -> None:
     log.info("caption sensitivity (nats per image): %s", sensitivity)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="shapes_world")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="shapes_world")
 @user_errors("data_prep.shapes")
 def main(cfg: DictConfig) -> None:
     build_world(cfg)

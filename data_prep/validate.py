@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import user_errors
 from vdtrain.data.shards import ValidationReport, validate_shards
+from vdtrain.paths import CONF_DIR
 
 
 def run(cfg: DictConfig) -> ValidationReport:
@@ -29,7 +30,7 @@ def run(cfg: DictConfig) -> ValidationReport:
     return validate_shards(cfg.shards, identity, raise_on_error=False, max_problems=cfg.max_problems)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="data_prep/validate")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="data_prep/validate")
 @user_errors("data_prep.validate")
 def main(cfg: DictConfig) -> None:
     report = run(cfg)

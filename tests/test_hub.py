@@ -16,7 +16,9 @@ from unittest import mock
 
 import pytest
 import torch
+import yaml
 from conftest import TINY_GPT, TINY_VQ, random_gpt, random_vq
+from huggingface_hub import ModelCard
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file, save_file
 from test_drafter import make_drafter, other_target, teacher_batch
@@ -29,7 +31,7 @@ from vdtrain.data.shards import MANIFEST, SCHEMA_VERSION
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.base import CHECKPOINT_CONFIG_KEY
-from vdtrain.eval.table import EvalRow, to_markdown, write_tables
+from vdtrain.eval.table import EvalRow, QualityValue, to_markdown, write_tables
 from vdtrain.export import export, resolve_source
 from vdtrain.fit import fit
 from vdtrain.hub import (
@@ -105,7 +107,7 @@ def test_export_reloads_with_identical_weights_and_outputs(tiny_target, tmp_path
     assert torch.equal(a, b) and torch.equal(drafter.logits(a), loaded.logits(b))
 
     card = (folder / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: vdtrain\n")
+    assert card.startswith("---\n") and "\nlibrary_name: vdtrain\n" in card.split("\n---\n")[0]
     for text in (
         "- speculative-decoding",
         "- eagle",
@@ -139,7 +141,7 @@ def test_export_refuses_to_replace_a_readme_it_did_not_write(tiny_target, tmp_pa
     assert sorted(p.name for p in out.iterdir()) == ["README.md"]  # nothing written
     assert (out / "README.md").read_text() == "# my notes\n"
     export_drafter(drafter, out, target=tiny_target, overwrite_card=True)
-    assert (out / "README.md").read_text().startswith("---\nlibrary_name: vdtrain\n")
+    assert "\nlibrary_name: vdtrain\n" in (out / "README.md").read_text()
     with caplog.at_level(logging.WARNING, logger="vdtrain.hub"):  # its own card is replaced, with a word
         export_drafter(drafter, out, target=tiny_target, training_command=FIT_COMMAND)
     assert any("replacing the model card" in r.getMessage() for r in caplog.records)
@@ -189,6 +191,44 @@ def test_model_card_carries_the_evaluation_table(tiny_target, tmp_path):
     assert "No evaluation was run" not in card
     with pytest.raises(FileNotFoundError, match=r"no results\.json"):
         export_drafter(drafter, tmp_path / "f", target=tiny_target, eval_results=tmp_path / "nothing")
+
+
+def test_card_front_matter_is_hub_metadata(tiny_target, tmp_path):
+    """The Hub reads license, base_model, datasets, pipeline_tag, tags and the evaluation's S, τ and
+    quality (a model-index) back from the front matter; the hand-written body stays below it."""
+    quality = {"shapes_consistency": QualityValue(0.91), "clip_score": QualityValue(None, "no weights")}
+    row = EvalRow("eagle2", 1.0, 2.0, 3.1, 2.4, 3.0, 1.8, 1.6, 1.0, 1.8, quality=quality)
+    write_tables([row], tmp_path / "eval", {"num_prompts": 4})
+    metadata = {"config": {"target": {"kind": "janus", "hub_id": "deepseek-ai/Janus-Pro-7B"}},
+                "data": {"source": "shards", "kind": "laion_coco"}}
+    folder = export_drafter(make_drafter(tiny_target), tmp_path / "e", target=tiny_target,
+                            metadata=metadata, eval_results=tmp_path / "eval")
+    data = ModelCard.load(folder / "README.md").data
+    assert (data.library_name, data.license, data.pipeline_tag) == ("vdtrain", "apache-2.0", "text-to-image")
+    assert data.base_model == "deepseek-ai/Janus-Pro-7B" and data.datasets == ["laion/laion-coco"]
+    assert {"vdtrain", "speculative-decoding", tiny_target.identity.family} <= set(data.tags)
+    figures = {(r.metric_type, r.metric_name): r.metric_value for r in data.eval_results}
+    assert figures == {("S", "S (eagle2, T=1)"): 2.0, ("tau", "tau (eagle2, T=1)"): 3.1,
+                       ("shapes_consistency", "shapes_consistency (eagle2, T=1)"): 0.91}
+    assert "## Evaluation" in ModelCard.load(folder / "README.md").text
+    assert hub.validate_export(folder, tiny_target) == []
+
+
+def test_an_embedded_world_card_has_no_base_model(tiny_target, tmp_path):
+    """The shapes and grain targets exist only in this repository (target.hub_id null): no base_model,
+    no Hub dataset for procedural or self-generated data, and no model-index without an evaluation."""
+    metadata = {"config": {"target": {"kind": "folder", "hub_id": None}}, "data": {"kind": "self_generate"}}
+    folder = export_drafter(make_drafter(tiny_target), tmp_path / "e", target=tiny_target, metadata=metadata)
+    data = ModelCard.load(folder / "README.md").data
+    assert data.base_model is None and data.datasets is None and data.eval_results is None
+    assert data.license == "apache-2.0" and data.pipeline_tag == "text-to-image"
+
+
+def test_every_target_config_names_its_hub_repo():
+    """base_model comes from conf/target/*.yaml: each release target names its official repo."""
+    for file in sorted((REPO_ROOT / "conf" / "target").glob("*.yaml")):
+        hub_id = yaml.safe_load(file.read_text())["hub_id"]
+        assert (hub_id is None) == (file.stem in ("shapes", "grain")), file.name
 
 
 def test_the_card_says_what_the_drafter_trained_on(tiny_target, tmp_path):

@@ -19,6 +19,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from vdtrain.paths import CONF_DIR
+
 
 @dataclass
 class TargetConfig:
@@ -36,6 +38,9 @@ class TargetConfig:
     # its other shipped drafters (other kinds): evaluate decodes a preset `drafter` cannot serve (a block
     # tree needs a drafter that drafts blocks) with the first of these that can (vdtrain/eval/serving.py)
     more_drafters: list[str] = field(default_factory=list)
+    # its official Hub repo: the drafter's model card names it as base_model (docs/hub.md); null for the
+    # embedded worlds, which exist only in this repository
+    hub_id: str | None = None
 
 
 @dataclass
@@ -197,7 +202,7 @@ def as_list(value: Any) -> list[Any]:
 RECORD = ".hydra"  # a run's own record of its launch: config.yaml, hydra.yaml, overrides.yaml
 
 
-DECODE_PRESETS = Path(__file__).resolve().parents[1] / "conf" / "decode"
+DECODE_PRESETS = CONF_DIR / "decode"
 
 
 def presets_except(*left_out: str) -> list[str]:

@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import run_app, user_errors
 from vdtrain.config import as_list, presets_except
+from vdtrain.paths import CONF_DIR
 from vdtrain.preflight import check_decoding
 from vdtrain.target_settings import world_knobs
 
@@ -196,7 +197,7 @@ def _kept(cfg: DictConfig) -> str:
     return f"the finished methods are kept in {cfg.out_dir}/units: the same command goes on from them"
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="evaluate")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="evaluate")
 @user_errors("vdtrain.evaluate", _kept)
 def _main(cfg: DictConfig) -> None:
     from vdtrain.eval.table import to_markdown

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from vdtrain.cli import run_app, user_errors
 from vdtrain.export_format import CONFIG_FILE, is_run, no_drafter_here
+from vdtrain.paths import CONF_DIR
 from vdtrain.preflight import check_export
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ def export(cfg: DictConfig) -> tuple[Path, PushPlan | None]:
     return folder, plan
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="export")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="export")
 @user_errors("vdtrain.export")
 def _main(cfg: DictConfig) -> None:
     export(cfg)

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import INTERRUPTED_EXIT, run_app, user_errors
 from vdtrain.config import FitConfig, check_known_keys, register_configs
+from vdtrain.paths import CONF_DIR
 from vdtrain.preflight import FIT_MINIMUMS, FIT_RANGES, at_least, check_fit, within
 
 if TYPE_CHECKING:  # the training stack is imported when training starts, after the checks
@@ -356,7 +357,7 @@ def _kept(cfg: DictConfig) -> str:
     return f"resume=last hydra.run.dir={cfg.run_dir} goes on from the run's last checkpoint"
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="fit")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="fit")
 @user_errors("vdtrain.fit", _kept)
 def _main(cfg: DictConfig) -> None:
     from vdtrain.durations import duration

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import run_app, user_errors
 from vdtrain.config import presets_except
+from vdtrain.paths import CONF_DIR
 from vdtrain.preflight import check_decoding
 
 if TYPE_CHECKING:
@@ -257,7 +258,7 @@ def _kept(cfg: DictConfig) -> str:
     return f"the finished batches are kept in {cfg.out_dir}/units: the same command goes on from them"
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="generate")
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="generate")
 @user_errors("vdtrain.generate", _kept)
 def _main(cfg: DictConfig) -> None:
     summary = run(cfg)

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import HfApi, get_token
+from huggingface_hub import EvalResult, HfApi, ModelCardData, get_token
 from huggingface_hub.utils import validate_repo_id
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
@@ -39,6 +39,10 @@ TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # huggingface_hub reads them
 # What an absolute path outside the repository becomes in an export: this prefix and its last component.
 LOCAL_PATH = "<local>"
 CARD_TAGS = ("vdtrain", "speculative-decoding", "drafter", "text-to-image")  # + the kind's (card_tags)
+CARD_LICENSE = "apache-2.0"  # vdtrain's (pyproject.toml); the target's own license binds its weights
+# Hub datasets a shard set's manifest kind was made from; the other sources (the procedural shapes world,
+# the target's own samples) are no Hub dataset
+HUB_DATASETS = {"laion_coco": "laion/laion-coco"}
 # Unexpected weight names that give away a copied target embedding or head.
 BORROWED_WORDS = ("embed", "head", "output")
 
@@ -259,7 +263,7 @@ def model_card(
     and the latest evaluation table."""
     ident = drafter.config.identity()
     sections = [
-        _front_matter(ident, type(drafter).card_tags),
+        _front_matter(ident, type(drafter).card_tags, metadata, results),
         _intro(drafter, ident),
         _target_section(ident),
         _usage_section(metadata, type(drafter).method),
@@ -269,9 +273,50 @@ def model_card(
     return "\n\n".join(sections) + "\n"
 
 
-def _front_matter(ident: TargetIdentity, kind_tags: tuple[str, ...]) -> str:
-    tags = "\n".join(f"- {tag}" for tag in dict.fromkeys((*CARD_TAGS, *kind_tags, ident.family)))
-    return f"---\nlibrary_name: vdtrain\ntags:\n{tags}\n---"
+def _front_matter(
+    ident: TargetIdentity,
+    kind_tags: tuple[str, ...],
+    metadata: Mapping[str, Any],
+    results: tuple[list[EvalRow], dict[str, Any]] | None,
+) -> str:
+    """The Hub's metadata (``ModelCardData``): the target's Hub repo as ``base_model`` (``target.hub_id``;
+    none for the embedded worlds), the training data's Hub dataset, and the evaluation's S, τ and quality
+    per method and temperature as a model-index."""
+    target = metadata.get("config", {}).get("target", {})
+    dataset = HUB_DATASETS.get(metadata.get("data", {}).get("kind"))
+    data = ModelCardData(
+        library_name="vdtrain",
+        license=CARD_LICENSE,
+        base_model=target.get("hub_id"),
+        datasets=[dataset] if dataset else None,
+        pipeline_tag="text-to-image",
+        tags=list(dict.fromkeys((*CARD_TAGS, *kind_tags, ident.family))),
+        model_name=f"vdtrain-drafter-{ident.name}" if results else None,
+        eval_results=_eval_results(ident, results) if results else None,
+    )
+    return f"---\n{data.to_yaml()}\n---"
+
+
+def _eval_results(ident: TargetIdentity, results: tuple[list[EvalRow], dict[str, Any]]) -> list[EvalResult]:
+    """One model-index entry per (row, figure): S and τ always, each quality metric the row measured."""
+    rows, settings = results
+    prompts = f"{ident.name} evaluation prompts ({settings.get('num_prompts', '?')})"
+    out = []
+    for row in rows:
+        figures = {"S": row.S, "tau": row.tau}
+        figures |= {m: row.score(m) for m in row.quality if row.score(m) == row.score(m)}  # not NaN
+        out += [
+            EvalResult(
+                task_type="text-to-image",
+                dataset_type="prompts",
+                dataset_name=prompts,
+                metric_type=name,
+                metric_value=round(float(value), 4),
+                metric_name=f"{name} ({row.method}, T={row.temperature:g})",
+            )
+            for name, value in figures.items()
+        ]
+    return out
 
 
 def _intro(drafter: Drafter, ident: TargetIdentity) -> str:
