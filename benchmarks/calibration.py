@@ -203,7 +203,6 @@ def main() -> None:
         warmup=False,
         cuda_graphs="auto" if args.cuda_graphs == "auto" else False,
         store=store,
-        speed_repeats=0,  # acceptance and confidence only: no timing rounds
     )
     rows = {row.method: row for row in result.rows}
     ar_tokens = result.decoded[("ar", float(args.temperature))].tokens  # the regime AR decoding visits

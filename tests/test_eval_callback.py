@@ -26,6 +26,7 @@ EVAL_ON = (
     "eval.batch_size=2",
     "data.samples_per_epoch=4",
     "trainer.max_steps=4",
+    "eval.speed_repeats=1",  # one timing round a table: tests/test_timing.py tests the rounds
 )
 
 

@@ -279,8 +279,10 @@ def test_vendored_prompt_sets_load_by_name():
 
 
 def _config(*overrides: str):
+    """The CLI's config; no timing rounds (tests/test_timing.py tests them): a tiny target's decode takes
+    tens of seconds on a loaded CPU."""
     with initialize_config_dir(str(CONF), version_base=None):
-        return compose("evaluate", overrides=list(overrides))
+        return compose("evaluate", overrides=["speed_repeats=0", *overrides])
 
 
 def test_default_setting_is_every_preset_at_both_temperatures():

@@ -21,7 +21,7 @@ from vdtrain.train.progress import ProgressLog
 def test_a_redirected_fit_log_shows_progress_and_evaluation(tiny_folder, tmp_path):
     log = tmp_path / "fit.out"
     args = [sys.executable, "-m", "vdtrain.fit", f"target.folder={tiny_folder}", *SMALL]
-    args += ["trainer.max_steps=20", "data.samples_per_epoch=40", "eval.enabled=true"]
+    args += ["trainer.max_steps=20", "data.samples_per_epoch=40", "eval.enabled=true", "eval.speed_repeats=1"]
     args += ["eval.num_prompts=2", "eval.batch_size=2", "eval.acceptance.enabled=false"]
     args += [f"hydra.run.dir={tmp_path / 'run'}"]
     with open(log, "w") as out:  # a file, as under SLURM: no progress bar

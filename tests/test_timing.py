@@ -82,7 +82,7 @@ def test_evaluate_reports_the_true_ratio_when_one_ar_decode_is_30x_slow(monkeypa
     monkeypatch.setattr(ar.ARDecoder, "generate", timed_ar)
     result = runner.evaluate(
         target, random_drafter(target), shapes_heldout_captions(2), ["eagle2"], [0], batch_size=2,
-        progress=False, quality=runner.QualityConfig(metrics=[]),
+        progress=False, quality=runner.QualityConfig(metrics=[]), speed_repeats=5,
     )
     _, eagle2 = result.rows
     assert clock["calls"] == 8

@@ -160,7 +160,6 @@ def measure(
             decode_overrides=decode_overrides,
             quality=QualityConfig(metrics=[]),  # only counts are read: no scoring, no noise-floor decode
             ranks=ranks,
-            speed_repeats=0,  # nor times
         )
         assert extra is not None  # no store: every process merges
         decoded.update(extra.decoded)

@@ -259,7 +259,7 @@ def evaluate(
     keep_images: int | None = None,
     merge_only: bool = False,
     keep_decoded: bool = True,
-    speed_repeats: int = 5,
+    speed_repeats: int = 0,
 ) -> EvalResult | None:
     """Rows, per-position maps and images for AR and every method (preset names or typed configs) at every
     temperature; relaxed methods are left out at T = 0 with ``exact_only_at_zero``.
@@ -276,7 +276,8 @@ def evaluate(
     ``EvalResult.decoded`` empty, so a merge holds one row's stats at a time. ``drafter`` may map method
     names to drafters (``vdtrain.eval.serving.drafters_for``): each method decodes with its own. The
     speedup is the median of ``speed_repeats`` interleaved rounds of the first batch (``timed_speedups``),
-    measured by the main process; 0 (only counts are read) and a merge keep the whole run's one ratio.
+    measured by the main process (the apps' configs ask for 5); 0 (the default: only counts are read, or
+    one ratio is enough) and a merge keep the whole run's one ratio.
     """
     if not prompts:
         raise ValueError("no prompts to evaluate (the prompt set is empty)")
