@@ -185,7 +185,9 @@ class FitConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     seed: int = 0  # every random choice of the run (null rows, feature noise, the data stream's order)
     run_dir: str = MISSING  # checkpoints, logs and the exported drafter go here
-    resume: str | None = None  # a checkpoint path, or "last" (run_dir/checkpoints/last.ckpt) to resume
+    # a checkpoint path, "last" (run_dir/checkpoints/last.ckpt) to resume, or "auto": "last" when that file
+    # exists, else a fresh start (a requeued SLURM job's one command, docs/training.md)
+    resume: str | None = None
     export_dir: str | None = None  # where the final drafter is saved (default run_dir/drafter)
     eval: EvalCallbackConfig = field(default_factory=EvalCallbackConfig)
     push: PushConfig = field(default_factory=PushConfig)

@@ -8,8 +8,10 @@ card with the last EvalAfterEpoch table) under ``<run_dir>/drafter``; optionally
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import re
 import sys
 import time
 import warnings
@@ -89,9 +91,21 @@ def build_logger(cfg: FitConfig, run_dir: Path):
         from lightning.pytorch.loggers import WandbLogger
 
         return WandbLogger(
-            name=name, project=cfg.logger.project, save_dir=str(save_dir), offline=cfg.logger.offline
+            name=name,
+            project=cfg.logger.project,
+            save_dir=str(save_dir),
+            offline=cfg.logger.offline,
+            id=wandb_id(run_dir),
+            resume="allow",  # a resume of the folder continues its wandb run
         )
     raise ValueError(f"logger.kind must be csv, tensorboard or wandb, got {kind!r}")
+
+
+def wandb_id(run_dir: Path) -> str:
+    """The run folder's wandb id: its name (wandb's characters only) and a hash of its absolute path, the
+    same for every launch of the folder (a resume, a requeued job), different for two folders alike."""
+    digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', run_dir.name)[:48]}-{digest}"
 
 
 def build_drafter(cfg: FitConfig, target) -> Drafter:
@@ -169,12 +183,13 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     ``NonFiniteLossError`` / ``NonFiniteWeightsError`` naming the last checkpoint with finite weights."""
     import lightning as L
     import torch
+    from lightning.pytorch.callbacks import LearningRateMonitor
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from vdtrain.data.datamodule import DrafterDataModule
     from vdtrain.hub import export_drafter, find_results, training_command
     from vdtrain.prompts import prompts_for_run
-    from vdtrain.resume import checkpoint
+    from vdtrain.resume import auto, checkpoint
     from vdtrain.targets import load_target
     from vdtrain.train.checkpointing import (
         AtomicCheckpointIO,
@@ -210,7 +225,8 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         cfg.trainer.compile,
     )
     data = DrafterDataModule(cfg.data, target.identity, target.world, drafter.taps)
-    ckpt_path = None if cfg.resume is None else str(checkpoint(cfg.resume, run_dir))
+    resume = auto(cfg.resume, run_dir)
+    ckpt_path = None if resume is None else str(checkpoint(resume, run_dir))
     last = FiniteCheckpoint(
         dirpath=run_dir / "checkpoints",
         filename="step{step}",
@@ -221,6 +237,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         resumed_from=ckpt_path,
     )
     hooks: list[L.Callback] = [
+        LearningRateMonitor(logging_interval="step"),  # lr-<optimizer> beside the losses
         last,
         FiniteCheckpoint(
             dirpath=run_dir / "checkpoints",
@@ -269,6 +286,8 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         # DeepSpeed writes its own checkpoint folders and takes no CheckpointIO plugin.
         plugins=None if t.strategy.startswith("deepspeed") else [AtomicCheckpointIO()],
     )
+    # the resolved configuration as the run's hyperparameters (wandb's config, TensorBoard's hparams)
+    trainer.logger.log_hyperparams(OmegaConf.to_container(OmegaConf.create(cfg), resolve=True))
     start = time.monotonic()
 
     def how_to_go_on() -> str:
@@ -288,6 +307,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
                 metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
         except SIGTERMException as stop:
             by, stopped = ("Ctrl-C", Interrupted) if ctrl_c.pressed else ("SIGTERM", Preempted)
+            by = "SIGUSR1" if ctrl_c.warned and not ctrl_c.pressed else by
             raise stopped(f"stopped by {by} at step {trainer.global_step}; {how_to_go_on()}") from stop
         except Interrupted as stop:
             raise Interrupted(f"{stop}; {how_to_go_on()}") from None
@@ -361,10 +381,11 @@ def _kept(cfg: DictConfig) -> str:
 @user_errors("vdtrain.fit", _kept)
 def _main(cfg: DictConfig) -> None:
     from vdtrain.durations import duration
+    from vdtrain.resume import auto
     from vdtrain.train.checkpointing import Interrupted, Preempted
 
     started = time.monotonic()
-    if cfg.resume is not None:
+    if cfg.resume is not None and auto(cfg.resume, Path(cfg.run_dir)) is not None:
         cfg = resume_run(cfg)
     try:
         summary = fit(cfg)

@@ -98,7 +98,7 @@ def device_available(name: str, key: str = "device") -> None:
 
 def check_fit(cfg: DictConfig) -> None:
     from vdtrain.config import check_known_keys
-    from vdtrain.resume import checkpoint, finished, resumed_config
+    from vdtrain.resume import auto, checkpoint, finished, resumed_config
 
     check_known_keys(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
     at_least(cfg, FIT_MINIMUMS)
@@ -115,13 +115,14 @@ def check_fit(cfg: DictConfig) -> None:
             raise ValueError(f"trainer.accelerator={cfg.trainer.accelerator!r}, but {why}: use trainer=cpu")
     run_dir = Path(cfg.hydra.run.dir)
     creatable(str(run_dir), "hydra.run.dir")
-    if cfg.resume is not None:
+    resume = auto(cfg.resume, run_dir)
+    if resume is not None:
         named = run_dir.is_dir() or any(o.startswith("hydra.run.dir=") for o in cfg.hydra.overrides.hydra)
-        checkpoint(str(cfg.resume), run_dir, named)
+        checkpoint(resume, run_dir, named)
         effective = resumed_config(
             cfg, list(cfg.hydra.overrides.task), dict(cfg.hydra.runtime.choices), run_dir
         )
-        why = finished(run_dir, effective) if cfg.resume == "last" else None
+        why = finished(run_dir, effective) if resume == "last" else None
         if why is not None:
             raise NothingToDo(why)
     if cfg.eval.enabled:

@@ -52,6 +52,14 @@ def may_change(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in MAY_CHANGE)
 
 
+def auto(resume: str | None, run_dir: Path) -> str | None:
+    """``resume=auto`` (a requeued SLURM job's one command): ``last`` when ``run_dir`` has a
+    ``last.ckpt``, else None, a fresh start; any other value as given."""
+    if resume != "auto":
+        return resume
+    return "last" if (run_dir / "checkpoints" / "last.ckpt").is_file() else None
+
+
 def checkpoint(resume: str, run_dir: Path, named: bool = True) -> Path:
     """The checkpoint ``resume`` names; a missing one is an error that says what to do: name the run
     (``named`` False: ``run_dir`` is a new time-named folder, not one the user gave), or, for a run that
@@ -126,8 +134,9 @@ def resumed_config(
     """The configuration a resume runs with: the run's saved one, with the command line's ``overrides``
     applied where ``MAY_CHANGE`` allows. ``cfg`` is the composed configuration (``choices`` its config
     group options); a run without a record (one started from Python) resumes with ``cfg`` as given."""
-    ckpt = checkpoint(str(cfg.resume), run_dir)
-    run = saved_run(ckpt, str(cfg.resume), run_dir)
+    resume = str(auto(cfg.resume, run_dir))
+    ckpt = checkpoint(resume, run_dir)
+    run = saved_run(ckpt, resume, run_dir)
     if run is None:
         return cfg
     saved = OmegaConf.load(run / RECORD / "config.yaml")

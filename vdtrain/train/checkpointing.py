@@ -61,21 +61,33 @@ class CtrlC:
     the step (or validation batch, or epoch), so ``FiniteCheckpoint`` writes ``last.ckpt`` at a step
     boundary and the resume is exact. A second Ctrl-C, or one outside training (the final validation,
     the export), raises ``Interrupted`` at once. Installed in the main thread only (where signals
-    arrive) and only where SIGINT is not ignored; the previous handler comes back on exit."""
+    arrive) and only where SIGINT is not ignored; the previous handler comes back on exit.
+
+    SIGUSR1 (SLURM's ``--signal=USR1@90`` warning before the time limit) stops as SIGTERM does, once:
+    ``last.ckpt`` at the step reached, exit 143, and the requeued job's ``resume=auto`` goes on from it.
+    Installed first, it also keeps Lightning's own SLURM handler (an ``hpc_ckpt`` that resume does not
+    read) off that signal."""
 
     def __init__(self, trainer: L.Trainer) -> None:
-        self.trainer, self.pressed = trainer, False
-        self._previous: Any = None
+        self.trainer, self.pressed, self.warned = trainer, False, False
+        self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> CtrlC:
         main = threading.current_thread() is threading.main_thread()
         if main and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # nohup, a background job
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
+        if main and hasattr(signal, "SIGUSR1"):
+            self._previous[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_sigusr1)
         return self
 
     def __exit__(self, *_: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _on_sigusr1(self, signum: int, frame: object) -> None:
+        log.warning("SIGUSR1 (the scheduler's warning): stopping at the end of this step to write last.ckpt")
+        self.warned = True
+        self.trainer._signal_connector.received_sigterm = True
 
     def _on_sigint(self, signum: int, frame: object) -> None:
         state = self.trainer.state
