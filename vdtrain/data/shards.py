@@ -92,6 +92,12 @@ def sample_shapes(
     return shapes
 
 
+def sample_bytes(shapes: Mapping[str, Sequence[int]]) -> int:
+    """The array bytes one sample of these shapes stores (``sample_shapes``; the ``DTYPES``): what a
+    features run writes per sample, before tar headers (512 B a member) and captions."""
+    return sum(int(np.prod(shape)) * np.dtype(DTYPES[name]).itemsize for name, shape in shapes.items())
+
+
 def feature_taps(manifest: Mapping[str, Any]) -> list[int]:
     """The target layers a features shard set stores after the final-norm state (an eagle3 drafter's
     ``feature_layers``; empty for eagle1, and for sets written before taps were stored)."""
