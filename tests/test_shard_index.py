@@ -22,6 +22,7 @@ from vdtrain.data.shards import (
     index_shard_set,
     read_manifest,
     sample_index,
+    validate_shards,
 )
 from vdtrain.targets.base import TargetIdentity
 
@@ -119,6 +120,7 @@ def test_the_index_matches_a_header_scan_and_webdataset_reads_the_set(feats):
     manifest = read_manifest(pairs)
     for entry in manifest["shards"]:
         assert entry["index"] == sample_index(pairs / entry["name"])
+    assert validate_shards(pairs).ok
     urls = [str(pairs / s["name"]) for s in manifest["shards"]]
     raw = list(wds.WebDataset(urls, shardshuffle=False, empty_check=False))
     assert [r["__key__"] for r in raw] == [s["key"] for s in ShardReader(pairs)]
@@ -147,3 +149,5 @@ def test_a_wrong_index_is_a_one_line_error_naming_the_fix(feats, tmp_path):
     with pytest.raises(ShardError, match=r"re-index with `python -m vdtrain.data.shards index") as err:
         list(ShardReader(bad).iter_slots(manifest["shards"][0]["name"], {1}))
     assert "\n" not in str(err.value)
+    report = validate_shards(bad, raise_on_error=False)
+    assert not report.ok and "sample index does not match" in report.problems[0]

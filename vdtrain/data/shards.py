@@ -803,6 +803,15 @@ def validate_shards(
             continue
         report.shard_samples[name] = count
         report.num_samples += count
+        if "index" in entry and entry["index"] != sample_index(path):
+            report.problems.append(
+                sample_problem(
+                    path,
+                    None,
+                    "the manifest's sample index does not match the tar: re-index "
+                    f"with `python -m vdtrain.data.shards index {folder}`",
+                )
+            )
         if count != entry["samples"]:
             report.problems.append(
                 sample_problem(path, None, f"{count} samples, the manifest records {entry['samples']}")
