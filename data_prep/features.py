@@ -42,6 +42,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict:
         overwrite=cfg.overwrite,
         taps=tuple(cfg.feature_layers),
         ranks=ranks,
+        warn_bytes=cfg.warn_bytes,
     )
     return {"out_dir": cfg.out_dir, "num_samples": manifest["num_samples"], "shards": len(manifest["shards"])}
 

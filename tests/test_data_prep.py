@@ -41,6 +41,7 @@ from vdtrain.data.shards import (
     feature_taps,
     read_manifest,
     read_shards,
+    sample_bytes,
     validate_shards,
 )
 from vdtrain.decode.ar import generate_ar
@@ -351,6 +352,18 @@ def test_features_match_the_target_under_cond_or_null(target, coco_shards, tmp_p
         )
         assert not np.allclose(feats, target.forward_sequence(unused, tokens).hidden[0], atol=1e-2)
     assert validate_shards(tmp_path / "feats", target.identity).ok
+
+
+@needs_coco
+def test_features_warn_before_writing_more_than_warn_bytes(target, coco_shards, tmp_path, caplog):
+    manifest = prepare_features(target, coco_shards, tmp_path / "feats", warn_bytes=1e4, progress=False)
+    assert "more than warn_bytes=1e+04" in caplog.text and "feature_layers" in caplog.text
+    estimate = manifest["num_samples"] * sample_bytes(manifest["shapes"])
+    stored = sum(s["bytes"] for s in manifest["shards"])
+    assert estimate <= stored <= estimate + 8 * 6 * 1024 + 3 * 10240  # + headers, captions, tar padding
+    caplog.clear()
+    prepare_features(target, coco_shards, tmp_path / "more", warn_bytes=stored, progress=False)
+    assert "warn_bytes" not in caplog.text
 
 
 def test_features_without_stored_cond_encode_the_caption(target, tmp_path):

@@ -39,6 +39,7 @@ from vdtrain.data.shards import (
     check_identity,
     clean_key,
     read_manifest,
+    sample_bytes,
 )
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.compiled import DecodeOptions
@@ -550,6 +551,7 @@ def prepare_features(
     progress: bool = True,
     taps: tuple[int, ...] = (),
     ranks: Ranks | None = None,
+    warn_bytes: float | None = None,
 ) -> dict[str, Any]:
     """A copy of shard set ``in_dir`` with ``feats.npy`` per sample: the fp16 target hidden states
     [L+N, H] = ``target.sequence_features(cond, tokens)`` (final norm applied), followed by the ``taps``
@@ -560,7 +562,8 @@ def prepare_features(
     ``p_null`` (per sample, seeded by ``seed`` and the key) the sample is null-conditioned: its features
     come from ``target.with_null`` and ``meta.json`` records ``null_conditioned: true`` (stored ``cond``
     stays the caption's). Output shards mirror the input's names; an input shard that changes (size or
-    count) redoes its output shard. With ``ranks`` each process does its part of the shards.
+    count) redoes its output shard. With ``ranks`` each process does its part of the shards. A set that
+    would hold more than ``warn_bytes`` is warned about before the target runs.
     """
     ranks = ranks or Ranks()
     if not 0.0 <= p_null <= 1.0:
@@ -594,6 +597,17 @@ def prepare_features(
         samples_per_shard=in_manifest["samples_per_shard"],
         feature_parts=1 + len(taps),
     )
+    size = in_manifest["num_samples"] * sample_bytes(writer.manifest["shapes"])
+    if warn_bytes is not None and size > warn_bytes and ranks.is_main:
+        log.warning(
+            "%s will hold about %.3g GB (%d samples × %.3g MB of fp16 states and tokens), more "
+            "than warn_bytes=%.3g: store fewer feature_layers, or train online (data.features=online)",
+            out_dir,
+            size / 1e9,
+            in_manifest["num_samples"],
+            sample_bytes(writer.manifest["shapes"]) / 1e6,
+            warn_bytes,
+        )
     planned = [entry["name"] for entry in in_manifest["shards"]]
     mine = ranks.take(in_manifest["shards"])
     total = sum(entry["samples"] for entry in mine)

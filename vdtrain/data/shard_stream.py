@@ -3,8 +3,9 @@
 The ordering of epoch ``e`` is over the sample *positions* the manifest lists: the shards in an order
 shuffled by ``e``, their positions passed through a seeded shuffle buffer. It is computed from the
 manifest alone, so every rank and DataLoader worker knows it without reading a byte, and it does not
-change when a sample turns out to be unreadable. Each process reads the shards in that order but
-decodes only the samples of its own batches (``ResumableStream`` splits ranks and workers).
+change when a sample turns out to be unreadable. Each process visits the shards in that order and reads
+only the samples of its own batches (``ResumableStream`` splits ranks and workers; the manifest's index
+says where they lie).
 
 A sample skipped as corrupt (``data.on_corrupt=skip``) still consumes its position: its batch is one
 sample smaller, and every epoch has the same number of batches on every rank, so the data position

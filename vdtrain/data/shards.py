@@ -92,6 +92,12 @@ def sample_shapes(
     return shapes
 
 
+def sample_bytes(shapes: Mapping[str, Sequence[int]]) -> int:
+    """The array bytes one sample of these shapes stores (``sample_shapes``; the ``DTYPES``): what a
+    features run writes per sample, before tar headers (512 B a member) and captions."""
+    return sum(int(np.prod(shape)) * np.dtype(DTYPES[name]).itemsize for name, shape in shapes.items())
+
+
 def feature_taps(manifest: Mapping[str, Any]) -> list[int]:
     """The target layers a features shard set stores after the final-norm state (an eagle3 drafter's
     ``feature_layers``; empty for eagle1, and for sets written before taps were stored)."""
@@ -212,7 +218,7 @@ def iter_raw_samples(path: str | os.PathLike[str]) -> Iterator[tuple[str, dict[s
     path = Path(path)
     key, members = None, {}
     try:
-        with tarfile.open(path, "r|") as tar:
+        with open(path, "rb") as handle, tarfile.open(fileobj=handle, mode="r|") as tar:
             for info in tar:
                 if not info.isfile():
                     continue
@@ -234,6 +240,87 @@ def iter_raw_samples(path: str | os.PathLike[str]) -> Iterator[tuple[str, dict[s
         ) from exc
     if key is not None:
         yield key, members
+
+
+def sample_index(path: str | os.PathLike[str]) -> list[list[int]]:
+    """[offset, length] of each sample's members in a tar (a scan of its headers, not its data): what a
+    shard's manifest entry records as ``index`` so a reader seeks to its own samples."""
+    index: list[list[int]] = []
+    key = None
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for info in tar:
+                if not info.isfile():
+                    continue
+                k, _ = _split_member(info.name)
+                end = info.offset_data + -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+                if k != key:
+                    key = k
+                    index.append([info.offset, end - info.offset])
+                else:
+                    index[-1][1] = end - index[-1][0]
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise ShardError(sample_problem(path, key, f"unreadable tar: {type(exc).__name__}: {exc}")) from exc
+    return index
+
+
+def read_indexed_sample(handle: Any, path: Path, offset: int, length: int) -> tuple[str, dict[str, bytes]]:
+    """(key, {suffix: bytes}) of the one sample at ``offset`` (``length`` bytes, headers included) of an
+    open tar: only those bytes are read. Raises ``ShardError`` if they are not one whole sample."""
+    handle.seek(offset)
+    data = handle.read(length)
+    key, members, pos = None, {}, 0
+    try:
+        if len(data) != length:
+            raise tarfile.ReadError(f"{length - len(data)} bytes short at offset {offset}")
+        while pos < length:
+            info = tarfile.TarInfo.frombuf(data[pos : pos + tarfile.BLOCKSIZE], "utf-8", "surrogateescape")
+            start = pos + tarfile.BLOCKSIZE
+            pos = start + -(-info.size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+            if not info.isfile():
+                continue
+            k, suffix = _split_member(info.name)
+            if key is not None and k != key:
+                raise tarfile.ReadError(f"members of {key!r} and {k!r} in one indexed span")
+            if suffix in members:
+                raise tarfile.ReadError(f"member {suffix!r} appears twice")
+            key, members[suffix] = k, data[start : start + info.size]
+            if len(members[suffix]) != info.size:
+                raise tarfile.ReadError(f"{info.name} is truncated")
+        if key is None:
+            raise tarfile.ReadError(f"no member at offset {offset}")
+    except tarfile.TarError as exc:
+        raise ShardError(
+            sample_problem(
+                path,
+                key,
+                f"unreadable indexed sample: {type(exc).__name__}: {exc}; "
+                f"re-index with `python -m vdtrain.data.shards index {path.parent}`",
+            )
+        ) from exc
+    return key, members
+
+
+def index_shard_set(folder: str | os.PathLike[str]) -> int:
+    """Record the sample index of every shard of a set written before shards were indexed (reads the
+    tar headers only); returns how many shards gained one."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    added = 0
+    for entry in manifest["shards"]:
+        path = folder / entry["name"]
+        if "index" in entry or not path.is_file():
+            continue
+        entry["index"] = sample_index(path)
+        if len(entry["index"]) != entry["samples"]:
+            raise ShardError(
+                sample_problem(
+                    path, None, f"{len(entry['index'])} samples, the manifest records {entry['samples']}"
+                )
+            )
+        added += 1
+    _write_json_atomic(folder / MANIFEST, manifest)
+    return added
 
 
 # --- manifest -----------------------------------------------------------------------------------------
@@ -284,6 +371,7 @@ class ShardSink:
         self.keys: set[str] = set()
         self.count = 0
         self.skipped = 0
+        self.index: list[list[int]] = []  # [offset, length] of each sample's members in the tar
 
     def write(self, sample: Mapping[str, Any]) -> None:
         """Add one sample: ``key`` plus the fields of the schema (optional ones as declared)."""
@@ -296,10 +384,12 @@ class ShardSink:
             members = self.writer.spec.encode(sample)
         except ValueError as exc:
             raise ShardError(sample_problem(self.name, key, f"refusing to write: {exc}")) from exc
+        start = self.tar.offset
         for suffix, data in members.items():
             info = tarfile.TarInfo(f"{key}.{suffix}")
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             self.tar.addfile(info, io.BytesIO(data))
+        self.index.append([start, self.tar.offset - start])
         self.keys.add(key)
         self.count += 1
 
@@ -425,6 +515,7 @@ class ShardWriter:
             "skipped_inputs": sink.skipped,
             "bytes": final.stat().st_size,
             "plan": json.loads(json.dumps(plan)),
+            "index": sink.index,
         }
         if self.shared:
             _write_json_atomic(self.out_dir / f"{name}.json", entry)
@@ -532,9 +623,10 @@ class ShardReader:
     ) -> Iterator[tuple[int, dict[str, Any] | None]]:
         """(position in the shard, sample) for the ``wanted`` positions (all by default), in order.
 
-        Only wanted samples are decoded and checked, so a training process reads the whole tar but
-        pays for its own samples only. Under ``on_corrupt="skip"`` a bad wanted sample comes as
-        ``(position, None)``; positions after a break in the tar (or of a missing shard) never come."""
+        Only wanted samples are decoded and checked. Where the manifest records the shard's ``index``,
+        only their bytes are read (a seek to each); a set written before shards were indexed is scanned
+        whole (``index_shard_set`` adds the index). Under ``on_corrupt="skip"`` a bad wanted sample comes
+        as ``(position, None)``; positions after a break in the tar (or of a missing shard) never come."""
         path = self.folder / name
         entry = next(s for s in self.manifest["shards"] if s["name"] == name)
         if not path.is_file():
@@ -543,6 +635,9 @@ class ShardReader:
         size = path.stat().st_size
         if size != entry["bytes"]:
             self._bad(sample_problem(path, None, f"{size} bytes, the manifest records {entry['bytes']}"))
+        if wanted is not None and "index" in entry:
+            yield from self._indexed_slots(path, entry["index"], wanted)
+            return
         raw, count = iter_raw_samples(path), 0
         while True:
             try:
@@ -565,6 +660,27 @@ class ShardReader:
             yield position, sample
         if count != entry["samples"]:
             self._bad(sample_problem(path, None, f"{count} samples, the manifest records {entry['samples']}"))
+
+    def _indexed_slots(
+        self, path: Path, index: Sequence[Sequence[int]], wanted: Container[int]
+    ) -> Iterator[tuple[int, dict[str, Any] | None]]:
+        with open(path, "rb", buffering=0) as handle:
+            for position, (offset, length) in enumerate(index):
+                if position not in wanted:
+                    continue
+                try:
+                    key, members = read_indexed_sample(handle, path, offset, length)
+                except ShardError as exc:
+                    self._bad(str(exc))
+                    return
+                try:
+                    sample = self.spec.decode(key, members)
+                except ValueError as exc:
+                    self._bad(sample_problem(path, key, str(exc)))
+                    yield position, None
+                    continue
+                sample["shard"] = path.name
+                yield position, sample
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for name in self.shards:
@@ -687,8 +803,32 @@ def validate_shards(
             continue
         report.shard_samples[name] = count
         report.num_samples += count
+        if "index" in entry and entry["index"] != sample_index(path):
+            report.problems.append(
+                sample_problem(
+                    path,
+                    None,
+                    "the manifest's sample index does not match the tar: re-index "
+                    f"with `python -m vdtrain.data.shards index {folder}`",
+                )
+            )
         if count != entry["samples"]:
             report.problems.append(
                 sample_problem(path, None, f"{count} samples, the manifest records {entry['samples']}")
             )
     return finish()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m vdtrain.data.shards index FOLDER``: index a shard set written before shards were."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m vdtrain.data.shards")
+    parser.add_argument("command", choices=["index"])
+    parser.add_argument("folder")
+    args = parser.parse_args(argv)
+    print(f"{args.folder}: indexed {index_shard_set(args.folder)} shard(s)")
+
+
+if __name__ == "__main__":
+    main()
