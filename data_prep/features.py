@@ -30,7 +30,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 def run_on(cfg: DictConfig, ranks: Ranks) -> dict:
-    target = target_for_run(cfg)
+    target = target_for_run(cfg, apply_dtype=True)
     manifest = prepare_features(
         target,
         cfg.in_dir,

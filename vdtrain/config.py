@@ -29,7 +29,7 @@ class TargetConfig:
 
     kind: str = "folder"  # a key of TARGET_KINDS: folder (the shapes world), llamagen, chameleon, janus, emu3
     quality: str | None = None  # per-image quality metric (shapes_consistency) or null
-    dtype: str = "fp32"  # fp32 | bf16 | fp16: weights and KV cache when decoding (generate, evaluate)
+    dtype: str = "fp32"  # fp32 | bf16 | fp16: weights and KV cache (decoding, data_prep.features, fit)
     # this target's own decoding knobs: preset name -> keys merged over conf/decode/<preset>.yaml (a
     # world's relaxed thresholds and tree sizes; docs/grain_world.md), wherever it decodes
     # (vdtrain/target_settings.py)
@@ -98,6 +98,9 @@ class TrainerConfig:
     num_nodes: int = 1
     strategy: str = "auto"  # auto | ddp | ddp_cpu (gloo) | deepspeed_stage_2 | deepspeed_stage_3
     precision: str = "32-true"  # 32-true | bf16-mixed | 16-mixed
+    # the frozen target's weights in fit (fp32 | bf16 | fp16); null: target.dtype. The GPU configs set bf16:
+    # a 7B target in fp32 holds 28 GB a GPU before any activation (docs/training.md, "Precision")
+    target_dtype: str | None = None
     max_steps: int = 300
     max_epochs: int = -1
     # stop after this wall-clock time (checkpoints are still written); the LR cosine then ends with it

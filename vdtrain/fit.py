@@ -76,6 +76,12 @@ def deepspeed_config(cfg: FitConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.merge(base, extra))
 
 
+def frozen_dtype(cfg: FitConfig) -> str:
+    """The frozen target's dtype in fit: ``trainer.target_dtype`` (bf16 in the GPU trainer configs), else
+    ``target.dtype``. The after-epoch evaluation decodes with the same object, so in the same dtype."""
+    return cfg.trainer.target_dtype or cfg.target.dtype
+
+
 def build_logger(cfg: FitConfig, run_dir: Path):
     kind, name = cfg.logger.kind, cfg.logger.name or run_dir.name
     save_dir = run_dir / "logs"
@@ -191,6 +197,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
     from vdtrain.prompts import prompts_for_run
     from vdtrain.resume import auto, checkpoint
     from vdtrain.targets import load_target
+    from vdtrain.targets.registry import cast_for_inference
     from vdtrain.train.checkpointing import (
         AtomicCheckpointIO,
         CtrlC,
@@ -210,7 +217,7 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         torch.set_num_threads(cfg.trainer.threads)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run_dir = Path(cfg.run_dir)
-    target = load_target(OmegaConf.to_container(cfg.target))
+    target = cast_for_inference(load_target(OmegaConf.to_container(cfg.target)), frozen_dtype(cfg))
     drafter = build_drafter(cfg, target)
     module = DrafterModule(
         target,

@@ -104,7 +104,7 @@ def parse_target_config(config: Mapping[str, object]) -> tuple[TargetConfig, Tar
 def load_target(config: Mapping[str, object], device: str | torch.device = "cpu") -> Target:
     """Build the fp32 target a ``conf/target/*.yaml`` describes (``kind`` one of ``TARGET_KINDS``).
 
-    Its ``dtype`` is checked here but applied by ``cast_for_inference``: training keeps fp32 weights.
+    Its ``dtype`` is checked here but applied by ``cast_for_inference`` (fit: ``trainer.target_dtype`` or it).
     """
     shared, entry, spec = parse_target_config(config)
     inference_dtype(shared.dtype)
@@ -149,8 +149,8 @@ def cast_for_inference(target: Target, name: str) -> Target:
 def target_for_run(cfg, *, apply_dtype: bool = False) -> Target:
     """The target of a Hydra app's config (keys ``target``, ``device``, ``threads``) on its device.
 
-    ``apply_dtype`` casts it to ``target.dtype`` (decoding apps: generate, evaluate); the others (data
-    preparation, export) keep the checkpoint's fp32, as training does.
+    ``apply_dtype`` casts it to ``target.dtype`` (generate, evaluate, data_prep.features); export keeps the
+    checkpoint's fp32 (it writes the drafter, whose card records the target's fp32 identity).
     """
     from omegaconf import OmegaConf
 

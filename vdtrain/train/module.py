@@ -93,12 +93,31 @@ class DrafterModule(L.LightningModule):
         step_key = (self.seed * 1_000_003 + self.global_step) * 1_009 + self.global_rank
         return torch.Generator(device="cpu").manual_seed(step_key * 101 + micro_batch)
 
-    @torch.no_grad()
+    def input_dtype(self) -> torch.dtype:
+        """The dtype of the drafter's inputs that ``trainer.precision`` implies: half under ``bf16-*`` and
+        ``16-*`` (autocast computes in it anyway; fp32 states would double their bytes), else fp32."""
+        precision = str(self._trainer.precision) if self._trainer is not None else "32-true"
+        return {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0], torch.float32)
+
     def prepare(
         self, batch: dict, null_rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens [B, N], condition mask [B, L], target states [B, L+N, H]: the final-norm hidden, followed
-        by the layers the drafter taps, ``split_taps`` parts them).
+        """(tokens [B, N], condition mask [B, L], target states [B, L+N, H] in ``input_dtype``: the
+        final-norm hidden, followed by the layers the drafter taps, ``split_taps`` parts them).
+
+        The target runs under ``inference_mode`` (no autograd state, no version counters). Its outputs are
+        inference tensors, which autograd refuses to save for backward, and the drafter's first layers
+        save their inputs: so they leave it through one copy made outside, the dtype cast (or a clone).
+        """
+        with torch.inference_mode():
+            tokens, mask, states = self._target_pass(batch, null_rows)
+        dtype = self.input_dtype()
+        return tokens.clone(), mask.clone(), states.to(dtype) if states.dtype != dtype else states.clone()
+
+    def _target_pass(
+        self, batch: dict, null_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``prepare``'s three tensors in the target's (or the stored features') own dtype.
 
         Online: the target runs on the captions, with ``null_rows`` null-conditioned, so the drafter's
         inputs *and* its regression targets come from the same (possibly null) condition. Offline: the
@@ -122,9 +141,9 @@ class DrafterModule(L.LightningModule):
                     f"feature_layers={list(self.drafter.taps)}"
                 )
             mask = batch["feats_mask"].to(self.device, torch.bool)  # the features' own: no caption encoder
-            return tokens, mask, batch["feats"].to(self.device, torch.float32)
+            return tokens, mask, batch["feats"].to(self.device)
         cond = target.with_null(target.encode_captions(batch["caption"]), null_rows.to(self.device))
-        return tokens, cond.mask, target.sequence_features(cond, tokens, self.drafter.taps).float()
+        return tokens, cond.mask, target.sequence_features(cond, tokens, self.drafter.taps)
 
     def _null_rows(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         return torch.rand(batch_size, generator=generator) < self.p_null
