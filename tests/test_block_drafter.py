@@ -49,7 +49,9 @@ def test_the_loss_draws_its_blocks_from_the_steps_generator(tiny_folder):
     torch.manual_seed(0)
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    module = DrafterModule(target, drafter, DrafterTrainConfig(), OptimConfig(), "online", 0.5)
+    module = DrafterModule(
+        target, drafter, DrafterTrainConfig(), OptimConfig(), features="online", p_null=0.5
+    )
     batch = shapes_batch(2)
 
     def loss(seed: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

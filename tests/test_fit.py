@@ -97,7 +97,9 @@ def make_module(
     torch.manual_seed(0)
     drafter = Drafter(DrafterConfig.for_target(target, kind=kind))
     train = DrafterTrainConfig(kind=kind, feature_noise=noise, ttt_steps=3)
-    return DrafterModule(target, drafter, train, OptimConfig(), features, p_null, seed, 100)
+    return DrafterModule(
+        target, drafter, train, OptimConfig(), features=features, p_null=p_null, seed=seed, max_steps=100
+    )
 
 
 def shapes_batch(n: int = 3, start: int = 0) -> dict:

@@ -224,12 +224,12 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         drafter,
         cfg.drafter,
         cfg.optim,
-        cfg.data.features,
-        cfg.data.p_null,
-        cfg.seed,
-        cfg.trainer.max_steps,
-        cfg.trainer.max_minutes,
-        cfg.trainer.compile,
+        features=cfg.data.features,
+        p_null=cfg.data.p_null,
+        seed=cfg.seed,
+        max_steps=cfg.trainer.max_steps,
+        max_minutes=cfg.trainer.max_minutes,
+        compile=cfg.trainer.compile,
     )
     data = DrafterDataModule(cfg.data, target.identity, target.world, drafter.taps)
     resume = auto(cfg.resume, run_dir)

@@ -48,6 +48,7 @@ class DrafterModule(L.LightningModule):
         drafter: Drafter,
         train: DrafterTrainConfig,
         optim: OptimConfig,
+        *,
         features: str = DataConfig.features,
         p_null: float = DataConfig.p_null,
         seed: int = 0,
