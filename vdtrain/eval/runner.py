@@ -377,7 +377,9 @@ def evaluate(
 
     timed = speed_repeats > 0 and not merge_only and ranks.is_main
     spreads = timed_speedups(work, runs, speed_repeats) if timed else {}
-    result = merge(records_of, runs, scorer, prompts, target, ranks.world, keep_decoded, spreads)
+    result = merge(
+        records_of, runs, scorer, prompts, target, ranks.world, keep_decoded=keep_decoded, spreads=spreads
+    )
     log.info("evaluation done in %s", duration(time.monotonic() - started))
     return result
 
@@ -496,6 +498,7 @@ def merge(
     prompts: list[str],
     target: Target,
     world_size: int,
+    *,
     keep_decoded: bool = True,
     spreads: Mapping[tuple[str, float], Spread] | None = None,
 ) -> EvalResult:
