@@ -121,8 +121,14 @@ def run_app(
 ) -> None:
     """Compose ``conf/<config_name>.yaml`` with the command line's overrides, ``check`` it (cheap checks
     only: no model, no heavy import), then run the ``@hydra.main`` ``entry``. Hydra's own flags (``--help``,
-    ``-m``, ``--cfg``) go straight to Hydra. Configs may name their output folder by ``${run_name:}``: one
-    for every rank of a launch.
+    ``--cfg``) go straight to Hydra. Configs may name their output folder by ``${run_name:}``: one for every
+    rank of a launch.
+
+    A sweep (``-m``) is checked here too, every job before the first starts: its overrides are expanded into
+    the jobs Hydra's sweeper will launch, and each is composed and checked as a single run is. A Hydra
+    callback could not do it: Hydra composes the sweep's own configuration before any callback runs (a
+    misspelt key ends there, in Hydra's multi-line report), writes ``multirun.yaml`` before the jobs start,
+    and a job's callback sees its mistake only after the jobs before it ran, maybe for hours.
 
     An app whose full configuration needs heavy imports (generate's decode parts) gives ``light``, the
     overrides the cheap composition uses instead of the command line's (it may refuse them too), and
@@ -132,21 +138,23 @@ def run_app(
 
     register_configs()
     args = sys.argv[1:]
-    if any(a.startswith("-") for a in args):
+    sweep = sweep_overrides(args)
+    if sweep is None and any(a.startswith("-") for a in args):
         if prepare is not None:
             prepare()
         entry()
         return
-    from hydra import compose, initialize_config_dir
-
+    jobs: list[list[str]] = []
+    number, finished = None, []
     try:
-        with initialize_config_dir(str(CONF_DIR), version_base=None):
-            cfg = compose(config_name, overrides=light(args) if light else args, return_hydra_config=True)
-        check(cfg)
-        if prepare is not None:
-            prepare()
-            with initialize_config_dir(str(CONF_DIR), version_base=None):
-                compose(config_name, overrides=args)
+        jobs = [args] if sweep is None else sweep_jobs(sweep)
+        for number, job in enumerate(jobs):
+            try:
+                check_job(config_name, job, check, light, prepare, None if sweep is None else number)
+            except NothingToDo as done:
+                if sweep is None:
+                    raise
+                finished.append(f"sweep job #{number}: {done}")
     except KeyboardInterrupt:
         interrupted(app, "nothing was started")
     except NothingToDo as done:
@@ -155,8 +163,79 @@ def run_app(
     except Exception as err:
         if not is_user_error(err) or debug_requested(args):
             raise
-        fail(app, plain_key_error(err, config_name, args, light) or err)
+        job = args if number is None else jobs[number]
+        err = plain_key_error(err, config_name, job, light) or err
+        fail(app, err if sweep is None or number is None else SweepJobError(jobs, number, err))
+    for line in finished:  # a resume of a sweep: the jobs that are done say so; the others run
+        print(f"{app}: {line}")
+    if finished and len(finished) == len(jobs):
+        sys.exit(0)
     entry()
+
+
+def check_job(
+    config_name: str,
+    overrides: list[str],
+    check: Callable[[DictConfig], None],
+    light: Callable[[list[str]], list[str]] | None,
+    prepare: Callable[[], None] | None,
+    number: int | None,
+) -> None:
+    """``run_app``'s checks of one launch: a single run (``number`` None) or job ``number`` of a sweep,
+    composed as Hydra's launcher will compose it (``hydra.mode=MULTIRUN``, its ``hydra.job.num``), so that
+    ``check`` finds the job's own folder (``vdtrain.preflight.run_folder``)."""
+    from hydra import compose, initialize_config_dir
+
+    job = [] if number is None else ["hydra.mode=MULTIRUN", f"hydra.job.num={number}"]
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        cfg = compose(
+            config_name, overrides=(light(overrides) if light else overrides) + job, return_hydra_config=True
+        )
+    check(cfg)
+    if prepare is not None:
+        prepare()
+        with initialize_config_dir(str(CONF_DIR), version_base=None):
+            compose(config_name, overrides=overrides)
+
+
+MULTIRUN_FLAGS = ("-m", "--multirun")
+
+
+def sweep_overrides(args: list[str]) -> list[str] | None:
+    """A sweep's overrides (``-m``/``--multirun``, or ``hydra.mode=MULTIRUN``) without its flag; None for a
+    single run, and for a sweep with other flags or another sweeper (``hydra/sweeper=``, sweeper params),
+    which goes to Hydra unchecked: only the basic sweeper's jobs can be listed before it runs."""
+    flags = [a for a in args if a.startswith("-")]
+    multirun = bool(flags) or "hydra.mode=MULTIRUN" in args
+    if not multirun or any(f not in MULTIRUN_FLAGS for f in flags):
+        return None
+    if any(a.startswith(("hydra/sweeper=", "hydra.sweeper.params")) for a in args):
+        return None
+    return [a for a in args if a not in MULTIRUN_FLAGS and a != "hydra.mode=MULTIRUN"]
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """Each job's overrides, numbered as Hydra will number them (the number names the job's folder): the
+    basic sweeper's own expansion (a cartesian product of ``a=1,2``, ``range()``, ``glob()`` ...)."""
+    from hydra import initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
+        parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
+        parsed = parser.parse_overrides(overrides)
+    return [list(job) for job in BasicSweeper.split_arguments(parsed, None)[0]]
+
+
+class SweepJobError(ValueError):
+    """A user error in one job of a sweep: the message names the job by its number and the values that
+    set it apart from the others."""
+
+    def __init__(self, jobs: list[list[str]], number: int, err: BaseException) -> None:
+        varies = {o.split("=", 1)[0] for job in jobs for o in job if any(o not in other for other in jobs)}
+        values = " ".join(o for o in jobs[number] if o.split("=", 1)[0] in varies)
+        super().__init__(f"sweep job #{number}{f' ({values})' if values else ''}: {one_line(err)}")
 
 
 def plain_key_error(
@@ -233,6 +312,38 @@ def user_errors(
         return run
 
     return wrap
+
+
+def sweep_job_folder(key: str) -> Callable[[Callable[[DictConfig], R]], Callable[[DictConfig], R]]:
+    """Decorate a Hydra task whose output folder is ``cfg.<key>`` (its config's ``hydra.run.dir: ${<key>}``):
+    in a sweep (``-m``) each job's own folder, Hydra's ``hydra.sweep.dir``/``hydra.sweep.subdir``
+    (``<key>/<job number>`` in the app's config), replaces it, so that no two jobs write one folder."""
+
+    def wrap(task: Callable[[DictConfig], R]) -> Callable[[DictConfig], R]:
+        @functools.wraps(task)
+        def run(cfg: DictConfig) -> R:
+            from hydra.core.hydra_config import HydraConfig
+            from hydra.types import RunMode
+
+            if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+                cfg[key] = HydraConfig.get().runtime.output_dir
+            return task(cfg)
+
+        return run
+
+    return wrap
+
+
+def job_arguments() -> list[str]:
+    """This launch's command-line arguments; for a job of a sweep, the job's own overrides as Hydra recorded
+    them (its values, not the sweep's lists): the command that redoes that job alone."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return sys.argv[1:]
+    overrides = HydraConfig.get().overrides
+    return [*overrides.task, *(o for o in overrides.hydra if not o.startswith("hydra.mode="))]
 
 
 def _made_now(folder: Path) -> bool:

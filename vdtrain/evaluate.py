@@ -12,7 +12,6 @@ what is missing, and rank 0 merges the units into the tables (``merge=true``: me
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from vdtrain.cli import run_app, user_errors
+from vdtrain.cli import job_arguments, run_app, sweep_job_folder, user_errors
 from vdtrain.config import as_list, presets_except
 from vdtrain.paths import CONF_DIR
 from vdtrain.preflight import check_decoding
@@ -127,7 +126,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> EvalResult | None:
     if result is None:  # not the main rank: it merges, writes and reports
         return None
     settings: dict[str, Any] = {
-        "command": " ".join(["python -m vdtrain.evaluate", *sys.argv[1:]]),
+        "command": " ".join(["python -m vdtrain.evaluate", *job_arguments()]),
         "device": device_description(device),
         "torch": torch.__version__,
         "dtype": str(target.dtype).removeprefix("torch."),
@@ -198,6 +197,7 @@ def _kept(cfg: DictConfig) -> str:
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="evaluate")
+@sweep_job_folder("out_dir")
 @user_errors("vdtrain.evaluate", _kept)
 def _main(cfg: DictConfig) -> None:
     from vdtrain.eval.table import to_markdown

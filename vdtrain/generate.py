@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from vdtrain.cli import run_app, user_errors
+from vdtrain.cli import run_app, sweep_job_folder, user_errors
 from vdtrain.config import presets_except
 from vdtrain.paths import CONF_DIR
 from vdtrain.preflight import check_decoding
@@ -259,6 +259,7 @@ def _kept(cfg: DictConfig) -> str:
 
 
 @hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="generate")
+@sweep_job_folder("out_dir")
 @user_errors("vdtrain.generate", _kept)
 def _main(cfg: DictConfig) -> None:
     summary = run(cfg)

@@ -11,6 +11,7 @@ import re
 import tempfile
 from pathlib import Path
 
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import NothingToDo
@@ -113,11 +114,11 @@ def check_fit(cfg: DictConfig) -> None:
         why = gpu_missing()
         if why is not None:
             raise ValueError(f"trainer.accelerator={cfg.trainer.accelerator!r}, but {why}: use trainer=cpu")
-    run_dir = Path(cfg.hydra.run.dir)
-    creatable(str(run_dir), "hydra.run.dir")
+    run_dir, key = run_folder(cfg)
+    creatable(str(run_dir), key)
     resume = auto(cfg.resume, run_dir)
     if resume is not None:
-        named = run_dir.is_dir() or any(o.startswith("hydra.run.dir=") for o in cfg.hydra.overrides.hydra)
+        named = run_dir.is_dir() or any(o.startswith(f"{key}=") for o in cfg.hydra.overrides.hydra)
         checkpoint(resume, run_dir, named)
         effective = resumed_config(
             cfg, list(cfg.hydra.overrides.task), dict(cfg.hydra.runtime.choices), run_dir
@@ -129,6 +130,14 @@ def check_fit(cfg: DictConfig) -> None:
         presets_known(list(cfg.eval.methods), "eval.methods")
         presets_known([cfg.eval.acceptance.method], "eval.acceptance.method")
         _prompts(cfg.eval)
+
+
+def run_folder(cfg: DictConfig) -> tuple[Path, str]:
+    """The folder Hydra will make for this launch and the key that names it: ``hydra.run.dir``, or for a job
+    of a sweep (``hydra.mode=MULTIRUN``) ``hydra.sweep.dir`` joined with its ``hydra.sweep.subdir``."""
+    if cfg.hydra.mode == RunMode.MULTIRUN:
+        return Path(cfg.hydra.sweep.dir) / str(cfg.hydra.sweep.subdir), "hydra.sweep.dir"
+    return Path(cfg.hydra.run.dir), "hydra.run.dir"
 
 
 def declared_drafter_kinds() -> list[str]:
