@@ -144,17 +144,24 @@ def run_app(
             prepare()
         entry()
         return
+    from hydra import compose, initialize_config_dir
+
     jobs: list[list[str]] = []
     number, finished = None, []
     try:
         jobs = [args] if sweep is None else sweep_jobs(sweep)
         for number, job in enumerate(jobs):
             try:
-                check_job(config_name, job, check, light, prepare, None if sweep is None else number)
+                check_job(config_name, job, check, light, None if sweep is None else number)
             except NothingToDo as done:
                 if sweep is None:
                     raise
                 finished.append(f"sweep job #{number}: {done}")
+        if prepare is not None:  # every job's cheap checks first: they are the quick ones
+            prepare()
+            for number in range(len(jobs)):  # the number names the job in an error
+                with initialize_config_dir(str(CONF_DIR), version_base=None):
+                    compose(config_name, overrides=jobs[number])
     except KeyboardInterrupt:
         interrupted(app, "nothing was started")
     except NothingToDo as done:
@@ -178,12 +185,11 @@ def check_job(
     overrides: list[str],
     check: Callable[[DictConfig], None],
     light: Callable[[list[str]], list[str]] | None,
-    prepare: Callable[[], None] | None,
     number: int | None,
 ) -> None:
-    """``run_app``'s checks of one launch: a single run (``number`` None) or job ``number`` of a sweep,
-    composed as Hydra's launcher will compose it (``hydra.mode=MULTIRUN``, its ``hydra.job.num``), so that
-    ``check`` finds the job's own folder (``vdtrain.preflight.run_folder``)."""
+    """``run_app``'s cheap checks of one launch: a single run (``number`` None) or job ``number`` of a
+    sweep, composed as Hydra's launcher will compose it (``hydra.mode=MULTIRUN``, its ``hydra.job.num``), so
+    that ``check`` finds the job's own folder (``vdtrain.preflight.run_folder``)."""
     from hydra import compose, initialize_config_dir
 
     job = [] if number is None else ["hydra.mode=MULTIRUN", f"hydra.job.num={number}"]
@@ -192,10 +198,6 @@ def check_job(
             config_name, overrides=(light(overrides) if light else overrides) + job, return_hydra_config=True
         )
     check(cfg)
-    if prepare is not None:
-        prepare()
-        with initialize_config_dir(str(CONF_DIR), version_base=None):
-            compose(config_name, overrides=overrides)
 
 
 MULTIRUN_FLAGS = ("-m", "--multirun")

@@ -1,0 +1,119 @@
+"""Hydra sweeps (``-m``) of fit, evaluate and generate (issue 57, item 2): one folder per job, and a single
+run's one-line checks for every job, before the first job starts (``vdtrain.cli.run_app``).
+
+The sweeps that run run in this process, through each app's ``main`` as ``python -m <app> -m ...`` calls
+it: a child process would pay for torch and Lightning's imports again (half a minute on a loaded CPU). The
+mistakes, which end the process, are tried in a child."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import pytest
+import yaml
+from test_fit import SMALL, run_cli
+
+from vdtrain import evaluate, fit, generate
+from vdtrain.cli import SweepJobError, sweep_jobs, sweep_overrides
+from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.targets import load_target_folder
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def sweep_here(tmp_path, monkeypatch):
+    """Run ``app.main()`` as ``python -m <app> -m <args>`` in ``tmp_path``; Hydra's logging set-up undone."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    monkeypatch.chdir(tmp_path)
+
+    def sweep(app, args: list[str]) -> None:
+        monkeypatch.setattr(sys, "argv", [app.__file__, "-m", *args])
+        app.main()
+
+    yield sweep
+    for handler in [h for h in root.handlers if h not in handlers]:
+        root.removeHandler(handler)
+        handler.close()
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
+
+
+def test_a_fit_sweep_trains_each_job_in_its_own_run_folder(tiny_folder, tmp_path, sweep_here, monkeypatch):
+    """Named as a run is (``VDTRAIN_RUN_NAME``, a SLURM job): a requeued sweep finds its jobs' folders."""
+    monkeypatch.setenv("VDTRAIN_RUN_NAME", "sweep")
+    args = [f"target.folder={tiny_folder}", *SMALL, "trainer.max_steps=1", "drafter.kind=eagle1,eagle3"]
+    sweep_here(fit, args)
+    sweep = tmp_path / "checkpoints" / "multirun" / "sweep"
+    for number, kind in enumerate(["eagle1", "eagle3"]):
+        job = sweep / str(number)
+        assert json.loads((job / "summary.json").read_text())["steps"] == 1
+        assert (job / "checkpoints" / "last.ckpt").is_file()
+        assert f"drafter.kind={kind}" in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+        assert json.loads((job / "drafter" / "config.json").read_text())["kind"] == kind
+
+
+def test_an_evaluate_sweep_writes_each_job_to_its_own_folder(tiny_folder, tmp_path, sweep_here):
+    Drafter(DrafterConfig.for_target(load_target_folder(tiny_folder))).save_pretrained(tmp_path / "drafter")
+    args = [f"target.folder={tiny_folder}", f"drafter={tmp_path / 'drafter'}", "methods=[eagle1]", "seed=0,1"]
+    args += ["eval=fast", "num_prompts=1", "batch_size=1", "out_dir=out", "speed_repeats=0", "warmup=false"]
+    sweep_here(evaluate, [*args, "plots=false", "save_images=false", "acceptance.enabled=false"])
+    for seed in (0, 1):
+        settings = json.loads((tmp_path / "out" / str(seed) / "results.json").read_text())["settings"]
+        assert settings["config"]["seed"] == seed
+        assert settings["config"]["out_dir"] == str(tmp_path / "out" / str(seed))
+        # the command that redoes this job alone, not the sweep's
+        assert f" seed={seed} " in settings["command"] and "seed=0,1" not in settings["command"]
+
+
+def test_a_generate_sweep_over_methods_writes_each_job_to_its_own_folder(tiny_folder, tmp_path, sweep_here):
+    sweep_here(generate, [f"target.folder={tiny_folder}", "method=ar,sjd", "num_prompts=1", "out_dir=out"])
+    for number, method in enumerate(["ar", "sjd"]):
+        job = tmp_path / "out" / str(number)
+        stats = json.loads((job / "stats.json").read_text())
+        assert stats["summary"]["method"] == method and stats["summary"]["num_samples"] == 1
+        assert (job / "0000.png").is_file() and (job / "grid.png").is_file()
+
+
+MISTAKES = [  # (app, overrides, the error line's start)
+    ("vdtrain.fit", ["trainer.max_stepz=3", "optim.lr=1e-3,3e-4"],
+     "sweep job #0 (optim.lr=0.001): unknown config key 'trainer.max_stepz' (did you mean trainer.max_steps"),
+    # a bad value in the second job: refused before the first trains
+    ("vdtrain.fit", ["optim.lr=1e-3,-1"], "sweep job #1 (optim.lr=-1): optim.lr must be at least 0, got -1"),
+    ("vdtrain.evaluate", ["num_promptz=1", "seed=0,1"],
+     "sweep job #0 (seed=0): unknown config key 'num_promptz' (did you mean num_prompts?)"),
+    ("vdtrain.generate", ["method=ar,eagle9"], "sweep job #1 (decode=eagle9): unknown method 'eagle9'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("app", "args", "message"), MISTAKES)
+def test_a_mistake_in_any_job_is_one_line_and_status_2_with_no_folder_left(
+    app, args, message, tiny_folder, tmp_path
+):
+    command = [sys.executable, "-m", app, "-m", f"target.folder={tiny_folder}", *args]
+    done = run_cli(command, tmp_path, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith(f"{app}: error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"{app}: error: {message}"), done.stderr[-3000:]
+    assert errors[0].endswith("(debug=true shows the traceback)") and "Traceback" not in done.stderr
+    assert list(tmp_path.iterdir()) == []  # no multirun.yaml, no job folder
+
+
+def test_a_sweep_is_expanded_into_the_jobs_hydra_numbers():
+    """The basic sweeper's order (the last key varies fastest): job N's folder is N."""
+    assert sweep_overrides(["-m", "a=1"]) == ["a=1"] and sweep_overrides(["a=1", "--cfg", "job"]) is None
+    assert sweep_overrides(["hydra.mode=MULTIRUN", "a=1,2"]) == ["a=1,2"] and sweep_overrides(["a=1"]) is None
+    jobs = sweep_jobs(["drafter.kind=eagle1,eagle3", "optim.lr=1e-3,3e-4", "seed=1"])
+    assert jobs == [
+        ["drafter.kind=eagle1", "optim.lr=0.001", "seed=1"],
+        ["drafter.kind=eagle1", "optim.lr=0.0003", "seed=1"],
+        ["drafter.kind=eagle3", "optim.lr=0.001", "seed=1"],
+        ["drafter.kind=eagle3", "optim.lr=0.0003", "seed=1"],
+    ]
+    error = SweepJobError(jobs, 2, ValueError("bad"))
+    assert str(error) == "sweep job #2 (drafter.kind=eagle3 optim.lr=0.001): bad"
