@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import sys
 
 import pytest
@@ -16,7 +17,6 @@ import yaml
 from test_fit import SMALL, run_cli
 
 from vdtrain import evaluate, fit, generate
-from vdtrain.cli import SweepJobError, sweep_jobs, sweep_overrides
 from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.targets import load_target_folder
 
@@ -44,11 +44,14 @@ def sweep_here(tmp_path, monkeypatch):
     root.setLevel(level)
 
 
-def test_a_fit_sweep_trains_each_job_in_its_own_run_folder(tiny_folder, tmp_path, sweep_here, monkeypatch):
-    """Named as a run is (``VDTRAIN_RUN_NAME``, a SLURM job): a requeued sweep finds its jobs' folders."""
+def test_a_fit_sweep_trains_each_job_in_its_own_run_folder_and_resumes_as_a_requeued_sweep(
+    tiny_folder, tmp_path, sweep_here, monkeypatch, capsys
+):
+    """Named as a run is (``VDTRAIN_RUN_NAME``, a SLURM job): the same command again (``resume=auto``, a
+    requeue) finds its jobs' folders; a finished job says so, one that lost its folder trains anew."""
     monkeypatch.setenv("VDTRAIN_RUN_NAME", "sweep")
-    args = [f"target.folder={tiny_folder}", *SMALL, "trainer.max_steps=1", "drafter.kind=eagle1,eagle3"]
-    sweep_here(fit, args)
+    args = [f"target.folder={tiny_folder}", *SMALL, "trainer.max_steps=1", "resume=auto"]
+    sweep_here(fit, [*args, "drafter.kind=eagle1,eagle3"])
     sweep = tmp_path / "checkpoints" / "multirun" / "sweep"
     for number, kind in enumerate(["eagle1", "eagle3"]):
         job = sweep / str(number)
@@ -56,6 +59,17 @@ def test_a_fit_sweep_trains_each_job_in_its_own_run_folder(tiny_folder, tmp_path
         assert (job / "checkpoints" / "last.ckpt").is_file()
         assert f"drafter.kind={kind}" in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
         assert json.loads((job / "drafter" / "config.json").read_text())["kind"] == kind
+    first = (sweep / "0" / "summary.json").read_text()
+    shutil.rmtree(sweep / "1")
+    capsys.readouterr()
+    sweep_here(fit, [*args, "drafter.kind=eagle1,eagle3"])
+    out = capsys.readouterr().out
+    assert f"vdtrain.fit: the run {str(sweep / '0')!r} is finished (1 steps" in out
+    assert (sweep / "0" / "summary.json").read_text() == first  # not trained again
+    assert json.loads((sweep / "1" / "summary.json").read_text())["steps"] == 1
+    with pytest.raises(SystemExit) as ended:  # every job finished: nothing starts
+        sweep_here(fit, [*args, "drafter.kind=eagle1,eagle3"])
+    assert ended.value.code == 0 and "sweep job #1: the run" in capsys.readouterr().out
 
 
 def test_an_evaluate_sweep_writes_each_job_to_its_own_folder(tiny_folder, tmp_path, sweep_here):
@@ -106,6 +120,8 @@ def test_a_mistake_in_any_job_is_one_line_and_status_2_with_no_folder_left(
 
 def test_a_sweep_is_expanded_into_the_jobs_hydra_numbers():
     """The basic sweeper's order (the last key varies fastest): job N's folder is N."""
+    from vdtrain.cli import SweepJobError, sweep_jobs, sweep_overrides
+
     assert sweep_overrides(["-m", "a=1"]) == ["a=1"] and sweep_overrides(["a=1", "--cfg", "job"]) is None
     assert sweep_overrides(["hydra.mode=MULTIRUN", "a=1,2"]) == ["a=1,2"] and sweep_overrides(["a=1"]) is None
     jobs = sweep_jobs(["drafter.kind=eagle1,eagle3", "optim.lr=1e-3,3e-4", "seed=1"])

@@ -173,9 +173,8 @@ def run_app(
         job = args if number is None else jobs[number]
         err = plain_key_error(err, config_name, job, light) or err
         fail(app, err if sweep is None or number is None else SweepJobError(jobs, number, err))
-    for line in finished:  # a resume of a sweep: the jobs that are done say so; the others run
-        print(f"{app}: {line}")
-    if finished and len(finished) == len(jobs):
+    if finished and len(finished) == len(jobs):  # a resumed sweep: the task skips a finished job itself
+        print("\n".join(f"{app}: {line}" for line in finished))
         sys.exit(0)
     entry()
 

@@ -388,12 +388,19 @@ def _kept(cfg: DictConfig) -> str:
 @user_errors("vdtrain.fit", _kept)
 def _main(cfg: DictConfig) -> None:
     from vdtrain.durations import duration
-    from vdtrain.resume import auto
+    from vdtrain.resume import auto, finished
     from vdtrain.train.checkpointing import Interrupted, Preempted
 
     started = time.monotonic()
-    if cfg.resume is not None and auto(cfg.resume, Path(cfg.run_dir)) is not None:
+    run_dir = Path(cfg.run_dir)
+    resume = None if cfg.resume is None else auto(cfg.resume, run_dir)
+    if resume is not None:
         cfg = resume_run(cfg)
+        # a finished job of a resumed sweep (a single run's ends in run_app's checks): the next job goes on
+        done = finished(run_dir, cfg) if resume == "last" else None
+        if done is not None:
+            print(f"vdtrain.fit: {done}")
+            return
     try:
         summary = fit(cfg)
     except Preempted as stop:
