@@ -94,6 +94,15 @@ def test_a_generate_sweep_over_methods_writes_each_job_to_its_own_folder(tiny_fo
         assert (job / "0000.png").is_file() and (job / "grid.png").is_file()
 
 
+def test_a_job_that_fails_once_running_ends_the_sweep_leaving_no_folder(tiny_folder, tmp_path, sweep_here):
+    """A mistake only the job finds (here the drafter, after the target loads): one line, exit 2, and
+    neither the job's folder nor the sweep's ``multirun.yaml`` is left."""
+    with pytest.raises(SystemExit) as ended:
+        args = ["method=eagle2", "seed=0,1", "drafter=/nonexistent", "num_prompts=1", "out_dir=out"]
+        sweep_here(generate, [f"target.folder={tiny_folder}", *args])
+    assert ended.value.code == 2 and not (tmp_path / "out").exists()
+
+
 MISTAKES = [  # (app, overrides, the error line's start)
     ("vdtrain.fit", ["trainer.max_stepz=3", "optim.lr=1e-3,3e-4"],
      "sweep job #0 (optim.lr=0.001): unknown config key 'trainer.max_stepz' (did you mean trainer.max_steps"),

@@ -364,9 +364,23 @@ def settle_output(message: str) -> bool:
     if records_only and all(p.is_dir() or p.suffix in (".log", ".yaml") for p in folder.rglob("*")):
         logging.shutdown()
         shutil.rmtree(folder)
+        _no_empty_sweep()
         return True
     record = logging.LogRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
     return False
+
+
+def _no_empty_sweep() -> None:
+    """A sweep whose first job ended with nothing kept: its folder, made by this launch, would hold only
+    Hydra's ``multirun.yaml``; it goes too."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra = HydraConfig.get()
+    sweep = Path(hydra.sweep.dir)
+    made_now = hydra.mode == RunMode.MULTIRUN and sweep.is_dir() and _made_now(sweep)
+    if made_now and [p.name for p in sweep.iterdir()] == ["multirun.yaml"]:
+        shutil.rmtree(sweep)
