@@ -158,6 +158,7 @@ def run_app(
                     raise
                 finished.append(f"sweep job #{number}: {done}")
         if prepare is not None:  # every job's cheap checks first: they are the quick ones
+            number = None  # a missing package is no job's
             prepare()
             for number in range(len(jobs)):  # the number names the job in an error
                 with initialize_config_dir(str(CONF_DIR), version_base=None):
@@ -217,7 +218,9 @@ def sweep_overrides(args: list[str]) -> list[str] | None:
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     """Each job's overrides, numbered as Hydra will number them (the number names the job's folder): the
-    basic sweeper's own expansion (a cartesian product of ``a=1,2``, ``range()``, ``glob()`` ...)."""
+    basic sweeper's own expansion (a cartesian product of ``a=1,2``, ``range()``, ``glob()`` ...), from the
+    module Hydra launches it from (private, but hydra-core is capped below 1.4 and
+    ``tests/test_sweeps.py`` pins the order it gives)."""
     from hydra import initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
