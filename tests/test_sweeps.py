@@ -140,5 +140,7 @@ def test_a_sweep_is_expanded_into_the_jobs_hydra_numbers():
         ["drafter.kind=eagle3", "optim.lr=0.001", "seed=1"],
         ["drafter.kind=eagle3", "optim.lr=0.0003", "seed=1"],
     ]
+    with pytest.raises(ValueError, match=r"hydra\.job\.chdir=true,false: a sweep cannot vary Hydra.s own"):
+        sweep_jobs(["hydra.job.chdir=true,false"])
     error = SweepJobError(jobs, 2, ValueError("bad"))
     assert str(error) == "sweep job #2 (drafter.kind=eagle3 optim.lr=0.001): bad"

@@ -229,6 +229,9 @@ def sweep_jobs(overrides: list[str]) -> list[list[str]]:
     with initialize_config_dir(str(CONF_DIR), version_base=None):
         parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
         parsed = parser.parse_overrides(overrides)
+    swept_hydra = [o.input_line for o in parsed if o.is_sweep_override() and o.is_hydra_override()]
+    if swept_hydra:  # Hydra refuses it only after making the sweep's folder
+        raise ValueError(f"{swept_hydra[0]}: a sweep cannot vary Hydra's own settings (hydra.*)")
     return [list(job) for job in BasicSweeper.split_arguments(parsed, None)[0]]
 
 
