@@ -38,6 +38,7 @@ from vdtrain.eval.plots import plot_acceptance, plot_samples
 from vdtrain.eval.runner import EvalResult, UnitRecord, evaluate, method_configs
 from vdtrain.eval.serving import refusal
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
+from vdtrain.preflight import not_for_trained
 from vdtrain.sharding import current_ranks
 
 log = logging.getLogger(__name__)
@@ -92,12 +93,7 @@ class EvalAfterEpoch(L.Callback):
             if (why := refusal(c, pl_module.drafter)) is not None
         }
         if refused:
-            name, why = next(iter(refused.items()))
-            kind = pl_module.drafter.config.kind
-            raise ValueError(
-                f"eval.methods {sorted(refused)} cannot decode with the {kind} drafter being trained "
-                f"({name}: {why}); leave them out of eval.methods"
-            )
+            raise not_for_trained(list(refused), pl_module.drafter.config.kind, next(iter(refused.values())))
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if (trainer.current_epoch + 1) % self.cfg.every_n_epochs == 0 and not self._final_is_near(trainer):
