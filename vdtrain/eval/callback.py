@@ -97,7 +97,7 @@ class EvalAfterEpoch(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if (trainer.current_epoch + 1) % self.cfg.every_n_epochs == 0 and not self._final_is_near(trainer):
-            self.run(trainer, pl_module, f"epoch{trainer.current_epoch:03d}", last=_training_ends(trainer))
+            self.run(trainer, pl_module, _round_tag(trainer), last=_training_ends(trainer))
 
     def _final_is_near(self, trainer: L.Trainer) -> bool:
         """The run stops (``max_steps``) within half an epoch and will measure its final drafter then:
@@ -205,6 +205,15 @@ class EvalAfterEpoch(L.Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
             if self.cfg.log_images and grid is not None:
                 _log_image(logger, "eval/samples", grid, trainer.global_step)
+
+
+def _round_tag(trainer: L.Trainer) -> str:
+    """``epochNNN`` (Lightning's 0-based epoch, as in ``metrics.csv``) for a whole epoch; ``final`` for the
+    part of one that ``max_steps`` cut short (Lightning still ends it as an epoch): the run's final drafter,
+    as ``on_train_end`` names it. A 400-step run of 128-step epochs has rounds epoch000, epoch001, final,
+    not epoch003 for the 16 steps after the skipped epoch002."""
+    whole = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    return f"epoch{trainer.current_epoch:03d}" if whole else "final"
 
 
 def _training_ends(trainer: L.Trainer) -> bool:
