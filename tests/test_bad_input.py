@@ -5,6 +5,7 @@ folder. What that costs in seconds is the table's, measured, not a limit here.""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ from test_fit import run_cli
 
 from vdtrain.cli import LAZY_USER_ERRORS, is_user_error, one_line
 from vdtrain.devices import torch_built_with_cuda
+from vdtrain.export_format import CONFIG_FILE
+from vdtrain.paths import repo_path
 
 HEAVY = ("torch", "lightning")  # what a mistake must be reported before
 NO_CUDA = pytest.mark.skipif(torch_built_with_cuda(), reason="this torch has CUDA: the case is no error")
@@ -62,6 +65,19 @@ CASES = [
     ("vdtrain.fit", ["target.folder=/typo"], "target.folder='/typo': there is no folder '/typo'"),
     ("vdtrain.evaluate", ["methods=eagle2x"], "unknown method preset 'eagle2x' in methods="),
     ("vdtrain.export", ["source=docs"], "source='docs': no drafter here"),
+    # issue 58: a drafter that cannot serve a requested preset, seen in its config before torch loads
+    (
+        "vdtrain.evaluate",
+        ["num_prompts=2", "methods=[eagle2,block_tree]", "drafter={tmp}/eagle1"],
+        "cannot decode block_tree: a block tree needs a drafter that drafts blocks; this eagle1 drafter "
+        "drafts none (train one with drafter.kind=block); this target's drafter that would is "
+        "drafter=checkpoints/shapes/drafter_block",
+    ),
+    (
+        "vdtrain.fit",
+        ["eval.methods=[eagle2,block_tree]"],
+        "eval.methods ['block_tree'] cannot decode with the eagle1 drafter being trained",
+    ),
 ]
 
 
@@ -83,6 +99,8 @@ def run_listing_imports(
 def _inputs(tmp: Path) -> None:
     (tmp / "a_file").write_text("")
     (tmp / "links.csv").write_text("id,url\n1,http://example.com/1.jpg\n")
+    (tmp / "eagle1").mkdir()  # a user's eagle1 drafter folder: its config is all the check reads
+    shutil.copy(repo_path("checkpoints/shapes/drafter") / CONFIG_FILE, tmp / "eagle1")
 
 
 @pytest.mark.parametrize(("app", "args", "message"), CASES)
@@ -154,3 +172,28 @@ def test_a_prompt_file_shorter_than_num_prompts_is_used_with_a_note(tmp_path, ca
     (tmp_path / "two.txt").write_text("a red circle\na blue square\n")
     assert prompts_for_run(tmp_path / "two.txt", 8) == ["a red circle", "a blue square"]
     assert "holds 2 captions, num_prompts=8 asked for more: using those 2" in caplog.text
+
+
+def test_the_config_only_drafter_checks_agree_with_the_classes():
+    """What the preflight reads from source and config files (before torch) is what the classes say: each
+    registered drafter kind and whether it drafts blocks, the tree kinds that need one, the config's name."""
+    from vdtrain.decode.methods import TREES
+    from vdtrain.drafters import DRAFTERS, Drafter
+    from vdtrain.preflight import BLOCK_TREE_KINDS, DRAFTER_CONFIG, drafter_kinds
+
+    assert drafter_kinds() == {k: c.block_slots is not Drafter.block_slots for k, c in DRAFTERS.items()}
+    assert set(BLOCK_TREE_KINDS) == {k for k, part in TREES.items() if part.drafts_blocks}
+    assert DRAFTER_CONFIG == CONFIG_FILE
+
+
+def test_a_drafter_given_by_checkpoint_or_hub_id_is_left_to_its_load(tmp_path):
+    """Only a folder's config is read before torch: a .ckpt, a repo id or a config without a kind is
+    checked once the drafter loads (``vdtrain.eval.serving``), not refused here."""
+    from vdtrain.preflight import folder_drafter_kind
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / CONFIG_FILE).write_text("{}")
+    assert folder_drafter_kind(str(tmp_path / "old")) is None
+    assert folder_drafter_kind(str(tmp_path / "last.ckpt")) is None
+    assert folder_drafter_kind("owner/name") is None
+    assert folder_drafter_kind("checkpoints/shapes/drafter_block") == "block"

@@ -211,6 +211,31 @@ def test_an_evaluation_just_before_the_final_one_is_skipped():
     assert near == [384]  # 16 steps before the final evaluation: skipped
 
 
+def test_an_epoch_cut_short_by_max_steps_is_the_final_round_not_the_next_epoch(monkeypatch):
+    """The default run (400 steps, 128-step epochs): Lightning ends the 16 steps after epoch 2 as epoch 3;
+    its round measures the final drafter and is named so (it was epoch003, the third round of a run of three
+    epochs), while whole epochs keep Lightning's 0-based number, the one metrics.csv logs."""
+    from types import SimpleNamespace
+
+    callback = EvalAfterEpoch(EvalCallbackConfig(), "unused", ["a caption"])
+    tags = []
+    monkeypatch.setattr(callback, "run", lambda trainer, module, tag, last: tags.append(tag))
+    for step, epoch, whole in ((128, 0, True), (256, 1, True), (384, 2, True), (400, 3, False)):
+        progress = SimpleNamespace(batch_progress=SimpleNamespace(is_last_batch=whole))
+        trainer = SimpleNamespace(
+            global_step=step,
+            current_epoch=epoch,
+            max_steps=400,
+            max_epochs=-1,
+            should_stop=False,
+            num_training_batches=128,
+            accumulate_grad_batches=1,
+            fit_loop=SimpleNamespace(epoch_loop=progress),
+        )
+        callback.on_train_epoch_end(trainer, None)
+    assert tags == ["epoch000", "epoch001", "final"]  # epoch 2 is skipped: the final round is 16 steps on
+
+
 def test_the_acceptance_report_comes_with_the_last_evaluation_unless_asked_every_round(monkeypatch):
     from types import SimpleNamespace
 

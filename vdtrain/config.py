@@ -216,6 +216,19 @@ def presets_except(*left_out: str) -> list[str]:
     return sorted(p.stem for p in DECODE_PRESETS.glob("*.yaml") if p.stem not in left_out)
 
 
+def preset_node(path: Path) -> DictConfig:
+    """A preset file read without Hydra: its defaults list (``/decode_parts/<section>@<section>: <kind>``)
+    becomes each section's ``kind``, under the keys the file sets itself (``_self_`` comes last). Light:
+    the apps' checks read a preset's tree kind with it before torch loads."""
+    node = OmegaConf.load(path)
+    for entry in node.pop("defaults", []):
+        if entry != "_self_":
+            ((group, kind),) = entry.items()
+            section = group.rpartition("@")[2]
+            node[section] = OmegaConf.merge({"kind": kind}, node.get(section) or {})
+    return node
+
+
 def register_configs() -> None:
     """Make ``fit_schema`` available to ``conf/fit.yaml``'s defaults list (it types every group), the
     ``run_name`` resolver its ``hydra.run.dir`` uses and the ``run_record`` one its ``hydra.output_subdir``

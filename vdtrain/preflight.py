@@ -5,9 +5,10 @@ module only decides which apply to which app, so a mistake costs a second, not a
 
 from __future__ import annotations
 
+import ast
 import difflib
+import json
 import os
-import re
 import tempfile
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.cli import NothingToDo
-from vdtrain.config import as_list, presets_except
+from vdtrain.config import DECODE_PRESETS, as_list, preset_node, presets_except
 
 # (key, smallest value) for the integer settings that have one; None values are left to the app.
 FIT_MINIMUMS = (
@@ -129,6 +130,7 @@ def check_fit(cfg: DictConfig) -> None:
     if cfg.eval.enabled:
         presets_known(list(cfg.eval.methods), "eval.methods")
         presets_known([cfg.eval.acceptance.method], "eval.acceptance.method")
+        trained_serves(cfg)
         _prompts(cfg.eval)
 
 
@@ -140,24 +142,137 @@ def run_folder(cfg: DictConfig) -> tuple[Path, str]:
     return Path(cfg.hydra.run.dir), "hydra.run.dir"
 
 
-def declared_drafter_kinds() -> list[str]:
-    """The drafter kinds vdtrain's kind modules register, read from their ``@register("<name>")`` lines:
+def drafter_kinds() -> dict[str, bool]:
+    """Drafter kind -> whether it drafts blocks, for the kinds vdtrain's kind modules register: read from
+    their source (each ``@register("<name>")`` class, and whether it defines ``Drafter.block_slots``), as
     importing them (``vdtrain.drafters.registry.DRAFTERS``) would import torch."""
-    folder = Path(__file__).parent / "drafters"
-    sources = [f.read_text(encoding="utf-8") for f in sorted(folder.glob("*.py"))]
-    return [name for source in sources for name in _REGISTERED.findall(source)]
+    kinds: dict[str, bool] = {}
+    for file in sorted((Path(__file__).parent / "drafters").glob("*.py")):
+        for node in ast.parse(file.read_text(encoding="utf-8")).body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for name in (_registered_name(d) for d in node.decorator_list):
+                if name is not None:
+                    kinds[name] = any(
+                        isinstance(f, ast.FunctionDef) and f.name == "block_slots" for f in node.body
+                    )
+    return kinds
 
 
-_REGISTERED = re.compile(r'^@register\("([^"]+)"\)', re.MULTILINE)
+def _registered_name(decorator: ast.expr) -> str | None:
+    """``"<name>"`` of a ``@register("<name>")`` decorator; None for any other."""
+    if (
+        isinstance(decorator, ast.Call)
+        and isinstance(decorator.func, ast.Name)
+        and decorator.func.id == "register"
+    ):
+        first = decorator.args[0] if decorator.args else None
+        if isinstance(first, ast.Constant) and isinstance(first.value, str):
+            return first.value
+    return None
 
 
 def kind_known(kind: str) -> None:
     """``drafter.kind`` names a kind (``drafter_class``'s refusal, before torch loads)."""
-    kinds = declared_drafter_kinds()
+    kinds = list(drafter_kinds())
     if kind not in kinds:
         close = difflib.get_close_matches(kind, kinds, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ValueError(f"drafter.kind must be one of {kinds}, got {kind!r}{hint}")
+
+
+# The tree kinds that draft a block per drafter forward (``vdtrain.decode.methods.TREES``' ``drafts_blocks``,
+# which tests/test_bad_input.py checks this against): they need a drafter kind that drafts blocks.
+BLOCK_TREE_KINDS = ("block",)
+
+
+def block_methods(names: list[str], target: DictConfig) -> list[str]:
+    """The presets among ``names`` whose tree (the target's knobs over the preset) drafts blocks."""
+    from vdtrain.target_settings import world_knobs
+
+    knobs = world_knobs(target)
+    out = []
+    for name in names:
+        node = OmegaConf.merge(preset_node(DECODE_PRESETS / f"{name}.yaml"), knobs.get(name) or {})
+        if OmegaConf.select(node, "tree.kind") in BLOCK_TREE_KINDS:
+            out.append(name)
+    return out
+
+
+def no_blocks(kind: str) -> str:
+    """Why a drafter of ``kind`` cannot serve a block tree, known from its kind alone (the builder's own
+    check, ``BlockTreeBuilder.check_drafter``, also compares a block drafter's slots with the depth)."""
+    return (
+        f"a block tree needs a drafter that drafts blocks; this {kind} drafter drafts none "
+        "(train one with drafter.kind=block)"
+    )
+
+
+# ``vdtrain.export_format.CONFIG_FILE`` (tests/test_bad_input.py checks they agree): importing that module
+# imports huggingface_hub, a second of a check meant to take about one.
+DRAFTER_CONFIG = "config.json"
+
+
+def folder_drafter_kind(source: str) -> str | None:
+    """The ``kind`` in the config of drafter folder ``source``; None where that is not known without
+    loading it (a ``.ckpt``, a run folder, a Hub repo id, a config without ``kind``)."""
+    from vdtrain.paths import repo_path
+
+    config = repo_path(source) / DRAFTER_CONFIG
+    if not config.is_file():
+        return None
+    try:
+        kind = json.loads(config.read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):  # the load reports a bad config with its own words
+        return None
+    return kind if isinstance(kind, str) else None
+
+
+def cannot_serve(given: str, method: str, why: str, serving: str | None) -> ValueError:
+    """The refusal of a user's ``drafter=`` for ``method``, naming the target's drafter that would serve
+    it (``serving``): the same words from the config-only check here and from ``vdtrain.eval.serving``."""
+    instead = (
+        f"this target's drafter that would is drafter={serving} (evaluate {method} with it "
+        f"separately, or leave drafter= unset so each method takes the one it needs)"
+        if serving
+        else "no drafter shipped for this target serves it"
+    )
+    return ValueError(f"drafter={given} cannot decode {method}: {why}; {instead}")
+
+
+def drafter_serves(cfg: DictConfig) -> None:
+    """evaluate's ``drafter=``, where the user gave one, drafts blocks if a requested preset's tree needs
+    them, read from its folder's config (``vdtrain.eval.serving`` checks the rest once drafters load)."""
+    own = cfg.target.get("drafter")
+    if not cfg.drafter or cfg.drafter == own:  # none, or the target's own: each method takes what it needs
+        return
+    needy = block_methods(as_list(cfg.methods), cfg.target)
+    kinds = drafter_kinds()
+    kind = folder_drafter_kind(str(cfg.drafter))
+    if not needy or kind is None or kinds.get(kind, True):  # an unknown kind: the load refuses it
+        return
+    shipped = [str(s) for s in [own, *(cfg.target.get("more_drafters") or [])] if s]
+    serving = next((s for s in shipped if kinds.get(folder_drafter_kind(s) or "", False)), None)
+    raise cannot_serve(str(cfg.drafter), needy[0], no_blocks(kind), serving)
+
+
+def trained_serves(cfg: DictConfig) -> None:
+    """fit's ``eval.methods`` can decode with the drafter kind being trained (``EvalAfterEpoch`` checks the
+    built drafter again before the first step)."""
+    kind = str(cfg.drafter.kind)
+    if drafter_kinds().get(kind, True):
+        return
+    needy = block_methods(list(cfg.eval.methods), cfg.target)
+    if needy:
+        raise not_for_trained(needy, kind, no_blocks(kind))
+
+
+def not_for_trained(methods: list[str], kind: str, why: str) -> ValueError:
+    """The refusal of ``eval.methods`` the drafter being trained cannot decode (``why``: the first's)."""
+    return ValueError(
+        f"eval.methods {sorted(methods)} cannot decode with the {kind} drafter being trained "
+        f"({methods[0]}: {why}); leave them out of eval.methods"
+    )
 
 
 def check_decoding(cfg: DictConfig) -> None:
@@ -167,6 +282,7 @@ def check_decoding(cfg: DictConfig) -> None:
     if "methods" in cfg:  # evaluate's presets; generate's is checked with its overrides (without_method)
         presets_known(as_list(cfg.methods), "methods")
         presets_known([cfg.acceptance.method], "acceptance.method")
+        drafter_serves(cfg)
     device_available(str(cfg.device))
     creatable(str(cfg.out_dir), "out_dir")
     _prompts(cfg)

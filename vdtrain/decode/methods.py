@@ -13,14 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from vdtrain.config import DECODE_PRESETS
+from vdtrain.config import DECODE_PRESETS, preset_node
 from vdtrain.decode.acceptance import (
     AcceptanceConfig,
     Grouped,
@@ -119,18 +118,6 @@ def load_preset(name: str, overrides: Mapping[str, Any] | None = None) -> Decode
     if not path.is_file():
         raise ValueError(f"unknown method preset {name!r}; known: {preset_names()}")
     return decode_config(OmegaConf.merge(preset_node(path), overrides or {}))
-
-
-def preset_node(path: Path) -> DictConfig:
-    """A preset file read without Hydra: its defaults list (``/decode_parts/<section>@<section>: <kind>``)
-    becomes each section's ``kind``, under the keys the file sets itself (``_self_`` comes last)."""
-    node = OmegaConf.load(path)
-    for entry in node.pop("defaults", []):
-        if entry != "_self_":
-            ((group, kind),) = entry.items()
-            section = group.rpartition("@")[2]
-            node[section] = OmegaConf.merge({"kind": kind}, node.get(section) or {})
-    return node
 
 
 PART_SCHEMAS = "decode_parts"  # the ConfigStore group of the parts' config dataclasses

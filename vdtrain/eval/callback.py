@@ -38,6 +38,7 @@ from vdtrain.eval.plots import plot_acceptance, plot_samples
 from vdtrain.eval.runner import EvalResult, UnitRecord, evaluate, method_configs
 from vdtrain.eval.serving import refusal
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
+from vdtrain.preflight import not_for_trained
 from vdtrain.sharding import current_ranks
 
 log = logging.getLogger(__name__)
@@ -92,16 +93,11 @@ class EvalAfterEpoch(L.Callback):
             if (why := refusal(c, pl_module.drafter)) is not None
         }
         if refused:
-            name, why = next(iter(refused.items()))
-            kind = pl_module.drafter.config.kind
-            raise ValueError(
-                f"eval.methods {sorted(refused)} cannot decode with the {kind} drafter being trained "
-                f"({name}: {why}); leave them out of eval.methods"
-            )
+            raise not_for_trained(list(refused), pl_module.drafter.config.kind, next(iter(refused.values())))
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if (trainer.current_epoch + 1) % self.cfg.every_n_epochs == 0 and not self._final_is_near(trainer):
-            self.run(trainer, pl_module, f"epoch{trainer.current_epoch:03d}", last=_training_ends(trainer))
+            self.run(trainer, pl_module, _round_tag(trainer), last=_training_ends(trainer))
 
     def _final_is_near(self, trainer: L.Trainer) -> bool:
         """The run stops (``max_steps``) within half an epoch and will measure its final drafter then:
@@ -209,6 +205,15 @@ class EvalAfterEpoch(L.Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
             if self.cfg.log_images and grid is not None:
                 _log_image(logger, "eval/samples", grid, trainer.global_step)
+
+
+def _round_tag(trainer: L.Trainer) -> str:
+    """``epochNNN`` (Lightning's 0-based epoch, as in ``metrics.csv``) for a whole epoch; ``final`` for the
+    part of one that ``max_steps`` cut short (Lightning still ends it as an epoch): the run's final drafter,
+    as ``on_train_end`` names it. A 400-step run of 128-step epochs has rounds epoch000, epoch001, final,
+    not epoch003 for the 16 steps after the skipped epoch002."""
+    whole = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    return f"epoch{trainer.current_epoch:03d}" if whole else "final"
 
 
 def _training_ends(trainer: L.Trainer) -> bool:

@@ -4,7 +4,8 @@ An evaluation may ask for presets that need different drafter kinds (eagle2 draf
 block tree with a drafter that drafts blocks). By default each preset decodes with the first of the
 target's shipped drafters that can serve it (``target.drafter``, then ``target.more_drafters``); a drafter
 the user gave is checked against every requested preset first, and where it cannot serve one the error
-names the shipped drafter that would. The check is the builder's own (``check_drafter``).
+names the shipped drafter that would. The check is the builder's own (``check_drafter``); evaluate's
+preflight (``vdtrain.preflight.drafter_serves``) makes the part of it a drafter's config decides first.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from vdtrain.decode.methods import DecodeConfig, tree_builder
 from vdtrain.drafters.base import Drafter
+from vdtrain.preflight import cannot_serve
 
 
 def refusal(config: DecodeConfig, drafter: Drafter) -> str | None:
@@ -61,13 +63,7 @@ def drafters_for(
                 out[config.name] = given
                 continue
             serving = next((s for s in shipped if s != given and not _shipped_refusal(config, s, load)), None)
-            instead = (
-                f"this target's drafter that would is drafter={serving} (evaluate {config.name} with it "
-                f"separately, or leave drafter= unset so each method takes the one it needs)"
-                if serving
-                else "no drafter shipped for this target serves it"
-            )
-            raise ValueError(f"drafter={given} cannot decode {config.name}: {why}; {instead}")
+            raise cannot_serve(given, config.name, why, serving)
         reasons = []
         for source in shipped:
             why = _shipped_refusal(config, source, load)
