@@ -79,9 +79,11 @@ steps=(
   "big_compiled|300|$step_cost $seven_b --modes $compiled --batch 1 --presets $pair --out $stage/big_compiled.json"
   # optional: issue #32's calibration of the grain world at 512 held-out captions (it writes a folder)
   "grain_calibration|300|python -m benchmarks.calibration --device $device $calibration --units $stage/grain_units --out $stage/grain_calibration"
+  # optional: issue #54's export after ZeRO-2 and ZeRO-3, gathered and equal to DDP's, on 2 GPUs (fewer if fewer)
+  "zero_export|240|python -m benchmarks.zero_export --devices 2 --work $stage/zero_runs --out $stage/zero_export.json"
 )
 
-optional=",scaling,big_compiled,grain_calibration,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
+optional=",scaling,big_compiled,grain_calibration,zero_export,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
 chosen=()
 for s in "${steps[@]}"; do
   name=${s%%|*}

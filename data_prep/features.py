@@ -1,4 +1,5 @@
-"""Offline mode: add the target's fp16 features (``feats.npy`` [L+N, H]) to every sample of a shard set.
+"""Offline mode: add the target's features (``feats.npy`` [L+N, H], in ``feats_dtype``) to every sample of
+a shard set.
 
 python -m data_prep.features in_dir=data/coco_mini out_dir=data/coco_mini_feats
 
@@ -43,6 +44,7 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict:
         taps=tuple(cfg.feature_layers),
         ranks=ranks,
         warn_bytes=cfg.warn_bytes,
+        feats_dtype=cfg.feats_dtype,
     )
     return {"out_dir": cfg.out_dir, "num_samples": manifest["num_samples"], "shards": len(manifest["shards"])}
 

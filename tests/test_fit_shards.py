@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from vdtrain.config import DataConfig, register_configs
@@ -132,3 +133,33 @@ def test_shards_of_another_target_are_refused(shard_sets, tiny_target):
     pairs, _ = shard_sets
     with pytest.raises(ShardError, match=r"hidden_size|vocab|fingerprint|target"):
         ShardStream(DataConfig(source="shards", shards=str(pairs)), 0, 1, tiny_target.identity)
+
+
+def test_features_are_stored_in_the_dtype_asked_and_read_back_as_computed(shard_sets, tiny_folder, tmp_path):
+    """``feats_dtype=bf16`` (and fp32) beside the default fp16: the manifest says which, bf16 states are
+    their bits in a uint16 ``.npy`` (half fp32's bytes, as fp16's), training reads them as bfloat16 tensors
+    equal to the fp32 states rounded; validation reads every sample; an unknown dtype is refused."""
+    from vdtrain.data.shards import sample_bytes, validate_shards
+
+    target = load_target_folder(tiny_folder)
+    pairs, fp16 = shard_sets
+    sets = {"fp16": fp16}
+    for dtype in ("fp32", "bf16"):
+        sets[dtype] = tmp_path / dtype
+        prepare_features(target, pairs, sets[dtype], p_null=0.5, progress=False, feats_dtype=dtype)
+    manifests = {k: json.loads((v / "manifest.json").read_text()) for k, v in sets.items()}
+    assert {k: m["dtypes"]["feats"] for k, m in manifests.items()} == {
+        "fp16": "float16", "fp32": "float32", "bf16": "bfloat16"
+    }  # fmt: skip
+    size = {k: sample_bytes({"feats": m["shapes"]["feats"]}, m["dtypes"]) for k, m in manifests.items()}
+    assert size["bf16"] == size["fp16"] == size["fp32"] // 2
+    feats = {}
+    for dtype, folder in sets.items():
+        validate_shards(folder)
+        config = DataConfig(source="shards", shards=str(folder), batch_size=8, features="offline")
+        feats[dtype] = next(iter(ShardStream(config, 0, 1)))["feats"]
+    assert feats["bf16"].dtype == torch.bfloat16 and feats["fp32"].dtype == torch.float32
+    assert torch.equal(feats["bf16"], feats["fp32"].to(torch.bfloat16))
+    assert torch.equal(feats["fp16"], feats["fp32"].to(torch.float16))
+    with pytest.raises(ValueError, match=r"feats_dtype must be one of \[.*\], got 'int8'"):
+        prepare_features(target, pairs, tmp_path / "int8", progress=False, feats_dtype="int8")

@@ -71,7 +71,9 @@ def test_the_optional_steps_run_only_when_named(tmp_path):
     """Issue #35's data-scaling curve (minutes of training per drafter kind) and issue #32's grain
     calibration at 512 captions are left out of a full run."""
     full = [name for name, _ in _steps(_run("--dry-run", str(tmp_path)).stdout)]
-    assert not {"scaling", "big_compiled", "grain_calibration"} & set(full)
+    assert not {"scaling", "big_compiled", "grain_calibration", "zero_export"} & set(full)
+    zero = _run("--dry-run", "--steps", "zero_export", str(tmp_path)).stdout
+    assert "benchmarks.zero_export --devices 2" in zero  # issue #54: export after ZeRO-2 / ZeRO-3
     compiled = _run("--dry-run", "--steps", "big_compiled", str(tmp_path)).stdout
     assert "--targets chameleon-7b janus-pro-7b --dtype bf16 --steps 24 --modes compiled" in compiled
     done = _run("--dry-run", "--steps", "grain_calibration,scaling,train", str(tmp_path))

@@ -13,6 +13,7 @@ from vdtrain.cli import run_app, user_errors
 from vdtrain.export_format import CONFIG_FILE, is_run, no_drafter_here
 from vdtrain.paths import CONF_DIR
 from vdtrain.preflight import check_export
+from vdtrain.zero_checkpoint import is_checkpoint
 
 if TYPE_CHECKING:
     from vdtrain.hub import PushPlan
@@ -22,14 +23,15 @@ def resolve_source(source: str) -> tuple[str | Path, Path | None]:
     """The drafter to export and the run folder it came from (None when unknown).
 
     A run folder gives its exported ``drafter/`` (else its ``checkpoints/last.ckpt``, for a run that was
-    stopped early); a drafter folder names its run in the saved fit summary or lies in it; a ``.ckpt`` lies in
-    ``<run>/checkpoints``. Anything else (a Hub repo id) goes to ``Drafter.from_pretrained`` as given.
+    stopped early); a drafter folder names its run in the saved fit summary or lies in it; a ``.ckpt`` (a
+    file, or DeepSpeed ZeRO's folder) lies in ``<run>/checkpoints``. Anything else (a Hub repo id) goes to
+    ``Drafter.from_pretrained`` as given.
     """
     from vdtrain.drafters.base import Drafter
     from vdtrain.targets.shapes import resolve_folder
 
     path = resolve_folder(source)
-    if path.is_file():
+    if is_checkpoint(path):
         run = path.parent.parent
         return path, run if is_run(run) else None
     if (path / CONFIG_FILE).is_file():

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from huggingface_hub import constants, snapshot_download
 
+from vdtrain.zero_checkpoint import is_zero_checkpoint
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 CARD_FILE = "README.md"
@@ -24,14 +26,15 @@ def is_run(folder: Path) -> bool:
 
 
 def holds_drafter(folder: Path) -> bool:
-    """A run folder or a drafter folder: what ``source=`` may name besides a ``.ckpt`` or a repo id."""
-    return is_run(folder) or (folder / CONFIG_FILE).is_file()
+    """A run folder, a drafter folder or a DeepSpeed ZeRO checkpoint folder: what ``source=`` may name
+    besides a ``.ckpt`` file or a repo id."""
+    return is_run(folder) or (folder / CONFIG_FILE).is_file() or is_zero_checkpoint(folder)
 
 
 def no_drafter_here(source: str, folder: Path) -> FileNotFoundError:
     return FileNotFoundError(
         f"source={source!r}: no drafter here: {str(folder)!r} is not a vdtrain.fit run folder (.hydra/ or "
-        f"summary.json), a drafter folder ({CONFIG_FILE}) or a .ckpt"
+        f"summary.json), a drafter folder ({CONFIG_FILE}), a .ckpt or a DeepSpeed ZeRO checkpoint folder"
     )
 
 

@@ -334,10 +334,12 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         "max_minutes": t.max_minutes,
         **metrics,
     }
+    if t.strategy.startswith("deepspeed"):
+        trainer.strategy.barrier()  # every rank's partition of last.ckpt is on disk before rank 0 reads it
     if trainer.is_global_zero:
         export = Path(cfg.export_dir) if cfg.export_dir else run_dir / "drafter"
         export_drafter(
-            module.drafter,
+            trained_drafter(module.drafter, t.strategy, last.last_model_path),
             export,
             target=target,
             eval_results=find_results(run_dir / "eval"),
@@ -349,6 +351,18 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         if cfg.push.repo_id:
             push_at_end(export, cfg)
     return summary
+
+
+def trained_drafter(drafter: Drafter, strategy: str, last_ckpt: str) -> Drafter:
+    """The drafter fit exports: the module's own, or under DeepSpeed the full fp32 drafter gathered from
+    ``last.ckpt`` (written at the end of training). ZeRO-3 leaves each rank only its partition of the
+    parameters, ZeRO-2 keeps them in bf16 under ``bf16-mixed``: the fp32 master weights, partitioned
+    over the ranks' optimizer states, are the trained drafter (the one a run without DeepSpeed exports)."""
+    if not strategy.startswith("deepspeed"):
+        return drafter
+    from vdtrain.drafters.base import Drafter
+
+    return Drafter.from_pretrained(last_ckpt)
 
 
 def push_at_end(export: Path, cfg: FitConfig) -> None:

@@ -19,6 +19,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.config import RECORD, FitConfig
+from vdtrain.zero_checkpoint import check_zero_checkpoint, is_checkpoint, is_zero_checkpoint
 
 log = logging.getLogger("vdtrain.fit")
 # Keys a resume may change (a prefix covers its sub-keys): how long the run goes on (max_steps only
@@ -57,7 +58,7 @@ def auto(resume: str | None, run_dir: Path) -> str | None:
     ``last.ckpt``, else None, a fresh start; any other value as given."""
     if resume != "auto":
         return resume
-    return "last" if (run_dir / "checkpoints" / "last.ckpt").is_file() else None
+    return "last" if is_checkpoint(run_dir / "checkpoints" / "last.ckpt") else None
 
 
 def checkpoint(resume: str, run_dir: Path, named: bool = True) -> Path:
@@ -65,6 +66,9 @@ def checkpoint(resume: str, run_dir: Path, named: bool = True) -> Path:
     (``named`` False: ``run_dir`` is a new time-named folder, not one the user gave), or, for a run that
     stopped before its first checkpoint, start it again."""
     path = run_dir / "checkpoints" / "last.ckpt" if resume == "last" else Path(resume)
+    if is_zero_checkpoint(path):  # DeepSpeed's folder: refused now if a rank's files are missing
+        check_zero_checkpoint(path)
+        return path
     if path.is_file():
         return path
     if resume != "last":

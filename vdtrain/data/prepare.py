@@ -38,6 +38,7 @@ from vdtrain.data.shards import (
     ShardWriter,
     check_identity,
     clean_key,
+    feature_dtype,
     read_manifest,
     sample_bytes,
 )
@@ -552,11 +553,13 @@ def prepare_features(
     taps: tuple[int, ...] = (),
     ranks: Ranks | None = None,
     warn_bytes: float | None = None,
+    feats_dtype: str = "fp16",
 ) -> dict[str, Any]:
-    """A copy of shard set ``in_dir`` with ``feats.npy`` per sample: the fp16 target hidden states
-    [L+N, H] = ``target.sequence_features(cond, tokens)`` (final norm applied), followed by the ``taps``
-    layers an eagle3 drafter fuses ([L+N, (1 + k)·H], as online training reads them; the manifest's
-    ``source.taps`` records them).
+    """A copy of shard set ``in_dir`` with ``feats.npy`` per sample: the target hidden states [L+N, H] =
+    ``target.sequence_features(cond, tokens)`` (final norm applied), followed by the ``taps`` layers an
+    eagle3 drafter fuses ([L+N, (1 + k)·H], as online training reads them; the manifest's ``source.taps``
+    records them), stored in ``feats_dtype`` (fp16, bf16: half fp32's bytes; bf16 keeps fp32's range,
+    which a 7B target's pre-norm taps may need).
 
     ``cond`` is the stored condition when the input has one, else the encoded caption. With probability
     ``p_null`` (per sample, seeded by ``seed`` and the key) the sample is null-conditioned: its features
@@ -568,6 +571,7 @@ def prepare_features(
     ranks = ranks or Ranks()
     if not 0.0 <= p_null <= 1.0:
         raise ValueError(f"p_null must be in [0, 1], got {p_null}")
+    stored = feature_dtype(feats_dtype)
     if Path(out_dir).expanduser().resolve() == Path(in_dir).expanduser().resolve():
         raise ValueError(f"out_dir {str(out_dir)!r} is in_dir; features go to a new shard set")
     in_manifest = read_manifest(in_dir)
@@ -589,23 +593,26 @@ def prepare_features(
             "input_source": in_manifest.get("source"),
             "p_null": p_null,
             "seed": seed,
-            "features": "sequence_features(cond, tokens, taps), fp16",
+            "features": f"sequence_features(cond, tokens, taps), {feats_dtype}",
             "taps": list(taps),
         },
         optional_fields=(*(("cond",) if has_cond else ()), "feats"),
         cond_dim=in_manifest["shapes"]["cond"][1] if has_cond else None,
         samples_per_shard=in_manifest["samples_per_shard"],
         feature_parts=1 + len(taps),
+        feats_dtype=stored,
     )
-    size = in_manifest["num_samples"] * sample_bytes(writer.manifest["shapes"])
+    one = sample_bytes(writer.manifest["shapes"], writer.manifest["dtypes"])
+    size = in_manifest["num_samples"] * one
     if warn_bytes is not None and size > warn_bytes and ranks.is_main:
         log.warning(
-            "%s will hold about %.3g GB (%d samples × %.3g MB of fp16 states and tokens), more "
+            "%s will hold about %.3g GB (%d samples × %.3g MB of %s states and tokens), more "
             "than warn_bytes=%.3g: store fewer feature_layers, or train online (data.features=online)",
             out_dir,
             size / 1e9,
             in_manifest["num_samples"],
-            sample_bytes(writer.manifest["shapes"]) / 1e6,
+            one / 1e6,
+            feats_dtype,
             warn_bytes,
         )
     planned = [entry["name"] for entry in in_manifest["shards"]]
@@ -631,7 +638,7 @@ def prepare_features(
                 null = torch.tensor([null_decision(seed, s["key"], p_null) for s in batch], device=device)
                 if null.any():
                     cond = target.with_null(cond, null)
-                hidden = target.sequence_features(cond, tokens, taps).to("cpu", torch.float16).numpy()
+                hidden = stored_features(target.sequence_features(cond, tokens, taps), stored)
                 masks = cond.mask.to("cpu", torch.bool).numpy()  # training reads it: no caption encoder there
                 for i, s in enumerate(batch):
                     out = {k: s[k] for k in ("key", "tokens", "caption", "cond", "cond_mask") if k in s}
@@ -644,6 +651,13 @@ def prepare_features(
     manifest = close_writer(ranks, writer, planned)
     log.info("features: %d samples in %s", manifest["num_samples"], out_dir)
     return manifest
+
+
+def stored_features(states: torch.Tensor, dtype: str) -> np.ndarray:
+    """``states`` as ``feats.npy`` stores them in manifest dtype ``dtype`` (bfloat16: its raw bits)."""
+    if dtype == "bfloat16":
+        return states.to("cpu", torch.bfloat16).view(torch.uint16).numpy()
+    return states.to("cpu", getattr(torch, dtype)).numpy()
 
 
 def _batched(samples: Iterator[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:

@@ -21,8 +21,10 @@ import random
 from collections import deque
 from collections.abc import Iterator, Sequence
 
+import torch
+
 from vdtrain.config import DataConfig
-from vdtrain.data.shards import ShardError, ShardReader, feature_taps
+from vdtrain.data.shards import SampleSpec, ShardError, ShardReader, feature_taps
 from vdtrain.data.streams import ResumableStream, collate
 from vdtrain.targets.base import TargetIdentity
 
@@ -31,8 +33,12 @@ log = logging.getLogger(__name__)
 FIELDS = ("tokens", "caption", "feats", "feats_mask")  # what training reads; the rest stays on disk
 
 
-def _training_fields(sample: dict) -> dict:
-    return {k: sample[k] for k in FIELDS if k in sample}
+def _training_fields(sample: dict, feats_dtype: str) -> dict:
+    """What training reads of a sample; bf16 ``feats`` (stored as their bits) as a bfloat16 tensor."""
+    fields = {k: sample[k] for k in FIELDS if k in sample}
+    if feats_dtype == "bfloat16" and "feats" in fields:
+        fields["feats"] = torch.from_numpy(fields["feats"]).view(torch.bfloat16)
+    return fields
 
 
 def epoch_order(counts: Sequence[int], epoch: int, buffer_size: int) -> tuple[list[int], list[int]]:
@@ -91,6 +97,7 @@ class ShardStream(ResumableStream):
                 f"data.features=offline: {config.shards} stores target layers {stored} but the drafter reads "
                 f"{list(taps)}: run `python -m data_prep.features feature_layers={list(taps)}`"
             )
+        self.feats_dtype = SampleSpec.from_manifest(self.reader.manifest).dtypes["feats"]
         super().__init__(len(self.reader), rank=rank, world=world, batch_size=config.batch_size)
         self.buffer_size = max(1, config.shuffle_buffer)
         recorded = {s["name"]: s["samples"] for s in self.reader.manifest["shards"]}
@@ -123,7 +130,7 @@ class ShardStream(ResumableStream):
                 name = self.reader.shards[s]
                 for i, sample in self.reader.iter_slots(name, wanted[s]):
                     if sample is not None:
-                        samples[self.offsets[s] + i] = _training_fields(sample)
+                        samples[self.offsets[s] + i] = _training_fields(sample, self.feats_dtype)
             while pending and pending[0][2] <= done:
                 j, positions, _ = pending.popleft()
                 found = [samples.pop(g) for g in positions if g in samples]
@@ -168,4 +175,6 @@ class _Filler:
 
 def read_all(folder: str, on_corrupt: str = "error") -> list[dict]:
     """Every sample of a (small, held-out) shard set, for validation."""
-    return [_training_fields(s) for s in ShardReader(folder, on_corrupt=on_corrupt)]
+    reader = ShardReader(folder, on_corrupt=on_corrupt)
+    feats_dtype = SampleSpec.from_manifest(reader.manifest).dtypes["feats"]
+    return [_training_fields(s, feats_dtype) for s in reader]

@@ -49,7 +49,32 @@ DTYPES = {
     "feats": "float16",
     "feats_mask": "bool",
 }
+# ``feats``' stored dtype, ``data_prep.features feats_dtype=`` (the manifest's ``dtypes`` records it; sets
+# written before have fp16). numpy has no bfloat16: bf16 states are stored as their raw 16 bits, a uint16
+# ``.npy`` (``np.load(...)`` then ``torch.from_numpy(a).view(torch.bfloat16)``), as training reads them
+# (``vdtrain.data.shard_stream``).
+FEATURE_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+STORED_AS = {"bfloat16": "uint16"}
 OnCorrupt = Literal["error", "skip"]
+
+
+def stored_dtype(name: str) -> np.dtype:
+    """The numpy dtype a field of dtype ``name`` (a manifest's ``dtypes`` value) is stored in."""
+    return np.dtype(STORED_AS.get(name, name))
+
+
+def feature_dtype(short: str) -> str:
+    """The manifest's dtype name of ``feats_dtype=`` ``short`` (fp32 | fp16 | bf16)."""
+    if short not in FEATURE_DTYPES:
+        raise ValueError(f"feats_dtype must be one of {list(FEATURE_DTYPES)}, got {short!r}")
+    return FEATURE_DTYPES[short]
+
+
+def as_float32(values: np.ndarray, name: str) -> np.ndarray:
+    """Stored values of dtype ``name`` as float32 (bf16 bits are the high half of a float32's)."""
+    if name == "bfloat16":
+        return (values.astype(np.uint32) << 16).view(np.float32)
+    return values.astype(np.float32, copy=False)
 
 
 class ShardError(RuntimeError):
@@ -92,10 +117,11 @@ def sample_shapes(
     return shapes
 
 
-def sample_bytes(shapes: Mapping[str, Sequence[int]]) -> int:
-    """The array bytes one sample of these shapes stores (``sample_shapes``; the ``DTYPES``): what a
-    features run writes per sample, before tar headers (512 B a member) and captions."""
-    return sum(int(np.prod(shape)) * np.dtype(DTYPES[name]).itemsize for name, shape in shapes.items())
+def sample_bytes(shapes: Mapping[str, Sequence[int]], dtypes: Mapping[str, str] = DTYPES) -> int:
+    """The array bytes one sample of these shapes stores (``sample_shapes``; ``dtypes``, a manifest's, or
+    the defaults): what a features run writes per sample, before tar headers (512 B a member) and captions."""
+    dtypes = {**DTYPES, **dtypes}
+    return sum(int(np.prod(shape)) * stored_dtype(dtypes[name]).itemsize for name, shape in shapes.items())
 
 
 def feature_taps(manifest: Mapping[str, Any]) -> list[int]:
@@ -122,6 +148,7 @@ class SampleSpec:
     fields: tuple[str, ...]  # all fields, required first
     shapes: dict[str, tuple[int, ...]]
     vocab_size: int
+    dtypes: dict[str, str] = field(default_factory=lambda: dict(DTYPES))  # the manifest's: feats may differ
 
     @classmethod
     def from_manifest(cls, manifest: Mapping[str, Any]) -> SampleSpec:
@@ -130,6 +157,7 @@ class SampleSpec:
             fields=REQUIRED_FIELDS + optional,
             shapes={k: tuple(v) for k, v in manifest["shapes"].items()},
             vocab_size=int(manifest["target"]["vocab_size"]),
+            dtypes={**DTYPES, **manifest.get("dtypes", {})},
         )
 
     def check_arrays(self, sample: Mapping[str, Any]) -> None:
@@ -144,8 +172,10 @@ class SampleSpec:
             arr = sample[name]
             if not isinstance(arr, np.ndarray):
                 raise ValueError(f"{name} is a {type(arr).__name__}, not an array")
-            if arr.dtype != np.dtype(DTYPES[name]):
-                raise ValueError(f"{name} has dtype {arr.dtype}, expected {DTYPES[name]}")
+            if arr.dtype != stored_dtype(self.dtypes[name]):
+                stored = stored_dtype(self.dtypes[name])
+                as_bits = f" ({self.dtypes[name]} bits)" if stored.name != self.dtypes[name] else ""
+                raise ValueError(f"{name} has dtype {arr.dtype}, expected {stored}{as_bits}")
             if arr.shape != shape:
                 raise ValueError(f"{name} has shape {list(arr.shape)}, expected {list(shape)}")
         tokens = sample["tokens"]
@@ -154,7 +184,7 @@ class SampleSpec:
                 f"token ids out of range [0, {self.vocab_size}): min {tokens.min()}, max {tokens.max()}"
             )
         for name in ("cond", "feats"):
-            if name in self.shapes and not np.isfinite(sample[name]).all():
+            if name in self.shapes and not np.isfinite(as_float32(sample[name], self.dtypes[name])).all():
                 raise ValueError(f"{name} has non-finite values")
         if not isinstance(sample["caption"], str):
             raise ValueError("caption is not a string")
@@ -401,7 +431,8 @@ class ShardWriter:
     ask ``finished(name, plan)`` before doing the work; ``with writer.shard(name, plan) as sink:`` then
     ``sink.write(sample)`` writes ``name.tmp`` and, on a clean exit, renames it and records it. ``close``
     marks the set complete. Reopening a folder written with other settings (kind, target, source, fields,
-    shapes, samples per shard) is refused unless ``overwrite=True``, which starts the set afresh.
+    shapes, dtypes, samples per shard) is refused unless ``overwrite=True``, which starts the set afresh.
+    ``feats_dtype``: the manifest dtype of ``feats`` (``FEATURE_DTYPES``' values; bf16 stored as its bits).
 
     ``shared``: several processes write the set at once (``vdtrain.sharding``), each its own shards. A
     finished shard is then recorded in ``<name>.json`` beside it, never in the manifest, which one process
@@ -421,6 +452,7 @@ class ShardWriter:
         overwrite: bool = False,
         feature_parts: int = 1,
         shared: bool = False,
+        feats_dtype: str = DTYPES["feats"],
     ) -> None:
         if samples_per_shard < 1:
             raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
@@ -443,7 +475,7 @@ class ShardWriter:
             "source": json.loads(json.dumps(dict(source))),  # normalised (tuples → lists)
             "fields": fields,
             "shapes": sample_shapes(identity, fields, cond_dim, feature_parts),
-            "dtypes": {k: v for k, v in DTYPES.items() if k in fields},
+            "dtypes": {k: v for k, v in {**DTYPES, "feats": feats_dtype}.items() if k in fields},
             "samples_per_shard": samples_per_shard,
         }
         header["target"]["grid"] = list(identity.grid)

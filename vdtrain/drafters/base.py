@@ -36,6 +36,8 @@ from vdtrain.drafters.unroll_cache import UnrollCache
 from vdtrain.export_format import CONFIG_FILE, REPO_ID, WEIGHTS_FILE, download
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.targets.base import Target, TargetIdentity
+from vdtrain.zero_checkpoint import TAG_FILE as ZERO_TAG_FILE
+from vdtrain.zero_checkpoint import gather_fp32, is_zero_checkpoint
 
 # ``DrafterModule`` stores the drafter's config under this key of a Lightning checkpoint; its weights
 # are the ``drafter.``-prefixed entries of the checkpoint's state dict.
@@ -344,7 +346,8 @@ class Drafter(nn.Module):
         revision: str | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
     ) -> Drafter:
-        """A drafter from an export folder, a Lightning ``.ckpt`` of ``vdtrain.fit`` or a Hub repo id.
+        """A drafter from an export folder, a Lightning ``.ckpt`` of ``vdtrain.fit`` (a file, or the folder
+        DeepSpeed ZeRO writes, whose partitions are gathered into the full fp32 drafter) or a Hub repo id.
 
         A repo id (``owner/name``; ``revision`` and ``cache_dir`` apply to it only) is fetched with
         ``huggingface_hub`` and honours ``HF_HUB_OFFLINE`` and the local cache. With ``target`` the
@@ -356,6 +359,8 @@ class Drafter(nn.Module):
         path = Path(source).expanduser()
         if path.is_file() and path.suffix == ".ckpt":
             config, state, metadata = _read_lightning_checkpoint(path)
+        elif is_zero_checkpoint(path):
+            config, state, metadata = _read_zero_checkpoint(path)
         elif path.exists():
             config, state, metadata = _read_export(path)
         elif REPO_ID.fullmatch(str(source)):
@@ -410,8 +415,7 @@ def _read_export(folder: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], 
     config_file = folder / CONFIG_FILE
     if not config_file.is_file():
         hint = (
-            " (a DeepSpeed checkpoint folder: convert it with Lightning's "
-            "convert_zero_checkpoint_to_fp32_state_dict first)"
+            f" (nor is it a DeepSpeed ZeRO checkpoint: no {ZERO_TAG_FILE} file or <tag>/*_states.pt)"
             if folder.suffix == ".ckpt"
             else ""
         )
@@ -432,12 +436,54 @@ def _read_lightning_checkpoint(path: Path) -> tuple[DrafterConfig, dict[str, tor
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file: say which one
         raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {err}") from err
+    return _checkpoint_drafter(path, blob, blob.get("state_dict", {}))
+
+
+def _read_zero_checkpoint(path: Path) -> tuple[DrafterConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """The drafter inside a DeepSpeed ZeRO checkpoint folder of ``vdtrain.fit``: Lightning's client state
+    (the config, the step) from its model-states file, the fp32 weights gathered from every rank's
+    partition (``vdtrain.zero_checkpoint``)."""
+    weights, client = gather_fp32(path)
+    config, params, metadata = _checkpoint_drafter(path, client, weights)
+    return config, _parameters_as_state_dict(Drafter(config), params, path), metadata
+
+
+def _parameters_as_state_dict(
+    drafter: Drafter, params: dict[str, torch.Tensor], path: Path
+) -> dict[str, torch.Tensor]:
+    """ZeRO's partitions hold parameters by their module names; a state dict may name them otherwise
+    (LlamaGen's fused ``w13`` is saved as the released ``w1`` / ``w3``): ``params`` set into ``drafter``'s
+    parameters, and its state dict with the buffers ``params`` also holds."""
+    slots = dict(drafter.named_parameters())
+    missing = sorted(set(slots) - set(params))
+    if missing:
+        raise CheckpointError(
+            f"drafter ({path}): the ZeRO checkpoint lacks parameters {missing[:12]} of a "
+            f"{drafter.config.kind} drafter"
+        )
+    with torch.no_grad():
+        for name, slot in slots.items():
+            if params[name].shape != slot.shape:
+                raise CheckpointError(
+                    f"drafter ({path}): {name} is {tuple(params[name].shape)} in the ZeRO checkpoint, "
+                    f"{tuple(slot.shape)} in the drafter its config builds"
+                )
+            slot.copy_(params[name])
+    rest = {k: v for k, v in params.items() if k not in slots}  # buffers (load_strict checks the names)
+    return {**drafter.state_dict(), **rest}
+
+
+def _checkpoint_drafter(
+    path: Path, blob: Mapping[str, Any], weights: Mapping[str, torch.Tensor]
+) -> tuple[DrafterConfig, dict[str, torch.Tensor], dict[str, Any]]:
+    """Config, ``drafter.*`` weights and step of a ``DrafterModule`` checkpoint's contents ``blob`` (the
+    config stored by the module under ``CHECKPOINT_CONFIG_KEY``) and its module weights ``weights``."""
     if CHECKPOINT_CONFIG_KEY not in blob:
         raise CheckpointError(
             f"{str(path)!r} carries no drafter config (no {CHECKPOINT_CONFIG_KEY!r}; it was written before "
             "vdtrain stored one, or not by vdtrain.fit): load the run's exported drafter folder instead"
         )
     prefix = CHECKPOINT_PREFIX
-    state = {k[len(prefix) :]: v for k, v in blob["state_dict"].items() if k.startswith(prefix)}
+    state = {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
     step = {"file": path.name, "global_step": blob.get("global_step"), "epoch": blob.get("epoch")}
     return DrafterConfig.from_dict(blob[CHECKPOINT_CONFIG_KEY]), state, {"checkpoint": step}
