@@ -211,14 +211,14 @@ class EvalTrace:
 
 
 def trace_eval(target: Target, drafter: Drafter, batch: int, tree_nodes: int) -> EvalTrace:
-    """The evaluation's memory at ``batch`` prompts (CFG: 2 × ``batch`` streams) and a tree of ``tree_nodes``
+    """The evaluation's memory at ``batch`` prompts (with CFG 2 × ``batch`` rows) and a tree of ``tree_nodes``
     rows: the caches are allocated fake and measured; the prefill and one verification forward over the
     tree's rows are traced as ``trace_step`` traces. A recorded step (``cuda_graphs``) keeps its
     allocations in a private pool: modelled as one more verification forward."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_copy(target, mode)
     fake_copy(drafter, mode)
-    rows = 2 * batch
+    rows = target.sampling_defaults.streams * batch  # CFG's conditional and unconditional streams
     with torch.inference_mode(), mode:
         cache = target.new_cache(rows, tree_nodes)
         dcache = drafter.new_cache(rows, target.max_seq_len + tree_nodes)
