@@ -158,15 +158,9 @@ def step_flops(target: Target, drafter: Drafter, batch: int, unrolled: int = 1) 
     """Model FLOPs of one training step (see the module docstring): what the model computes, 2 per
     multiply-add. ``unrolled``: an eagle3 drafter's ``ttt_steps`` (ignored for eagle1, one pass). A block
     drafter counts as one teacher-forced pass: its ``train_roots`` blocks of query rows are left out."""
-    decoder = target.transformer
-    prefix, seq = target.prefix_length, target.prefix_length + target.num_image_tokens
+    seq = target.prefix_length + target.num_image_tokens
     rows = seq - 1  # drafter rows: slot s pairs f_s with the token at s + 1
     width = target.hidden_size
-    caption = getattr(decoder, "cls_embedding", None)  # LlamaGen projects its caption rows
-    # Attention: QKᵀ and AV, 2·d each per visible query-key pair.
-    target_flops = 2 * matmul_weights(decoder.layers) * seq
-    target_flops += 2 * matmul_weights(caption) * prefix if caption is not None else 0
-    target_flops += len(decoder.layers) * 4 * width * causal_pairs(seq)
     head = target.vocab_size * width
     fused = drafter.fuse.weight.numel() if drafter.taps else 0
     trained = matmul_weights(drafter) - fused
@@ -176,7 +170,44 @@ def step_flops(target: Target, drafter: Drafter, batch: int, unrolled: int = 1) 
     drafter_flops = sum(per_pass + 4 * head * n for n in passes)
     drafter_flops += 4 * fused * seq  # fusion: forward and weight gradient (the tapped layers need none)
     drafter_flops += 2 * head * target.num_image_tokens  # the target's logits, once
-    return float(batch * (target_flops + drafter_flops))
+    return float(batch * (target_pass_flops(target) + drafter_flops))
+
+
+def target_pass_flops(target: Target) -> float:
+    """Model FLOPs of the target's feature pass over one sample (``step_flops``'s target part)."""
+    decoder = target.transformer
+    prefix, seq = target.prefix_length, target.prefix_length + target.num_image_tokens
+    caption = getattr(decoder, "cls_embedding", None)  # LlamaGen projects its caption rows
+    # Attention: QKᵀ and AV, 2·d each per visible query-key pair.
+    flops = 2 * matmul_weights(decoder.layers) * seq
+    flops += 2 * matmul_weights(caption) * prefix if caption is not None else 0
+    return float(flops + len(decoder.layers) * 4 * target.hidden_size * causal_pairs(seq))
+
+
+def projection(names: list[str], kinds: list[str], ttt_steps: int, mfu: float) -> str:
+    """Model FLOPs of one sample's step at each target's full depth (built on the meta device: no weights)
+    and what a GPU running them at ``mfu`` of the H100's / H200's dense bf16 peak would take: ms per sample
+    and GPU-hours per 100k samples, with the target pass's share of the FLOPs."""
+    peak = PEAK_BF16_TFLOPS["H100"] * 1e12
+    lines = [
+        f"model FLOPs per sample at full depth; time at {mfu:.0%} MFU of an H100 / H200 ({peak / 1e12:.0f} "
+        "dense bf16 TFLOP/s)",
+        "| target | drafter | layers | TFLOP / sample | target share | ms / sample | GPU-h / 100k samples |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        for kind in kinds:
+            target, drafter = build(name, torch.device("meta"), "bf16", 0, kind)
+            unroll = drafter.unroll_steps(ttt_steps)
+            total = step_flops(target, drafter, 1, 1 if unroll is None else unroll)
+            seconds = total / (mfu * peak)
+            label = kind if unroll is None else f"{kind} k={unroll}"
+            share, hours = target_pass_flops(target) / total, seconds * 1e5 / 3600
+            lines.append(
+                f"| {name} | {label} | {target.num_layers} | {total / 1e12:.2f} | {share:.0%} | "
+                f"{seconds * 1e3:.1f} | {hours:.2f} |"
+            )
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -558,7 +589,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
         help="also measure the loss before the chunked head loss (tests/reference_losses.py) side by side",
     )
     parser.add_argument("--out", default=None, help="write the rows as JSON")
+    parser.add_argument(
+        "--project",
+        type=float,
+        default=None,
+        metavar="MFU",
+        help="instead: the FLOPs per sample at full depth and the time at this MFU on an H100 / H200",
+    )
     args = parser.parse_args(argv)
+    if args.project is not None:
+        print(projection(args.targets, args.drafters, args.ttt_steps, args.project))
+        return []
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)

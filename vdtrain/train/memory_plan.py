@@ -302,6 +302,7 @@ def plan_step(
     batch: int,
     precision: str,
     strategies: list[tuple[str, int]],
+    *,
     eval_batch: int | None = None,
     tree_nodes: int = 59,
     fused_adamw: bool = False,
@@ -379,7 +380,16 @@ def plan_for_fit(cfg) -> Plan:
     tree = fit_tree_nodes(cfg) if cfg.eval.enabled else 1
     world = fit_world(cfg)
     strategy = (fit_strategy(cfg, world), world)
-    return plan_step(build, train, cfg.data.batch_size, precision, [strategy], eval_batch, tree, fused)[0]
+    return plan_step(
+        build,
+        train,
+        cfg.data.batch_size,
+        precision,
+        [strategy],
+        eval_batch=eval_batch,
+        tree_nodes=tree,
+        fused_adamw=fused,
+    )[0]
 
 
 def device_memory(cfg) -> float | None:
@@ -399,7 +409,8 @@ def what_to_change(plan: Plan, target_dtype: str) -> str:
     sharding = {"ddp": "use trainer=deepspeed_stage_2", "deepspeed_stage_2": "use trainer=deepspeed_stage_3"}
     hints = {
         "target pass": "lower data.batch_size",
-        "drafter pass": "lower data.batch_size or raise drafter.loss_chunks",
+        "drafter pass": "lower data.batch_size (or drafter.ttt_steps, an unrolled kind's), or raise "
+        "drafter.loss_chunks",
         "gradients": sharding.get(plan.strategy),
         "optimizer": sharding.get(plan.strategy),
         "drafter weights": sharding.get(plan.strategy),
