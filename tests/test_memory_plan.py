@@ -17,9 +17,10 @@ from benchmarks.train_throughput import RandomCaptions
 from vdtrain.cli import CONF_DIR, NothingToDo
 from vdtrain.config import DrafterTrainConfig, register_configs
 from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.preflight import check_fit
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
-from vdtrain.train.memory_plan import StepTrace, strategy_plan
+from vdtrain.train.memory_plan import PlanUnavailable, StepTrace, strategy_plan, trace_step
 
 # The plan's step peak (beyond the weights and AdamW's moments, which a measured step finds allocated)
 # is within this share of the peak torch's profiler measures on the CPU: docs/training.md, "Memory plan".
@@ -56,6 +57,14 @@ def test_the_plan_agrees_with_the_measured_peak_of_a_step(kind, precision):
     planned = planned_step_peak(target, drafter, train, batch, precision)
     measured = measured_step_peak(target, drafter, train, batch, half)
     assert abs(planned - measured) <= BOUND * measured, (planned, measured)
+
+
+def test_a_kind_with_data_dependent_shapes_is_refused_by_name():
+    meta = small_target().to("meta")
+    with torch.device("meta"):
+        drafter = Drafter(DrafterConfig.for_target(meta, kind="block"), meta)
+    with pytest.raises(PlanUnavailable, match=r"drafter\.kind=block: its loss takes shapes from its data"):
+        trace_step(meta, drafter, DrafterTrainConfig(kind="block"), 2)
 
 
 def test_zero_shards_what_it_shards():

@@ -130,7 +130,7 @@ class StepTrace:
 
 
 @contextmanager
-def _captions(target: Target, batch: int) -> Iterator[None]:
+def _captions(target: Target) -> Iterator[None]:
     """``target.encode_captions`` answers with ``planning_condition``: no tokenizer or text encoder runs."""
     target.encode_captions = lambda captions: planning_condition(target, len(captions))  # type: ignore[method-assign]
     try:
@@ -155,12 +155,12 @@ def trace_step(
     module = DrafterModule(target, drafter, train, OptimConfig())
     fake_copy(target, mode)
     fake_copy(drafter, mode)
-    half = precision.split("-")[0] in ("bf16", "16")
+    half = precision.split("-")[0] in ("bf16", "16")  # fp16 autocast: the same bytes as bf16
     module.input_dtype = lambda: torch.bfloat16 if half else torch.float32  # type: ignore[method-assign]
     autocast = torch.autocast("cpu", torch.bfloat16, enabled=half)
     params = [p for p in drafter.parameters() if p.requires_grad]
     tracker = LiveBytes()
-    with mode, _captions(target, batch), tracker:
+    with mode, _captions(target), tracker:
         tokens = torch.randint(target.vocab_size, (batch, target.num_image_tokens))
         data = {"tokens": tokens, "caption": [""] * batch}
         generator = torch.Generator().manual_seed(0)
