@@ -77,20 +77,50 @@ from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 EMBEDDED = {"shapes": "checkpoints/shapes", "grain": "checkpoints/grain"}
 # Random-weight targets of the released LlamaGen t2i shapes (GPT_PRESETS: layers, width, heads).
 RANDOM_TARGETS = {"llamagen-b": "GPT-B", "llamagen-l": "GPT-L", "llamagen-xl": "GPT-XL"}
+
+
+@dataclass(frozen=True)
+class ChameleonShape:
+    """A random-weight Chameleon-layout target: its decoder, the family's layout (``ChameleonLayout``), the
+    code grid's side (codes per row and column; the 16× VQGAN stand-in makes images of 16 px a code), an
+    end-of-row column or not, the prompt rows and the codebook (the head's image vocabulary)."""
+
+    config: ChameleonConfig
+    family: str = "lumina_mgpt"
+    side: int = 32
+    newline: bool = True
+    prefix: int = 64  # prompt rows (bos + template + a caption + boi, size, size)
+    codes: int = 8192
+
+
 # Random-weight Chameleon-family targets: Lumina-mGPT-7B-512's decoder (Chameleon-7B: 32 layers, width
-# 4096, vocabulary 65536; 32×32 codes + an end-of-row column) and a small one of the same layout for CPUs.
+# 4096, vocabulary 65536; 32×32 codes + an end-of-row column) and a small one of the same layout for CPUs;
+# the released image shapes of Lumina-mGPT-7B-768 and Anole-7B (Chameleon-7B's decoder) and Emu3-Gen
+# (Llama-8B: 14336-wide MLP, 8 kv heads, vocabulary 184 622; 90×90 codes of a 32 768 codebook + an end-of-row
+# column), with conf/target/{lumina_mgpt,anole,emu3}.yaml's prefix_length.
 RANDOM_CHAMELEON = {
-    "chameleon-7b": ChameleonConfig(),
-    "chameleon-small": ChameleonConfig(
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
+    "chameleon-7b": ChameleonShape(ChameleonConfig()),
+    "chameleon-small": ChameleonShape(
+        ChameleonConfig(
+            hidden_size=512,
+            intermediate_size=1376,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+        )
+    ),
+    "lumina-mgpt-7b-768": ChameleonShape(ChameleonConfig(), side=48, prefix=256),
+    "anole-7b": ChameleonShape(ChameleonConfig(), family="anole", newline=False, prefix=128),
+    "emu3-8b": ChameleonShape(
+        ChameleonConfig(
+            vocab_size=184622, intermediate_size=14336, num_key_value_heads=8, rope_theta=1e6, qk_norm=False
+        ),
+        family="emu3",
+        side=90,
+        prefix=128,
+        codes=32768,
     ),
 }
-CHAMELEON_LATENT = 32  # 512 px / 16
-CHAMELEON_PREFIX = 64  # prompt rows (bos + template + a caption + boi, size, size)
 # The VQ-16 of the random LlamaGen and Janus targets: the released codebook size (16 384) and downsampling
 # (16 px a token) at a tiny width. Only its codebook is read (LANTERN, VVS); nothing is decoded.
 RANDOM_VQ = VQConfig(ch=8, ch_mult=(1, 1, 1, 1, 1), num_res_blocks=1, z_channels=8, norm_groups=4)
@@ -160,35 +190,39 @@ def random_llamagen(
 def random_chameleon(
     size: str, device: torch.device, seed: int, shape: dict[str, int] | None = None
 ) -> tuple[Target, Drafter]:
-    """A Lumina-mGPT-shaped target and drafter with random weights, built on ``device`` (7B: 28 GB fp32);
-    ``shape``: ``ChameleonConfig`` fields to change (fewer layers, a narrower decoder for a CPU test)."""
+    """A Chameleon-layout target (``RANDOM_CHAMELEON``: Lumina-mGPT, Anole, Emu3 shapes) and drafter with
+    random weights, built on ``device`` (7B: 28 GB fp32); ``shape``: ``ChameleonConfig`` fields to change
+    (fewer layers, a narrower decoder for a CPU test)."""
     torch.manual_seed(seed)
+    spec = RANDOM_CHAMELEON[size]
     with torch.device(device):
-        lm = ChameleonLM(replace(RANDOM_CHAMELEON[size], **(shape or {}))).eval()
-    # Released special ids (boi 8197, end of row 8803, size tokens 8804 + n); codes at ids 4 .. 8195.
+        lm = ChameleonLM(replace(spec.config, **(shape or {}))).eval()
+    # Released special ids of Lumina-mGPT (boi 8197, end of row 8803, size tokens 8804 + n); codes at ids
+    # 4 .. 4 + codes; any ids do for random weights (Anole's and Emu3's layouts reuse them).
+    size_ids = (8804 + spec.side // 2, 8804 + spec.side // 2)
+    prefix = (8197,) if spec.family == "anole" else (8197, *size_ids)
+    null = (0, 8197) if spec.family == "anole" else prefix
+    guidance = Guidance((1.2,)) if spec.family == "anole" else Guidance()  # Anole's three streams
+    newline = 8803 if spec.newline else None
     layout = ChameleonLayout(
-        "lumina_mgpt",
-        (CHAMELEON_LATENT, CHAMELEON_LATENT),
-        0,
-        (8197, 8804 + CHAMELEON_LATENT // 2, 8804 + CHAMELEON_LATENT // 2),
-        (8197, 8804 + CHAMELEON_LATENT // 2, 8804 + CHAMELEON_LATENT // 2),
-        8803,
-        "{text}",
-        Guidance(),
+        spec.family, (spec.side, spec.side), 0, prefix, null, newline, "{text}", guidance
     )
     # A small VQGAN with the released codebook size: only its codebook is read (LANTERN, VVS).
     vqgan = ChameleonVQGAN(
-        ChameleonVQConfig(embed_dim=8, latent_channels=32, base_channels=32, num_res_blocks=1)
+        ChameleonVQConfig(
+            embed_dim=8, num_embeddings=spec.codes, latent_channels=32, base_channels=32, num_res_blocks=1
+        )
     )
+    family_sampling = FAMILY_SAMPLING.get(spec.family, FAMILY_SAMPLING["lumina_mgpt"])
     target = ChameleonTarget(
         lm,
-        ChameleonTokenizer(vqgan, 512, newline_column=True),
+        ChameleonTokenizer(vqgan, 16 * spec.side, newline_column=spec.newline),
         layout,
         torch.arange(4, 4 + vqgan.config.num_embeddings),
         None,
         size,
-        CHAMELEON_PREFIX,
-        SamplingConfig(**FAMILY_SAMPLING["lumina_mgpt"]),  # CFG 3, top-k 2000
+        spec.prefix,
+        SamplingConfig(**family_sampling),  # Lumina-mGPT: CFG 3, top-k 2000
     ).to(device)
     drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
     return target, drafter.attach(target)

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch.profiler._memory_profiler import Action
 
-from benchmarks.step_cost import random_llamagen
+from benchmarks.step_cost import RANDOM, load, random_llamagen
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.losses import image_target_mask
@@ -58,6 +58,8 @@ from vdtrain.drafters.rows import chain_rows
 from vdtrain.eval.runner import device_description, synchronize
 from vdtrain.targets import cast_for_inference
 from vdtrain.targets.base import Target, split_taps
+from vdtrain.targets.llamagen import LlamaGenTarget
+from vdtrain.train.memory_plan import planning_condition
 from vdtrain.train.module import DrafterModule
 
 # A LlamaGen-shaped target small enough for a CPU: GPT-B's vocabulary and caption rows, 4 layers of 256.
@@ -88,8 +90,8 @@ class Row:
     tokens_per_s: float
     tflops: float
     mfu: float | None
-    graph_breaks: int  # in the compiled part of the step (``DrafterModule.drafter_loss``)
-    loss_peak_mb: float  # the loss's forward and backward alone (``loss_peak_bytes``)
+    graph_breaks: int | None  # in the compiled part of the step (``DrafterModule.drafter_loss``)
+    loss_peak_mb: float | None  # the loss's forward and backward alone (``loss_peak_bytes``)
     reference_loss_peak_mb: float | None  # the same for tests/reference_losses.py (--reference-loss)
     reference_loss_ms: float | None  # its forward and backward, timed beside the loss's (``loss_ms_pair``)
     chunked_loss_ms: float | None
@@ -108,15 +110,27 @@ class RandomCaptions:
 
 
 def build(
-    name: str, device: torch.device, dtype: str, seed: int, kind: str = "eagle1"
+    name: str,
+    device: torch.device,
+    dtype: str,
+    seed: int,
+    kind: str = "eagle1",
+    layers: int | None = None,
 ) -> tuple[Target, Drafter]:
-    """The random-weight target (its captions random rows, cast to ``dtype``) and a fresh ``kind`` drafter."""
-    target, drafter = random_llamagen(name, device, seed, SMALL if name == "small" else None)
-    gpt = target.gpt.config
-    target.caption_encoder = RandomCaptions(target.prefix_length, gpt.caption_dim, device)
+    """The random-weight target (cast to ``dtype``; ``layers``: only that many decoder layers) with random
+    condition rows for captions, and a fresh ``kind`` drafter."""
+    if name == "small":
+        target, drafter = random_llamagen(name, device, seed, SMALL)
+    else:  # step_cost's random targets: LlamaGen sizes, the Chameleon layouts, Janus-Pro
+        target, drafter = load(name, device, None, seed, "fp32", layers)
+    if isinstance(target, LlamaGenTarget):
+        gpt = target.gpt.config
+        target.caption_encoder = RandomCaptions(target.prefix_length, gpt.caption_dim, device)
+    else:  # a token-prompt target: full-length prompts of one id, its tokenizer not needed
+        target.encode_captions = lambda captions: planning_condition(target, len(captions))
     if kind != drafter.config.kind:
         drafter = Drafter(DrafterConfig.for_target(target, kind=kind)).to(device).start_from(target)
-    return cast_for_inference(target, dtype), drafter.attach(target).train()  # fp32 drafter (autocast)
+    return cast_for_inference(target, dtype), drafter.float().attach(target).train()  # fp32 (autocast)
 
 
 def matmul_weights(module: torch.nn.Module) -> int:
@@ -142,14 +156,11 @@ def scored_rows(target: Target, unrolled: int) -> list[int]:
 
 def step_flops(target: Target, drafter: Drafter, batch: int, unrolled: int = 1) -> float:
     """Model FLOPs of one training step (see the module docstring): what the model computes, 2 per
-    multiply-add. ``unrolled``: an eagle3 drafter's ``ttt_steps`` (ignored for eagle1, one pass)."""
-    gpt = target.gpt
-    prefix, seq = target.prefix_length, target.prefix_length + target.num_image_tokens
+    multiply-add. ``unrolled``: an eagle3 drafter's ``ttt_steps`` (ignored for eagle1, one pass). A block
+    drafter counts as one teacher-forced pass: its ``train_roots`` blocks of query rows are left out."""
+    seq = target.prefix_length + target.num_image_tokens
     rows = seq - 1  # drafter rows: slot s pairs f_s with the token at s + 1
-    width = gpt.config.dim
-    # Attention: QKᵀ and AV, 2·d each per visible query-key pair.
-    target_flops = 2 * matmul_weights(gpt.layers) * seq + 2 * matmul_weights(gpt.cls_embedding) * prefix
-    target_flops += len(gpt.layers) * 4 * width * causal_pairs(seq)
+    width = target.hidden_size
     head = target.vocab_size * width
     fused = drafter.fuse.weight.numel() if drafter.taps else 0
     trained = matmul_weights(drafter) - fused
@@ -159,7 +170,44 @@ def step_flops(target: Target, drafter: Drafter, batch: int, unrolled: int = 1) 
     drafter_flops = sum(per_pass + 4 * head * n for n in passes)
     drafter_flops += 4 * fused * seq  # fusion: forward and weight gradient (the tapped layers need none)
     drafter_flops += 2 * head * target.num_image_tokens  # the target's logits, once
-    return float(batch * (target_flops + drafter_flops))
+    return float(batch * (target_pass_flops(target) + drafter_flops))
+
+
+def target_pass_flops(target: Target) -> float:
+    """Model FLOPs of the target's feature pass over one sample (``step_flops``'s target part)."""
+    decoder = target.transformer
+    prefix, seq = target.prefix_length, target.prefix_length + target.num_image_tokens
+    caption = getattr(decoder, "cls_embedding", None)  # LlamaGen projects its caption rows
+    # Attention: QKᵀ and AV, 2·d each per visible query-key pair.
+    flops = 2 * matmul_weights(decoder.layers) * seq
+    flops += 2 * matmul_weights(caption) * prefix if caption is not None else 0
+    return float(flops + len(decoder.layers) * 4 * target.hidden_size * causal_pairs(seq))
+
+
+def projection(names: list[str], kinds: list[str], ttt_steps: int, mfu: float) -> str:
+    """Model FLOPs of one sample's step at each target's full depth (built on the meta device: no weights)
+    and what a GPU running them at ``mfu`` of the H100's / H200's dense bf16 peak would take: ms per sample
+    and GPU-hours per 100k samples, with the target pass's share of the FLOPs."""
+    peak = PEAK_BF16_TFLOPS["H100"] * 1e12
+    lines = [
+        f"model FLOPs per sample at full depth; time at {mfu:.0%} MFU of an H100 / H200 ({peak / 1e12:.0f} "
+        "dense bf16 TFLOP/s)",
+        "| target | drafter | layers | TFLOP / sample | target share | ms / sample | GPU-h / 100k samples |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        for kind in kinds:
+            target, drafter = build(name, torch.device("meta"), "bf16", 0, kind)
+            unroll = drafter.unroll_steps(ttt_steps)
+            total = step_flops(target, drafter, 1, 1 if unroll is None else unroll)
+            seconds = total / (mfu * peak)
+            label = kind if unroll is None else f"{kind} k={unroll}"
+            share, hours = target_pass_flops(target) / total, seconds * 1e5 / 3600
+            lines.append(
+                f"| {name} | {label} | {target.num_layers} | {total / 1e12:.2f} | {share:.0%} | "
+                f"{seconds * 1e3:.1f} | {hours:.2f} |"
+            )
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -268,7 +316,7 @@ def reference_score(
 
 @dataclass
 class LossCost:
-    peak_mb: float
+    peak_mb: float | None
     reference_peak_mb: float | None
     ms: float | None
     reference_ms: float | None
@@ -336,10 +384,13 @@ class Runner:
         kind: str,
         ttt_steps: int,
         max_steps: int,
+        *,
+        layers: int | None = None,
     ) -> None:
-        self.name, self.mode, self.dtype, self.batch, self.device = name, mode, dtype, batch, device
+        self.name = name if layers is None else f"{name} ({layers} layers)"
+        self.mode, self.dtype, self.batch, self.device = mode, dtype, batch, device
         self.ttt_steps = ttt_steps
-        target, drafter = build(name, device, dtype, seed, kind)
+        target, drafter = build(name, device, dtype, seed, kind, layers)
         train = DrafterTrainConfig(kind=kind, ttt_steps=ttt_steps)
         module = DrafterModule(
             target, drafter, train, OptimConfig(), max_steps=max_steps, compile=mode == "compiled"
@@ -399,7 +450,7 @@ class Runner:
                 self.optimize()
         self.phases.append(self.clock.collect())
 
-    def row(self, warmup: int, breaks: int, cost: LossCost) -> Row:
+    def row(self, warmup: int, breaks: int | None, cost: LossCost) -> Row:
         steps = len(self.step_times) - warmup
         step_s = sum(self.step_times[warmup:]) / steps
         spent = {name: sum(p.get(name, 0.0) for p in self.phases[warmup:]) / steps for name in PHASES}
@@ -452,15 +503,21 @@ def measure(
     kind: str = "eagle1",
     ttt_steps: int = DrafterTrainConfig.ttt_steps,
     reference: ModuleType | None = None,
+    layers: int | None = None,
 ) -> list[Row]:
     """One row per mode, their steps taken in turn. The graph breaks and the loss's cost are the code's,
-    whatever the mode: measured once, on the first mode's module, before any step."""
+    whatever the mode: measured once, on the first mode's module, before any step; not for a kind with a
+    loss of its own (the block kind's), which runs eager and scores rows ``score`` does not."""
     runners = [
-        Runner(name, mode, dtype, batch, device, seed, kind, ttt_steps, steps + warmup) for mode in modes
+        Runner(name, mode, dtype, batch, device, seed, kind, ttt_steps, steps + warmup, layers=layers)
+        for mode in modes
     ]
     first = runners[0]
-    breaks = graph_breaks(first.module, first.data, first.autocast)
-    cost = loss_cost(first.module, first.data, first.autocast, device, reference)
+    if type(first.module.drafter).training_loss is Drafter.training_loss:
+        breaks = graph_breaks(first.module, first.data, first.autocast)
+        cost = loss_cost(first.module, first.data, first.autocast, device, reference)
+    else:
+        breaks, cost = None, LossCost(None, None, None, None)
     for runner in runners:
         runner.time_phases()
     for i in range(warmup + steps):
@@ -492,7 +549,8 @@ def table(rows: list[Row], device: torch.device) -> str:
             f"| {r.target} | {r.drafter} | {r.mode} | {r.dtype} | {r.batch} | {r.step_ms:.1f} | "
             f"{r.target_ms:.1f} | {r.drafter_ms:.1f} ({r.drafter_share:.0%}) | {r.forward_ms:.1f} | "
             f"{_ms(r.loss_ms)} | {r.backward_ms:.1f} | {r.optimizer_ms:.1f} | {r.samples_per_s:.1f} | "
-            f"{r.tflops:.2f} | {mfu} | {r.graph_breaks} | {r.loss_peak_mb:.1f}{reference} |"
+            f"{r.tflops:.2f} | {mfu} | {'–' if r.graph_breaks is None else r.graph_breaks} | "
+            f"{_ms(r.loss_peak_mb)}{reference} |"
         )
     compared = {
         (r.target, r.drafter, r.dtype, r.batch): r for r in rows if r.reference_loss_peak_mb is not None
@@ -511,10 +569,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--targets", nargs="+", default=["small"], choices=["small", *RANDOM])
     parser.add_argument(
-        "--targets", nargs="+", default=["small"], choices=["small", "llamagen-b", "llamagen-xl"]
+        "--layers", type=int, default=None, help="random targets: only this many decoder layers (a CPU run)"
     )
-    parser.add_argument("--drafters", nargs="+", default=["eagle1"], choices=["eagle1", "eagle3"])
+    parser.add_argument("--drafters", nargs="+", default=["eagle1"], choices=["eagle1", "eagle3", "block"])
     parser.add_argument("--ttt-steps", type=int, default=DrafterTrainConfig.ttt_steps, help="eagle3's unroll")
     parser.add_argument("--modes", nargs="+", default=["eager"], choices=MODES)
     parser.add_argument("--dtype", nargs="+", default=None, choices=["fp32", "bf16"])
@@ -530,7 +589,17 @@ def main(argv: list[str] | None = None) -> list[Row]:
         help="also measure the loss before the chunked head loss (tests/reference_losses.py) side by side",
     )
     parser.add_argument("--out", default=None, help="write the rows as JSON")
+    parser.add_argument(
+        "--project",
+        type=float,
+        default=None,
+        metavar="MFU",
+        help="instead: the FLOPs per sample at full depth and the time at this MFU on an H100 / H200",
+    )
     args = parser.parse_args(argv)
+    if args.project is not None:
+        print(projection(args.targets, args.drafters, args.ttt_steps, args.project))
+        return []
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -556,6 +625,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         kind,
                         args.ttt_steps,
                         reference,
+                        args.layers,
                     )
                     rows += measured
                     for row in measured:

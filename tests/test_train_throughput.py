@@ -71,3 +71,20 @@ def test_the_flop_count_equals_a_hand_count_on_a_tiny_shape():
     fused = 3 * 32 * 32
     hand3 = target_flops + 3 * drafter + 4 * head * (15 + 14 + 13) + 4 * fused * seq + 2 * head * 16
     assert step_flops(target, eagle3, 1, 3) == hand3
+
+
+def test_a_7b_class_shape_is_cut_to_few_layers_and_counted():
+    """``--targets`` takes step_cost's random targets (here the small Chameleon layout, one layer of its 8)
+    with ``--layers``, and the block kind."""
+    target, drafter = build("chameleon-small", torch.device("cpu"), "fp32", seed=0, kind="block", layers=1)
+    assert target.num_layers == 1 and drafter.config.kind == "block"
+    layer = sum(p.numel() for p in target.transformer.layers.parameters() if p.dim() == 2)
+    assert step_flops(target, drafter, 1) > 2 * layer * (target.prefix_length + target.num_image_tokens)
+
+
+@pytest.mark.slow
+def test_a_block_row_has_no_compiled_part_or_loss_cost(capsys):
+    """The block kind's loss is its own (eager, scoring rows ``score`` does not): its row reads – there."""
+    (row,) = main(["--steps", "1", "--warmup", "0", "--batch", "1", "--drafters", "block"])
+    assert row.drafter == "block" and row.graph_breaks is None and row.loss_peak_mb is None
+    assert "| small | block | eager | fp32 | 1 |" in capsys.readouterr().out

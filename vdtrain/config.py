@@ -120,6 +120,9 @@ class TrainerConfig:
     compile: bool = False
     threads: int | None = None  # torch CPU threads per process (null: torch's default)
     deepspeed: dict[str, Any] = field(default_factory=dict)  # extra DeepSpeed config entries
+    # one device's memory (GiB): fit refuses, before loading anything, a run whose memory plan
+    # (vdtrain/train/memory_plan.py) peaks above it; null: the GPU's total on a GPU run, no check on a CPU
+    device_memory_gib: float | None = None
 
 
 @dataclass
@@ -197,6 +200,9 @@ class FitConfig:
     best_metric: str = "val/tau_sim"  # picks checkpoints/best.ckpt; e.g. eval/eagle2_T0/S (EvalAfterEpoch)
     best_mode: str = "max"  # max | min
     debug: bool = False  # a user error shows its full traceback (vdtrain.cli)
+    # print the memory plan per GPU (one training step and the after-epoch evaluation) and exit without
+    # training (docs/training.md, "Memory plan")
+    plan: bool = False
 
 
 def as_list(value: Any) -> list[Any]:

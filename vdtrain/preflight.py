@@ -10,6 +10,7 @@ import difflib
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 
 from hydra.types import RunMode
@@ -44,6 +45,7 @@ FIT_RANGES = (
     ("optim.lr", 0.0, None, True),  # 0: the drafter stays as it starts (tests compare runs with it)
     ("optim.weight_decay", 0.0, None, True),
     ("optim.grad_clip", 0.0, None, True),
+    ("trainer.device_memory_gib", 0.0, None, False),
     ("optim.min_lr_ratio", 0.0, 1.0, True),
     ("data.p_null", 0.0, 1.0, True),
 )
@@ -132,6 +134,40 @@ def check_fit(cfg: DictConfig) -> None:
         presets_known([cfg.eval.acceptance.method], "eval.acceptance.method")
         trained_serves(cfg)
         _prompts(cfg.eval)
+    memory_fits(cfg)
+
+
+def memory_fits(cfg: DictConfig) -> None:
+    """``plan=true``: print the memory plan and stop. Otherwise, where a device's memory is known
+    (``trainer.device_memory_gib``, or the GPU's), refuse a run whose planned peak exceeds it. The plan
+    builds the models on the meta device (seconds, no weights read into memory)."""
+    on_gpu = cfg.trainer.accelerator in ("gpu", "cuda")
+    if not cfg.plan and cfg.trainer.device_memory_gib is None and not on_gpu:
+        return
+    from vdtrain.fit import frozen_dtype
+    from vdtrain.train.memory_plan import (
+        GIB,
+        PlanUnavailable,
+        check_fits,
+        describe,
+        device_memory,
+        plan_for_fit,
+    )
+
+    try:
+        plan = plan_for_fit(cfg)
+    except PlanUnavailable as err:
+        if cfg.plan:
+            raise
+        warnings.warn(f"no memory check: {err}", stacklevel=2)
+        return
+    limit = device_memory(cfg)
+    if cfg.plan:
+        room = "" if limit is None else f"; the device has {limit / GIB:.1f} GiB"
+        raise NothingToDo(f'memory plan per GPU{room} (docs/training.md, "Memory plan"):\n{describe([plan])}')
+    if limit is not None:
+        source = "trainer.device_memory_gib" if cfg.trainer.device_memory_gib is not None else "the GPU"
+        check_fits(plan, limit, source, frozen_dtype(cfg))
 
 
 def run_folder(cfg: DictConfig) -> tuple[Path, str]:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from vdtrain.models.kv_cache import KVCache
 from vdtrain.sampling_config import SamplingConfig
@@ -55,7 +56,10 @@ class TargetIdentity:
 
 
 def fingerprint(weight: torch.Tensor) -> str:
-    """A short content hash of a weight tensor (e.g. the output head)."""
+    """A short content hash of a weight tensor (e.g. the output head); ``"no-data"`` for a weight that has
+    a shape only (the meta device, or a fake tensor: the memory plan builds targets so)."""
+    if weight.device.type == "meta" or is_fake(weight):
+        return "no-data"
     data = weight.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
     return hashlib.sha256(data).hexdigest()[:16]
 

@@ -264,8 +264,9 @@ class ChameleonTarget(Target):
         vocab_ids = torch.cat([image_ids, torch.tensor(extra, dtype=torch.long)]).to(lm.lm_head.weight.device)
         self.register_buffer("vocab_ids", vocab_ids, persistent=False)
         dim = lm.config.hidden_size
-        self.image_embedding = nn.Embedding(len(vocab_ids), dim).requires_grad_(False)
-        self.image_head = nn.Linear(dim, len(vocab_ids), bias=False).requires_grad_(False)
+        device = lm.lm_head.weight.device  # made there: a meta decoder (the memory plan's) has no data
+        self.image_embedding = nn.Embedding(len(vocab_ids), dim, device=device).requires_grad_(False)
+        self.image_head = nn.Linear(dim, len(vocab_ids), bias=False, device=device).requires_grad_(False)
         with torch.no_grad():
             self.image_embedding.weight.copy_(lm.model.embed_tokens.weight[vocab_ids])
             self.image_head.weight.copy_(lm.lm_head.weight[vocab_ids])

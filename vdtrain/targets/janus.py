@@ -119,8 +119,9 @@ class JanusTarget(Target):
         self._prefix_length = prefix_length
         codes = generator.config.codebook_size
         # The aligner is a fixed function of the token id: tabulated, it is an embedding like any other.
-        self.image_embedding = nn.Embedding(codes, generator.config.lm.hidden_size).requires_grad_(False)
-        device = generator.generation_embeddings.weight.device
+        device = generator.generation_embeddings.weight.device  # meta (the memory plan's): no data to copy
+        width = generator.config.lm.hidden_size
+        self.image_embedding = nn.Embedding(codes, width, device=device).requires_grad_(False)
         with torch.no_grad():
             table = generator.embed_image_tokens(torch.arange(codes, device=device))
             self.image_embedding.weight.copy_(table)
