@@ -115,7 +115,7 @@ def build(
     gpt = target.gpt.config
     target.caption_encoder = RandomCaptions(target.prefix_length, gpt.caption_dim, device)
     if kind != drafter.config.kind:
-        drafter = Drafter(DrafterConfig.for_target(target, kind=kind)).to(device).start_from(target)
+        drafter = Drafter.make(DrafterConfig.for_target(target, kind=kind)).to(device).start_from(target)
     return cast_for_inference(target, dtype), drafter.attach(target).train()  # fp32 drafter (autocast)
 
 
