@@ -183,7 +183,7 @@ def random_llamagen(
         gpt = LlamaGenGPT(config).eval()
     tokenizer = VQTokenizer(vq, image_size=16 * config.grid_size)  # VQ-16: 16 px per token
     target = LlamaGenTarget(gpt, tokenizer, None, size, LLAMAGEN_SAMPLING).to(device)
-    drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
+    drafter = Drafter.make(DrafterConfig.for_target(target)).to(device).eval()
     return target, drafter.attach(target)
 
 
@@ -224,7 +224,7 @@ def random_chameleon(
         spec.prefix,
         SamplingConfig(**family_sampling),  # Lumina-mGPT: CFG 3, top-k 2000
     ).to(device)
-    drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
+    drafter = Drafter.make(DrafterConfig.for_target(target)).to(device).eval()
     return target, drafter.attach(target)
 
 
@@ -249,7 +249,7 @@ def random_janus(
         JANUS_PREFIX,
         SamplingConfig(**JANUS_SAMPLING),  # CFG 5, no top-k or top-p
     ).to(device)
-    drafter = Drafter(DrafterConfig.for_target(target)).to(device).eval()
+    drafter = Drafter.make(DrafterConfig.for_target(target)).to(device).eval()
     return target, drafter.attach(target)
 
 
@@ -288,7 +288,7 @@ def drafter_for(config: DecodeConfig, name: str, target: Target, drafter: Drafte
         block = load_drafter(f"{EMBEDDED[name]}/drafter_block", target)
     else:
         torch.manual_seed(0)
-        block = Drafter(DrafterConfig.for_target(target, kind=block_kind())).attach(target)
+        block = Drafter.make(DrafterConfig.for_target(target, kind=block_kind())).attach(target)
     return block.to(target.token_embedding.weight.device, target.dtype).eval()
 
 

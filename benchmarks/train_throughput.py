@@ -129,7 +129,7 @@ def build(
     else:  # a token-prompt target: full-length prompts of one id, its tokenizer not needed
         target.encode_captions = lambda captions: planning_condition(target, len(captions))
     if kind != drafter.config.kind:
-        drafter = Drafter(DrafterConfig.for_target(target, kind=kind)).to(device).start_from(target)
+        drafter = Drafter.make(DrafterConfig.for_target(target, kind=kind)).to(device).start_from(target)
     return cast_for_inference(target, dtype), drafter.float().attach(target).train()  # fp32 (autocast)
 
 

@@ -113,7 +113,7 @@ def random_drafter(target: Target, seed: int = 0, std: float = 0.2, kind: str = 
     """A ``kind`` drafter of ``target``'s family with random weights, attached: its drafts are neither
     all right nor all wrong, so trees are partly accepted."""
     torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.for_target(target, kind=kind))
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind=kind))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=std)
     return drafter.attach(target).eval()

@@ -13,8 +13,8 @@ from conftest import random_drafter, random_gpt, random_vq
 from test_evaluate import PROMPTS, _config, hashed_caption_features
 
 from vdtrain.config import AcceptanceReportConfig
-from vdtrain.decode.engine import DecodeStats
 from vdtrain.decode.profiling import DeviceGuard
+from vdtrain.decode.run import DecodeStats
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.eval import acceptance
@@ -159,7 +159,8 @@ def test_depth_defaults_to_the_deepest_drafted_tree(target):
 
 
 def test_evaluate_writes_the_report_and_its_plot(tiny_folder, tmp_path):
-    Drafter(DrafterConfig.for_target(load_target_folder(tiny_folder))).save_pretrained(tmp_path / "drafter")
+    drafter = Drafter.make(DrafterConfig.for_target(load_target_folder(tiny_folder)))
+    drafter.save_pretrained(tmp_path / "drafter")
     out = tmp_path / "out"
     cfg = _config(
         "eval=fast",

@@ -45,7 +45,7 @@ def test_the_loss_draws_its_blocks_from_the_steps_generator(tiny_folder):
     so a resumed run repeats the uninterrupted one (tests/test_fit.py checks the machinery); the null
     rows come from ``prepare`` as for every kind."""
     target = load_target({"kind": "folder", "folder": str(tiny_folder)})
-    drafter = Drafter(DrafterConfig.for_target(target, kind="block", slots=4, train_roots=5), target)
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind="block", slots=4, train_roots=5), target)
     torch.manual_seed(0)
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.1)
@@ -73,14 +73,14 @@ def test_the_block_a_decode_drafts_is_the_block_training_scores():
     drafter = random_drafter(target, std=0.3, kind="block")
     cond = tiny_condition(batch=2)
     engine = build_method(load_preset("block", {"tree": {"depth": 5}}), target, drafter, GREEDY)
-    drafted, block = [], engine.drafter_block
+    drafted, block = [], engine.drafting.drafter_block
 
     def spy(roots, rows):
         f_hat, logits = block(roots, rows)
         drafted.append((engine.run.committed.clone(), logits[: len(cond)].clone()))  # the cond stream
         return f_hat, logits
 
-    engine.drafter_block = spy
+    engine.drafting.drafter_block = spy
     result = engine.generate(cond, [None, None])
     tokens = result.tokens
     assert torch.equal(tokens, generate_ar(target, cond, GREEDY, [None, None]))
@@ -109,7 +109,7 @@ def test_a_block_tree_needs_a_drafter_that_drafts_blocks():
     short = random_drafter(target, kind="block")
     config = dataclasses.replace(short.config, options={"slots": 4})
     with pytest.raises(ValueError, match=r"depth 8 .* drafts 4 "):
-        build_method(load_preset("block"), target, Drafter(config), GREEDY)
+        build_method(load_preset("block"), target, Drafter.make(config), GREEDY)
     with pytest.raises(ValueError, match=r"a medusa drafter drafts no blocks"):
         random_drafter(target, kind="medusa").block_queries(torch.zeros(1, 4), 2)
 

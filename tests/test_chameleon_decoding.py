@@ -312,7 +312,7 @@ def test_a_chameleon_eagle3_unroll_in_o_k_equals_the_dense_one(lumina_files):
 
     target = lumina_target(lumina_files[0])
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(target, kind="eagle3"), target)
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind="eagle3"), target)
     cond = target.encode_captions(CAPTIONS)
     tokens = generate_ar(target, cond, SamplingConfig(temperature=0.0), [None, None])
     with torch.no_grad():

@@ -29,7 +29,7 @@ from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 def make_drafter(target, seed: int = 0) -> Drafter:
     torch.manual_seed(seed)
-    return Drafter(DrafterConfig.for_target(target), target)
+    return Drafter.make(DrafterConfig.for_target(target), target)
 
 
 def teacher_batch(target, batch: int = 2, seed: int = 3):
@@ -126,7 +126,7 @@ def test_drafter_owns_no_target_weights_and_only_it_trains(tiny_target):
 
 
 def test_drafter_needs_an_attached_target_for_embedding_and_head(tiny_target):
-    drafter = Drafter(DrafterConfig.for_target(tiny_target))
+    drafter = Drafter.make(DrafterConfig.for_target(tiny_target))
     with pytest.raises(RuntimeError, match="attach"):
         drafter.logits(torch.zeros(1, tiny_target.hidden_size))
 

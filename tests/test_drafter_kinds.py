@@ -57,7 +57,7 @@ def test_fit_trains_the_kind_and_its_export_and_checkpoint_reload_it(kind, train
     assert checkpoint.config == exported.config
     saved = exported.state_dict()
     assert all(torch.equal(v, checkpoint.state_dict()[k]) for k, v in saved.items())
-    fresh = Drafter(DrafterConfig.for_target(target, kind)).start_from(target).state_dict()
+    fresh = Drafter.make(DrafterConfig.for_target(target, kind)).start_from(target).state_dict()
     assert set(fresh) == set(saved)
     assert any(not torch.equal(fresh[k], v) for k, v in saved.items()), "training moved no weight"
 

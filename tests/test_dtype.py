@@ -32,7 +32,7 @@ def bf16(target: LlamaGenTarget) -> LlamaGenTarget:
 def random_drafter(target: LlamaGenTarget, folder: Path) -> Path:
     """A drafter with random weights saved for ``target``, as decoding apps load one."""
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(target))
+    drafter = Drafter.make(DrafterConfig.for_target(target))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return drafter.save_pretrained(folder)

@@ -39,6 +39,8 @@ class OldPerRow(ReferenceDynamicTreeBuilder):
 
 
 class NewPerRow(DynamicTreeBuilder):
+    own_shape = True
+
     def shape(self, state):
         return row_shapes(state, self.depth, self.top_k)
 
@@ -331,6 +333,8 @@ def test_top_k_above_the_vocabulary_is_capped_at_build():
 
 
 class OutOfEnvelope(DynamicTreeBuilder):
+    own_shape = True
+
     def shape(self, state):
         rounds, widths = super().shape(state)
         return rounds + 1, widths

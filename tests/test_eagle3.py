@@ -34,7 +34,7 @@ def deep_target() -> LlamaGenTarget:
 
 def eagle3(target, seed: int = 0, **kw) -> Drafter:
     torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.for_target(target, kind="eagle3", **kw), target)
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind="eagle3", **kw), target)
     with torch.no_grad():  # a drafter whose every part matters: no zero-initialised weights
         for p in drafter.parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -162,7 +162,7 @@ def test_unrolled_steps_see_exactly_what_a_draft_chain_sees(kind):
     decoding cache: a leak of any later row (target features or tokens) into the unroll breaks this."""
     target = deep_target()
     if kind == "eagle1":
-        drafter = Drafter(DrafterConfig.for_target(target), target)
+        drafter = Drafter.make(DrafterConfig.for_target(target), target)
     else:
         drafter = eagle3(target, tap_norm=kind == "eagle3-tap-norm")
     cond, tokens = sequence(target)
@@ -328,7 +328,7 @@ def test_an_eagle1_config_written_before_kinds_still_loads():
     assert "feature_layers" not in config  # eagle3's key: an eagle1 config does not write it
     config["target"].pop("num_layers")
     assert DrafterConfig.from_dict(config).kind == "eagle1"
-    Drafter(DrafterConfig.from_dict(config)).attach(target)
+    Drafter.make(DrafterConfig.from_dict(config)).attach(target)
 
 
 def test_the_input_norms_make_the_drafter_blind_to_the_scale_of_its_inputs():

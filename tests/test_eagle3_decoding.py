@@ -29,7 +29,7 @@ TREE_PRESETS = [
 
 def eagle3_drafter(target, seed: int = 4, std: float = 0.3) -> Drafter:
     torch.manual_seed(seed)
-    drafter = Drafter(DrafterConfig.for_target(target, kind="eagle3"))
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind="eagle3"))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=std)
     return drafter.attach(target).eval()
@@ -95,4 +95,4 @@ def test_vvs_skips_with_fused_stale_features(tmp_path):
     cond = tiny_condition(batch=2, seed=7)
     result = engine.generate(cond, [torch.Generator().manual_seed(i) for i in range(2)])
     assert all(s.skipped_steps > 0 for s in result.stats)
-    assert engine.run.fcache.shape[-1] == target.hidden_size
+    assert engine.run.draft.fcache.shape[-1] == target.hidden_size

@@ -210,7 +210,7 @@ def test_target_cache_equals_a_fresh_prefill_after_every_step():
 
 def test_a_drafter_for_another_target_is_refused():
     target, other = make_target(), make_target(seed=1)
-    drafter = Drafter(DrafterConfig.for_target(other))
+    drafter = Drafter.make(DrafterConfig.for_target(other))
     with pytest.raises(ValueError, match="head_fingerprint"):
         SpeculativeEngine(target, drafter, DynamicTreeBuilder(DynamicTreeConfig()), SamplingConfig())
 

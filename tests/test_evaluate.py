@@ -52,7 +52,7 @@ def target() -> LlamaGenTarget:
 @pytest.fixture(scope="module")
 def drafter(target) -> Drafter:
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(target))
+    drafter = Drafter.make(DrafterConfig.for_target(target))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return drafter.attach(target).eval()
@@ -298,7 +298,8 @@ def test_default_setting_is_every_preset_at_both_temperatures():
 
 
 def test_cli_writes_tables_plots_and_images(tiny_folder, tmp_path):
-    Drafter(DrafterConfig.for_target(load_target_folder(tiny_folder))).save_pretrained(tmp_path / "drafter")
+    drafter = Drafter.make(DrafterConfig.for_target(load_target_folder(tiny_folder)))
+    drafter.save_pretrained(tmp_path / "drafter")
     out = tmp_path / "run"
     cfg = _config(
         "eval=fast",
@@ -373,8 +374,8 @@ def _two_drafters(tiny_folder, tmp_path) -> tuple[Path, Path]:
 
     tiny = load_target_folder(tiny_folder)
     eagle, block = tmp_path / "eagle", tmp_path / "block"
-    Drafter(DrafterConfig.for_target(tiny)).save_pretrained(eagle)
-    Drafter(DrafterConfig.for_target(tiny, kind=block_kind())).save_pretrained(block)
+    Drafter.make(DrafterConfig.for_target(tiny)).save_pretrained(eagle)
+    Drafter.make(DrafterConfig.for_target(tiny, kind=block_kind())).save_pretrained(block)
     return eagle, block
 
 

@@ -173,7 +173,7 @@ def test_static_children_outside_qs_support_are_not_drafted():
 @pytest.mark.parametrize("name", preset_names())
 def test_prompts_sample_alike_batched_and_alone(name, tmp_path):
     target = make_target(image_size=8)  # 4 × 4 tokens: rows reach the image's end at different steps
-    drafter = Drafter(DrafterConfig.for_target(target, kind=drafter_kind_for(load_preset(name))))
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind=drafter_kind_for(load_preset(name))))
     torch.manual_seed(0)
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.2)

@@ -95,7 +95,7 @@ def make_module(
     target, p_null: float = 0.1, features: str = "online", noise: float = 0.1, seed: int = 0, kind="eagle1"
 ):
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(target, kind=kind))
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind=kind))
     train = DrafterTrainConfig(kind=kind, feature_noise=noise, ttt_steps=3)
     return DrafterModule(
         target, drafter, train, OptimConfig(), features=features, p_null=p_null, seed=seed, max_steps=100
@@ -776,7 +776,7 @@ def test_drafter_of_another_target_is_refused(tiny_folder, tmp_path):
         "wide",
         SamplingConfig(),
     )
-    Drafter(DrafterConfig.for_target(wide)).save_pretrained(tmp_path / "wide_drafter")
+    Drafter.make(DrafterConfig.for_target(wide)).save_pretrained(tmp_path / "wide_drafter")
     cfg = fit_config(tiny_folder, tmp_path / "run", f"drafter.init_from={tmp_path / 'wide_drafter'}")
     with pytest.raises(ValueError, match="hidden_size"):
         fit(cfg)

@@ -72,7 +72,7 @@ def test_missing_target_folder_is_a_clear_error(tmp_path):
 
 def test_unknown_tree_kind_is_refused(tiny_folder, tmp_path):
     target = load_target_folder(tiny_folder)
-    Drafter(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
+    Drafter.make(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
     overrides = ("decode=eagle2", f"drafter={tmp_path / 'drafter'}", "decode.tree.kind=magic")
     with pytest.raises(ValueError, match="unknown tree kind"):
         run(_config(tiny_folder, tmp_path, *overrides))
@@ -85,7 +85,7 @@ def test_method_is_an_alias_of_the_decode_group():
 @pytest.mark.parametrize("method", ["eagle1", "eagle2", "peanut"])
 def test_speculative_methods_match_ar_at_temperature_zero(method, tiny_folder, tmp_path):
     target = load_target_folder(tiny_folder)
-    Drafter(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
+    Drafter.make(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
     greedy = ("sampling.temperature=0", "num_prompts=2")
     ar = run(_config(tiny_folder, tmp_path / "ar", *greedy))
     spec = run(
@@ -111,7 +111,7 @@ def test_speculative_methods_match_ar_at_temperature_zero(method, tiny_folder, t
 def test_relaxed_presets_compose_and_decode(method, kind, tiny_folder, tmp_path, monkeypatch):
     monkeypatch.setenv("VDTRAIN_CACHE", str(tmp_path / "cache"))  # the neighbour table lands here
     target = load_target_folder(tiny_folder)
-    Drafter(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
+    Drafter.make(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
     overrides = (*method_alias([f"method={method}"]), f"drafter={tmp_path / 'drafter'}")
     summary = run(
         _config(tiny_folder, tmp_path / method, "sampling.temperature=1", "num_prompts=2", *overrides)
@@ -156,7 +156,7 @@ def test_sjd_matches_ar_at_temperature_zero(tiny_folder, tmp_path):
 def test_vvs_presets_decode_and_report_skipped_steps(method, kind, extra, tiny_folder, tmp_path, monkeypatch):
     monkeypatch.setenv("VDTRAIN_CACHE", str(tmp_path / "cache"))  # the neighbour table lands here
     target = load_target_folder(tiny_folder)
-    Drafter(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
+    Drafter.make(DrafterConfig.for_target(target)).save_pretrained(tmp_path / "drafter")
     overrides = (*method_alias([f"method={method}"]), f"drafter={tmp_path / 'drafter'}", *extra)
     summary = run(
         _config(tiny_folder, tmp_path / method, "sampling.temperature=1", "num_prompts=2", *overrides)

@@ -408,7 +408,7 @@ def test_export_cli_composes_exports_and_plans_the_push(fit_run, tiny_folder, tm
 
 def test_export_cli_runs_as_a_module(tiny_folder, folder_target, tmp_path):
     torch.manual_seed(0)
-    Drafter(DrafterConfig.for_target(folder_target)).save_pretrained(tmp_path / "drafter")
+    Drafter.make(DrafterConfig.for_target(folder_target)).save_pretrained(tmp_path / "drafter")
     args = [f"source={tmp_path / 'drafter'}", f"target.folder={tiny_folder}", f"out_dir={tmp_path / 'out'}"]
     command = [sys.executable, "-m", "vdtrain.export", *args, "push.repo_id=someone/x"]
     env = {**sub_env(), "PYTHONPATH": str(REPO)}  # runs in tmp_path, whatever vdtrain install there is

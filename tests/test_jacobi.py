@@ -424,7 +424,7 @@ def test_gsd_with_group_size_one_is_sjd(temperature):
             None,
             JacobiWindowBuilder(JacobiTreeConfig(window=6, init="horizontal_sample")),
             sampling,
-            accept,
+            accept=accept,
         )
         runs.append(engine.generate(cond, [torch.Generator().manual_seed(10 + i) for i in range(2)]))
     sjd, gsd = runs
@@ -438,7 +438,7 @@ def test_gsd_groups_accept_more_than_sjd():
     cond = tiny_condition()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
     engine = SpeculativeEngine(
-        target, None, JacobiWindowBuilder(JacobiTreeConfig(window=6)), sampling, _gsd(target, 14)
+        target, None, JacobiWindowBuilder(JacobiTreeConfig(window=6)), sampling, accept=_gsd(target, 14)
     )
     result = engine.generate(cond, [torch.Generator().manual_seed(i) for i in range(2)])
     assert sum(s.relaxed_acceptances for s in result.stats) > 0

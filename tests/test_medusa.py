@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def medusa(target, heads: int = 3, std: float = 0.3) -> Drafter:
-    drafter = Drafter(DrafterConfig.for_target(target, kind="medusa", heads=heads), target)
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind="medusa", heads=heads), target)
     torch.manual_seed(0)
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=std)

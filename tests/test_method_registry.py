@@ -179,13 +179,16 @@ class ChainConfig(TreeConfig):
     depth: int = 2
 
 
-def _chain(config: ChainConfig) -> StaticTreeBuilder:
-    return StaticTreeBuilder(StaticTreeConfig(paths=[(0,) * d for d in range(1, config.depth + 1)]))
+class ChainBuilder(StaticTreeBuilder):
+    """The chain as a static tree of rank-0 paths (its flags are the static tree's: needs a drafter)."""
+
+    def __init__(self, config: ChainConfig) -> None:
+        super().__init__(StaticTreeConfig(paths=[(0,) * d for d in range(1, config.depth + 1)]))
 
 
 def test_a_registry_entry_is_enough_to_add_a_part(tiny, monkeypatch):
     target, drafter = tiny
-    monkeypatch.setitem(TREES, "chain", Part(ChainConfig, _chain, needs_drafter=True))
+    monkeypatch.setitem(TREES, "chain", Part(ChainConfig, ChainBuilder))
     monkeypatch.setitem(
         SCHEDULES,
         "every_other",
@@ -198,7 +201,7 @@ def test_a_registry_entry_is_enough_to_add_a_part(tiny, monkeypatch):
     chain = decode_config({"name": "chain", "tree": {"kind": "chain", "depth": 3}})
     assert chain.needs_drafter and chain.exact
     engine = build_method(chain, target, drafter, GREEDY)
-    assert isinstance(engine, SpeculativeEngine) and engine.drafter is drafter
+    assert isinstance(engine, SpeculativeEngine) and engine.drafting.drafter is drafter
     result = engine.generate(cond, [None, None])
     assert torch.equal(result.tokens, ar)
     assert all(max(s.depth_per_step) == 3 for s in result.stats)

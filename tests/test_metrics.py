@@ -6,8 +6,8 @@ import math
 
 import numpy as np
 
-from vdtrain.decode.engine import DecodeStats
 from vdtrain.decode.metrics import position_maps, summarize
+from vdtrain.decode.run import DecodeStats
 
 
 def test_summary_of_a_speculative_run():

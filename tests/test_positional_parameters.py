@@ -12,14 +12,6 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "vdtrain"
 MOST = 7  # positional parameters a function may take
 WIDE = {  # (file under vdtrain/, function): still wide, to be narrowed (issue #56)
-    ("decode/builders/dynamic.py", "_expand"),
-    ("decode/builders/dynamic.py", "_last_round"),
-    ("decode/builders/jacobi.py", "_refine"),
-    ("decode/builders/sjd_pac.py", "_continue_window"),
-    ("decode/builders/static.py", "_draw"),
-    ("decode/engine.py", "__init__"),
-    ("drafters/losses.py", "teacher_loss"),
-    ("drafters/losses.py", "unrolled_loss"),
     ("eval/runner.py", "__init__"),
     ("generate.py", "write_stats"),
     ("shapes/build.py", "train_target"),

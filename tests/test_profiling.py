@@ -128,7 +128,7 @@ def tiny_engine(cfg_scale: float = 2.0) -> SpeculativeEngine:
         random_gpt(), VQTokenizer(random_vq(), image_size=8), None, "tiny", SamplingConfig()
     )
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(target))
+    drafter = Drafter.make(DrafterConfig.for_target(target))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.2)
     builder = StaticTreeBuilder(StaticTreeConfig(paths=EAGLE1_PATHS))

@@ -275,7 +275,7 @@ BUILDERS = {
 def decode(target, drafter, builder, sampling, accept, seed=11):
     cond = tiny_condition()
     gens = [torch.Generator().manual_seed(seed + i) for i in range(len(cond))]
-    result = SpeculativeEngine(target, drafter, builder, sampling, accept).generate(cond, gens)
+    result = SpeculativeEngine(target, drafter, builder, sampling, accept=accept).generate(cond, gens)
     return result, [g.get_state() for g in gens]
 
 

@@ -57,7 +57,7 @@ def _counts(name: str, temperature: float, batch: int, cache_dir: str) -> StepCo
     )
     config = load_preset(name, {"acceptance": {"cache_dir": cache_dir}})
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(target, kind=drafter_kind_for(config)))
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind=drafter_kind_for(config)))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=0.2)
     sampling = replace(target.sampling_defaults, temperature=temperature)

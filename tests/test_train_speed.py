@@ -43,7 +43,7 @@ def target() -> LlamaGenTarget:
 
 def drafter_of(target: LlamaGenTarget, kind: str) -> Drafter:
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(target, kind=kind, **KINDS[kind]), target)
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind=kind, **KINDS[kind]), target)
     with torch.no_grad():  # every part matters: no zero-initialised weights (medusa's heads start at 0)
         for p in drafter.parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -69,7 +69,14 @@ def losses_of(drafter: Drafter, cond_mask, tokens, hidden, tapped, cls_loss: str
         pred = drafter.forward_teacher(feats, tokens, cond_mask)
         if chunked:
             loss, parts = teacher_loss(
-                pred, hidden[:, 1:], drafter.normed, drafter.head, prefix, 0.1, cls_loss, CHUNKS
+                pred,
+                hidden[:, 1:],
+                drafter.normed,
+                drafter.head,
+                prefix,
+                w_cls=0.1,
+                cls_loss=cls_loss,
+                chunks=CHUNKS,
             )
         else:
             rows = image_target_mask(cond_mask, image)
@@ -79,8 +86,9 @@ def losses_of(drafter: Drafter, cond_mask, tokens, hidden, tapped, cls_loss: str
         w_feature = 0.3 if drafter.feature_loss else 0.0
         if chunked:
             loss, parts = unrolled_loss(
-                steps, hidden[:, 1:], drafter.normed, drafter.head, prefix, 0.8, w_feature, cls_loss, CHUNKS
-            )
+                steps, hidden[:, 1:], drafter.normed, drafter.head, prefix,
+                decay=0.8, w_feature=w_feature, cls_loss=cls_loss, chunks=CHUNKS,
+            )  # fmt: skip
         else:
             rows = image_target_mask(cond_mask, image)
             chains = [chain_rows(cond_mask, rows.shape[1], j) for j in range(3)]
@@ -199,10 +207,15 @@ def test_the_losses_keep_their_gradient_under_inductor():
     target = torch.randn(2, 9, 8)
 
     def unrolled(steps, target):
-        return unrolled_loss(steps, target, torch.nn.functional.silu, head, 3, 0.8, 0.0, "soft_ce", 2)
+        silu = torch.nn.functional.silu
+        return unrolled_loss(
+            steps, target, silu, head, 3, decay=0.8, w_feature=0.0, cls_loss="soft_ce", chunks=2
+        )
 
     def teacher(steps, target):
-        return teacher_loss(steps[0], target, torch.nn.functional.silu, head, 3, 0.0, "soft_ce", 2)
+        return teacher_loss(
+            steps[0], target, torch.nn.functional.silu, head, 3, w_cls=0.0, cls_loss="soft_ce", chunks=2
+        )
 
     for loss_of in (unrolled, teacher):
         compiled, _ = torch.compile(loss_of, backend="inductor")(steps, target)

@@ -62,12 +62,12 @@ def test_the_flop_count_equals_a_hand_count_on_a_tiny_shape():
     target_flops = 2 * 2 * layer * seq + 2 * (12 * 32 + 32 * 32) * 5 + 2 * 4 * 32 * (seq * (seq + 1) // 2)
     # fc and the layer, forward and backward; attention 4·d per causal pair, forward and backward
     drafter = 6 * (2 * 32 * 32 + layer) * rows + 3 * 4 * 32 * (rows * (rows + 1) // 2)
-    eagle1 = Drafter(DrafterConfig.for_target(target), target)
+    eagle1 = Drafter.make(DrafterConfig.for_target(target), target)
     hand = target_flops + drafter + 4 * head * 16 + 2 * head * 16
     assert step_flops(target, eagle1, 1) == hand
     assert step_flops(target, eagle1, 3) == 3 * hand
     # eagle3, 3 steps: step j scores rows s >= L - 1 + j of the 16 trained rows 3 .. 18: 15, 14, 13
-    eagle3 = Drafter(DrafterConfig.for_target(target, kind="eagle3", feature_layers=(0, 1, 2)), target)
+    eagle3 = Drafter.make(DrafterConfig.for_target(target, kind="eagle3", feature_layers=(0, 1, 2)), target)
     fused = 3 * 32 * 32
     hand3 = target_flops + 3 * drafter + 4 * head * (15 + 14 + 13) + 4 * fused * seq + 2 * head * 16
     assert step_flops(target, eagle3, 1, 3) == hand3

@@ -181,7 +181,7 @@ def test_a_schedule_that_never_skips_is_its_base_method(temperature, tmp_path):
 
     def run(schedule):
         builder = DynamicTreeBuilder(DynamicTreeConfig(top_k=3, depth=3, total_tokens=12))
-        engine = SpeculativeEngine(target, drafter, builder, sampling, lantern, schedule=schedule)
+        engine = SpeculativeEngine(target, drafter, builder, sampling, accept=lantern, schedule=schedule)
         return engine.generate(cond, generators(2, seed=11))
 
     base = run(None)
@@ -299,7 +299,7 @@ def test_caches_equal_a_fresh_pass_after_every_verified_step(builder_kind):
             sub = Condition(stream.features[rows], stream.mask[rows])
             n = prefix + m - 1
             true = target.forward_sequence(sub, tokens[b, : m - 1].repeat(2, 1)).hidden  # [2, L+m-1, H]
-            torch.testing.assert_close(engine.run.fcache[rows, :n], true, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(engine.run.draft.fcache[rows, :n], true, atol=1e-4, rtol=1e-4)
             # Drafter rows 0 .. L+m-2: f_s with the embedding of the token at slot s+1.
             nxt = torch.cat(
                 [true.new_zeros(2, prefix - 1, true.shape[-1]), drafter.embed(tokens[b, :m].repeat(2, 1))], 1
@@ -307,7 +307,7 @@ def test_caches_equal_a_fresh_pass_after_every_verified_step(builder_kind):
             fresh = drafter.new_cache(2, target.max_seq_len)
             pos = torch.arange(n)
             drafter(true, nxt, pos, teacher_mask(sub.mask, n), fresh, pos)
-            dk, dv = engine.run.dcache.k[:, rows, :, :n], engine.run.dcache.v[:, rows, :, :n]
+            dk, dv = engine.run.draft.cache.k[:, rows, :, :n], engine.run.draft.cache.v[:, rows, :, :n]
             torch.testing.assert_close(dk, fresh.k[:, :, :, :n], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(dv, fresh.v[:, :, :, :n], atol=1e-4, rtol=1e-4)
             if was:
@@ -338,14 +338,14 @@ def test_skipped_rows_use_the_most_recent_cached_features():
             m, g = state["m"], m_new - state["m"]
             assert g == int(engine.run.pending[0])
             fc = state["cache"]  # the feature cache before the skip (a skip does not change it)
-            torch.testing.assert_close(engine.run.fcache, fc)
+            torch.testing.assert_close(engine.run.draft.fcache, fc)
             stale = fc[:, prefix + m - 1 - g + torch.arange(g)]
             nxt = drafter.embed(tokens[:, m : m + g])
             fresh = drafter.new_cache(1, target.max_seq_len)
             n = prefix + m - 1
             fresh.k[:, :, :, :n], fresh.v[:, :, :, :n] = (
-                engine.run.dcache.k[:, :, :, :n],
-                engine.run.dcache.v[:, :, :, :n],
+                engine.run.draft.cache.k[:, :, :, :n],
+                engine.run.draft.cache.v[:, :, :, :n],
             )
             slots = n + torch.arange(g)
             mask = torch.cat(
@@ -355,10 +355,10 @@ def test_skipped_rows_use_the_most_recent_cached_features():
             drafter(stale, nxt, slots, mask[:, None], fresh, slots)
             rows = slice(n, n + g)
             torch.testing.assert_close(
-                engine.run.dcache.k[:, :, :, rows], fresh.k[:, :, :, rows], atol=1e-5, rtol=1e-4
+                engine.run.draft.cache.k[:, :, :, rows], fresh.k[:, :, :, rows], atol=1e-5, rtol=1e-4
             )
             seen.append(g)
-        state["m"], state["cache"] = m_new, engine.run.fcache.clone()
+        state["m"], state["cache"] = m_new, engine.run.draft.fcache.clone()
 
     engine.generate(cond, generators(1, seed=5), on_step=check)
     assert len(seen) >= 3

@@ -143,7 +143,7 @@ def build_drafter(cfg: FitConfig, target) -> Drafter:
         return drafter
     layer = OmegaConf.to_container(OmegaConf.create(cfg.drafter.layer or {}))
     config = DrafterConfig.for_target(target, cfg.drafter.kind, layer, **given)
-    return Drafter(config).start_from(target)
+    return Drafter.make(config).start_from(target)
 
 
 # Lightning's warnings that the training stream (vdtrain.data.streams) makes false, silenced around fit

@@ -446,7 +446,7 @@ def _weight_problems(file: Path, config: DrafterConfig) -> list[str]:
         state = load_file(str(file))
     except Exception as err:  # safetensors raises its own error type for a corrupt header
         return [f"{WEIGHTS_FILE} does not load: {err}"]
-    drafter = Drafter(config)
+    drafter = Drafter.make(config)
     expected = drafter.state_dict()
     borrowed_shapes = {(config.vocab_size, config.hidden_size), (config.hidden_size, config.vocab_size)}
     borrowed = sorted(

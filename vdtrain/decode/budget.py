@@ -8,6 +8,8 @@ sample does not depend on the batch it lands in. docs/decoding.md, "Trees that f
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,3 +40,30 @@ def tree_budget(max_rows: int | None, prompts: int, streams: int, device: torch.
     none)."""
     limit = (GPU_MAX_ROWS if device.type == "cuda" else 0) if max_rows is None else max_rows
     return TreeBudget(max(2, limit // (streams * prompts))) if limit > 0 else WHOLE_TREE
+
+
+def call_budget(
+    tree_size: Callable[[TreeBudget], int],
+    max_rows: int | None,
+    *,
+    batch: int,
+    planned: int | None,
+    streams: int,
+    device: torch.device,
+) -> TreeBudget:
+    """The budget of a ``generate`` call of ``batch`` prompts, counted for the run's ``planned`` batch (a
+    larger batch counts itself), for a builder whose trees under a budget have ``tree_size`` nodes. None
+    ``planned``: this batch's, with a warning where that shrinks the trees below one prompt's."""
+    if planned is not None and planned < 1:
+        raise ValueError(f"planned_batch must be a positive number of prompts, got {planned}")
+    budget = tree_budget(max_rows, max(planned or batch, batch), streams, device)
+    nodes, alone = tree_size(budget), tree_size(tree_budget(max_rows, 1, streams, device))
+    if planned is None and nodes < alone:
+        warnings.warn(
+            f"generate() got no planned_batch, so its {batch} prompts' trees shrink to {nodes} nodes "
+            f"(tree.max_rows; {alone} for one prompt): T = 1 samples and acceptance then depend on the "
+            "batch's size. Pass planned_batch=<the run's prompts per batch> to give every batch the "
+            "same trees",
+            stacklevel=4,
+        )
+    return budget

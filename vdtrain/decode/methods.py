@@ -41,9 +41,10 @@ from vdtrain.decode.builders.peanut import PeanutTreeBuilder, PeanutTreeConfig
 from vdtrain.decode.builders.sjd_pac import SjdPacBuilder, SjdPacTreeConfig
 from vdtrain.decode.builders.static import StaticTreeBuilder, StaticTreeConfig
 from vdtrain.decode.compiled import DecodeOptions
-from vdtrain.decode.engine import DecodeResult, DecodeStats, SpeculativeEngine
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.kernels import compiled_step_kernels
 from vdtrain.decode.neighbours import latent_neighbours
+from vdtrain.decode.run import DecodeResult, DecodeStats
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.decode.schedule import ScheduleConfig, VerificationSchedule
 from vdtrain.decode.vvs import (
@@ -160,18 +161,26 @@ class Part:
     function), called with the config section and what ``lends`` takes from the target (a rule's
     neighbour table, a schedule's codebook); None for the one part with nothing to build (tree
     ``none``: AR). Each capability is read for one family only: ``needs_drafter`` and ``drafts_blocks``
-    for trees, ``lossless`` for rules and schedules, ``needs_soft_p`` for rules. They must agree with the
-    built objects' own flags (``DraftTreeBuilder.needs_drafter`` and ``drafts_blocks``,
-    ``Rule.needs_soft_p``, ``VerificationSchedule.can_skip``); tests/test_method_registry.py checks that.
+    for trees (the builder class's own declaration, read here), ``lossless`` for rules and schedules,
+    ``needs_soft_p`` for rules. The last two must agree with the built objects' own flags
+    (``Rule.needs_soft_p``, ``VerificationSchedule.can_skip``); tests/test_method_registry.py checks that.
     """
 
     config: type
     make: Callable[..., Any] | None
     lends: Callable[[Any, Target], tuple] | None = None  # the target's tables the part is made with
-    needs_drafter: bool = False  # tree: drafts with the drafter model (else none is attached)
-    drafts_blocks: bool = False  # tree: one drafter forward drafts a block (a drafter kind with blocks)
     lossless: bool = False  # rule: keeps the target distribution; schedule: verifies every step
     needs_soft_p: bool = False  # rule: reads p beyond p(x) (a group's mass): at T = 0, the T = 1 softmax
+
+    @property
+    def needs_drafter(self) -> bool:
+        """tree: drafts with the drafter model (else none is attached); ``DraftTreeBuilder.needs_drafter``."""
+        return self.make is not None and self.make.needs_drafter
+
+    @property
+    def drafts_blocks(self) -> bool:
+        """tree: one drafter forward drafts a block (a drafter kind with blocks); the builder's own flag."""
+        return self.make is not None and self.make.drafts_blocks
 
     def build(self, config: Any, target: Target | None = None) -> Any:
         """The part ``config`` describes (``target``: where ``lends`` takes its tables from)."""
@@ -180,11 +189,11 @@ class Part:
 
 TREES: dict[str, Part] = {
     "none": Part(TreeConfig, None),  # AR: one target forward per token
-    "static": Part(StaticTreeConfig, StaticTreeBuilder, needs_drafter=True),  # ranks (EAGLE-1, LANTERN++)
-    "dynamic": Part(DynamicTreeConfig, DynamicTreeBuilder, needs_drafter=True),  # EAGLE-2: by confidence
-    "peanut": Part(PeanutTreeConfig, PeanutTreeBuilder, needs_drafter=True),  # per-tree depth and width
+    "static": Part(StaticTreeConfig, StaticTreeBuilder),  # ranks (EAGLE-1, LANTERN++)
+    "dynamic": Part(DynamicTreeConfig, DynamicTreeBuilder),  # EAGLE-2: by confidence
+    "peanut": Part(PeanutTreeConfig, PeanutTreeBuilder),  # per-tree depth and width
     # A chain or static tree over one block drafter forward's slots (issue #48).
-    "block": Part(BlockTreeConfig, BlockTreeBuilder, needs_drafter=True, drafts_blocks=True),
+    "block": Part(BlockTreeConfig, BlockTreeBuilder),
     # SJD: a window of the target's own drafts; SJD-PAC: the same with a proactive tree. No drafter.
     "jacobi": Part(JacobiTreeConfig, JacobiWindowBuilder),
     "sjd_pac": Part(SjdPacTreeConfig, SjdPacBuilder),
@@ -319,8 +328,8 @@ def build_method(
         drafter,
         builder,
         sampling,
-        acceptance_rule(config.acceptance, target),
-        verification_schedule(config.schedule, target),
-        options,
+        accept=acceptance_rule(config.acceptance, target),
+        schedule=verification_schedule(config.schedule, target),
+        options=options,
         max_rows=config.tree.max_rows,
     )

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vdtrain.decode.engine import DecodeStats
+from vdtrain.decode.run import DecodeStats
 
 
 def summarize(stats: Sequence[DecodeStats], n_tokens: int) -> dict[str, float]:

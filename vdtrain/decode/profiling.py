@@ -343,7 +343,8 @@ PHASES = ("draft", "verify", "accept", "commit")
 def phase_methods(engine: Any) -> dict[str, list[tuple[Any, str]]]:
     """Where each phase lives in the engine: (object, method name) pairs. The one place to update when
     the engine renames them. ``forward`` (target and drafter forwards) overlaps the phases."""
-    drafter = [] if engine.drafter is None else [(engine.drafter, "forward"), (engine.drafter, "logits")]
+    model = engine.drafting.drafter  # None: a drafter-free method
+    drafter = [] if model is None else [(model, "forward"), (model, "logits")]
     return {
         "draft": [(engine.builder, "build"), (engine.builder, "observe")],
         "verify": [(engine, "target_forward")],

@@ -81,7 +81,7 @@ def chain_visibility(last: torch.Tensor, n_img: int) -> torch.Tensor:
 
 
 class DrafterRows(NamedTuple):
-    """A drafter forward's inputs for every CFG stream (``SpeculativeEngine.drafter_inputs``)."""
+    """A drafter forward's inputs for every CFG stream (``vdtrain.decode.drafting``)."""
 
     embeds: torch.Tensor  # [R, S, H] embeddings of the next tokens
     positions: torch.Tensor  # [R, S, ·] RoPE positions

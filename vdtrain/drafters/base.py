@@ -6,8 +6,8 @@ prefix catch-up, and saving and loading. A kind is a subclass (``vdtrain.drafter
 that names its options dataclass and fills the hooks below: its modules (``build``), how target features
 enter it (``input_features``), one drafter call (``draft``), what the head reads (``normed``), its cache,
 how it trains (``unroll_steps``, or a loss of its own: ``training_loss``), whether one forward drafts a
-block of tokens (``block_slots``, ``block_queries``) and its model card. ``Drafter(config)`` builds the
-class of ``config.kind``.
+block of tokens (``drafts_blocks``, ``block_slots``, ``block_queries``) and its model card.
+``Drafter.make(config)`` builds the class of ``config.kind``.
 
 Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}``, with a zero embedding
 where slot ``s + 1`` is a caption row; ``rows.teacher_inputs`` builds it.
@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -45,6 +45,16 @@ CHECKPOINT_CONFIG_KEY = "drafter_config"
 CHECKPOINT_PREFIX = "drafter."
 
 
+class DraftInputs(NamedTuple):
+    """What one drafter call (``Drafter.draft``) reads besides its rows' features."""
+
+    embeds: torch.Tensor  # [B, S, H] the embeddings of the tokens after the rows' features
+    positions: torch.Tensor  # [B, S] RoPE positions
+    mask: torch.Tensor | None  # [B, 1, S, kv_len]: with a cache, over its first kv_len slots
+    cache: KVCache | None  # where the keys and values go (None: attend to the rows alone)
+    slots: torch.Tensor | None  # [B, S] or [S] the cache slots of the rows
+
+
 @dataclass(frozen=True)
 class NoOptions:
     """A kind with no settings of its own."""
@@ -61,24 +71,29 @@ class _Borrowed:
 
 
 class Drafter(nn.Module):
-    """What every kind shares; a kind subclasses it (``DRAFTERS``). ``Drafter(config)`` makes the class of
-    ``config.kind``; the target's embedding and head are borrowed via ``attach``."""
+    """What every kind shares; a kind subclasses it (``DRAFTERS``). ``Drafter.make(config)`` makes the class
+    of ``config.kind``; the target's embedding and head are borrowed via ``attach``."""
 
     title: ClassVar[str]  # the model card's title: "<title> for `<target>`"
     method: ClassVar[str] = "eagle2"  # the decode preset its model card samples with
     card_tags: ClassVar[tuple[str, ...]] = ("eagle",)  # the model card's tags for the kind's design
     Options: ClassVar[type] = NoOptions  # its settings (DrafterConfig.options), a frozen dataclass
     feature_loss: ClassVar[bool] = True  # f̂ regresses the target's next feature (``w_cls`` / ``w_feature``)
+    # One forward drafts a block of tokens (``block_slots``, ``block_queries``): a block tree's drafter.
+    drafts_blocks: ClassVar[bool] = False
 
-    def __new__(cls, config: DrafterConfig, target: Target | None = None) -> Drafter:
-        kind = drafter_class(config.kind)
-        if cls is Drafter:
-            return super().__new__(kind)
-        if not issubclass(cls, kind):
-            raise ValueError(f"a {cls.__name__} cannot be built from a {config.kind} drafter's config")
-        return super().__new__(cls)  # a kind's own subclass (a test's variant, say)
+    @classmethod
+    def make(cls, config: DrafterConfig, target: Target | None = None) -> Drafter:
+        """A drafter of ``config.kind``'s class (``DRAFTERS``), or of ``cls`` where ``cls`` is a kind's own
+        subclass (a test's variant, say); with ``target`` attached."""
+        return (drafter_class(config.kind) if cls is Drafter else cls)(config, target)
 
     def __init__(self, config: DrafterConfig, target: Target | None = None) -> None:
+        if not isinstance(self, drafter_class(config.kind)):
+            raise ValueError(
+                f"a {type(self).__name__} cannot be built from a {config.kind} drafter's config: "
+                "make one with Drafter.make(config)"
+            )
         super().__init__()
         self.config = config
         self.build(config)
@@ -122,16 +137,8 @@ class Drafter(nn.Module):
         final-norm ``hidden`` as is."""
         return hidden
 
-    def draft(
-        self,
-        features: torch.Tensor,
-        next_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None,
-        slots: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """One drafter call (``forward``'s contract; ``positions`` [B, S])."""
+    def draft(self, features: torch.Tensor, rows: DraftInputs) -> torch.Tensor:
+        """One drafter call on ``features`` [B, S, F] at ``rows`` → f̂ [B, S, F] (``forward``'s contract)."""
         raise NotImplementedError
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -168,8 +175,8 @@ class Drafter(nn.Module):
 
     @property
     def block_slots(self) -> int:
-        """Tokens one forward drafts as a block (``block_queries``); 0 (the default): a kind that drafts
-        one depth per call."""
+        """Tokens one forward drafts as a block (``block_queries``) where the kind ``drafts_blocks``; 0 (the
+        default): a kind that drafts one depth per call."""
         return 0
 
     def block_queries(self, roots: torch.Tensor, count: int) -> torch.Tensor:
@@ -266,14 +273,15 @@ class Drafter(nn.Module):
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One drafter call on rows pairing ``features`` [B, S, F] with ``next_embeds`` [B, S, H] at RoPE
-        ``positions`` ([S] or [B, S]) → ``f̂`` [B, S, F] (the kind's ``draft``; F = H but for medusa).
+        ``positions`` ([S] or [B, S]) → ``f̂`` [B, S, F] (the kind's ``draft``). F is the kind's feature
+        width (``input_features``): H, or H plus the kind's own per-row state (medusa, block).
 
         Like ``LlamaGenGPT.forward``: with a ``cache`` the keys/values go to ``slots`` and ``mask``
         [B, 1, S, kv_len] covers the first ``kv_len`` cache slots.
         """
         if positions.dim() == 1:
             positions = positions.expand(features.shape[0], -1)
-        return self.draft(features, next_embeds, positions, mask, cache, slots)
+        return self.draft(features, DraftInputs(next_embeds, positions, mask, cache, slots))
 
     def forward_teacher(
         self, target_hidden: torch.Tensor, tokens: torch.Tensor, cond_mask: torch.Tensor
@@ -370,7 +378,7 @@ class Drafter(nn.Module):
                 f"no drafter at {str(path)!r}: not an export folder, a .ckpt file or a Hub repo id "
                 "(owner/name)"
             )
-        drafter = cls(config)
+        drafter = cls.make(config)
         load_strict(drafter, state, f"drafter ({source})")
         drafter.metadata = metadata
         if target is not None:
@@ -389,9 +397,9 @@ class Drafter(nn.Module):
 
 
 def block_kind() -> str:
-    """The first registered kind that drafts blocks (``Drafter.block_slots``): the one a block tree is
+    """The first registered kind that drafts blocks (``Drafter.drafts_blocks``): the one a block tree is
     given where no drafter is (benchmarks, tests)."""
-    kinds = [name for name, kind in DRAFTERS.items() if kind.block_slots is not Drafter.block_slots]
+    kinds = [name for name, kind in DRAFTERS.items() if kind.drafts_blocks]
     if not kinds:
         raise ValueError(f"no registered drafter kind drafts blocks: {list(DRAFTERS)}")
     return kinds[0]

@@ -24,7 +24,7 @@ from torch import nn
 
 from vdtrain.config import DrafterTrainConfig
 from vdtrain.drafters import losses
-from vdtrain.drafters.base import Drafter
+from vdtrain.drafters.base import Drafter, DraftInputs
 from vdtrain.drafters.config import DrafterConfig
 from vdtrain.drafters.head_loss import head_token_loss
 from vdtrain.drafters.registry import register
@@ -153,6 +153,7 @@ class BlockDrafter(Drafter):
     method: ClassVar[str] = "block"
     card_tags: ClassVar[tuple[str, ...]] = ("block-drafting",)  # not EAGLE's one token per forward
     Options: ClassVar[type] = BlockOptions
+    drafts_blocks: ClassVar[bool] = True
 
     def build(self, config: DrafterConfig) -> None:
         """The projection into the layer (its last ``slots − 1`` input columns read the query rows'
@@ -189,20 +190,13 @@ class BlockDrafter(Drafter):
         row's offset in a block, all zero for a committed row."""
         return F.pad(hidden, (0, self.options.slots - 1))
 
-    def draft(
-        self,
-        features: torch.Tensor,
-        next_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | AttendingCache | None,
-        slots: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Rows ``(f, offset)`` [B, S, H + slots − 1] with the ``next_embeds`` [B, S, H] at ``positions`` →
-        ``(f̂, 0)``: committed rows and a block's query rows alike."""
-        dtype, hidden = self.fc.weight.dtype, next_embeds.shape[-1]
-        x = self.fc(torch.cat([next_embeds.to(dtype), features.to(dtype)], -1))
-        h = self.layer(x, positions, mask, cache, slots)
+    def draft(self, features: torch.Tensor, rows: DraftInputs) -> torch.Tensor:
+        """Rows ``(f, offset)`` [B, S, H + slots − 1] with the ``rows.embeds`` [B, S, H] at their positions
+        → ``(f̂, 0)``: committed rows and a block's query rows alike (``rows.cache`` may be an
+        ``AttendingCache``)."""
+        dtype, hidden = self.fc.weight.dtype, rows.embeds.shape[-1]
+        x = self.fc(torch.cat([rows.embeds.to(dtype), features.to(dtype)], -1))
+        h = self.layer(x, rows.positions, rows.mask, rows.cache, rows.slots)
         f_hat = features[..., :hidden].to(dtype) + self.out(self.out_norm(h))
         return F.pad(f_hat, (0, features.shape[-1] - hidden))
 
@@ -280,8 +274,8 @@ class BlockDrafter(Drafter):
         roots = training_roots(num, self.options.train_roots, generator, hidden.device)
         rows, queries, drafted = self.teacher_blocks(states, tokens, cond_mask, roots)
         total, parts = losses.teacher_loss(
-            rows[..., :size], hidden[:, 1:], self.normed, self.head, prefix, train.w_cls, train.cls_loss,
-            train.loss_chunks,
+            rows[..., :size], hidden[:, 1:], self.normed, self.head, prefix,
+            w_cls=train.w_cls, cls_loss=train.cls_loss, chunks=train.loss_chunks,
         )  # fmt: skip
         valid = (drafted < num).flatten()
         slot_of = (drafted - roots[:, None]).flatten()[valid] - 1  # j of each scored query row

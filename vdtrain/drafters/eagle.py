@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from vdtrain.drafters.base import Drafter
+from vdtrain.drafters.base import Drafter, DraftInputs
 from vdtrain.drafters.config import DrafterConfig
 from vdtrain.drafters.registry import register
 from vdtrain.models.kv_cache import KVCache
@@ -29,20 +29,13 @@ class EagleDrafter(Drafter):
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
         self.layer = config.layer_class(config.hidden_size, config.prefix_length, config.grid, config.layer)
 
-    def draft(
-        self,
-        features: torch.Tensor,
-        next_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None,
-        slots: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Rows ``fc([next_embeds; features])`` ([B, S, H] each) through the layer at ``positions`` [B, S]
+    def draft(self, features: torch.Tensor, rows: DraftInputs) -> torch.Tensor:
+        """Rows ``fc([embeds; features])`` ([B, S, H] each) through the layer at ``rows.positions`` [B, S]
         → f̂ [B, S, H]."""
         dtype = self.fc.weight.dtype
-        next_embeds, features = self.embeds_and_features(next_embeds.to(dtype), features.to(dtype))
-        return self.layer(self.fc(torch.cat([next_embeds, features], dim=-1)), positions, mask, cache, slots)
+        next_embeds, features = self.embeds_and_features(rows.embeds.to(dtype), features.to(dtype))
+        x = self.fc(torch.cat([next_embeds, features], dim=-1))
+        return self.layer(x, rows.positions, rows.mask, rows.cache, rows.slots)
 
     def embeds_and_features(
         self, next_embeds: torch.Tensor, features: torch.Tensor

@@ -19,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vdtrain.drafters.base import Drafter
+from vdtrain.drafters.base import Drafter, DraftInputs
 from vdtrain.drafters.config import DrafterConfig
 from vdtrain.drafters.registry import register
-from vdtrain.models.kv_cache import KVCache
 
 
 @dataclass(frozen=True)
@@ -68,17 +67,8 @@ class MedusaDrafter(Drafter):
         """The target's final-norm ``hidden`` [.., H], no head used yet."""
         return state(hidden, hidden.new_zeros(hidden.shape[:-1]))
 
-    def draft(
-        self,
-        features: torch.Tensor,
-        next_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None,
-        slots: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """One draft depth: the same h_t, one more head used (the embeddings ``next_embeds``, the
-        ``positions``, ``mask``, ``cache`` and ``slots`` are not read)."""
+    def draft(self, features: torch.Tensor, rows: DraftInputs) -> torch.Tensor:
+        """One draft depth: the same h_t, one more head used (nothing of ``rows`` is read)."""
         return state(features[..., :-1], heads_used(features) + 1)
 
     def normed(self, feature: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from vdtrain.config import AcceptanceReportConfig
-from vdtrain.decode.engine import DecodeStats
+from vdtrain.decode.run import DecodeStats
 from vdtrain.drafters.base import Drafter
 from vdtrain.drafters.losses import simulated_tau
 from vdtrain.eval.quality import QualityConfig

@@ -29,10 +29,11 @@ import torch
 from tqdm import tqdm
 
 from vdtrain.decode.compiled import DecodeOptions, prepare_decoding
-from vdtrain.decode.engine import DecodeStats, SpeculativeEngine
+from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import ARMethod, DecodeConfig, build_method, load_preset
 from vdtrain.decode.metrics import position_maps as stats_position_maps
 from vdtrain.decode.metrics import summarize
+from vdtrain.decode.run import DecodeStats
 from vdtrain.drafters.base import Drafter
 from vdtrain.durations import duration
 from vdtrain.eval.heartbeat import Heartbeat

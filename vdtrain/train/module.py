@@ -221,9 +221,9 @@ class DrafterModule(L.LightningModule):
                 drafter.normed,
                 drafter.head,
                 prefix_length,
-                cfg.w_cls,
-                cfg.cls_loss,
-                cfg.loss_chunks,
+                w_cls=cfg.w_cls,
+                cls_loss=cfg.cls_loss,
+                chunks=cfg.loss_chunks,
             )
         return unrolled_loss(
             steps,
@@ -231,10 +231,10 @@ class DrafterModule(L.LightningModule):
             drafter.normed,
             drafter.head,
             prefix_length,
-            cfg.ttt_decay,
-            cfg.w_feature if drafter.feature_loss else 0.0,
-            cfg.cls_loss,
-            cfg.loss_chunks,
+            decay=cfg.ttt_decay,
+            w_feature=cfg.w_feature if drafter.feature_loss else 0.0,
+            cls_loss=cfg.cls_loss,
+            chunks=cfg.loss_chunks,
         )
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:

@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 
 class DraftContext(Protocol):
     """What a builder may use while drafting: the sampling settings, the target's geometry, the
-    drafter's distribution made by the one pipeline, and drafter forwards (``SpeculativeEngine`` is
-    one). Row layouts come from ``vdtrain.decode.rows``."""
+    drafter's distribution made by the one pipeline, and drafter forwards (``vdtrain.decode.drafting``).
+    Row layouts come from ``vdtrain.decode.rows``. Shapes: R = streams·B rows, H the target's width, F the
+    drafter's feature width (``Drafter.input_features``): H, or more where a kind keeps per-row state of
+    its own in its features (medusa's head counter, the block kind's offset)."""
 
     sampling: SamplingConfig
     target: TargetGeometry
@@ -62,12 +64,12 @@ class DraftContext(Protocol):
         ...
 
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features ``feats`` [R, S, H] at ``rows`` → (f̂ [R, S, H], logits [R, S, V])."""
+        """Features ``feats`` [R, S, F] at ``rows`` → (f̂ [R, S, F], logits [R, S, V])."""
         ...
 
     def drafter_block(self, roots: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block drafter's query rows from the roots' features ``roots`` [R, H] at ``rows`` (S of them:
-        the tokens 1 .. S past the root's child) → (f̂ [R, S, H], logits [R, S, V]): one forward."""
+        """A block drafter's query rows from the roots' features ``roots`` [R, F] at ``rows`` (S of them:
+        the tokens 1 .. S past the root's child) → (f̂ [R, S, F], logits [R, S, V]): one forward."""
         ...
 
 
@@ -88,7 +90,7 @@ class StepState:
     """What a tree builder needs to know about the current step (device tensors, no host copies)."""
 
     roots: torch.Tensor  # [B] root tokens
-    root_feats: torch.Tensor | None  # [R, H] drafter feature predicted for the root's slot (R = streams·B)
+    root_feats: torch.Tensor | None  # [R, F] drafter feature predicted for the root's slot (R = streams·B)
     root_logits: torch.Tensor | None  # [R, V] drafter logits for the root's children (None: no drafter)
     committed: torch.Tensor  # [B] m
     depth_limit: torch.Tensor  # [B] max tree depth allowed (image tokens left to draft)
@@ -127,6 +129,7 @@ class DraftTreeBuilder:
     ``tree_size``; a builder keeps none of it (the same builder serves calls of other budgets).
     """
 
+    # What the builder drafts with, declared once: the method registry's row reads it (``methods.Part``).
     needs_drafter: ClassVar[bool] = True  # False: drafts without a drafter model (SJD)
     drafts_blocks: ClassVar[bool] = False  # True: one forward drafts a block (``DraftContext.drafter_block``)
     # True: every step has the same shapes and host work and the builder keeps no Python state across
@@ -144,8 +147,10 @@ class DraftTreeBuilder:
         says otherwise)."""
         return self.max_nodes(budget)
 
-    def check_vocabulary(self, vocab_size: int) -> None:
-        """Fit settings to a vocabulary of ``vocab_size`` image tokens, or refuse them (the engine asks)."""
+    def for_vocabulary(self, vocab_size: int) -> DraftTreeBuilder:
+        """The builder that drafts over ``vocab_size`` image tokens (the engine asks once): this one where
+        its settings fit, else a copy with them cut to fit; or refuse them. This one is left as it is."""
+        return self
 
     def check_drafter(self, drafter: Drafter) -> None:
         """Refuse a ``drafter`` this builder cannot draft with (the engine asks; every kind drafts one

@@ -12,6 +12,7 @@ vocabulary-wide selection. A child past q's support stays undrafted, with its su
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -150,13 +151,15 @@ class BlockTreeBuilder(DraftTreeBuilder):
         """The tree's nodes: its ``depth − 1`` query rows take no more scratch slots than that."""
         return self.shape(budget).tree.size
 
-    def check_vocabulary(self, vocab_size: int) -> None:
+    def for_vocabulary(self, vocab_size: int) -> BlockTreeBuilder:
         """Ranks past the vocabulary are dropped, with their subtrees: a node has no more children than
         there are tokens."""
         kept = [p for p in self.configured_tree.paths if max(p) < vocab_size]
-        if len(kept) < len(self.configured_tree.paths):
-            self.configured_tree = static_tree(kept)
-            self._shapes = {}
+        if len(kept) == len(self.configured_tree.paths):
+            return self
+        fitted = copy.copy(self)
+        fitted.configured_tree, fitted._shapes = static_tree(kept), {}
+        return fitted
 
     def check_drafter(self, drafter: Drafter) -> None:
         if drafter.block_slots < self.configured_tree.depth:

@@ -13,6 +13,7 @@ docs/decoding.md, "Drafting", gives the keys.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
@@ -65,7 +66,7 @@ class Frontier:
     tokens: torch.Tensor  # [B, K]
     score: torch.Tensor  # [B, K]
     node: torch.Tensor  # [B, K] flat node index
-    feats: torch.Tensor  # [R, K, H] the parents' drafter features
+    feats: torch.Tensor  # [R, K, F] the parents' drafter features
     seen: torch.Tensor  # [R, 1, K, L + W] the rows' drafter mask: the plan's, plus their ancestors' columns
     plan: BuildPlan
 
@@ -84,7 +85,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     """EAGLE-2's dynamic tree in padded tensor shapes, with per-prompt ``depth`` and ``top_k`` (``shape``).
 
     A ``top_k`` above the target's vocabulary is capped to it, with a warning, when the engine is built
-    (``check_vocabulary``): the envelope grows as ``top_k · (depth + 1)`` scratch slots and ``top_k²``
+    (``for_vocabulary``): the envelope grows as ``top_k · (depth + 1)`` scratch slots and ``top_k²``
     candidates per round, so an uncapped setting (600 on 512 tokens) made every step crawl while its trees
     were the capped ones. ``keep_deepest_path`` (PEANUT): the best-scoring
     path to the deepest level drafted is kept whatever the node budget prunes. A call's node budget
@@ -93,6 +94,9 @@ class DynamicTreeBuilder(DraftTreeBuilder):
 
     keep_deepest_path: ClassVar[bool] = False
     graph_safe: ClassVar[bool] = True
+    # True: ``shape`` gives per-prompt (rounds, top_k) of its own under ``envelope`` (PEANUT), which each
+    # build checks on the device; False: every tree is the envelope (EAGLE-2), nothing to check.
+    own_shape: ClassVar[bool] = False
 
     def __init__(self, config: DynamicTreeConfig) -> None:
         top_k, depth, total_tokens = config.top_k, config.depth, config.total_tokens
@@ -103,14 +107,17 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             )
         self.top_k, self.depth, self.total_tokens = top_k, depth, total_tokens
 
-    def check_vocabulary(self, vocab_size: int) -> None:
-        if self.top_k > vocab_size:
-            warnings.warn(
-                f"tree.top_k={self.top_k} exceeds the target's vocabulary ({vocab_size} image tokens): a "
-                f"node cannot have more distinct children than there are tokens, so top_k is {vocab_size}",
-                stacklevel=3,
-            )
-            self.top_k = vocab_size
+    def for_vocabulary(self, vocab_size: int) -> DynamicTreeBuilder:
+        if self.top_k <= vocab_size:
+            return self
+        warnings.warn(
+            f"tree.top_k={self.top_k} exceeds the target's vocabulary ({vocab_size} image tokens): a "
+            f"node cannot have more distinct children than there are tokens, so top_k is {vocab_size}",
+            stacklevel=3,
+        )
+        fitted = copy.copy(self)
+        fitted.top_k = vocab_size
+        return fitted
 
     def tree_size(self, budget: TreeBudget) -> int:
         return budget.cap(self.total_tokens)
@@ -150,8 +157,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
                 f"{type(self).__name__}: an envelope of {depth_cap} rounds x {size} nodes needs "
                 f"{depth_cap * size} drafter scratch slots but max_nodes() reserves {room}"
             )
-        own_shape = type(self).shape is not DynamicTreeBuilder.shape  # this class's shape is its envelope
-        if own_shape or type(self).envelope is not DynamicTreeBuilder.envelope:
+        if self.own_shape:
             torch._assert_async(
                 ((rounds <= depth_cap) & (widths <= size)).all(),
                 f"{type(self).__name__}.shape gave a (rounds, top_k) outside envelope ({depth_cap}, {size})",
@@ -160,10 +166,14 @@ class DynamicTreeBuilder(DraftTreeBuilder):
         for r in range(1, depth_cap + 1):
             f_hat, logits = ctx.drafter_forward(front.feats, rows)
             if r < depth_cap:
-                layer, front, rows = self._expand(ctx, state, front, f_hat, logits, r, depth_cap, size)
+                layer, front, rows = self._expand(
+                    ctx, state, front, f_hat, logits, r=r, depth_cap=depth_cap, size=size
+                )
                 grown = [*grown, layer]
             else:
-                return self._last_round(ctx, state, front, logits, grown, depth_cap, size, kept)
+                return self._last_round(
+                    ctx, state, front, logits, grown, depth_cap=depth_cap, size=size, kept=kept
+                )
         columns = (torch.cat(column, 1) for column in zip(*grown, strict=True))
         return self._select(*columns, depth_cap, size, kept)
 
@@ -252,9 +262,9 @@ class DynamicTreeBuilder(DraftTreeBuilder):
 
     @step_kernel
     def _expand(
-        self, ctx, state: StepState, front: Frontier, f_hat, logits, r: int, depth_cap: int, size: int
+        self, ctx, state: StepState, front: Frontier, f_hat, logits, *, r: int, depth_cap: int, size: int
     ):
-        """Round ``r``'s candidates (from the frontier's ``f_hat`` [R, K, H] and ``logits`` [R, K, V]), the
+        """Round ``r``'s candidates (from the frontier's ``f_hat`` [R, K, F] and ``logits`` [R, K, V]), the
         best ``K`` of them as round ``r + 1``'s frontier, and its drafter rows."""
         layer = self._candidates(ctx, state, front, logits, r, size)
         # Valid candidates first by (score, index): invalid ones score +inf (``ranked`` without a mask).
@@ -275,7 +285,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
 
     @step_kernel
     def _last_round(
-        self, ctx, state: StepState, front: Frontier, logits, grown, depth_cap: int, size: int, kept: int
+        self, ctx, state: StepState, front: Frontier, logits, grown, *, depth_cap: int, size: int, kept: int
     ):
         """The last round's candidates (from the frontier's ``logits`` [R, K, V]) added to the layers
         ``grown`` so far, then the tree of ``kept`` nodes."""

@@ -234,13 +234,14 @@ class JacobiWindowBuilder(DraftTreeBuilder):
         ring = None if win.stored is None else shared_arange(win.stored.shape[1], device)
         chain = shared_arange(win.tokens.shape[1] + 1, device)
         new = self._refine(
-            o.tree, o.verdict, o.verified, o.p_nodes, o.roots_at, win, chain, ring, o.rng, o.greedy
-        )
+            o.tree, o.verdict, o.verified, o.p_nodes, o.roots_at, win,
+            chain=chain, ring=ring, rng=o.rng, greedy=o.greedy,
+        )  # fmt: skip
         write_in_place(win, new)
 
     @step_kernel
     def _refine(
-        self, tree, verdict, verified, p_nodes, roots_at, win: _Windows, chain, ring, rng, greedy
+        self, tree, verdict, verified, p_nodes, roots_at, win: _Windows, *, chain, ring, rng, greedy
     ) -> _Windows:
         """The next window: every entry refined from the target's p ``p_nodes`` [B, T, V] where
         ``verified`` [B] (``roots_at`` [B]: each root's image index; ``chain``: arange(W + 1), ``ring``:

@@ -61,6 +61,7 @@ class PeanutTreeBuilder(DynamicTreeBuilder):
     """
 
     keep_deepest_path = True
+    own_shape = True  # per-prompt depth and width under the envelope
     # Stepped from Python, the padded shapes follow the batch's planned trees (a read of the device per
     # step); in a recorded step they are the widest and deepest any tree can have (``envelope``).
     graph_safe = True

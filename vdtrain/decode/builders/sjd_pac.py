@@ -243,13 +243,14 @@ class SjdPacBuilder(DraftTreeBuilder):
             raise RuntimeError("SjdPacBuilder.observe before build: no window to continue")
         o, lay = outcome, self.layout(outcome.p_nodes.device)
         new = self._continue_window(
-            o.tree, o.verdict, o.verified, o.p_nodes, o.roots_at, lay, self._windows, o.rng, o.greedy
-        )
+            o.tree, o.verdict, o.verified, o.p_nodes, o.roots_at, lay,
+            win=self._windows, rng=o.rng, greedy=o.greedy,
+        )  # fmt: skip
         write_in_place(self._windows, new)
 
     @step_kernel
     def _continue_window(
-        self, tree, verdict, verified, p_nodes, roots_at, lay: _Layout, win: _Windows, rng, greedy
+        self, tree, verdict, verified, p_nodes, roots_at, lay: _Layout, *, win: _Windows, rng, greedy
     ):
         """The next window: the continuation of the accepted path, kept or redrawn (SJD-PAC's adaptive
         continuation), from ``p_nodes`` [B, T, V] where ``verified`` [B] (``roots_at`` [B]: each root's

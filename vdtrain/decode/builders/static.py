@@ -120,7 +120,16 @@ class StaticTreeBuilder(DraftTreeBuilder):
         feats_of, logits_of = {0: state.root_feats}, {0: state.root_logits}
         drafted = None
         for depth in range(1, shape.tree.depth + 1):
-            drafted, rows = self._draw(ctx, state, shape, layout, depth, drafted, feats_of, logits_of)
+            drafted, rows = self._draw(
+                ctx,
+                state,
+                shape,
+                layout,
+                depth=depth,
+                drafted=drafted,
+                feats_of=feats_of,
+                logits_of=logits_of,
+            )
             if rows is None:
                 break
             parent_feats, inputs = rows
@@ -141,10 +150,19 @@ class StaticTreeBuilder(DraftTreeBuilder):
 
     @step_kernel
     def _draw(
-        self, ctx, state: StepState, shape: _Shape, layout: _Layout, depth: int, drafted, feats_of, logits_of
+        self,
+        ctx,
+        state: StepState,
+        shape: _Shape,
+        layout: _Layout,
+        *,
+        depth: int,
+        drafted,
+        feats_of,
+        logits_of,
     ):
         """Level ``depth``'s children of the tree ``shape`` from their parents' drafter logits
-        (``logits_of``: node → [R, V]; ``feats_of``: node → [R, H]; ``drafted`` None: the first level,
+        (``logits_of``: node → [R, V]; ``feats_of``: node → [R, F]; ``drafted`` None: the first level,
         with the tree's buffers made here); then, unless it is the deepest level, the drafter rows of this
         level's nodes (their parents' features, the inputs). Returns (``LevelBuffers``, rows or None)."""
         t, sampling = shape.tree, ctx.sampling
@@ -182,7 +200,7 @@ class StaticTreeBuilder(DraftTreeBuilder):
         # One drafter forward over this level to get its nodes' children distributions.
         level = shape.levels[depth - 1]
         level_t = layout.levels[depth - 1]
-        parent_feats = torch.stack([feats_of[t.parents[i]] for i in level], dim=1)  # [R, S, H]
+        parent_feats = torch.stack([feats_of[t.parents[i]] for i in level], dim=1)  # [R, S, F]
         base = state.committed - 1
         index = (state.committed - 1 + depth).clamp_max(n_img)[:, None].expand(-1, len(level))
         slots = ctx.target.image_slot(base[:, None] + (level_t - 1)[None, :])
