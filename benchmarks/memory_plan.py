@@ -53,7 +53,7 @@ def build(name: str, kind: str, dtype: str = "bf16") -> tuple[Target, Drafter]:
     """The target (in ``dtype``) and a new ``kind`` drafter (fp32, as fit's optimiser holds it), on meta."""
     target, _ = load(name, torch.device("meta"), None, 0, dtype)
     with torch.device("meta"):
-        drafter = Drafter(DrafterConfig.for_target(target, kind=kind))
+        drafter = Drafter.make(DrafterConfig.for_target(target, kind=kind))
     return target, drafter.attach(target)
 
 
@@ -88,7 +88,7 @@ def planned_step_peak(
     AdamW's moments), from meta copies of ``target`` and ``drafter``."""
     meta_target = copy.deepcopy(target).to("meta")
     with torch.device("meta"):
-        meta_drafter = Drafter(drafter.config, meta_target)
+        meta_drafter = Drafter.make(drafter.config, meta_target)
     plan = strategy_plan(
         trace_step(meta_target, meta_drafter, train, batch, precision), None, "auto", 1, precision
     )
@@ -110,7 +110,7 @@ def agreement(world: str, kinds: list[str], batches: list[int], precisions: list
                 half = precision.startswith("bf16")
                 target, _ = load(world, torch.device("cpu"), None, 0, "bf16" if half else "fp32")
                 torch.manual_seed(0)
-                drafter = Drafter(DrafterConfig.for_target(target, kind=kind)).attach(target)
+                drafter = Drafter.make(DrafterConfig.for_target(target, kind=kind)).attach(target)
                 train = DrafterTrainConfig(kind=kind)
                 planned = planned_step_peak(target, drafter, train, batch, precision)
                 measured = measured_step_peak(target, drafter, train, batch, half)

@@ -62,7 +62,7 @@ def test_the_plan_agrees_with_the_measured_peak_of_a_step(kind, precision):
 def test_a_kind_with_data_dependent_shapes_is_refused_by_name():
     meta = small_target().to("meta")
     with torch.device("meta"):
-        drafter = Drafter(DrafterConfig.for_target(meta, kind="block"), meta)
+        drafter = Drafter.make(DrafterConfig.for_target(meta, kind="block"), meta)
     with pytest.raises(PlanUnavailable, match=r"drafter\.kind=block: its loss takes shapes from its data"):
         trace_step(meta, drafter, DrafterTrainConfig(kind="block"), 2)
 

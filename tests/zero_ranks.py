@@ -34,7 +34,7 @@ def module() -> DrafterModule:
     tokenizer = VQTokenizer(random_vq(), image_size=8)
     target = LlamaGenTarget(random_gpt(), tokenizer, None, "tiny", SamplingConfig())
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.for_target(target, kind="eagle1")).start_from(target)
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind="eagle1")).start_from(target)
     return DrafterModule(target, drafter, DrafterTrainConfig(), OPTIM, max_steps=STEPS)
 
 

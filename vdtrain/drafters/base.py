@@ -453,7 +453,7 @@ def _read_zero_checkpoint(path: Path) -> tuple[DrafterConfig, dict[str, torch.Te
     partition (``vdtrain.zero_checkpoint``)."""
     weights, client = gather_fp32(path)
     config, params, metadata = _checkpoint_drafter(path, client, weights)
-    return config, _parameters_as_state_dict(Drafter(config), params, path), metadata
+    return config, _parameters_as_state_dict(Drafter.make(config), params, path), metadata
 
 
 def _parameters_as_state_dict(
