@@ -28,6 +28,7 @@ from vdtrain.cli import INTERRUPTED_EXIT, run_app, user_errors
 from vdtrain.config import FitConfig, check_known_keys, register_configs
 from vdtrain.paths import CONF_DIR
 from vdtrain.preflight import FIT_MINIMUMS, FIT_RANGES, at_least, check_fit, within
+from vdtrain.train.fit_parts import build_drafter, frozen_dtype
 
 if TYPE_CHECKING:  # the training stack is imported when training starts, after the checks
     import lightning as L
@@ -76,12 +77,6 @@ def deepspeed_config(cfg: FitConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.merge(base, extra))
 
 
-def frozen_dtype(cfg: FitConfig) -> str:
-    """The frozen target's dtype in fit: ``trainer.target_dtype`` (bf16 in the GPU trainer configs), else
-    ``target.dtype``. The after-epoch evaluation decodes with the same object, so in the same dtype."""
-    return cfg.trainer.target_dtype or cfg.target.dtype
-
-
 def build_logger(cfg: FitConfig, run_dir: Path):
     kind, name = cfg.logger.kind, cfg.logger.name or run_dir.name
     save_dir = run_dir / "logs"
@@ -112,38 +107,6 @@ def wandb_id(run_dir: Path) -> str:
     same for every launch of the folder (a resume, a requeued job), different for two folders alike."""
     digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
     return f"{re.sub(r'[^A-Za-z0-9_-]', '-', run_dir.name)[:48]}-{digest}"
-
-
-def build_drafter(cfg: FitConfig, target) -> Drafter:
-    """The drafter to train: ``drafter.init_from``'s (which must agree with the kind and the options given),
-    or a new one of ``drafter.kind`` with ``drafter.options`` over its defaults for this target."""
-    from vdtrain.drafters import Drafter, DrafterConfig
-    from vdtrain.drafters.config import kind_options
-
-    given = OmegaConf.to_container(OmegaConf.create(cfg.drafter.options or {}))
-    kind_options(cfg.drafter.kind, {k: v for k, v in given.items() if v is not None})  # the kind's keys only
-    if cfg.drafter.init_from:
-        drafter = Drafter.from_pretrained(cfg.drafter.init_from, target)
-        saved = drafter.config
-        if saved.kind != cfg.drafter.kind:
-            raise ValueError(
-                f"drafter.init_from={cfg.drafter.init_from!r} is a {saved.kind} drafter, not "
-                f"drafter.kind={cfg.drafter.kind!r}"
-            )
-        clash = [
-            f"options.{k}={v!r} (saved {getattr(saved.options, k)!r})"
-            for k, v in given.items()
-            if getattr(kind_options(saved.kind, {k: v}), k) != getattr(saved.options, k)
-        ]
-        if clash:
-            raise ValueError(
-                f"drafter.init_from={cfg.drafter.init_from!r} disagrees with the options given: "
-                + "; ".join(clash)
-            )
-        return drafter
-    layer = OmegaConf.to_container(OmegaConf.create(cfg.drafter.layer or {}))
-    config = DrafterConfig.for_target(target, cfg.drafter.kind, layer, **given)
-    return Drafter.make(config).start_from(target)
 
 
 # Lightning's warnings that the training stream (vdtrain.data.streams) makes false, silenced around fit

@@ -144,7 +144,7 @@ def memory_fits(cfg: DictConfig) -> None:
     on_gpu = cfg.trainer.accelerator in ("gpu", "cuda")
     if not cfg.plan and cfg.trainer.device_memory_gib is None and not on_gpu:
         return
-    from vdtrain.fit import frozen_dtype
+    from vdtrain.train.fit_parts import frozen_dtype
     from vdtrain.train.memory_plan import (
         GIB,
         PlanUnavailable,

@@ -11,8 +11,8 @@ unrolled steps, the block kind's own loss, the loss's chunks) and costs seconds 
 CPU; shape arithmetic alone would restate every kind's passes. What no single process shows is arithmetic
 on the drafter's parameter count P: the strategy's copies (DDP's gradient buckets; ZeRO's bf16 weights, fp32
 master copy, moments and gradients in 1/N shards, its buckets, ZeRO-3's gathered layer) and the evaluation's
-buffers. Fake tensors have no CUDA autocast on a CPU: CPU autocast's op lists stand in for CUDA's (both
-run matmuls in bf16 and softmax and norms in fp32). The CUDA caching allocator's slack is not counted.
+buffers. CPU autocast's op lists stand in for CUDA's (both: matmuls bf16, softmax and norms fp32); the
+caching allocator's slack is not counted.
 """
 
 from __future__ import annotations
@@ -365,8 +365,8 @@ def plan_for_fit(cfg) -> Plan:
     when ``eval.enabled``."""
     from omegaconf import OmegaConf
 
-    from vdtrain.fit import build_drafter, frozen_dtype
     from vdtrain.targets.registry import inference_dtype, load_target
+    from vdtrain.train.fit_parts import build_drafter, frozen_dtype
 
     def build() -> tuple[Target, Drafter]:
         target = load_target(OmegaConf.to_container(cfg.target, resolve=True), "meta")
