@@ -402,7 +402,7 @@ def test_jacobi_config_builds_a_drafter_free_engine():
         "vertical_sample",
     )
     method = build_method(config, target, None, SamplingConfig())
-    assert isinstance(method, SpeculativeEngine) and method.drafter is None
+    assert isinstance(method, SpeculativeEngine) and method.drafting.drafter is None
 
 
 def _gsd(target, group_size: int) -> Grouped:

@@ -454,7 +454,7 @@ def test_the_preset_builds_a_drafter_free_engine(overrides, length):
     assert isinstance(builder, SjdPacBuilder)
     assert (builder.tokens_per_forward, builder.width, builder.levels) == (length, 3, 3)
     method = build_method(config, make_target(), None, SamplingConfig())
-    assert isinstance(method, SpeculativeEngine) and method.drafter is None
+    assert isinstance(method, SpeculativeEngine) and method.drafting.drafter is None
 
 
 def batched(verdicts: list[Verdict], tree) -> tuple[BatchVerdict, torch.Tensor]:

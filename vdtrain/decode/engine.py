@@ -299,14 +299,20 @@ class SpeculativeEngine:
         processed = processed_logits(*split_cfg(logits, self.sampling), self.sampling)
         p_nodes = distribution(processed, self.sampling)
         p_relax = processed.softmax(-1) if self.sampling.greedy and self.accept.needs_soft_p else None
-        batch, size = tree.tokens.shape  # every row's verdict at once, with this step's per-prompt uniforms
+        return p_nodes, self._accept(tree, p_nodes, p_relax)
+
+    def _accept(self, tree: DraftTree, p_nodes: torch.Tensor, p_relax: torch.Tensor | None) -> BatchVerdict:
+        """Every row's verdict at once, with this step's per-prompt uniforms: ``p_nodes`` [B, T, V] the
+        target's distribution at the nodes, ``p_relax`` [B, T, V] its T = 1 softmax for the rules that read
+        soft mass at T = 0 (else None). The one place acceptance is decided: the distribution tests swap
+        deliberately wrong rules in here to show that they are caught."""
+        batch, size = tree.tokens.shape
         if self.sampling.greedy:  # no draws: the argmax decides
             u_accept = p_nodes.new_zeros(batch, size, dtype=torch.float64)
             u_bonus = p_nodes.new_zeros(batch, dtype=torch.float64)
         else:
             u_accept, u_bonus = self.run.rng.uniforms((Purpose.ACCEPT, (size,)), (Purpose.BONUS, ()))
-        verdict = accept_batch(self.accept, tree, p_nodes, self.sampling.greedy, u_accept, u_bonus, p_relax)
-        return p_nodes, verdict
+        return accept_batch(self.accept, tree, p_nodes, self.sampling.greedy, u_accept, u_bonus, p_relax)
 
     def commit(
         self, tree: DraftTree, verdict: BatchVerdict, plan: StepPlan, hidden: torch.Tensor, roots: RootDraft

@@ -27,7 +27,7 @@ class DraftContext(Protocol):
     drafter's distribution made by the one pipeline, and drafter forwards (``vdtrain.decode.drafting``).
     Row layouts come from ``vdtrain.decode.rows``. Shapes: R = streams·B rows, H the target's width, F the
     drafter's feature width (``Drafter.input_features``): H, or more where a kind keeps per-row state of
-    its own in its features (medusa's head counter, the block kind's offset)."""
+    its own in its features (a head counter, a block offset)."""
 
     sampling: SamplingConfig
     target: TargetGeometry
