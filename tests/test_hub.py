@@ -199,17 +199,27 @@ def test_card_front_matter_is_hub_metadata(tiny_target, tmp_path):
     quality = {"shapes_consistency": QualityValue(0.91), "clip_score": QualityValue(None, "no weights")}
     row = EvalRow("eagle2", 1.0, 2.0, 3.1, 2.4, 3.0, 1.8, 1.6, 1.0, 1.8, quality=quality)
     write_tables([row], tmp_path / "eval", {"num_prompts": 4})
-    metadata = {"config": {"target": {"kind": "janus", "hub_id": "deepseek-ai/Janus-Pro-7B"}},
-                "data": {"source": "shards", "kind": "laion_coco"}}
-    folder = export_drafter(make_drafter(tiny_target), tmp_path / "e", target=tiny_target,
-                            metadata=metadata, eval_results=tmp_path / "eval")
+    metadata = {
+        "config": {"target": {"kind": "janus", "hub_id": "deepseek-ai/Janus-Pro-7B"}},
+        "data": {"source": "shards", "kind": "laion_coco"},
+    }
+    folder = export_drafter(
+        make_drafter(tiny_target),
+        tmp_path / "e",
+        target=tiny_target,
+        metadata=metadata,
+        eval_results=tmp_path / "eval",
+    )
     data = ModelCard.load(folder / "README.md").data
     assert (data.library_name, data.license, data.pipeline_tag) == ("vdtrain", "apache-2.0", "text-to-image")
     assert data.base_model == "deepseek-ai/Janus-Pro-7B" and data.datasets == ["laion/laion-coco"]
     assert {"vdtrain", "speculative-decoding", tiny_target.identity.family} <= set(data.tags)
     figures = {(r.metric_type, r.metric_name): r.metric_value for r in data.eval_results}
-    assert figures == {("S", "S (eagle2, T=1)"): 2.0, ("tau", "tau (eagle2, T=1)"): 3.1,
-                       ("shapes_consistency", "shapes_consistency (eagle2, T=1)"): 0.91}
+    assert figures == {
+        ("S", "S (eagle2, T=1)"): 2.0,
+        ("tau", "tau (eagle2, T=1)"): 3.1,
+        ("shapes_consistency", "shapes_consistency (eagle2, T=1)"): 0.91,
+    }
     assert "## Evaluation" in ModelCard.load(folder / "README.md").text
     assert hub.validate_export(folder, tiny_target) == []
 

@@ -53,13 +53,23 @@ def test_every_console_script_starts_outside_the_repository(installed: Path, tmp
     module, conf = where.stdout.split()
     assert str(installed.parent) in module, "the venv imports the repository's vdtrain, not the wheel's"
     assert Path(conf).is_relative_to(installed.parent), conf
-    listed = _run([str(python), "-c", "from importlib.metadata import distribution as d; "
-                   "print(*sorted(e.name for e in d('vdtrain').entry_points))"], tmp_path)
+    listed = _run(
+        [
+            str(python),
+            "-c",
+            "from importlib.metadata import distribution as d; "
+            "print(*sorted(e.name for e in d('vdtrain').entry_points))",
+        ],
+        tmp_path,
+    )
     assert listed.stdout.split() == SCRIPTS, listed.stdout + listed.stderr
     # all at once: each imports torch, the bulk of its time
     helps = {
         script: subprocess.Popen(
-            [str(installed / script), "--help"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [str(installed / script), "--help"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
         )
         for script in SCRIPTS

@@ -32,6 +32,7 @@ def test_wandb_offline_sees_the_config_the_learning_rate_and_one_run_across_a_re
     assert config["trainer"]["max_steps"] == 4
     assert summary["lr-AdamW"] > 0 and summary["trainer/global_step"] >= 5, summary
 
+
 def test_csv_logs_hold_the_learning_rate_and_the_config(tiny_folder, tmp_path):
     run = tmp_path / "run"
     fit(fit_config(tiny_folder, run, *STEPS, "optim.warmup_steps=2"))

@@ -38,8 +38,22 @@ def test_rounds_interleave_after_one_untimed_decode_each():
 
 
 def _row(speedup: float, low: float | None, high: float | None) -> EvalRow:
-    return EvalRow("eagle2", 0.0, 2.0, 1.0, 1.0, 2.0, speedup, speedup, 1.0, 1.0, device="cpu (x, 2 threads)",
-                   speedup_low=low, speedup_high=high, speedup_rounds=5)
+    return EvalRow(
+        "eagle2",
+        0.0,
+        2.0,
+        1.0,
+        1.0,
+        2.0,
+        speedup,
+        speedup,
+        1.0,
+        1.0,
+        device="cpu (x, 2 threads)",
+        speedup_low=low,
+        speedup_high=high,
+        speedup_rounds=5,
+    )
 
 
 def test_the_table_shows_the_spread_and_marks_an_unclear_ratio():
@@ -81,8 +95,15 @@ def test_evaluate_reports_the_true_ratio_when_one_ar_decode_is_30x_slow(monkeypa
     monkeypatch.setattr(runner, "time", SimpleNamespace(perf_counter=perf_counter, monotonic=time.monotonic))
     monkeypatch.setattr(ar.ARDecoder, "generate", timed_ar)
     result = runner.evaluate(
-        target, random_drafter(target), shapes_heldout_captions(2), ["eagle2"], [0], batch_size=2,
-        progress=False, quality=runner.QualityConfig(metrics=[]), speed_repeats=5,
+        target,
+        random_drafter(target),
+        shapes_heldout_captions(2),
+        ["eagle2"],
+        [0],
+        batch_size=2,
+        progress=False,
+        quality=runner.QualityConfig(metrics=[]),
+        speed_repeats=5,
     )
     _, eagle2 = result.rows
     assert clock["calls"] == 8

@@ -54,8 +54,12 @@ def _readable(obj: object, name: str) -> bool:
 
 def missing_settings(names: dict[str, tuple[str, ...]]) -> list[str]:
     """The settings of ``names`` that no longer read, as dotted names."""
-    return [f"{obj}.{s}" for obj, settings in names.items() for s in settings
-            if not _readable(SETTINGS_OBJECTS[obj], s)]
+    return [
+        f"{obj}.{s}"
+        for obj, settings in names.items()
+        for s in settings
+        if not _readable(SETTINGS_OBJECTS[obj], s)
+    ]
 
 
 def restore(missing: list[str]) -> None:
