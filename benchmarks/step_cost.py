@@ -220,9 +220,9 @@ def random_chameleon(
         layout,
         torch.arange(4, 4 + vqgan.config.num_embeddings),
         None,
-        size,
-        spec.prefix,
-        SamplingConfig(**family_sampling),  # Lumina-mGPT: CFG 3, top-k 2000
+        name=size,
+        prefix_length=spec.prefix,
+        sampling_defaults=SamplingConfig(**family_sampling),  # Lumina-mGPT: CFG 3, top-k 2000
     ).to(device)
     drafter = Drafter.make(DrafterConfig.for_target(target)).to(device).eval()
     return target, drafter.attach(target)
@@ -245,9 +245,9 @@ def random_janus(
         VQTokenizer(vq, config.image_size),
         JANUS_TOKENS,
         None,
-        size,
-        JANUS_PREFIX,
-        SamplingConfig(**JANUS_SAMPLING),  # CFG 5, no top-k or top-p
+        name=size,
+        prefix_length=JANUS_PREFIX,
+        sampling_defaults=SamplingConfig(**JANUS_SAMPLING),  # CFG 5, no top-k or top-p
     ).to(device)
     drafter = Drafter.make(DrafterConfig.for_target(target)).to(device).eval()
     return target, drafter.attach(target)

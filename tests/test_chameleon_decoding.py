@@ -142,7 +142,7 @@ def enumerable_target(family: str, seed: int = 2) -> ChameleonTarget:
         layout,
         torch.tensor(IMAGE_IDS),
         None,
-        f"enumerable-{family}",
+        name=f"enumerable-{family}",
         prefix_length=6,
         sampling_defaults=SamplingConfig(cfg_scale=3.0),
     )

@@ -1,8 +1,6 @@
 """Issue #56, item 4: calls that cannot be swapped. A function of vdtrain/ that takes 8 or more positional
 parameters (``self`` and ``cls`` not counted) invites two adjacent ints to trade places silently; settings go
-by keyword (after ``*``) or as the config object they come from. The goal is none; ``WIDE`` lists those
-still wide, and may only shrink: a new wide function fails here, and so does an entry that is no longer
-wide (strike it)."""
+by keyword (after ``*``) or as the config object they come from. None is left, and a new one fails here."""
 
 from __future__ import annotations
 
@@ -11,14 +9,6 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vdtrain"
 MOST = 7  # positional parameters a function may take
-WIDE = {  # (file under vdtrain/, function): still wide, to be narrowed (issue #56)
-    ("eval/runner.py", "__init__"),
-    ("generate.py", "write_stats"),
-    ("shapes/build.py", "train_target"),
-    ("shapes/build.py", "write_target_folder"),
-    ("targets/chameleon.py", "__init__"),
-    ("targets/janus.py", "__init__"),
-}
 
 
 def wide_functions() -> set[tuple[str, str]]:
@@ -33,9 +23,6 @@ def wide_functions() -> set[tuple[str, str]]:
     return found
 
 
-def test_no_new_function_takes_eight_positional_parameters():
+def test_no_function_takes_eight_positional_parameters():
     found = wide_functions()
-    assert not found - WIDE, (
-        f"take {MOST + 1}+ positional parameters (make settings keyword-only): {found - WIDE}"
-    )
-    assert not WIDE - found, f"no longer wide, strike from WIDE: {WIDE - found}"
+    assert not found, f"take {MOST + 1}+ positional parameters (make settings keyword-only): {found}"

@@ -194,8 +194,18 @@ def run_on(cfg: DictConfig, ranks: Ranks) -> dict | None:
     ranks.barrier()
     if not ranks.is_main:
         return None
-    return write_stats(cfg, out, store, units_of(len(prompts), cfg.batch_size), ranks, target, sampling,
-                       method_cfg, drafter is not None, options.step_recorder is not None)  # fmt: skip
+    return write_stats(
+        cfg,
+        out,
+        store,
+        units_of(len(prompts), cfg.batch_size),
+        ranks=ranks,
+        target=target,
+        sampling=sampling,
+        method=method_cfg,
+        has_drafter=drafter is not None,
+        cuda_graphs=options.step_recorder is not None,
+    )
 
 
 def write_stats(
@@ -203,6 +213,7 @@ def write_stats(
     out: Path,
     store: UnitStore,
     units: list[tuple[int, int]],
+    *,
     ranks: Ranks,
     target: Target,
     sampling: SamplingConfig,

@@ -319,7 +319,16 @@ def evaluate(
         sum(stop - start for start, stop in mine),
     )
     work = UnitWork(
-        target, drafter, prompts, seed, batch_size, scorer, names, options, image_dir, keep_images
+        target,
+        drafter,
+        prompts,
+        seed=seed,
+        batch_size=batch_size,
+        scorer=scorer,
+        names=names,
+        options=options,
+        image_dir=image_dir,
+        keep_images=keep_images,
     )
     done: dict[tuple[str, float], list[UnitRecord]] = {}  # this rank's units, where not in the store
     hold = store is None or ar_runs is not None
@@ -393,6 +402,7 @@ class UnitWork:
         target: Target,
         drafter: Drafter | Mapping[str, Drafter] | None,
         prompts: Sequence[str],
+        *,
         seed: int,
         batch_size: int,
         scorer: QualityScorer,

@@ -238,6 +238,7 @@ class ChameleonTarget(Target):
         layout: ChameleonLayout,
         image_ids: torch.Tensor,
         encode_text: Callable[[str], list[int]] | None,
+        *,
         name: str,
         prefix_length: int,
         sampling_defaults: SamplingConfig,
@@ -425,10 +426,10 @@ def build_chameleon_target(spec: ChameleonSpec, device: str | torch.device = "cp
         layout,
         image_token_ids(vocab, vqgan.config.num_embeddings),
         encode,
-        spec.name,
-        spec.prefix_length,
-        SamplingConfig(**defaults),
-        spec.caption_overflow,
+        name=spec.name,
+        prefix_length=spec.prefix_length,
+        sampling_defaults=SamplingConfig(**defaults),
+        caption_overflow=spec.caption_overflow,
     )
     return target.to(device)
 

@@ -118,9 +118,9 @@ def build_emu3_target(spec: Emu3Spec, device: str | torch.device = "cpu") -> Cha
         layout,
         visual_token_ids(vocab, vq.config.num_embeddings),
         encode,
-        spec.name,
-        spec.prefix_length,
-        sampling,
-        spec.caption_overflow,
+        name=spec.name,
+        prefix_length=spec.prefix_length,
+        sampling_defaults=sampling,
+        caption_overflow=spec.caption_overflow,
     )
     return target.to(device)

@@ -97,6 +97,7 @@ class JanusTarget(Target):
         tokenizer: VQTokenizer,
         tokens: JanusTokens,
         encode_text: Callable[[str], list[int]] | None,
+        *,
         name: str,
         prefix_length: int,
         sampling_defaults: SamplingConfig,
@@ -232,9 +233,9 @@ def build_janus_target(spec: JanusSpec, device: str | torch.device = "cpu") -> J
         VQTokenizer(vq.eval(), config.image_size),
         tokens,
         text_tokenizer(tok_path),
-        spec.name,
-        spec.prefix_length,
-        SamplingConfig(**{**SAMPLING, **spec.sampling}),
-        spec.caption_overflow,
+        name=spec.name,
+        prefix_length=spec.prefix_length,
+        sampling_defaults=SamplingConfig(**{**SAMPLING, **spec.sampling}),
+        caption_overflow=spec.caption_overflow,
     )
     return target.to(device)
