@@ -74,7 +74,7 @@ def drafter_loss(
 def unrolled_loss(
     steps: Sequence[torch.Tensor],
     target_feats: torch.Tensor,
-    normed: Callable[[torch.Tensor], torch.Tensor],
+    normed: Callable[[torch.Tensor, int], torch.Tensor],
     head: Callable[[torch.Tensor], torch.Tensor],
     mask: torch.Tensor,
     chains: Sequence[torch.Tensor],
@@ -88,8 +88,9 @@ def unrolled_loss(
 
     Step ``j`` is scored on the ``mask``ed rows [B, S] that are also in ``chains[j]`` [S] (rows a decoding
     chain reaches at that depth), against the target's distribution ``head(target_feats)``; ``normed``
-    maps drafter features to what ``head`` reads (``Drafter.normed``). ``parts``: ``cls`` (the weighted
-    sum), ``feature``, ``top1`` (step 0), ``top1_step{j}`` and ``total``, detached.
+    maps step ``j``'s drafter features (offset ``j``) to what ``head`` reads (``Drafter.normed``).
+    ``parts``: ``cls`` (the weighted sum), ``feature``, ``top1`` (step 0), ``top1_step{j}`` and
+    ``total``, detached.
     """
     mask = mask.bool().expand(target_feats.shape[:-1])
     with torch.no_grad():
@@ -102,7 +103,7 @@ def unrolled_loss(
         keep = chains[j].to(mask.device)[None].expand_as(mask)[mask]
         if not keep.any():
             break
-        drafted = normed(f_hat[mask][keep])
+        drafted = normed(f_hat[mask][keep], j)
         logits = head(drafted).float()
         ce = cls_per_row(target_probs[keep], logits, cls_loss).mean()
         cls = cls + decay**j * ce

@@ -11,6 +11,8 @@ import json
 
 import pytest
 import torch
+from conftest import random_drafter
+from test_engine import make_target
 from test_fit import fit_config
 
 from vdtrain.decode.ar import generate_ar
@@ -107,3 +109,20 @@ def test_options_are_the_kinds_own_and_round_trip(kind, trained):
         for name in foreign:  # another kind's option is refused naming this kind's
             with pytest.raises(ValueError, match=f"are not {kind} options"):
                 DrafterConfig.for_target(target, kind, **{name: getattr(cls.Options(), name)})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kinds_features_are_the_targets_width(kind):
+    """No per-row state in feature channels (issue #56): ``f`` and ``f̂`` are [.., H] for every kind at any
+    offset; what a kind reads per row besides is its rows' ``offset``."""
+    target = make_target(image_size=8)
+    drafter = random_drafter(target, kind=kind)
+    size = target.hidden_size
+    hidden, tapped = torch.randn(1, 3, size), torch.randn(1, 3, size * len(drafter.taps))
+    with torch.no_grad():
+        features = drafter.input_features(hidden, tapped if drafter.taps else None)
+        positions = torch.arange(3)
+        for offset in (0, 2, torch.arange(1, 4) if drafter.block_slots else 1):
+            out = drafter(features, torch.randn(1, 3, size), positions, None, offset=offset)
+            assert features.shape == out.shape == hidden.shape, (kind, offset)
+            assert drafter.logits(out, offset).shape == (1, 3, target.vocab_size)

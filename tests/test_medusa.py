@@ -56,17 +56,45 @@ def test_medusa_drafts_keep_the_ar_distribution_at_t1():
 
 
 def test_a_head_reads_only_the_targets_state_and_the_depth():
-    """The node at depth d drafts with head d + 1 from h_t alone, whatever token it holds."""
+    """The node at depth d drafts with head d + 1 from h_t alone, whatever token it holds: a call keeps
+    h_t [.., H] (no counter channel) and the rows' offset picks the head."""
     target = make_target()
     drafter = medusa(target)
     hidden = torch.randn(1, 1, target.hidden_size)
     state = drafter.input_features(hidden, None)
     one = drafter(state, torch.randn(1, 1, target.hidden_size), torch.zeros(1, 1, dtype=torch.long), None)
-    two = drafter(one, torch.randn(1, 1, target.hidden_size), torch.zeros(1, 1, dtype=torch.long), None)
-    assert torch.equal(one[..., :-1], hidden) and one[..., -1].item() == 1 and two[..., -1].item() == 2
+    assert torch.equal(one, hidden)
     with torch.no_grad():
         expected = hidden + torch.nn.functional.silu(drafter.heads[1](hidden))
-        torch.testing.assert_close(drafter.normed(two), expected)
+        torch.testing.assert_close(drafter.normed(one, 1), expected)
+        rows = drafter.normed(one.expand(1, 2, -1), torch.tensor([1, 7]))  # an offset per row
+        torch.testing.assert_close(rows[:, :1], expected)
+        last = hidden + torch.nn.functional.silu(drafter.heads[-1](hidden))
+        torch.testing.assert_close(drafter.normed(one, 7), last)  # past the heads: the last
+
+
+def test_medusa_drafts_all_its_heads_in_one_block_forward():
+    """Through the block tree (issue #56): query row j of the one block forward reads head j + 1 on the
+    root's h_t (the last head past them), and the decode is AR's at T = 0."""
+    target, cond = make_target(), tiny_condition()
+    drafter = medusa(target)
+    engine = build_method(load_preset("block", {"tree": {"depth": 5}}), target, drafter, GREEDY)
+    blocks, block = [], engine.drafting.drafter_block
+
+    def spy(roots, rows):
+        f_hat, logits = block(roots, rows)
+        blocks.append((roots.clone(), logits.clone()))
+        return f_hat, logits
+
+    engine.drafting.drafter_block = spy
+    result = engine.generate(cond, [None, None])
+    assert torch.equal(result.tokens, generate_ar(target, cond, GREEDY, [None, None]))
+    assert all(st.drafter_forwards == 1 + 2 * st.steps for st in result.stats)  # prefill, block, catch-up
+    assert blocks and all(logits.shape[1] == 4 for _, logits in blocks)  # depth − 1 query rows
+    with torch.no_grad():
+        for roots, logits in blocks:
+            for j in range(4):  # heads 2, 3, then the last again (3 heads)
+                torch.testing.assert_close(logits[:, j], drafter.logits(roots, j + 1), rtol=0, atol=0)
 
 
 def test_no_code_outside_the_registry_compares_a_drafter_kinds_name():

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from vdtrain.decode.builders.base import DraftTreeBuilder
-from vdtrain.decode.kernels import step_kernel
+from vdtrain.decode.kernels import shared_arange, step_kernel
 from vdtrain.decode.rows import DrafterRows, chain_visibility, drafter_rows, per_stream
 from vdtrain.decode.sampling import SamplingConfig, guided_logits, probabilities, processed_logits, split_cfg
 from vdtrain.drafters.base import Drafter
@@ -29,7 +29,7 @@ from vdtrain.targets.base import Condition, Target, TargetOutput
 class RootDraft(NamedTuple):
     """The drafter's view of the next root, per stream row: its feature and its children's logits."""
 
-    feats: torch.Tensor | None  # [R, F] the drafter's feature (F: the kind's width; None: no drafter)
+    feats: torch.Tensor | None  # [R, H] the drafter's feature (None: no drafter)
     logits: torch.Tensor | None  # [R, V]
 
 
@@ -43,7 +43,7 @@ class DraftRun:
     cache: KVCache | None
     spare: int  # slots past the image: the trees' room and VVS's chain
     skipping: bool  # VVS: keep the target's features of every verified slot (``fcache``)
-    fcache: torch.Tensor | None = None  # VVS: [R, L + N + spare, F] the drafter's target feature per slot
+    fcache: torch.Tensor | None = None  # VVS: [R, L + N + spare, H] the drafter's target feature per slot
     root: RootDraft = field(default_factory=lambda: RootDraft(None, None))
     calls: int = 0  # drafter forwards so far
 
@@ -191,17 +191,21 @@ class Drafting(NoDrafting):
         slots: torch.Tensor,
         image_vis: torch.Tensor,
         next_embeds: torch.Tensor | None = None,
+        *,
+        offset: int = 0,
     ) -> DrafterRows:
         """The drafter's inputs for rows pairing features with the next ``tokens`` [B, S] at image indices
         ``token_index`` [B, S], for every CFG stream: drafter cache ``slots`` [B, S], ``image_vis``
         [B, S, K] the image slots each row sees, ``next_embeds`` [R, S, H] when the embeddings are at hand
-        (else made from ``tokens``). A row sits at the RoPE position of its feature's slot,
-        ``rope_positions(token_index - 1)``."""
+        (else made from ``tokens``), ``offset`` the rows' depth past the root (0: committed rows). A row
+        sits at the RoPE position of its feature's slot, ``rope_positions(token_index - 1)``."""
         run = self.run
         if next_embeds is None:
             next_embeds = per_stream(self.drafter.embed(tokens), run.streams)
         positions = self.target.rope_positions(token_index - 1)
-        return drafter_rows(next_embeds, positions, run.mask, token_index, slots, image_vis, run.streams)
+        return drafter_rows(
+            next_embeds, positions, run.mask, token_index, slots, image_vis, run.streams, offset=offset
+        )
 
     def drafter_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
         """The drafter's embeddings [R, S, H] of the next ``tokens`` [B, S], for every CFG stream (the
@@ -209,24 +213,28 @@ class Drafting(NoDrafting):
         return per_stream(self.drafter.embed(tokens), self.run.streams)
 
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features ``feats`` [R, S, F] through the drafter at ``rows`` → (f̂ [R, S, F], logits [R, S, V]
+        """Features ``feats`` [R, S, H] through the drafter at ``rows`` → (f̂ [R, S, H], logits [R, S, V]
         carrying the target's forced tokens)."""
-        run = self.run
-        out = self.drafter(feats, rows.embeds, rows.positions, rows.mask, run.cache, rows.slots)
+        run, offset = self.run, rows.offset
+        out = self.drafter(
+            feats, rows.embeds, rows.positions, rows.mask, run.cache, rows.slots, offset=offset
+        )
         run.calls += 1
-        return out, self.target.constrain_logits(self.drafter.logits(out), rows.predicts)
+        return out, self.target.constrain_logits(self.drafter.logits(out, offset), rows.predicts)
 
     def drafter_block(self, roots: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block drafter's ``rows.embeds.shape[1]`` query rows from the roots' features ``roots`` [R, F]:
-        one ``drafter_forward`` (``Drafter.block_queries`` marks each row's offset in the block)."""
-        return self.drafter_forward(self.drafter.block_queries(roots, rows.embeds.shape[1]), rows)
+        """A block drafter's ``S = rows.embeds.shape[1]`` query rows from the roots' features ``roots``
+        [R, H]: one ``drafter_forward``, the rows at offsets 1 .. S past the root."""
+        count = rows.embeds.shape[1]
+        queries = self.drafter.block_queries(roots, count)
+        return self.drafter_forward(queries, rows._replace(offset=shared_arange(count + 1, roots.device)[1:]))
 
     # --- the catch-up on committed tokens ---------------------------------------------------------
     def catch_up_rows(
         self, hidden: torch.Tensor, out: torch.Tensor, at: CommitRows
     ) -> tuple[torch.Tensor, DrafterRows]:
         """The catch-up forward's inputs on a commit's rows ``at`` (run inside the engine's commit kernel):
-        row ``j`` pairs the feature of its token (``hidden`` [R, S, F], the verification forward's) with
+        row ``j`` pairs the feature of its token (``hidden`` [R, S, H], the verification forward's) with
         the embedding of the committed token after it (``out`` [B, N + spare]). VVS: the verified rows'
         features go to the feature cache."""
         run, n_img = self.run, self.target.num_image_tokens

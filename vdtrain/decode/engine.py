@@ -274,7 +274,7 @@ class SpeculativeEngine:
         return out, self.run.draft.calls - before
 
     def target_forward(self, tree: DraftTree, lead: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's target forward → (the drafter's view of its features [R, S, F]
+        """The step's target forward → (the drafter's view of its features [R, S, H]
         (``Drafter.input_features``; the hidden states without a drafter), logits at the tree nodes
         [R, T, V]). ``lead`` [B]: unverified committed tokens fed before each tree in the same forward
         (VVS post-verification); None where every lead is 0, the plain forward of the trees alone."""
@@ -318,7 +318,7 @@ class SpeculativeEngine:
         self, tree: DraftTree, verdict: BatchVerdict, plan: StepPlan, hidden: torch.Tensor, roots: RootDraft
     ) -> RootDraft:
         """Write the verified prompts' accepted tokens, move their KV into place, and catch the drafter up
-        on them, in fixed shapes: ``W = chain + 1 + D`` rows per prompt. ``hidden`` [R, S, F]: the
+        on them, in fixed shapes: ``W = chain + 1 + D`` rows per prompt. ``hidden`` [R, S, H]: the
         verification forward's features (``target_forward``), S = lead rows + tree nodes.
 
         With a lead (VVS post-verification) the rows of the unverified tokens before the root, at the
@@ -335,7 +335,7 @@ class SpeculativeEngine:
 
     @step_kernel
     def _commit_rows(self, tree: DraftTree, verdict: BatchVerdict, verified, hidden, lead):
-        """``commit``'s tensor work for ``verified`` [B] (bool), ``hidden`` [R, S, F] and ``lead`` [B] (None:
+        """``commit``'s tensor work for ``verified`` [B] (bool), ``hidden`` [R, S, H] and ``lead`` [B] (None:
         no lead): writes the tokens (``run.out``); returns the target KV moves (cache rows, source and
         destination slots), the tokens committed per prompt, the last caught-up row and the drafter's
         catch-up inputs (``Drafting.catch_up_rows``, which also fills the VVS feature cache)."""

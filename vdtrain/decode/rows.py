@@ -88,6 +88,9 @@ class DrafterRows(NamedTuple):
     mask: torch.Tensor  # [R, 1, S, L + K] attention mask
     slots: torch.Tensor  # [R, S] drafter cache slots
     predicts: torch.Tensor  # [R, S] image index each row's logits predict
+    # The rows' place past the root (``DraftInputs.offset``: Medusa's head, a block's query row): an int
+    # for rows of one depth (0: committed rows), or [S] the offsets 1 .. S of a block's query rows.
+    offset: torch.Tensor | int = 0
 
 
 def drafter_rows(
@@ -98,13 +101,16 @@ def drafter_rows(
     slots: torch.Tensor,
     image_vis: torch.Tensor,
     streams: int,
+    *,
+    offset: int = 0,
 ) -> DrafterRows:
     """Drafter rows from per-prompt ``positions``, ``token_index``, ``slots`` and ``image_vis`` (the
-    ``embeds`` [R, S, H] already per stream), for every CFG stream of ``stream_mask``."""
+    ``embeds`` [R, S, H] already per stream), for every CFG stream of ``stream_mask``, at ``offset`` past
+    the root (``DrafterRows.offset``)."""
     mask = prefix_and_image_mask(stream_mask, per_stream(image_vis, streams))
     positions = per_stream(positions, streams)
     return DrafterRows(
-        embeds, positions, mask, per_stream(slots, streams), per_stream(token_index + 1, streams)
+        embeds, positions, mask, per_stream(slots, streams), per_stream(token_index + 1, streams), offset
     )
 
 

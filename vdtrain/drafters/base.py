@@ -11,6 +11,9 @@ block of tokens (``drafts_blocks``, ``block_slots``, ``block_queries``) and its 
 
 Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}``, with a zero embedding
 where slot ``s + 1`` is a caption row; ``rows.teacher_inputs`` builds it.
+Every drafter feature, ``f`` in and ``f̂`` out, is [.., H] (the target's width, whatever ``input_features``
+fuses): what a kind needs besides it per row is a typed part of its rows, ``DraftInputs.offset`` (the row's
+place past the root: Medusa's head, the block kind's query offset), never extra feature channels.
 The alignment, positions and mask are derived in docs/training.md, "The drafter's sequence alignment".
 """
 
@@ -53,6 +56,9 @@ class DraftInputs(NamedTuple):
     mask: torch.Tensor | None  # [B, 1, S, kv_len]: with a cache, over its first kv_len slots
     cache: KVCache | None  # where the keys and values go (None: attend to the rows alone)
     slots: torch.Tensor | None  # [B, S] or [S] the cache slots of the rows
+    # The rows' place past the root: an int for rows of one depth (0: committed rows; d: a depth-d tree
+    # node's, whose children lie d + 1 past the root), or [S] the offsets 1 .. S of a block's query rows.
+    offset: torch.Tensor | int = 0
 
 
 @dataclass(frozen=True)
@@ -138,12 +144,12 @@ class Drafter(nn.Module):
         return hidden
 
     def draft(self, features: torch.Tensor, rows: DraftInputs) -> torch.Tensor:
-        """One drafter call on ``features`` [B, S, F] at ``rows`` → f̂ [B, S, F] (``forward``'s contract)."""
+        """One drafter call on ``features`` [B, S, H] at ``rows`` → f̂ [B, S, H] (``forward``'s contract)."""
         raise NotImplementedError
 
-    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Drafter features ``f̂`` as the head reads them: by default as they are (a drafter that
-        regresses final-norm states)."""
+    def normed(self, hidden: torch.Tensor, offset: torch.Tensor | int = 0) -> torch.Tensor:
+        """Drafter features ``f̂`` of rows at ``offset`` (``DraftInputs.offset``) as the head reads them: by
+        default as they are (a drafter that regresses final-norm states)."""
         return hidden
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache | None:
@@ -180,12 +186,17 @@ class Drafter(nn.Module):
         return 0
 
     def block_queries(self, roots: torch.Tensor, count: int) -> torch.Tensor:
-        """The features [R, count, F] of a block's ``count`` query rows from the roots' features ``roots``
-        [R, F]; one forward over them drafts the tokens 1 .. ``count`` past the root's child (a block
-        tree's, ``vdtrain.decode.builders.block``). Only a kind with ``block_slots`` has them."""
-        raise ValueError(
-            f"a {self.config.kind} drafter drafts no blocks: train one that does (drafter.kind=block)"
-        )
+        """The features [R, count, H] of a block's ``count`` query rows from the roots' features ``roots``
+        [R, H]: each carries its root's (the rows' ``offset`` 1 .. ``count`` tells them apart); one forward
+        over them drafts the tokens 1 .. ``count`` past the root's child (a block tree's,
+        ``vdtrain.decode.builders.block``). Only a kind with ``block_slots`` has them."""
+        if count >= max(self.block_slots, 1):
+            if not self.drafts_blocks:
+                raise ValueError(
+                    f"a {self.config.kind} drafter drafts no blocks: train one that does (drafter.kind=block)"
+                )
+            raise ValueError(f"a block of {count + 1} tokens exceeds the drafter's {self.block_slots} slots")
+        return roots[:, None].expand(-1, count, -1)
 
     def card(self) -> str:
         """The model card's design sentence, up to "and the target's head ..." (``hub``)."""
@@ -244,10 +255,10 @@ class Drafter(nn.Module):
         """The target's token embedding of image ``tokens``."""
         return self._require().embedding(tokens)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target head applied to drafter features ``f̂`` (as the kind hands them to it, ``normed``);
-        fp32 image-token logits."""
-        return self.head_logits(self.normed(hidden))
+    def logits(self, hidden: torch.Tensor, offset: torch.Tensor | int = 0) -> torch.Tensor:
+        """The target head applied to drafter features ``f̂`` of rows at ``offset`` (as the kind hands them to
+        it, ``normed``); fp32 image-token logits."""
+        return self.head_logits(self.normed(hidden, offset))
 
     @property
     def head(self) -> nn.Module:
@@ -271,17 +282,19 @@ class Drafter(nn.Module):
         mask: torch.Tensor | None,
         cache: KVCache | None = None,
         slots: torch.Tensor | None = None,
+        *,
+        offset: torch.Tensor | int = 0,
     ) -> torch.Tensor:
-        """One drafter call on rows pairing ``features`` [B, S, F] with ``next_embeds`` [B, S, H] at RoPE
-        ``positions`` ([S] or [B, S]) → ``f̂`` [B, S, F] (the kind's ``draft``). F is the kind's feature
-        width (``input_features``): H, or H plus the kind's own per-row state (medusa, block).
+        """One drafter call on rows pairing ``features`` [B, S, H] with ``next_embeds`` [B, S, H] at RoPE
+        ``positions`` ([S] or [B, S]) and ``offset`` past the root (``DraftInputs.offset``) → ``f̂``
+        [B, S, H] (the kind's ``draft``).
 
         Like ``LlamaGenGPT.forward``: with a ``cache`` the keys/values go to ``slots`` and ``mask``
         [B, 1, S, kv_len] covers the first ``kv_len`` cache slots.
         """
         if positions.dim() == 1:
             positions = positions.expand(features.shape[0], -1)
-        return self.draft(features, DraftInputs(next_embeds, positions, mask, cache, slots))
+        return self.draft(features, DraftInputs(next_embeds, positions, mask, cache, slots, offset))
 
     def forward_teacher(
         self, target_hidden: torch.Tensor, tokens: torch.Tensor, cond_mask: torch.Tensor
@@ -308,8 +321,8 @@ class Drafter(nn.Module):
         positions = torch.arange(seq, device=features.device)
         mask, cache = teacher_mask(cond_mask, seq), UnrollCache()
         inputs, outs = features[:, :-1], []
-        for _ in range(steps):
-            outs.append(self(inputs, embeds, positions, mask, cache, positions))
+        for step in range(steps):  # step j's rows stand for depth-j nodes: offset j
+            outs.append(self(inputs, embeds, positions, mask, cache, positions, offset=step))
             inputs = torch.cat([outs[-1][:, :1], outs[-1][:, :-1]], dim=1)  # row s ← step output at s-1
         return outs
 

@@ -6,9 +6,10 @@ feature: ``f̂ = f + W_out(h)``, read by the target's head. The engine catches i
 like an eagle1 drafter, so the catch-up row of the root predicts the block's first token. A *block*
 adds ``slots − 1`` query rows in one forward (``block_queries``): query ``j`` drafts the token ``j``
 past that one, sits at its position, carries the root's feature, the embedding of the committed token
-above it (zero in the first row) and a one-hot of its offset, and sees the committed rows and the
-queries before it. The kind's feature is ``f`` and that one-hot, [.., H + slots − 1]: all zero for a
-committed row, so the engine's one-call-per-depth trees draft with it too.
+above it (zero in the first row) and its offset ``j`` (the rows' ``DraftInputs.offset``, 0 for a
+committed row), and sees the committed rows and the queries before it. The layer's input is
+``[embed; f; one-hot(offset)]``, the one-hot made here from the integer offset (all zero for a committed
+row), so the engine's one-call-per-depth trees draft with it too.
 docs/training.md, "Block drafters", gives the design and what it borrows;
 ``vdtrain/decode/builders/block.py`` drafts with it.
 """
@@ -140,8 +141,8 @@ def training_roots(
 class TeacherBlocks(NamedTuple):
     """One teacher-forced pass: every committed row, then the blocks of some roots."""
 
-    rows: torch.Tensor  # [B, L+N-1, H + slots − 1] the committed rows' outputs (row s drafts slot s + 1)
-    queries: torch.Tensor  # [B, R, J, H + slots − 1] block r's query row j (drafting ``drafted[r, j]``)
+    rows: torch.Tensor  # [B, L+N-1, H] the committed rows' outputs (row s drafts slot s + 1)
+    queries: torch.Tensor  # [B, R, J, H] block r's query row j (drafting ``drafted[r, j]``)
     drafted: torch.Tensor  # [R, J] the image index each query row drafts (>= N: past the image)
 
 
@@ -156,8 +157,8 @@ class BlockDrafter(Drafter):
     drafts_blocks: ClassVar[bool] = True
 
     def build(self, config: DrafterConfig) -> None:
-        """The projection into the layer (its last ``slots − 1`` input columns read the query rows'
-        offset one-hot), the layer, a norm and the projection back (zero at the start: a row first
+        """The projection into the layer (its last ``slots − 1`` input columns read the one-hot of a query
+        row's offset), the layer, a norm and the projection back (zero at the start: a row first
         drafts what its own feature predicts). No input norms: ``fc`` learns the scales of the embedding
         and the feature, and a drafter forward is two kernels shorter."""
         hidden, o = config.hidden_size, config.options
@@ -185,35 +186,25 @@ class BlockDrafter(Drafter):
     def block_slots(self) -> int:
         return self.options.slots
 
-    def input_features(self, hidden: torch.Tensor, tapped: torch.Tensor | None) -> torch.Tensor:
-        """The target's final-norm ``hidden`` [.., H] → [.., H + slots − 1]: ``f`` and a one-hot of the
-        row's offset in a block, all zero for a committed row."""
-        return F.pad(hidden, (0, self.options.slots - 1))
-
     def draft(self, features: torch.Tensor, rows: DraftInputs) -> torch.Tensor:
-        """Rows ``(f, offset)`` [B, S, H + slots − 1] with the ``rows.embeds`` [B, S, H] at their positions
-        → ``(f̂, 0)``: committed rows and a block's query rows alike (``rows.cache`` may be an
-        ``AttendingCache``)."""
-        dtype, hidden = self.fc.weight.dtype, rows.embeds.shape[-1]
-        x = self.fc(torch.cat([rows.embeds.to(dtype), features.to(dtype)], -1))
+        """Rows ``f`` [B, S, H] at ``rows.offset`` with the ``rows.embeds`` [B, S, H] at their positions
+        → ``f̂`` [B, S, H]: committed rows (offset 0) and a block's query rows alike (``rows.cache`` may be
+        an ``AttendingCache``)."""
+        dtype = self.fc.weight.dtype
+        embeds, features = rows.embeds.to(dtype), features.to(dtype)
+        x = self.fc(torch.cat([embeds, features, self._offset_one_hot(rows.offset, features)], -1))
         h = self.layer(x, rows.positions, rows.mask, rows.cache, rows.slots)
-        f_hat = features[..., :hidden].to(dtype) + self.out(self.out_norm(h))
-        return F.pad(f_hat, (0, features.shape[-1] - hidden))
+        return features + self.out(self.out_norm(h))
 
-    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``(f̂, offset)`` → ``f̂`` [.., H]: the target's head reads it as is (it regresses final-norm
-        states)."""
-        return hidden[..., : self.config.hidden_size]
-
-    def block_queries(self, roots: torch.Tensor, count: int) -> torch.Tensor:
-        """The features [R, count, H + slots − 1] of a block's query rows 1 .. ``count``: the root's
-        catch-up output ``roots`` [R, H + slots − 1] with row ``j``'s offset one-hot."""
-        slots, hidden = self.options.slots, self.config.hidden_size
-        if count >= slots:
-            raise ValueError(f"a block of {count + 1} tokens exceeds the drafter's {slots} slots")
-        offsets = torch.eye(count, slots - 1, dtype=roots.dtype, device=roots.device)
-        rows = roots[:, None, :hidden].expand(-1, count, -1)
-        return torch.cat([rows, offsets.expand(len(roots), -1, -1)], -1)
+    def _offset_one_hot(self, offset: torch.Tensor | int, features: torch.Tensor) -> torch.Tensor:
+        """[.., slots − 1] per row of ``features``: for a block's query rows (``offset`` a tensor of their
+        offsets ``j``) row ``j − 1`` of the identity; zero for EAGLE rows (an int ``offset``: committed rows,
+        or a one-call-per-depth tree's). ``fc`` was built for that width."""
+        width = self.options.slots - 1
+        if isinstance(offset, int):
+            return features.new_zeros(*features.shape[:-1], width)
+        eye = torch.eye(width + 1, dtype=features.dtype, device=features.device)[:, 1:]  # row 0: zero
+        return eye[offset].expand(*features.shape[:-1], width)
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         ref, layer = self.fc.weight, self.layer
@@ -224,7 +215,7 @@ class BlockDrafter(Drafter):
     def teacher_blocks(
         self, states: torch.Tensor, tokens: torch.Tensor, cond_mask: torch.Tensor, roots: torch.Tensor
     ) -> TeacherBlocks:
-        """The committed rows of ``states`` [B, L+N, H + slots − 1] (the kind's features) on ``tokens``
+        """The committed rows of ``states`` [B, L+N, H] (the kind's features) on ``tokens``
         [B, N], causal as decoding's catch-up writes them, then the block of each root in ``roots`` [R]
         (image indices) as ``BlockTreeBuilder`` drafts it: query row ``j`` drafts token ``t = r + 1 + j``
         at row position ``L + t − 2`` with the root row's output and the token above ``t`` where
@@ -241,7 +232,7 @@ class BlockDrafter(Drafter):
         drafted = roots[:, None] + 1 + j  # [R, J]
         root_rows = prefix + roots - 1  # the row that pairs f at the root's predecessor with the root
         queries = self.block_queries(rows[:, root_rows].flatten(0, 1), len(j))
-        queries = queries.unflatten(0, (batch, len(roots))).flatten(1, 2)  # [B, R·J, F]
+        queries = queries.unflatten(0, (batch, len(roots))).flatten(1, 2)  # [B, R·J, H]
         above = drafted - cols
         committed = (above >= 0) & (above <= roots[:, None])
         above_embeds = self.embed(tokens[:, above.clamp(0, num - 1).flatten()])
@@ -251,7 +242,8 @@ class BlockDrafter(Drafter):
         causal = torch.ones(len(j), len(j), dtype=torch.bool, device=device).tril()
         block = torch.block_diag(*[causal] * len(roots))
         mask = torch.cat([seen, block.expand(batch, -1, -1)], -1)[:, None]
-        out = self(queries, above_embeds, query_pos.expand(batch, -1), mask, cache, query_pos)
+        offsets = j.repeat(len(roots))  # [R·J]: row j of each block
+        out = self(queries, above_embeds, query_pos.expand(batch, -1), mask, cache, query_pos, offset=offsets)
         return TeacherBlocks(rows, out.unflatten(1, (len(roots), len(j))), drafted)
 
     def training_loss(
@@ -269,12 +261,12 @@ class BlockDrafter(Drafter):
         blocks per sample (their roots drawn with ``generator``), against the target's distribution at
         the token each drafts. Parts: the loss terms, ``top1`` (the first slot), ``top1_slot{j}`` and
         ``tau_block``, the chain estimate from the per-slot agreement."""
-        prefix, num, size = cond_mask.shape[1], tokens.shape[1], hidden.shape[-1]
+        prefix, num = cond_mask.shape[1], tokens.shape[1]
         states = self.input_features(hidden_in, tapped)
         roots = training_roots(num, self.options.train_roots, generator, hidden.device)
         rows, queries, drafted = self.teacher_blocks(states, tokens, cond_mask, roots)
         total, parts = losses.teacher_loss(
-            rows[..., :size], hidden[:, 1:], self.normed, self.head, prefix,
+            rows, hidden[:, 1:], self.normed, self.head, prefix,
             w_cls=train.w_cls, cls_loss=train.cls_loss, chunks=train.loss_chunks,
         )  # fmt: skip
         valid = (drafted < num).flatten()

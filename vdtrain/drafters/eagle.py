@@ -142,8 +142,8 @@ class Eagle3Drafter(EagleDrafter):
             return self.embed_norm(next_embeds), self.feature_norm(features)
         return next_embeds, features
 
-    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
-        """f̂ through its own norm before the head."""
+    def normed(self, hidden: torch.Tensor, offset: torch.Tensor | int = 0) -> torch.Tensor:
+        """f̂ through its own norm before the head (at any ``offset``)."""
         return self.norm(hidden.to(self.norm.weight.dtype))
 
     def unroll_steps(self, ttt_steps: int) -> int:

@@ -106,7 +106,7 @@ def teacher_loss(
 def unrolled_loss(
     steps: Sequence[torch.Tensor],
     target_feats: torch.Tensor,
-    normed: Callable[[torch.Tensor], torch.Tensor],
+    normed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     head: nn.Module,
     prefix_length: int,
     *,
@@ -121,9 +121,9 @@ def unrolled_loss(
 
     Step ``j`` is scored on the ``trained_rows`` that a decoding chain reaches at that depth
     (``chain_start``), against the target's distribution ``head(target_feats)``; ``normed`` maps drafter
-    features to what ``head`` reads (``Drafter.normed``). Every step's rows go through the frozen head
-    together, in ``chunks`` chunks. ``parts``: ``cls`` (the weighted sum),
-    ``feature``, ``top1`` (step 0), ``top1_step{j}`` and ``total``, detached.
+    features of step ``j``'s rows (offset ``j``) to what ``head`` reads (``Drafter.normed``). Every
+    step's rows go through the frozen head together, in ``chunks`` chunks. ``parts``: ``cls`` (the
+    weighted sum), ``feature``, ``top1`` (step 0), ``top1_step{j}`` and ``total``, detached.
     """
     batch = target_feats.shape[0]
     rows = trained_rows(prefix_length, target_feats.shape[1] - prefix_length + 1)
@@ -134,7 +134,8 @@ def unrolled_loss(
     if not scored:
         return cls, {"feature": cls, "cls": cls, "top1": cls, "total": cls}
     device, depth = target_feats.device, len(scored)
-    drafted = normed(torch.stack([f_hat[:, rows] for f_hat in steps[:depth]], 2))  # [B, N, K, H]
+    stacked = torch.stack([f_hat[:, rows] for f_hat in steps[:depth]], 2)  # [B, N, K, H]
+    drafted = normed(stacked, torch.arange(depth, device=device))  # step j: rows at depth j
     target = target_feats[:, rows]
     losses, hits = head_token_loss(
         drafted.flatten(0, 1), target.flatten(0, 1), head, cls_loss, chunks

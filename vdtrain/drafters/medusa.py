@@ -1,13 +1,13 @@
 """A Medusa-style drafter (Cai et al., 2024): residual heads on the target's last hidden state.
 
 Head k (1-based) drafts the token k positions past the bonus from h_t alone: ``r_k = h_t + SiLU(W_k h_t)``
-through the frozen target head. It reads no drafted token and no position. To draft through the
-engine's one-call-per-depth trees, its feature is a state of its own, [.., H + 1]: the target's h_t and,
-in the last channel, the heads used so far (``state``, ``heads_used``). A call keeps h_t and counts up
-(the drafted token's embedding is ignored), so a node at depth d drafts its children with head d + 1
-whatever its path holds; deeper drafts reuse the last head. It trains as an unrolled drafter (step j
-scores head j + 1), logits only: its state is no feature to regress. docs/extending.md, "Adding a drafter
-kind", walks through it.
+through the frozen target head. It reads no drafted token and no position: a call keeps h_t as its
+feature, and the head is its rows' ``offset`` (their place past the root) + 1, so a node at depth d drafts
+its children with head d + 1 whatever its path holds; deeper drafts reuse the last head. That is a block
+tree's reading too ("slot d's q whatever its path holds"): the kind drafts a block, all its heads in one
+forward (``vdtrain.decode.builders.block``), as well as one depth per call in the engine's other trees.
+It trains as an unrolled drafter (step j scores head j + 1), logits only: h_t is no feature to regress.
+docs/extending.md, "Adding a drafter kind", walks through it.
 """
 
 from __future__ import annotations
@@ -29,16 +29,6 @@ class MedusaOptions:
     heads: int = 4  # head k drafts the token k past the bonus
 
 
-def state(hidden: torch.Tensor, heads_used: torch.Tensor) -> torch.Tensor:
-    """A Medusa feature: h_t [.., H] and the heads used so far [..] as one tensor [.., H + 1]."""
-    return torch.cat([hidden, heads_used[..., None].to(hidden.dtype)], -1)
-
-
-def heads_used(feature: torch.Tensor) -> torch.Tensor:
-    """The heads used so far, read from a Medusa feature [.., H + 1]."""
-    return feature[..., -1]
-
-
 @register("medusa")
 class MedusaDrafter(Drafter):
     """K residual heads on h_t, one per draft depth."""
@@ -47,6 +37,7 @@ class MedusaDrafter(Drafter):
     card_tags: ClassVar[tuple[str, ...]] = ("medusa",)
     Options: ClassVar[type] = MedusaOptions
     feature_loss: ClassVar[bool] = False
+    drafts_blocks: ClassVar[bool] = True  # block query row j reads head j + 1: all heads in one forward
 
     def build(self, config: DrafterConfig) -> None:
         """One ``Linear(H → H)`` per head, zero at the start: every head then drafts what the target's head
@@ -63,20 +54,24 @@ class MedusaDrafter(Drafter):
         if config.options.heads < 1:
             raise ValueError(f"a medusa drafter needs heads >= 1, got {config.options.heads}")
 
-    def input_features(self, hidden: torch.Tensor, tapped: torch.Tensor | None) -> torch.Tensor:
-        """The target's final-norm ``hidden`` [.., H], no head used yet."""
-        return state(hidden, hidden.new_zeros(hidden.shape[:-1]))
+    @property
+    def block_slots(self) -> int:
+        """A block as long as the image: past the heads, the last one drafts (as in the other trees)."""
+        return self.config.num_image_tokens
 
     def draft(self, features: torch.Tensor, rows: DraftInputs) -> torch.Tensor:
-        """One draft depth: the same h_t, one more head used (nothing of ``rows`` is read)."""
-        return state(features[..., :-1], heads_used(features) + 1)
+        """One draft depth: the same h_t (nothing of ``rows`` is read here; ``normed`` reads their offset)."""
+        return features
 
-    def normed(self, feature: torch.Tensor) -> torch.Tensor:
-        """What the target's head reads [.., H]: head d's residual block on h_t, d the heads used (clamped
-        to 1 .. heads)."""
-        hidden = feature[..., :-1].to(self.heads[0].weight.dtype)
+    def normed(self, feature: torch.Tensor, offset: torch.Tensor | int = 0) -> torch.Tensor:
+        """What the target's head reads [.., H]: head ``offset + 1``'s residual block on h_t (the last head
+        past them all); ``offset`` an int for every row, or a tensor broadcast to the rows."""
+        hidden, last = feature.to(self.heads[0].weight.dtype), len(self.heads) - 1
+        if isinstance(offset, int):
+            head = self.heads[min(offset, last)]
+            return hidden + F.silu(head(hidden))
         blocks = torch.stack([hidden + F.silu(head(hidden)) for head in self.heads], -2)  # [.., K, H]
-        which = heads_used(feature).round().long().clamp(1, len(self.heads)) - 1
+        which = offset.clamp_max(last).expand(hidden.shape[:-1])
         return blocks.gather(-2, which[..., None, None].expand(*which.shape, 1, hidden.shape[-1])).squeeze(-2)
 
     def unroll_steps(self, ttt_steps: int) -> int:

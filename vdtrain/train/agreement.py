@@ -32,7 +32,7 @@ def unrolled_agreement(
     out = []
     for j, f_hat in enumerate(steps):
         chain = chain_rows(cond_mask, rows.shape[1], j).to(rows.device)[None].expand_as(rows)[rows]
-        agree = top_k_agreement(drafter.logits(f_hat[rows][chain]), target_logits[chain], None, 1)
+        agree = top_k_agreement(drafter.logits(f_hat[rows][chain], j), target_logits[chain], None, 1)
         out.append(agree.item())
     return out
 

@@ -200,7 +200,7 @@ class DrafterModule(L.LightningModule):
         hidden_in: torch.Tensor,
         tapped: torch.Tensor | None,
     ) -> list[torch.Tensor]:
-        """f̂ [B, L+N-1, F] of each drafter pass: teacher-forced (one), or the kind's unrolled steps."""
+        """f̂ [B, L+N-1, H] of each drafter pass: teacher-forced (one), or the kind's unrolled steps."""
         drafter = self.drafter
         feats = drafter.input_features(hidden_in, tapped)
         steps = drafter.unroll_steps(self.train_cfg.ttt_steps)

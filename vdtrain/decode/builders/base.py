@@ -25,9 +25,8 @@ if TYPE_CHECKING:
 class DraftContext(Protocol):
     """What a builder may use while drafting: the sampling settings, the target's geometry, the
     drafter's distribution made by the one pipeline, and drafter forwards (``vdtrain.decode.drafting``).
-    Row layouts come from ``vdtrain.decode.rows``. Shapes: R = streams·B rows, H the target's width, F the
-    drafter's feature width (``Drafter.input_features``): H, or more where a kind keeps per-row state of
-    its own in its features (a head counter, a block offset)."""
+    Row layouts come from ``vdtrain.decode.rows``. Shapes: R = streams·B rows, H the target's width (a
+    drafter feature's too: ``vdtrain.drafters.base``)."""
 
     sampling: SamplingConfig
     target: TargetGeometry
@@ -52,10 +51,13 @@ class DraftContext(Protocol):
         slots: torch.Tensor,
         image_vis: torch.Tensor,
         next_embeds: torch.Tensor | None = None,
+        *,
+        offset: int = 0,
     ) -> DrafterRows:
         """Drafter rows for the next ``tokens`` [B, S] at image indices ``token_index`` [B, S], every stream
         (``slots`` [B, S] drafter cache slots, ``image_vis`` [B, S, K] the image slots each row sees,
-        ``next_embeds`` [R, S, H] instead of ``tokens``' embeddings)."""
+        ``next_embeds`` [R, S, H] instead of ``tokens``' embeddings, ``offset`` the rows' tree depth:
+        ``DrafterRows.offset``)."""
         ...
 
     def drafter_embeds(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -64,12 +66,12 @@ class DraftContext(Protocol):
         ...
 
     def drafter_forward(self, feats: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Features ``feats`` [R, S, F] at ``rows`` → (f̂ [R, S, F], logits [R, S, V])."""
+        """Features ``feats`` [R, S, H] at ``rows`` → (f̂ [R, S, H], logits [R, S, V])."""
         ...
 
     def drafter_block(self, roots: torch.Tensor, rows: DrafterRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block drafter's query rows from the roots' features ``roots`` [R, F] at ``rows`` (S of them:
-        the tokens 1 .. S past the root's child) → (f̂ [R, S, F], logits [R, S, V]): one forward."""
+        """A block drafter's query rows from the roots' features ``roots`` [R, H] at ``rows`` (S of them:
+        the tokens 1 .. S past the root's child) → (f̂ [R, S, H], logits [R, S, V]): one forward."""
         ...
 
 
@@ -90,7 +92,7 @@ class StepState:
     """What a tree builder needs to know about the current step (device tensors, no host copies)."""
 
     roots: torch.Tensor  # [B] root tokens
-    root_feats: torch.Tensor | None  # [R, F] drafter feature predicted for the root's slot (R = streams·B)
+    root_feats: torch.Tensor | None  # [R, H] drafter feature predicted for the root's slot (R = streams·B)
     root_logits: torch.Tensor | None  # [R, V] drafter logits for the root's children (None: no drafter)
     committed: torch.Tensor  # [B] m
     depth_limit: torch.Tensor  # [B] max tree depth allowed (image tokens left to draft)

@@ -66,7 +66,7 @@ class Frontier:
     tokens: torch.Tensor  # [B, K]
     score: torch.Tensor  # [B, K]
     node: torch.Tensor  # [B, K] flat node index
-    feats: torch.Tensor  # [R, K, F] the parents' drafter features
+    feats: torch.Tensor  # [R, K, H] the parents' drafter features
     seen: torch.Tensor  # [R, 1, K, L + W] the rows' drafter mask: the plan's, plus their ancestors' columns
     plan: BuildPlan
 
@@ -245,6 +245,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
             front.seen,
             rows.slots[:, at],
             rows.predicts[:, at],
+            r,  # the frontier's depth
         )
 
     def _candidates(self, ctx, state: StepState, front: Frontier, logits, r: int, size: int) -> Layer:
@@ -264,7 +265,7 @@ class DynamicTreeBuilder(DraftTreeBuilder):
     def _expand(
         self, ctx, state: StepState, front: Frontier, f_hat, logits, *, r: int, depth_cap: int, size: int
     ):
-        """Round ``r``'s candidates (from the frontier's ``f_hat`` [R, K, F] and ``logits`` [R, K, V]), the
+        """Round ``r``'s candidates (from the frontier's ``f_hat`` [R, K, H] and ``logits`` [R, K, V]), the
         best ``K`` of them as round ``r + 1``'s frontier, and its drafter rows."""
         layer = self._candidates(ctx, state, front, logits, r, size)
         # Valid candidates first by (score, index): invalid ones score +inf (``ranked`` without a mask).

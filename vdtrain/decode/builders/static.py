@@ -162,7 +162,7 @@ class StaticTreeBuilder(DraftTreeBuilder):
         logits_of,
     ):
         """Level ``depth``'s children of the tree ``shape`` from their parents' drafter logits
-        (``logits_of``: node → [R, V]; ``feats_of``: node → [R, F]; ``drafted`` None: the first level,
+        (``logits_of``: node → [R, V]; ``feats_of``: node → [R, H]; ``drafted`` None: the first level,
         with the tree's buffers made here); then, unless it is the deepest level, the drafter rows of this
         level's nodes (their parents' features, the inputs). Returns (``LevelBuffers``, rows or None)."""
         t, sampling = shape.tree, ctx.sampling
@@ -200,10 +200,11 @@ class StaticTreeBuilder(DraftTreeBuilder):
         # One drafter forward over this level to get its nodes' children distributions.
         level = shape.levels[depth - 1]
         level_t = layout.levels[depth - 1]
-        parent_feats = torch.stack([feats_of[t.parents[i]] for i in level], dim=1)  # [R, S, F]
+        parent_feats = torch.stack([feats_of[t.parents[i]] for i in level], dim=1)  # [R, S, H]
         base = state.committed - 1
         index = (state.committed - 1 + depth).clamp_max(n_img)[:, None].expand(-1, len(level))
         slots = ctx.target.image_slot(base[:, None] + (level_t - 1)[None, :])
         seen = layout.ancestors[level_t][:, 1:].expand(batch, -1, -1)  # [B, S, T-1] over non-root nodes
         vis = visibility(base, base, seen, n_img - 1 + size - 1)
-        return drafted, (parent_feats, ctx.drafter_inputs(tokens[:, level_t], index, slots, vis))
+        inputs = ctx.drafter_inputs(tokens[:, level_t], index, slots, vis, offset=depth)
+        return drafted, (parent_feats, inputs)
