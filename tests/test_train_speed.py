@@ -20,6 +20,7 @@ from reference_losses import unrolled_loss as reference_unrolled_loss
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.base import LossInputs
 from vdtrain.drafters.head_loss import head_token_loss, token_loss
 from vdtrain.drafters.losses import image_target_mask, teacher_loss, unrolled_loss
 from vdtrain.drafters.rows import chain_rows
@@ -170,7 +171,8 @@ def test_the_compiled_part_of_a_training_step_has_no_graph_break_and_no_complex_
     graph; RoPE runs in real arithmetic there, which Inductor generates code for."""
     module = module_of(target, kind)
     cond_mask, tokens, hidden, tapped = batch(target, module.drafter.taps)
-    explained = torch._dynamo.explain(module.drafter_loss)(tokens, cond_mask, hidden, hidden, tapped)
+    inputs = LossInputs(tokens, cond_mask, hidden, hidden, tapped)
+    explained = torch._dynamo.explain(module.drafter_loss)(inputs)
     torch._dynamo.reset()
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     ops = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}

@@ -61,6 +61,16 @@ class DraftInputs(NamedTuple):
     offset: torch.Tensor | int = 0
 
 
+class LossInputs(NamedTuple):
+    """What a drafter's training loss reads of one batch (``DrafterModule.loss_on`` makes it)."""
+
+    tokens: torch.Tensor  # [B, N] image tokens
+    cond_mask: torch.Tensor  # [B, L] the prefix mask
+    hidden: torch.Tensor  # [B, L+N, H] the target's final-norm states: what the loss scores against
+    hidden_in: torch.Tensor  # [B, L+N, H] what the drafter reads of them (noised where it has no taps)
+    tapped: torch.Tensor | None  # [B, L+N, k·H] the tapped layers it reads (noised); None without taps
+
+
 @dataclass(frozen=True)
 class NoOptions:
     """A kind with no settings of its own."""
@@ -163,20 +173,11 @@ class Drafter(nn.Module):
         return None
 
     def training_loss(
-        self,
-        tokens: torch.Tensor,
-        cond_mask: torch.Tensor,
-        hidden: torch.Tensor,
-        hidden_in: torch.Tensor,
-        tapped: torch.Tensor | None,
-        train: DrafterTrainConfig,
-        generator: torch.Generator | None,
+        self, batch: LossInputs, train: DrafterTrainConfig, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-        """A kind's own training loss and its logged parts (``DrafterModule.loss_on`` calls it first): from
-        the target's final-norm states ``hidden`` [B, L+N, H], what the drafter reads of them (``hidden_in``
-        and ``tapped``, noised), ``tokens`` [B, N] and ``cond_mask`` [B, L], with ``generator`` for any
-        draw of its own (None in validation). None (the default): the teacher-forced or unrolled passes
-        (``unroll_steps``) and their loss."""
+        """A kind's own training loss and its logged parts (``DrafterModule.loss_on`` calls it first) on
+        ``batch``, with ``generator`` for any draw of its own (None in validation). None (the default): the
+        teacher-forced or unrolled passes (``unroll_steps``) and their loss."""
         return None
 
     @property

@@ -25,12 +25,12 @@ from torch import nn
 
 from vdtrain.config import DrafterTrainConfig
 from vdtrain.drafters import losses
-from vdtrain.drafters.base import Drafter, DraftInputs
+from vdtrain.drafters.base import Drafter, DraftInputs, LossInputs
 from vdtrain.drafters.config import DrafterConfig
 from vdtrain.drafters.head_loss import head_token_loss
 from vdtrain.drafters.registry import register
 from vdtrain.drafters.rows import after_prefix_rows, teacher_mask
-from vdtrain.models.kv_cache import AttendingCache, KVCache
+from vdtrain.models.kv_cache import AttendingCache, KVCache, LayerInputs
 from vdtrain.models.llamagen_gpt import GPTConfig, TransformerBlock, attention_bias
 
 
@@ -73,8 +73,8 @@ class GridLayer(nn.Module):
         cache: KVCache | AttendingCache | None = None,
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        layer_cache = None if cache is None else cache.layer(0)
-        return self.block(x, self.rope[positions], attention_bias(mask, x.dtype), layer_cache, slots)
+        rows = LayerInputs(self.rope[positions], attention_bias(mask, x.dtype), None, slots)
+        return self.block(x, rows.at_layer(cache, 0))
 
     def _apply(self, fn, recurse: bool = True):
         # The RoPE table follows the device but stays fp32 (rotations are computed in fp32).
@@ -247,20 +247,14 @@ class BlockDrafter(Drafter):
         return TeacherBlocks(rows, out.unflatten(1, (len(roots), len(j))), drafted)
 
     def training_loss(
-        self,
-        tokens: torch.Tensor,
-        cond_mask: torch.Tensor,
-        hidden: torch.Tensor,
-        hidden_in: torch.Tensor,
-        tapped: torch.Tensor | None,
-        train: DrafterTrainConfig,
-        generator: torch.Generator | None,
+        self, batch: LossInputs, train: DrafterTrainConfig, generator: torch.Generator | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The committed rows' EAGLE-1 loss (feature regression + ``w_cls`` · the token loss: they draft
         each block's first token) plus ``Σ_j decay^j · loss_j`` over the query rows of ``train_roots``
         blocks per sample (their roots drawn with ``generator``), against the target's distribution at
         the token each drafts. Parts: the loss terms, ``top1`` (the first slot), ``top1_slot{j}`` and
         ``tau_block``, the chain estimate from the per-slot agreement."""
+        tokens, cond_mask, hidden, hidden_in, tapped = batch
         prefix, num = cond_mask.shape[1], tokens.shape[1]
         states = self.input_features(hidden_in, tapped)
         roots = training_roots(num, self.options.train_roots, generator, hidden.device)

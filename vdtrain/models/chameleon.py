@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vdtrain.models.kv_cache import AttendingCache, KVCache, LayerCache
+from vdtrain.models.kv_cache import AttendingCache, KVCache, LayerInputs
 from vdtrain.models.taps import with_taps
 
 QK_NORM_EPS = 1e-5  # hard-coded in both official implementations
@@ -111,15 +111,8 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-        cache: LayerCache | AttendingCache | None,
-        slots: torch.Tensor | None,
-    ) -> torch.Tensor:
-        c = self.config
+    def forward(self, x: torch.Tensor, at: LayerInputs) -> torch.Tensor:
+        c, (rope, mask, cache, slots) = self.config, at
         bsz, seq, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bsz, seq, c.num_attention_heads, c.head_dim)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(bsz, seq, c.num_key_value_heads, c.head_dim)).transpose(1, 2)
@@ -162,18 +155,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
-        cache: LayerCache | AttendingCache | None,
-        slots: torch.Tensor | None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, at: LayerInputs) -> torch.Tensor:
         if self.swin_norm:
-            h = x + self.input_layernorm(self.self_attn(x, rope, mask, cache, slots))
+            h = x + self.input_layernorm(self.self_attn(x, at))
             return h + self.post_attention_layernorm(self.mlp(h))
-        h = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, slots)
+        h = x + self.self_attn(self.input_layernorm(x), at)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -200,10 +186,11 @@ class ChameleonBackbone(nn.Module):
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
         rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        at = LayerInputs(rope, mask, None, slots)
         h = x
         tapped = [h] if 0 in taps else []
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, mask, None if cache is None else cache.layer(i), slots)
+            h = layer(h, at.at_layer(cache, i))
             if i + 1 in taps:
                 tapped.append(h)
         return with_taps(self.norm(h), tapped, taps, len(self.layers))

@@ -7,6 +7,7 @@ draft-tree nodes are written to scratch slots while taking the grid position of 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any, NamedTuple
 
 import torch
 
@@ -85,3 +86,18 @@ class AttendingCache(ABC):
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Attention output [B, H, S, D] for queries ``q`` and this step's ``k, v`` (heads expanded)."""
+
+
+class LayerInputs(NamedTuple):
+    """What a decoder layer reads besides its rows ``x``: made once per forward, the cache set per layer
+    (``at_layer``), so every family's layers share one signature, ``forward(x, at)``."""
+
+    rope: Any  # the family's rotary tables at the rows' positions
+    mask: torch.Tensor | None  # the attention mask (or bias) over the keys; None: causal
+    cache: LayerCache | AttendingCache | None = None  # the layer's cache; None: the rows see themselves
+    slots: torch.Tensor | None = None  # [S] or [B, S] the cache slots of the rows
+
+    def at_layer(self, cache: Any, index: int) -> LayerInputs:
+        """These inputs with layer ``index``'s part of a model's ``cache`` (anything with ``layer(i)``:
+        a ``KVCache``, an ``AttendingCache``; None: no cache)."""
+        return self._replace(cache=None if cache is None else cache.layer(index))

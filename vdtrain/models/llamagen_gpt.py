@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vdtrain.models.kv_cache import AttendingCache, KVCache, LayerCache
+from vdtrain.models.kv_cache import AttendingCache, KVCache, LayerInputs
 from vdtrain.models.taps import with_taps
 
 
@@ -234,15 +234,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
         self.resid_dropout = nn.Dropout(config.resid_dropout_p)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: LayerCache | AttendingCache | None = None,
-        slots: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        c = self.config
+    def forward(self, x: torch.Tensor, at: LayerInputs) -> torch.Tensor:
+        c, (rope, mask, cache, slots) = self.config, at
         bsz, seqlen, _ = x.shape
         kv_size = c.kv_heads * c.head_dim
         qk, v = self.wqkv(x).split([c.dim + kv_size, kv_size], dim=-1)
@@ -278,15 +271,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: LayerCache | AttendingCache | None = None,
-        slots: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask, cache, slots)
+    def forward(self, x: torch.Tensor, at: LayerInputs) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), at)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -339,14 +325,13 @@ class LlamaGenGPT(nn.Module):
         (``with_taps``)."""
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
-        rope = self.rope[positions]
-        mask = attention_bias(mask, x.dtype)
+        at = LayerInputs(self.rope[positions], attention_bias(mask, x.dtype), None, slots)
         if self.config.learned_pos_embedding:
             x = x + self.pos_embedding[positions].to(x.dtype)
         h = self.tok_dropout(x)
         tapped = [h] if 0 in taps else []
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, mask, None if cache is None else cache.layer(i), slots)
+            h = layer(h, at.at_layer(cache, i))
             if i + 1 in taps:
                 tapped.append(h)
         return with_taps(self.norm(h), tapped, taps, len(self.layers))

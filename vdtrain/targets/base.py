@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from vdtrain.models.kv_cache import KVCache
+from vdtrain.models.kv_cache import KVCache, LayerInputs
 from vdtrain.sampling_config import SamplingConfig
 
 
@@ -177,7 +177,6 @@ class DraftLayer(nn.Module, ABC):
                 f"expected {list(cls.settings_fields)}"
             )
 
-    @abstractmethod
     def forward(
         self,
         x: torch.Tensor,
@@ -187,7 +186,19 @@ class DraftLayer(nn.Module, ABC):
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows ``x`` [B, S, H] at RoPE ``positions`` [B, S] under boolean ``mask`` [B, 1, S, K]; with a
-        ``cache`` the keys/values go to ``slots`` and the mask covers the first K cache slots."""
+        ``cache`` the keys/values go to ``slots`` and the mask covers the first K cache slots. The family's
+        decoder layer (the class after ``DraftLayer`` in a subclass's bases) runs them with the family's
+        ``rotary`` and ``layer_mask``."""
+        rows = LayerInputs(self.rotary(positions, x.dtype), self.layer_mask(mask, x.dtype), None, slots)
+        return super().forward(x, rows.at_layer(cache, 0))
+
+    @abstractmethod
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        """The family's RoPE at ``positions`` [B, S], as its decoder layer reads it."""
+
+    def layer_mask(self, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The boolean ``mask`` as the family's decoder layer reads it (by default as is)."""
+        return mask
 
     @abstractmethod
     def new_cache(self, batch: int, max_len: int) -> KVCache:

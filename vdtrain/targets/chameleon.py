@@ -174,7 +174,7 @@ class ChameleonTokenizer(ImageTokenizer):
         return torch.cat([codes, torch.full_like(codes[:1], float(far))])
 
 
-class ChameleonDraftLayer(DecoderLayer, DraftLayer):
+class ChameleonDraftLayer(DraftLayer, DecoderLayer):
     """A Chameleon decoder layer (q/k head norms, SwiGLU, 1D RoPE over slots) for the drafter."""
 
     settings_fields = (
@@ -201,22 +201,8 @@ class ChameleonDraftLayer(DecoderLayer, DraftLayer):
         super().check(hidden_size, grid, settings)
         ChameleonConfig(hidden_size=hidden_size, num_hidden_layers=1, **settings)  # its own checks
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None = None,
-        slots: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        c = self.config
-        return super().forward(
-            x,
-            rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype),
-            mask,
-            None if cache is None else cache.layer(0),
-            slots,
-        )
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c, ref = self.config, self.input_layernorm.weight

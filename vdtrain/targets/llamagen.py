@@ -70,7 +70,7 @@ def left_pad(features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     return features * new_mask[..., None].to(features.dtype), new_mask
 
 
-class LlamaGenDraftLayer(TransformerBlock, DraftLayer):
+class LlamaGenDraftLayer(DraftLayer, TransformerBlock):
     """A LlamaGen ``TransformerBlock`` with the target's 2D RoPE table (caption rows as the target's).
 
     Subclassing keeps the block's parameter names, so saved drafters load unchanged.
@@ -124,18 +124,11 @@ class LlamaGenDraftLayer(TransformerBlock, DraftLayer):
         if hidden_size % settings["n_head"]:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by n_head {settings['n_head']}")
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor | None,
-        cache: KVCache | None = None,
-        slots: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        bias = attention_bias(mask, x.dtype)
-        return super().forward(
-            x, self.rope[positions], bias, None if cache is None else cache.layer(0), slots
-        )
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.rope[positions]
+
+    def layer_mask(self, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        return attention_bias(mask, dtype)
 
     def _apply(self, fn, recurse: bool = True):
         # The RoPE table follows the device but stays fp32: rotations are computed in fp32 (apply_rope).

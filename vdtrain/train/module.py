@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Timer
 
 from vdtrain.config import DataConfig, DrafterTrainConfig, OptimConfig, TrainerConfig
-from vdtrain.drafters.base import CHECKPOINT_CONFIG_KEY, Drafter
+from vdtrain.drafters.base import CHECKPOINT_CONFIG_KEY, Drafter, LossInputs
 from vdtrain.drafters.head_loss import CLS_LOSSES
 from vdtrain.drafters.losses import simulated_tau, teacher_loss, uniform_feature_noise, unrolled_loss
 from vdtrain.images import images_to_tensor
@@ -170,28 +170,20 @@ class DrafterModule(L.LightningModule):
             hidden_in = uniform_feature_noise(hidden, noise, generator)
         else:
             hidden_in, tapped = hidden, uniform_feature_noise(tapped, noise, generator)
-        cfg = self.train_cfg
-        own = self.drafter.training_loss(tokens, cond_mask, hidden, hidden_in, tapped, cfg, generator)
+        batch = LossInputs(tokens, cond_mask, hidden, hidden_in, tapped)
+        own = self.drafter.training_loss(batch, self.train_cfg, generator)
         if own is not None:
             return own
         if self.compile_step and self._compiled is None:
             self._compiled = torch.compile(self.drafter_loss)
         step = self.drafter_loss if self._compiled is None else self._compiled
-        return step(tokens, cond_mask, hidden, hidden_in, tapped)
+        return step(batch)
 
-    def drafter_loss(
-        self,
-        tokens: torch.Tensor,
-        cond_mask: torch.Tensor,
-        hidden: torch.Tensor,
-        hidden_in: torch.Tensor,
-        tapped: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The drafter's passes and its loss: the part of a training step ``trainer.compile`` compiles, in
-        one graph (tests/test_train_speed.py pins its graph breaks at 0). ``hidden`` [B, L+N, H]: the
-        target's final-norm states; the drafter reads ``hidden_in`` and ``tapped`` (noised)."""
-        steps = self.drafter_passes(tokens, cond_mask, hidden_in, tapped)
-        return self.score(steps, hidden, cond_mask.shape[1])
+    def drafter_loss(self, batch: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The drafter's passes and its loss on ``batch``: the part of a training step ``trainer.compile``
+        compiles, in one graph (tests/test_train_speed.py pins its graph breaks at 0)."""
+        steps = self.drafter_passes(batch.tokens, batch.cond_mask, batch.hidden_in, batch.tapped)
+        return self.score(steps, batch.hidden, batch.cond_mask.shape[1])
 
     def drafter_passes(
         self,
