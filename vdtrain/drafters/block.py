@@ -166,6 +166,9 @@ class BlockDrafter(Drafter):
         self.layer = GridLayer(o.width, o.heads, config.prefix_length, config.grid)
         self.out_norm = nn.RMSNorm(o.width, eps=1e-6)
         self.out = nn.Linear(o.width, hidden)
+        # Row j: the one-hot ``fc`` reads for offset j (row 0, a committed row's: zero). A buffer, not saved,
+        # so a forward indexes it instead of building it.
+        self.register_buffer("offset_one_hots", torch.eye(o.slots)[:, 1:], persistent=False)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
@@ -198,13 +201,11 @@ class BlockDrafter(Drafter):
 
     def _offset_one_hot(self, offset: torch.Tensor | int, features: torch.Tensor) -> torch.Tensor:
         """[.., slots − 1] per row of ``features``: for a block's query rows (``offset`` a tensor of their
-        offsets ``j``) row ``j − 1`` of the identity; zero for EAGLE rows (an int ``offset``: committed rows,
-        or a one-call-per-depth tree's). ``fc`` was built for that width."""
-        width = self.options.slots - 1
-        if isinstance(offset, int):
-            return features.new_zeros(*features.shape[:-1], width)
-        eye = torch.eye(width + 1, dtype=features.dtype, device=features.device)[:, 1:]  # row 0: zero
-        return eye[offset].expand(*features.shape[:-1], width)
+        offsets ``j``) the one-hot of ``j``; zero for EAGLE rows (an int ``offset``: committed rows, or a
+        one-call-per-depth tree's). ``fc`` was built for that width."""
+        table = self.offset_one_hots.to(features.dtype)
+        rows = table[0] if isinstance(offset, int) else table[offset]
+        return rows.expand(*features.shape[:-1], table.shape[-1])
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         ref, layer = self.fc.weight, self.layer
