@@ -40,6 +40,7 @@ from vdtrain.eval.serving import refusal
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
 from vdtrain.preflight import not_for_trained
 from vdtrain.sharding import current_ranks
+from vdtrain.zero_checkpoint import whole_drafter
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +139,10 @@ class EvalAfterEpoch(L.Callback):
         timed = {float(t) for t in self.cfg.temperatures}
         self.ar_runs = {key: record for key, record in self.ar_runs.items() if key[0] not in timed}
         try:
-            with torch.no_grad():
+            with torch.no_grad(), whole_drafter(pl_module.drafter, pl_module.target) as drafter:
                 result = evaluate(
                     pl_module.target,
-                    pl_module.drafter,
+                    drafter,
                     self.prompts,
                     list(self.cfg.methods),
                     list(self.cfg.temperatures),
@@ -159,7 +160,7 @@ class EvalAfterEpoch(L.Callback):
                     return result, []
                 reports = measure(
                     pl_module.target,
-                    pl_module.drafter,
+                    drafter,
                     result,
                     self.cfg.acceptance,
                     seed=self.cfg.seed,
