@@ -53,6 +53,9 @@ def whole_drafter(drafter: Drafter, target: Target) -> Iterator[Drafter]:
         state = {name: value.detach().clone() for name, value in drafter.state_dict().items()}
     copy = Drafter.make(drafter.config)
     copy.load_state_dict(state, assign=True)
+    for name, buffer in drafter.named_buffers():  # never partitioned; a non-persistent one is in no state
+        owner, _, leaf = name.rpartition(".")
+        setattr(copy.get_submodule(owner), leaf, buffer)
     copy.metadata = drafter.metadata
     yield copy.attach(target).train(drafter.training)
 

@@ -2,7 +2,8 @@
 
 The measured speed of real decoding (S, τ, d̄, TPF, latency vs AR) is what a drafter is for, and it can
 disagree with the simulated τ of validation, so every run measures it. Under DDP / DeepSpeed every rank
-decodes its part of the prompts with its copy of the drafter (``vdtrain.sharding``); the parts are
+decodes its part of the prompts with its copy of the drafter (``vdtrain.sharding``; under ZeRO-3 the
+gathered weights, ``whole_drafter``); the parts are
 gathered into the same numbers one process would measure, which global rank zero broadcasts to every
 rank (so they can drive ``best`` checkpoint selection), logs to the configured logger as
 ``eval/<method>_T<t>/<metric>``, prints the table and writes it under ``<run_dir>/eval/`` (``latest/`` is
