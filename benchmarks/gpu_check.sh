@@ -45,6 +45,9 @@ if [[ $device == cuda ]]; then
   train="--targets llamagen-xl --drafters eagle1 eagle3 --modes eager zero2 compiled --batch 8 32 --steps 3 --warmup 2 --reference-loss"
   scaling="--target grain --minutes 2 --points 2048 --batch 16 --precision bf16-mixed"
   calibration="--num-prompts 512 --batch-size 64"  # captions 32-511 cached first: python -m data_prep.captions target=grain
+  # issue #54: the memory plan against max_memory_allocated, and a 7B-class step under ZeRO-2 (2 layers)
+  plan_check="--agreement llamagen-xl janus-pro-7b lumina-mgpt-7b-768 --layers 2 --kinds eagle1 eagle3 --batch 1 8 --precisions bf16-mixed"
+  big_train="--targets janus-pro-7b lumina-mgpt-7b-768 --layers 2 --drafters eagle1 --modes eager zero2 --batch 8 --steps 3 --warmup 2"
 else  # the script's own test: the same steps on a CPU, eager, at small sizes, each given 4x its budget
   xl="shapes --dtype fp32" pair=sjd scale=4 big=2 prompts=2 eval_prompts=2 eval="eval=fast acceptance.enabled=false" graphs=eager compiled=steps presets=scd
   profile="--target shapes --steps 1 --skip 1"
@@ -52,6 +55,8 @@ else  # the script's own test: the same steps on a CPU, eager, at small sizes, e
   train="--targets small --drafters eagle1 eagle3 --ttt-steps 2 --modes eager --batch 1 2 --steps 1 --warmup 1"
   scaling="--target shapes --minutes 0.3 --points 16 --batch 2 --val-samples 4 --ttt-steps 2 --threads 2"
   calibration="--num-prompts 2 --batch-size 2 --methods eagle1 sjd"
+  plan_check="--agreement grain --kinds eagle1 --batch 1 --precisions 32-true"
+  big_train="--targets anole-7b --layers 1 --drafters eagle1 --modes eager --batch 1 --steps 1 --warmup 1"
 fi
 step_cost="python -m benchmarks.step_cost --device $device"
 
@@ -79,11 +84,16 @@ steps=(
   "big_compiled|300|$step_cost $seven_b --modes $compiled --batch 1 --presets $pair --out $stage/big_compiled.json"
   # optional: issue #32's calibration of the grain world at 512 held-out captions (it writes a folder)
   "grain_calibration|300|python -m benchmarks.calibration --device $device $calibration --units $stage/grain_units --out $stage/grain_calibration"
+  # optional: issue #54's memory plan, each row's step peak against max_memory_allocated (plan within 15 %)
+  "plan_check|150|python -m benchmarks.memory_plan $plan_check --device $device --out $stage/plan_check.json"
+  # optional: issue #54's 7B-class training step at 2 layers, eager and under ZeRO-2 (fit's evaluation: not here)
+  "big_train|150|python -m benchmarks.train_throughput --device $device $big_train --out $stage/big_train.json"
   # optional: issue #54's export after ZeRO-2 and ZeRO-3, gathered and equal to DDP's, on 2 GPUs (fewer if fewer)
   "zero_export|240|python -m benchmarks.zero_export --devices 2 --work $stage/zero_runs --out $stage/zero_export.json"
 )
 
-optional=",scaling,big_compiled,grain_calibration,zero_export,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
+# The second prepared call (540 s): bash benchmarks/gpu_check.sh --steps plan_check,big_train,zero_export OUT
+optional=",scaling,big_compiled,grain_calibration,zero_export,plan_check,big_train,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
 chosen=()
 for s in "${steps[@]}"; do
   name=${s%%|*}

@@ -4,6 +4,11 @@ docs/training.md, "Memory plan"), printed as markdown:
     python -m benchmarks.memory_plan                              # five families, eagle1 eagle3 medusa, B 1 8
     python -m benchmarks.memory_plan --targets emu3-8b --kinds eagle3 --batch 4 --gpus 16
     python -m benchmarks.memory_plan --agreement shapes grain --kinds eagle1 eagle3 --batch 4 16  # CPU check
+    python -m benchmarks.memory_plan --agreement llamagen-xl anole-7b --layers 2 --device cuda --out plan.json
+
+``--agreement`` checks the plan against a real step's peak (torch's profiler on a CPU, the caching
+allocator's ``max_memory_allocated`` on a GPU, where the whole peak, weights included, is compared too);
+``--layers`` cuts a random-weight target to that many decoder layers.
 
 The targets are step_cost's random-weight shapes (``RANDOM_CHAMELEON``, ``RANDOM_JANUS``, ``RANDOM_TARGETS``),
 built on the meta device: nothing is allocated, a CPU plans a 7B target in under a minute a row. The plan is
@@ -18,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -31,6 +38,7 @@ from vdtrain.targets.base import Target
 from vdtrain.train.memory_plan import (
     GIB,
     STRATEGIES,
+    Plan,
     planning_condition,
     strategy_plan,
     trace_eval,
@@ -60,38 +68,56 @@ def build(name: str, kind: str, dtype: str = "bf16") -> tuple[Target, Drafter]:
 def measured_step_peak(
     target: Target, drafter: Drafter, train: DrafterTrainConfig, batch: int, half: bool
 ) -> int:
-    """fit's step on real models of the CPU, its peak beyond the weights by torch's profiler
-    (``loss_peak_bytes``): the second step, so AdamW's moments exist as in a running job, and the
-    plan's condition in place of the captions (the plan does not run the text encoder)."""
-    module = DrafterModule(target, drafter.train(), train, OptimConfig())
+    """fit's step on real models on the target's device, its peak beyond the weights by torch's profiler
+    on a CPU or the caching allocator's peak on a GPU (``loss_peak_bytes``): the second step, so AdamW's
+    moments exist as in a running job (fused on a GPU, as fit's plan assumes there), and the plan's
+    condition in place of the captions (the plan does not run the text encoder)."""
+    device = target.device
+    module = DrafterModule(target, drafter.to(device).train(), train, OptimConfig())
     module.input_dtype = lambda: torch.bfloat16 if half else torch.float32  # what precision implies
     target.encode_captions = lambda captions: planning_condition(target, len(captions))
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4)
-    tokens = torch.randint(target.vocab_size, (batch, target.num_image_tokens))
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda" or None)
+    tokens = torch.randint(target.vocab_size, (batch, target.num_image_tokens), device=device)
     data = {"tokens": tokens, "caption": [""] * batch}
 
     def step() -> None:
-        with torch.autocast("cpu", torch.bfloat16, enabled=half):
+        with torch.autocast(device.type, torch.bfloat16, enabled=half):
             loss, _ = module.loss(data, torch.Generator().manual_seed(0))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     step()
-    return loss_peak_bytes(step, torch.device("cpu"))
+    return loss_peak_bytes(step, device)
 
 
-def planned_step_peak(
-    target: Target, drafter: Drafter, train: DrafterTrainConfig, batch: int, precision: str
-) -> int:
-    """The plan's step peak for one process beyond what a measured step finds allocated (the weights and
-    AdamW's moments), from meta copies of ``target`` and ``drafter``."""
+def step_plan(
+    target: Target, drafter: Drafter, train: DrafterTrainConfig, batch: int, precision: str, fused: bool
+) -> Plan:
+    """The plan of one process's step, from meta copies of ``target`` and ``drafter``."""
     meta_target = copy.deepcopy(target).to("meta")
     with torch.device("meta"):
         meta_drafter = Drafter.make(drafter.config, meta_target)
-    plan = strategy_plan(
-        trace_step(meta_target, meta_drafter, train, batch, precision), None, "auto", 1, precision
-    )
+    step = trace_step(meta_target, meta_drafter, train, batch, precision, fused)
+    return strategy_plan(step, None, "auto", 1, precision)
+
+
+def planned_step_peak(
+    target: Target,
+    drafter: Drafter,
+    train: DrafterTrainConfig,
+    batch: int,
+    precision: str,
+    fused: bool = False,
+) -> int:
+    """The plan's step peak for one process beyond what a measured step finds allocated (the weights and
+    AdamW's moments)."""
+    return beyond_weights(step_plan(target, drafter, train, batch, precision, fused))
+
+
+def beyond_weights(plan: Plan) -> int:
+    """The plan's step peak less what a measured step finds allocated when it starts."""
     return (
         plan.peak_step
         - plan.parts["target weights"]
@@ -100,25 +126,54 @@ def planned_step_peak(
     )
 
 
-def agreement(world: str, kinds: list[str], batches: list[int], precisions: list[str]) -> None:
-    """The plan against the measured peak on an embedded world's target, printed as table rows."""
-    print("| target | kind | B | precision | planned MiB | measured MiB | plan / measured |")
-    print("|---|---|---|---|---|---|---|")
+def agreement(
+    world: str,
+    kinds: list[str],
+    batches: list[int],
+    precisions: list[str],
+    device: torch.device,
+    layers: int | None = None,
+) -> list[dict]:
+    """The plan against the measured peak on ``world``'s target (an embedded world's or a random-weight
+    family's), printed as table rows and returned. On a GPU the whole peak too: what was allocated when the
+    step began (the weights, AdamW's moments) plus its peak beyond that, against the plan's."""
+    cuda = device.type == "cuda"
+    print(
+        "| target | kind | B | precision | planned MiB | measured MiB | plan / measured | whole, plan / m. |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    out = []
     for kind in kinds:
         for precision in precisions:
             for batch in batches:
                 half = precision.startswith("bf16")
-                target, _ = load(world, torch.device("cpu"), None, 0, "bf16" if half else "fp32")
+                target, _ = load(world, device, None, 0, "bf16" if half else "fp32", layers)
                 torch.manual_seed(0)
                 drafter = Drafter.make(DrafterConfig.for_target(target, kind=kind)).attach(target)
                 train = DrafterTrainConfig(kind=kind)
-                planned = planned_step_peak(target, drafter, train, batch, precision)
+                plan = step_plan(target, drafter, train, batch, precision, cuda)
+                planned = beyond_weights(plan)
+                if cuda:
+                    torch.cuda.empty_cache()
                 measured = measured_step_peak(target, drafter, train, batch, half)
+                row = {
+                    "target": world, "layers": layers, "kind": kind, "batch": batch, "precision": precision,
+                    "device": str(device), "planned": planned, "measured": measured,
+                    "ratio": planned / measured,
+                }  # fmt: skip
+                if cuda:  # what the second step began with, beside its peak beyond that
+                    whole = torch.cuda.memory_allocated(device) + measured
+                    row |= {"planned_whole": plan.peak_step, "measured_whole": whole}
+                    row["whole_ratio"] = plan.peak_step / whole
+                out.append(row)
+                whole_cell = f"{row['whole_ratio']:.3f}" if cuda else "-"
                 print(
                     f"| {world} | {kind} | {batch} | {precision} | {planned / 2**20:.1f} | "
-                    f"{measured / 2**20:.1f} | {planned / measured:.3f} |",
+                    f"{measured / 2**20:.1f} | {planned / measured:.3f} | {whole_cell} |",
                     flush=True,
                 )
+                del target, drafter
+    return out
 
 
 def rows(args: argparse.Namespace) -> list[str]:
@@ -162,13 +217,24 @@ def main(argv: list[str] | None = None) -> None:
         "--agreement",
         nargs="+",
         default=None,
-        choices=list(EMBEDDED),
-        help="instead: the plan against torch's profiler on these embedded worlds' targets (CPU)",
+        choices=[*EMBEDDED, *FAMILIES.values()],
+        help="instead: the plan against a measured step on these targets (embedded worlds, random families)",
     )
+    parser.add_argument("--device", default="cpu", help="--agreement: where the measured step runs")
+    parser.add_argument("--layers", type=int, default=None, help="--agreement: cut a random target's layers")
+    parser.add_argument(
+        "--precisions", nargs="+", default=None, help="--agreement: default bf16-mixed 32-true"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="--agreement: the rows as JSON")
     args = parser.parse_args(argv)
     if args.agreement:
+        rows_out = []
         for world in args.agreement:
-            agreement(world, args.kinds, args.batch, [args.precision, "32-true"])
+            precisions = args.precisions or [args.precision, "32-true"]
+            cut = args.layers if world in FAMILIES.values() else None
+            rows_out += agreement(world, args.kinds, args.batch, precisions, torch.device(args.device), cut)
+            if args.out:  # rewritten after each target: a time limit keeps what was measured
+                args.out.write_text(json.dumps({"rows": rows_out}, indent=1) + "\n")
         return
     strategies = " | ".join(f"{SHORT[s]} state | {SHORT[s]} peak" for s in STRATEGIES)
     print(

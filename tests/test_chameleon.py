@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from fit_step import bf16_fit_step
 from safetensors.torch import save_file
 
 from vdtrain.checkpoint_io import CheckpointError
@@ -612,3 +613,10 @@ def test_taps_are_transformers_hidden_states(anole_files):
     for k in taps:
         got = tapped[0, pad:, k * target.hidden_size : (k + 1) * target.hidden_size]
         torch.testing.assert_close(got, ref[k][0], rtol=0, atol=1e-5, msg=f"layer {k}")
+
+
+@pytest.mark.filterwarnings("ignore:target.dtype=bf16 on the CPU")
+@pytest.mark.parametrize("family", ["anole", "lumina_mgpt"])
+def test_fit_trains_a_step_on_the_bf16_target(family, anole_files, lumina_files):
+    target = anole_target(anole_files[0]) if family == "anole" else lumina_target(lumina_files[0])
+    bf16_fit_step(target, ["a red circle", "a blue square"])

@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformers
 from conftest import assert_cached_passes_match_the_sequence_pass, eagle2_and_ar_tokens, random_drafter
+from fit_step import bf16_fit_step
 
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.config import TargetConfig
@@ -336,3 +337,8 @@ def test_taps_are_transformers_hidden_states(emu3_files):
     assert len(ref) == len(taps)
     for k in taps:
         assert (tapped[0, start:, k * width : (k + 1) * width] - ref[k][0]).abs().max() <= 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:target.dtype=bf16 on the CPU")
+def test_fit_trains_a_step_on_the_bf16_target(emu3_files):
+    bf16_fit_step(emu3_target(emu3_files[0]), CAPTIONS)

@@ -71,9 +71,18 @@ def test_the_optional_steps_run_only_when_named(tmp_path):
     """Issue #35's data-scaling curve (minutes of training per drafter kind) and issue #32's grain
     calibration at 512 captions are left out of a full run."""
     full = [name for name, _ in _steps(_run("--dry-run", str(tmp_path)).stdout)]
-    assert not {"scaling", "big_compiled", "grain_calibration", "zero_export"} & set(full)
+    optional = {"scaling", "big_compiled", "grain_calibration", "zero_export", "plan_check", "big_train"}
+    assert not optional & set(full)
     zero = _run("--dry-run", "--steps", "zero_export", str(tmp_path)).stdout
     assert "benchmarks.zero_export --devices 2" in zero  # issue #54: export after ZeRO-2 / ZeRO-3
+    # issue #54's second prepared call: the memory plan against max_memory_allocated, a 7B-class step under
+    # ZeRO-2 at 2 layers, the ZeRO export; within one deadline, each step saved as it ends
+    second = _run("--dry-run", "--steps", "plan_check,big_train,zero_export", str(tmp_path)).stdout
+    steps = _steps(second)
+    assert [name for name, _ in steps] == ["plan_check", "big_train", "zero_export"]
+    assert sum(budget for _, budget in steps) <= 540
+    assert "memory_plan --agreement llamagen-xl janus-pro-7b" in second and "--device cuda" in second
+    assert "--layers 2 --drafters eagle1 --modes eager zero2" in second
     compiled = _run("--dry-run", "--steps", "big_compiled", str(tmp_path)).stdout
     assert "--targets chameleon-7b janus-pro-7b --dtype bf16 --steps 24 --modes compiled" in compiled
     done = _run("--dry-run", "--steps", "grain_calibration,scaling,train", str(tmp_path))
@@ -88,6 +97,8 @@ def test_the_cpu_mode_lists_small_steps(tmp_path):
     assert [name for name, _ in _steps(done.stdout)] == ORDER
     assert "llamagen-xl" not in done.stdout and "device=cpu" in done.stdout
     assert "--targets chameleon-7b janus-pro-7b --layers 1" in done.stdout  # the 7B shapes at one layer
+    second = _run("--dry-run", "--device", "cpu", "--steps", "plan_check,big_train", str(tmp_path)).stdout
+    assert "--agreement grain" in second and "--device cpu" in second and "--modes eager --batch 1" in second
 
 
 def test_the_user_step_runs_the_readme_commands_on_cached_captions_only(tmp_path):

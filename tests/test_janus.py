@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from conftest import assert_cached_passes_match_the_sequence_pass, random_drafter
+from fit_step import bf16_fit_step
 
 from vdtrain.checkpoint_io import CheckpointError
 from vdtrain.config import TargetConfig
@@ -322,3 +323,8 @@ def test_taps_are_transformers_hidden_states(janus_files):
     assert len(ref) == len(taps)
     for k in taps:
         assert (tapped[0, start:, k * width : (k + 1) * width] - ref[k][0]).abs().max() <= 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:target.dtype=bf16 on the CPU")
+def test_fit_trains_a_step_on_the_bf16_target(janus_files):
+    bf16_fit_step(janus_target(janus_files[0]), CAPTIONS)

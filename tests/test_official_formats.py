@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_GPT, TINY_VQ, random_gpt, random_vq, tiny_condition
+from fit_step import bf16_fit_step
 
 from vdtrain.checkpoint_io import CheckpointError, read_state_dict
 from vdtrain.decode.ar import generate_ar
@@ -505,3 +506,8 @@ def test_caption_longer_than_max_length_is_truncated_with_a_warning(t5_folder, c
         caplog.clear()
         encoder(["a red square"])
     assert not caplog.records  # no warning when nothing is cut
+
+
+@pytest.mark.filterwarnings("ignore:target.dtype=bf16 on the CPU")
+def test_fit_trains_a_step_on_the_bf16_target(t5_folder, checkpoint_files):
+    bf16_fit_step(build_llamagen_target(e2e_spec(*checkpoint_files, t5_folder)), ["a red square", "a circle"])

@@ -25,7 +25,7 @@ from vdtrain.drafters import Drafter
 from vdtrain.export import resolve_source
 from vdtrain.export_format import holds_drafter
 from vdtrain.resume import auto, checkpoint
-from vdtrain.zero_checkpoint import check_zero_checkpoint
+from vdtrain.zero_checkpoint import check_zero_checkpoint, whole_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="no deepspeed")
@@ -77,6 +77,19 @@ def test_a_zero_folder_gives_the_full_fp32_drafter_trained_without_deepspeed(zer
     drafter = Drafter.from_pretrained(zero_runs / f"zero{stage}")
     _assert_the_plain_drafter(drafter.state_dict(), zero_runs)
     assert drafter.metadata["checkpoint"]["global_step"] == 2
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_after_epoch_evaluation_under_zero3_decodes_with_the_whole_drafter(zero_runs, rank):
+    """``EvalAfterEpoch`` on each ZeRO-3 rank hands the decoding the gathered, trained drafter
+    (``whole_drafter``), not the rank's empty partition; a drafter DeepSpeed does not partition is handed
+    over as it is."""
+    _assert_the_plain_drafter(torch.load(zero_runs / f"zero3_eval_rank{rank}.pt"), zero_runs)
+    plain = module()
+    with whole_drafter(plain.drafter, plain.target) as drafter:
+        assert drafter is plain.drafter
 
 
 @needs_deepspeed

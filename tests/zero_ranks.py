@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from conftest import TINY_GPT, random_gpt, random_vq
 
-from vdtrain.config import DrafterTrainConfig, OptimConfig
+import vdtrain.eval.callback
+from vdtrain.config import DrafterTrainConfig, EvalCallbackConfig, OptimConfig
 from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.base import CHECKPOINT_CONFIG_KEY
@@ -69,6 +70,20 @@ def plain(out: Path) -> None:
     torch.save(m.drafter.state_dict(), out / "plain.pt")
 
 
+def evaluated_drafter(m: DrafterModule, out: Path, rank: int) -> None:
+    """The drafter ``EvalAfterEpoch`` decodes with on this rank, saved: its evaluation is recorded, not run
+    (a decode of the tiny target says nothing more about which weights it was handed)."""
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def record(target, drafter, *args, **kwargs) -> str:
+        seen.append({name: value.clone() for name, value in drafter.state_dict().items()})
+        return "decoded"
+
+    vdtrain.eval.callback.evaluate = record
+    vdtrain.eval.callback.EvalAfterEpoch(EvalCallbackConfig(), out, ["a prompt"])._evaluate(m, report=False)
+    torch.save(seen[0], out / f"zero3_eval_rank{rank}.pt")
+
+
 def rank_main(rank: int, out: Path, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -80,7 +95,10 @@ def rank_main(rank: int, out: Path, port: int) -> None:
     for stage in (2, 3):
         m = module()
         optimizers = m.configure_optimizers()
-        config = {"train_micro_batch_size_per_gpu": PER_RANK, "zero_optimization": {"stage": stage}}
+        # ZeRO-3 keeps parameters under 1e5 values whole on every rank by default: all of this drafter's,
+        # where a 7B target's drafter has none; 0 partitions every one, as they are at that size.
+        zero = {"stage": stage} | ({"stage3_param_persistence_threshold": 0} if stage == 3 else {})
+        config = {"train_micro_batch_size_per_gpu": PER_RANK, "zero_optimization": zero}
         engine, *_ = deepspeed.initialize(
             model=m,
             optimizer=optimizers["optimizer"],
@@ -90,6 +108,8 @@ def rank_main(rank: int, out: Path, port: int) -> None:
         for step in range(STEPS):
             engine.backward(loss(m, samples(m, step, rank, PER_RANK)))
             engine.step()
+        if stage == 3:
+            evaluated_drafter(m, out, rank)
         # Lightning's DeepSpeedStrategy.save_checkpoint: its tag, and the checkpoint dict as client state
         client = {CHECKPOINT_CONFIG_KEY: m.drafter.config.to_dict(), "global_step": STEPS, "epoch": 0}
         engine.save_checkpoint(str(out / f"zero{stage}"), client_state=client, tag="checkpoint")

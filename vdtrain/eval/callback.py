@@ -2,7 +2,8 @@
 
 The measured speed of real decoding (S, τ, d̄, TPF, latency vs AR) is what a drafter is for, and it can
 disagree with the simulated τ of validation, so every run measures it. Under DDP / DeepSpeed every rank
-decodes its part of the prompts with its copy of the drafter (``vdtrain.sharding``); the parts are
+decodes its part of the prompts with its copy of the drafter (``vdtrain.sharding``; under ZeRO-3 the
+gathered weights, ``whole_drafter``); the parts are
 gathered into the same numbers one process would measure, which global rank zero broadcasts to every
 rank (so they can drive ``best`` checkpoint selection), logs to the configured logger as
 ``eval/<method>_T<t>/<metric>``, prints the table and writes it under ``<run_dir>/eval/`` (``latest/`` is
@@ -40,6 +41,7 @@ from vdtrain.eval.serving import refusal
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
 from vdtrain.preflight import not_for_trained
 from vdtrain.sharding import current_ranks
+from vdtrain.zero_checkpoint import whole_drafter
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +140,10 @@ class EvalAfterEpoch(L.Callback):
         timed = {float(t) for t in self.cfg.temperatures}
         self.ar_runs = {key: record for key, record in self.ar_runs.items() if key[0] not in timed}
         try:
-            with torch.no_grad():
+            with torch.no_grad(), whole_drafter(pl_module.drafter, pl_module.target) as drafter:
                 result = evaluate(
                     pl_module.target,
-                    pl_module.drafter,
+                    drafter,
                     self.prompts,
                     list(self.cfg.methods),
                     list(self.cfg.temperatures),
@@ -159,7 +161,7 @@ class EvalAfterEpoch(L.Callback):
                     return result, []
                 reports = measure(
                     pl_module.target,
-                    pl_module.drafter,
+                    drafter,
                     result,
                     self.cfg.acceptance,
                     seed=self.cfg.seed,
