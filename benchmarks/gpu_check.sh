@@ -64,7 +64,7 @@ step_cost="python -m benchmarks.step_cost --device $device"
 # Budgets: estimated from the H200 run's JSON (docs/evaluation/gpu_h200; benchmarks/README.md, "GPU check").
 # --presets all includes the SCD presets (scd, scd_gumbel, sjd_pac_gumbel).
 steps=(
-  "tests|45|python -m pytest -q -p no:cacheprovider -m 'gpu and not slow' tests/test_graphs.py tests/test_rng.py"
+  "tests|45|python -m pytest -q -o addopts=-ra -p no:cacheprovider -m 'gpu and not slow' tests/test_graphs.py tests/test_rng.py"
   # what a user runs, each command as the README writes it (fit with its after-epoch evaluation, DeepSpeed
   # stages 2 and 3, a SIGKILL and resume=last, export, evaluate, generate); needs the cached training captions
   "user|150|python -m benchmarks.user_commands --device $device --work $stage/user_runs --out $stage/user.json"

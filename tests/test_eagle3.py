@@ -58,6 +58,7 @@ def reference_states(target, cond, tokens) -> list[torch.Tensor]:
     x = torch.cat([target.prefix_inputs(cond), target.token_embedding(tokens)], dim=1)
     seq = x.shape[1]
     positions = torch.arange(seq)
+    from vdtrain.models.kv_cache import LayerInputs
     from vdtrain.targets.base import prefix_causal_mask
 
     mask = prefix_causal_mask(cond.mask, seq)
@@ -65,7 +66,7 @@ def reference_states(target, cond, tokens) -> list[torch.Tensor]:
     rope = gpt.rope[positions.expand(len(cond), -1)]
     states = [h]
     for layer in gpt.layers:
-        h = layer(h, rope, mask)
+        h = layer(h, LayerInputs(rope, mask))
         states.append(h)
     states[-1] = gpt.norm(h)  # the last entry is after the final norm
     return states

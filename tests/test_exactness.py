@@ -49,8 +49,8 @@ class Sharpened:
     """Mixed into a drafter kind: its q is nearly one-hot, so top-p leaves it one token where a node has
     several children."""
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().logits(hidden) * SHARPEN
+    def logits(self, hidden: torch.Tensor, offset: torch.Tensor | int = 0) -> torch.Tensor:
+        return super().logits(hidden, offset) * SHARPEN
 
 
 class ConfidentDrafter(Sharpened, Eagle1Drafter):

@@ -188,7 +188,8 @@ def test_the_steps_import_without_matplotlib_or_scipy():
         "import benchmarks.calibration, benchmarks.data_scaling, benchmarks.user_commands\n"
         "import vdtrain.evaluate\n"
         "import pytest\n"
-        "rc = pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', '-m', 'gpu and not slow',\n"
+        "rc = pytest.main(['-q', '-o', 'addopts=-ra', '-p', 'no:cacheprovider', '--collect-only',\n"
+        "                  '-m', 'gpu and not slow',\n"
         "                  'tests/test_graphs.py', 'tests/test_rng.py'])\n"
         "sys.exit(int(rc))\n"
     )

@@ -83,7 +83,12 @@ def follow(section: str, root: Path, registries: tuple[str, ...]) -> dict[str, s
 
 def run_pytest(root: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python -m pytest -q -x *args`` in the copy, importing the copy's ``vdtrain``."""
-    return _run(root, ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args], str(root), timeout)
+    return _run(
+        root,
+        ["-m", "pytest", "-q", "-x", "-o", "addopts=-ra", "-p", "no:cacheprovider", *args],
+        str(root),
+        timeout,
+    )
 
 
 def run_python(root: Path, code: str, timeout: float = 300) -> subprocess.CompletedProcess:
