@@ -3,11 +3,9 @@
 Drafting (``builders``), acceptance (``acceptance``) and the verification schedule (``vvs``) are policy;
 the engine owns the target's forwards and every write: the verification forward (post-verified tokens
 first, ``target_forward``) and the commits of verified and of unverified (VVS-skipped) tokens. The
-drafter's side (its cache, catch-up and forwards, the builders' ``DraftContext``) is one object,
-``vdtrain.decode.drafting``; a drafter-free method gets its null twin. It runs a batch of prompts,
-each at its own pace, with CFG as a batch of two streams. Every tensor of a step has a shape fixed by
-the method, so a step can be recorded once as a CUDA graph and replayed. docs/decoding.md, "The
-engine's bookkeeping", has the slot and row layout; "VVS" the post-verification.
+drafter's side is one object, ``vdtrain.decode.drafting`` (a null twin without a drafter). Prompts of
+a batch decode each at its own pace, CFG as two streams, every step's shapes fixed by the method so that
+a step records once as a CUDA graph. docs/decoding.md, "The engine's bookkeeping", has the layouts.
 """
 
 from __future__ import annotations
@@ -70,10 +68,9 @@ class _Recorded(NamedTuple):
 
 
 class SpeculativeEngine:
-    """``builder`` drafts the trees, ``accept`` verifies them (default: exact), ``schedule`` decides which
-    steps are verified (default: all; VVS skips some, ``vdtrain.decode.vvs``). ``max_rows``
-    (``TreeConfig.max_rows``; None: the device's limit) sizes each call's trees (``generate``). ``drafting``
-    (``drafting_for``) is the builders' ``DraftContext``."""
+    """``builder`` drafts the trees, ``accept`` verifies them (default: exact), ``schedule`` picks the
+    verified steps (default: all; VVS skips some). ``max_rows`` (None: the device's limit) sizes each
+    call's trees; ``drafting`` (``drafting_for``) is the builders' ``DraftContext``."""
 
     def __init__(
         self,
@@ -171,8 +168,7 @@ class SpeculativeEngine:
         return DecodeResult(tokens, run.stats(prefill_calls), time.perf_counter() - start_time)
 
     def _prefill(self, generators: Sequence[torch.Generator | None]) -> None:
-        """The step before the loop: prefill the target, sample x_0 like AR, and catch the drafter up on
-        the prefix (``Drafting.prefill``)."""
+        """Before the loop: prefill the target, sample x_0 like AR, catch the drafter up on the prefix."""
         run, sampling = self.run, self.sampling
         pre = self.target.prefill(run.stream, run.tcache, self.drafting.taps)
         run.out[:, 0] = next_tokens(*split_cfg(pre.logits[:, -1], sampling), sampling, generators)
@@ -302,10 +298,8 @@ class SpeculativeEngine:
         return p_nodes, self._accept(tree, p_nodes, p_relax)
 
     def _accept(self, tree: DraftTree, p_nodes: torch.Tensor, p_relax: torch.Tensor | None) -> BatchVerdict:
-        """Every row's verdict at once, with this step's per-prompt uniforms: ``p_nodes`` [B, T, V] the
-        target's distribution at the nodes, ``p_relax`` [B, T, V] its T = 1 softmax for the rules that read
-        soft mass at T = 0 (else None). The one place acceptance is decided: the distribution tests swap
-        deliberately wrong rules in here to show that they are caught."""
+        """Every row's verdict from ``p_nodes`` [B, T, V] (``p_relax``: the T = 1 softmax, or None) with the
+        step's uniforms: the one place acceptance is decided, where the power tests swap in wrong rules."""
         batch, size = tree.tokens.shape
         if self.sampling.greedy:  # no draws: the argmax decides
             u_accept = p_nodes.new_zeros(batch, size, dtype=torch.float64)
