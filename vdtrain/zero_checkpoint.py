@@ -47,11 +47,9 @@ def whole_drafter(drafter: Drafter, target: Target) -> Iterator[Drafter]:
         return
     import deepspeed
 
-    from vdtrain.drafters import Drafter
-
     with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):  # every rank, the same call
         state = {name: value.detach().clone() for name, value in drafter.state_dict().items()}
-    copy = Drafter.make(drafter.config)
+    copy = type(drafter)(drafter.config)  # its own class: no import of the kinds (a cycle)
     copy.load_state_dict(state, assign=True)
     for name, buffer in drafter.named_buffers():  # never partitioned; a non-persistent one is in no state
         owner, _, leaf = name.rpartition(".")

@@ -6,11 +6,9 @@ prefix catch-up, and saving and loading. A kind is a subclass (``vdtrain.drafter
 that names its options dataclass and fills the hooks below: its modules (``build``), how target features
 enter it (``input_features``), one drafter call (``draft``), what the head reads (``normed``), its cache,
 how it trains (``unroll_steps``, or a loss of its own: ``training_loss``), whether one forward drafts a
-block of tokens (``drafts_blocks``, ``block_slots``, ``block_queries``) and its model card.
-``Drafter.make(config)`` builds the class of ``config.kind``.
+block of tokens (``drafts_blocks``, ``block_slots``, ``block_queries``) and its card (``Drafter.make``).
 
-Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}``, with a zero embedding
-where slot ``s + 1`` is a caption row; ``rows.teacher_inputs`` builds it.
+Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}`` (``rows.teacher_inputs``).
 Every drafter feature, ``f`` in and ``f̂`` out, is [.., H] (the target's width, whatever ``input_features``
 fuses): what a kind needs besides it per row is a typed part of its rows, ``DraftInputs.offset`` (the row's
 place past the root: Medusa's head, the block kind's query offset), never extra feature channels.

@@ -11,8 +11,7 @@ unrolled steps, the block kind's own loss, the loss's chunks) and costs seconds 
 CPU; shape arithmetic alone would restate every kind's passes. What no single process shows is arithmetic
 on the drafter's parameter count P: the strategy's copies (DDP's gradient buckets; ZeRO's bf16 weights, fp32
 master copy, moments and gradients in 1/N shards, its buckets, ZeRO-3's gathered layer) and the evaluation's
-buffers. CPU autocast's op lists stand in for CUDA's (both: matmuls bf16, softmax and norms fp32); the
-caching allocator's slack is not counted.
+buffers. CPU autocast stands in for CUDA's (matmuls bf16, softmax, norms fp32); no allocator slack.
 """
 
 from __future__ import annotations
