@@ -53,6 +53,7 @@ from torch.profiler._memory_profiler import Action
 from benchmarks.step_cost import RANDOM, load, random_llamagen
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.drafters import Drafter, DrafterConfig
+from vdtrain.drafters.base import LossInputs
 from vdtrain.drafters.losses import image_target_mask
 from vdtrain.drafters.rows import chain_rows
 from vdtrain.eval.runner import device_description, synchronize
@@ -363,7 +364,8 @@ def graph_breaks(module: DrafterModule, batch: dict, autocast) -> int:
     tokens, cond_mask, states = module.prepare(batch, torch.zeros(size, dtype=torch.bool))
     hidden, tapped = split_taps(states, module.target.hidden_size, len(module.drafter.taps))
     with autocast:
-        explained = torch._dynamo.explain(module.drafter_loss)(tokens, cond_mask, hidden, hidden, tapped)
+        inputs = LossInputs(tokens, cond_mask, hidden, hidden, tapped)
+        explained = torch._dynamo.explain(module.drafter_loss)(inputs)
     torch._dynamo.reset()
     return explained.graph_break_count
 
