@@ -25,7 +25,8 @@ from vdtrain.drafters import Drafter
 from vdtrain.export import resolve_source
 from vdtrain.export_format import holds_drafter
 from vdtrain.resume import auto, checkpoint
-from vdtrain.zero_checkpoint import check_zero_checkpoint, whole_drafter
+from vdtrain.train.whole_drafter import whole_drafter
+from vdtrain.zero_checkpoint import check_zero_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="no deepspeed")

@@ -6,8 +6,7 @@ model-states file beside them holds Lightning's client state (the drafter config
 module's weights in the training dtype (bf16 under ``bf16-mixed``), or under ZeRO-3 empty placeholders.
 So the drafter is read from the partitions, joined by DeepSpeed's own ``zero_to_fp32``; a folder missing
 a rank's files is refused in one line that names the ranks. Torch and DeepSpeed load only when a folder
-is read: ``is_zero_checkpoint`` serves the light checks that run before them. ``whole_drafter`` gives a
-live ZeRO-3 drafter's full weights to code that decodes with it (the after-epoch evaluation).
+is read: ``is_zero_checkpoint`` serves the light checks that run before them.
 """
 
 from __future__ import annotations
@@ -15,47 +14,17 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-    from vdtrain.drafters import Drafter
-    from vdtrain.targets.base import Target
-
 TAG_FILE = "latest"  # DeepSpeed's pointer to the tag folder it wrote last (Lightning's tag: "checkpoint")
 MODEL_STATES = "mp_rank_00_model_states.pt"  # ZeRO-1/2: one model-states file
 ZERO3_MODEL_STATES = "zero_pp_rank_{rank}_mp_rank_00_model_states.pt"  # ZeRO-3: one per rank
 # One per rank; "bf16_" prefixes the files of DeepSpeed's bf16 optimizer.
 OPTIM_STATES = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
-
-
-@contextlib.contextmanager
-def whole_drafter(drafter: Drafter, target: Target) -> Iterator[Drafter]:
-    """The drafter with all its weights, on every rank: ``drafter`` itself unless ZeRO-3 partitions it.
-
-    Under ZeRO-3 a rank holds a slice of each parameter (``param.data`` is empty) and the module's hooks
-    gather a layer's weights around each of its ``forward`` calls, collectively. Decoding calls the
-    drafter's layers a different number of times on each rank (each decodes its own prompts), and through
-    methods other than ``forward``: so every rank gathers the weights once, here, and decodes with a plain
-    copy of them (the same dtype and device) that holds no hooks."""
-    partitioned = [p for p in drafter.parameters() if hasattr(p, "ds_id")]
-    if not partitioned:
-        yield drafter
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):  # every rank, the same call
-        state = {name: value.detach().clone() for name, value in drafter.state_dict().items()}
-    copy = type(drafter)(drafter.config)  # its own class: no import of the kinds (a cycle)
-    copy.load_state_dict(state, assign=True)
-    for name, buffer in drafter.named_buffers():  # never partitioned; a non-persistent one is in no state
-        owner, _, leaf = name.rpartition(".")
-        setattr(copy.get_submodule(owner), leaf, buffer)
-    copy.metadata = drafter.metadata
-    yield copy.attach(target).train(drafter.training)
 
 
 def is_zero_checkpoint(path: Path) -> bool:

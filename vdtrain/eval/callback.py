@@ -41,7 +41,7 @@ from vdtrain.eval.serving import refusal
 from vdtrain.eval.table import EvalRow, to_markdown, write_tables
 from vdtrain.preflight import not_for_trained
 from vdtrain.sharding import current_ranks
-from vdtrain.zero_checkpoint import whole_drafter
+from vdtrain.train.whole_drafter import whole_drafter
 
 log = logging.getLogger(__name__)
 
