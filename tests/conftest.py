@@ -88,17 +88,21 @@ def tiny_target() -> LlamaGenTarget:
     )
 
 
+TINY_FOLDER_TOKENS = 64  # tiny_folder's image tokens: 8×8
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory) -> Path:
-    """A 64 px / 16×16-token world with MiniLM captions, random weights."""
+    """A 64 px / 8×8-token world with MiniLM captions, random weights: the shapes world's layout at a
+    quarter of its image tokens, so that the many whole decodes and fits that use it stay cheap."""
     folder = tmp_path_factory.mktemp("tiny_target")
-    gpt = random_gpt(replace(TINY_GPT, caption_dim=384, cls_token_num=48, block_size=256, vocab_size=32))
+    gpt = random_gpt(replace(TINY_GPT, caption_dim=384, cls_token_num=48, block_size=64, vocab_size=32))
     vq = random_vq(
         VQConfig(
             codebook_size=32,
             codebook_embed_dim=4,
             ch=8,
-            ch_mult=(1, 2, 2),
+            ch_mult=(1, 2, 2, 2),
             num_res_blocks=1,
             z_channels=8,
             norm_groups=4,

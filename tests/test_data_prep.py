@@ -1,6 +1,6 @@
 """Data preparation into versioned shard sets: every step, resumption, the validator and the reader.
 
-A tiny random target (64 px images, 16×16 tokens, MiniLM captions) stands in for a real one.
+A tiny random target (64 px images, 8×8 tokens, MiniLM captions) stands in for a real one.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import webdataset as wds
+from conftest import TINY_FOLDER_TOKENS
 from hydra import compose, initialize_config_dir
 from PIL import Image
 
@@ -55,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 COCO = ROOT.parent / "shared" / "data" / "coco_mini"
 N_IMAGES = 8
-N_TOKENS = 256
+N_TOKENS = TINY_FOLDER_TOKENS
 
 needs_coco = pytest.mark.skipif(not COCO.exists(), reason="shared coco_mini not beside the checkout")
 
@@ -65,7 +66,7 @@ needs_coco = pytest.mark.skipif(not COCO.exists(), reason="shared coco_mini not 
 
 @pytest.fixture(scope="module")
 def target(tiny_folder):
-    """The 64 px / 16×16-token / MiniLM tiny target (``tiny_folder`` from conftest), loaded once."""
+    """The 64 px / 8×8-token / MiniLM tiny target (``tiny_folder`` from conftest), loaded once."""
     return load_target_folder(tiny_folder)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_condition
+from conftest import TINY_FOLDER_TOKENS, tiny_condition
 from hydra import compose, initialize_config_dir
 
 from vdtrain.decode.ar import generate_ar
@@ -120,4 +120,4 @@ def test_generate_applies_target_dtype(tiny_folder, tmp_path):
         summary = run(cfg)
     assert summary["dtype"] == "bfloat16" and summary["num_samples"] == 2
     stats = json.loads((tmp_path / "run" / "stats.json").read_text())
-    assert all(len(s["tokens"]) == 256 for s in stats["samples"])
+    assert all(len(s["tokens"]) == TINY_FOLDER_TOKENS for s in stats["samples"])

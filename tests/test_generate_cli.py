@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import TINY_FOLDER_TOKENS
 from hydra import compose, initialize_config_dir
 
 from vdtrain.drafters import Drafter, DrafterConfig
@@ -36,7 +37,7 @@ def test_generate_writes_images_and_stats(tiny_folder, tmp_path):
     assert summary["num_samples"] == 3 and summary["sampling"]["cfg_scale"] == 3.0
     assert [s["seed"] for s in stats["samples"]] == [5, 6, 7]
     for s in stats["samples"]:
-        assert len(s["tokens"]) == 256 and max(s["tokens"]) < 32
+        assert len(s["tokens"]) == TINY_FOLDER_TOKENS and max(s["tokens"]) < 32
         assert 0.0 <= s["quality"] <= 1.0
         assert (tmp_path / "run" / f"{s['index']:04d}.png").exists()
     assert (tmp_path / "run" / "grid.png").exists()
@@ -167,7 +168,7 @@ def test_vvs_presets_decode_and_report_skipped_steps(method, kind, extra, tiny_f
     if kind == "uniform" or extra:
         assert summary["skipped_steps"] > 0 and summary["TPF"] > summary["tau"]
     stats = json.loads((tmp_path / method / "stats.json").read_text())
-    assert all(len(s["tokens"]) == 256 for s in stats["samples"])
+    assert all(len(s["tokens"]) == TINY_FOLDER_TOKENS for s in stats["samples"])
 
 
 @pytest.mark.parametrize("count", [0, -2])
