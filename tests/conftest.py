@@ -29,6 +29,9 @@ from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer
 
 register_part_schemas()  # conf/generate.yaml's method presets name their parts' config classes
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # workers share the cores: one thread pool each, not cores each
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 TINY_GPT = GPTConfig(
     dim=32,
     n_layer=2,
