@@ -86,14 +86,17 @@ steps=(
   "grain_calibration|300|python -m benchmarks.calibration --device $device $calibration --units $stage/grain_units --out $stage/grain_calibration"
   # optional: issue #54's memory plan, each row's step peak against max_memory_allocated (plan within 15 %)
   "plan_check|150|python -m benchmarks.memory_plan $plan_check --device $device --out $stage/plan_check.json"
-  # optional: issue #54's 7B-class training step at 2 layers, eager and under ZeRO-2 (fit's evaluation: not here)
+  # optional: issue #54's 7B-class training step at 2 layers, eager and under ZeRO-2 (fit's evaluation: big_fit)
   "big_train|150|python -m benchmarks.train_throughput --device $device $big_train --out $stage/big_train.json"
+  # optional: issue #54's fit at a 7B-class width (2 layers, bf16 target) under ZeRO-2, evaluated after its epochs
+  "big_fit|240|python -m benchmarks.big_fit --device $device --work $stage/big_fit_runs --out $stage/big_fit.json"
   # optional: issue #54's export after ZeRO-2 and ZeRO-3, gathered and equal to DDP's, on 2 GPUs (fewer if fewer)
   "zero_export|240|python -m benchmarks.zero_export --devices 2 --work $stage/zero_runs --out $stage/zero_export.json"
 )
 
-# The second prepared call (540 s): bash benchmarks/gpu_check.sh --steps plan_check,big_train,zero_export OUT
-optional=",scaling,big_compiled,grain_calibration,zero_export,plan_check,big_train,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
+# The second prepared call (540 s): bash benchmarks/gpu_check.sh --steps plan_check,big_train,big_fit OUT
+# (the third, where two GPUs are lent: --steps zero_export)
+optional=",scaling,big_compiled,grain_calibration,zero_export,plan_check,big_train,big_fit,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
 chosen=()
 for s in "${steps[@]}"; do
   name=${s%%|*}

@@ -3,6 +3,7 @@ steps import on a machine without matplotlib or scipy."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -71,18 +72,27 @@ def test_the_optional_steps_run_only_when_named(tmp_path):
     """Issue #35's data-scaling curve (minutes of training per drafter kind) and issue #32's grain
     calibration at 512 captions are left out of a full run."""
     full = [name for name, _ in _steps(_run("--dry-run", str(tmp_path)).stdout)]
-    optional = {"scaling", "big_compiled", "grain_calibration", "zero_export", "plan_check", "big_train"}
+    optional = {
+        "scaling",
+        "big_compiled",
+        "grain_calibration",
+        "zero_export",
+        "plan_check",
+        "big_train",
+        "big_fit",
+    }
     assert not optional & set(full)
     zero = _run("--dry-run", "--steps", "zero_export", str(tmp_path)).stdout
     assert "benchmarks.zero_export --devices 2" in zero  # issue #54: export after ZeRO-2 / ZeRO-3
     # issue #54's second prepared call: the memory plan against max_memory_allocated, a 7B-class step under
-    # ZeRO-2 at 2 layers, the ZeRO export; within one deadline, each step saved as it ends
-    second = _run("--dry-run", "--steps", "plan_check,big_train,zero_export", str(tmp_path)).stdout
+    # ZeRO-2 at 2 layers, fit at that width with its evaluation; in one deadline, each step saved as it ends
+    second = _run("--dry-run", "--steps", "plan_check,big_train,big_fit", str(tmp_path)).stdout
     steps = _steps(second)
-    assert [name for name, _ in steps] == ["plan_check", "big_train", "zero_export"]
+    assert [name for name, _ in steps] == ["plan_check", "big_train", "big_fit"]
     assert sum(budget for _, budget in steps) <= 540
     assert "memory_plan --agreement llamagen-xl janus-pro-7b" in second and "--device cuda" in second
     assert "--layers 2 --drafters eagle1 --modes eager zero2" in second
+    assert "benchmarks.big_fit --device cuda" in second
     compiled = _run("--dry-run", "--steps", "big_compiled", str(tmp_path)).stdout
     assert "--targets chameleon-7b janus-pro-7b --dtype bf16 --steps 24 --modes compiled" in compiled
     done = _run("--dry-run", "--steps", "grain_calibration,scaling,train", str(tmp_path))
@@ -99,6 +109,28 @@ def test_the_cpu_mode_lists_small_steps(tmp_path):
     assert "--targets chameleon-7b janus-pro-7b --layers 1" in done.stdout  # the 7B shapes at one layer
     second = _run("--dry-run", "--device", "cpu", "--steps", "plan_check,big_train", str(tmp_path)).stdout
     assert "--agreement grain" in second and "--device cpu" in second and "--modes eager --batch 1" in second
+
+
+def test_the_big_fit_step_is_fit_under_zero2_with_its_evaluation_on_cached_captions(tmp_path):
+    """``big_fit`` runs the user's fit (the ``user`` step's short run, so its captions are cached) on a
+    7B-class-width folder under ZeRO-2 with a bf16 target and the after-epoch evaluation left on; the
+    folder copies the shapes target's caption caches (a GPU machine has no encoder) and matches their
+    caption rows."""
+    from benchmarks import big_fit
+
+    command = big_fit.fit_command("cuda", tmp_path / "target", tmp_path / "run")
+    assert "trainer=deepspeed_stage_2" in command and "target.dtype=bf16" in command
+    assert not any(a.startswith("eval.enabled") for a in command)  # fit.yaml's default: on
+    assert big_fit.SEVEN_B["dim"] == 4096 and big_fit.SEVEN_B["vocab_size"] == 16384
+    folder = tmp_path / "small"
+    big_fit.write_big_target(folder, 1, big_fit.CPU)
+    config = json.loads((folder / "config.json").read_text())
+    shipped = json.loads((big_fit.SHAPES / "config.json").read_text())
+    assert config["gpt"]["cls_token_num"] == shipped["gpt"]["cls_token_num"]
+    assert (config["gpt"]["dim"], config["gpt"]["n_layer"], config["vq"]["codebook_size"]) == (64, 1, 512)
+    assert (folder / "captions.safetensors").read_bytes() == (
+        big_fit.SHAPES / "captions.safetensors"
+    ).read_bytes()
 
 
 def test_the_user_step_runs_the_readme_commands_on_cached_captions_only(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -25,7 +26,7 @@ from vdtrain.models.text_encoders import HFTextEncoder, minilm_path
 from vdtrain.models.vq import VQConfig, VQModel
 from vdtrain.shapes.scene import HELDOUT_SEED, IMAGE_SIZE, TRAIN_SEED, generate
 from vdtrain.targets.base import Condition, Target
-from vdtrain.targets.caption_cache import CAPTION_CACHE, write_caption_cache
+from vdtrain.targets.caption_cache import CAPTION_CACHE, caption_caches, write_caption_cache
 from vdtrain.targets.llamagen import LlamaGenTarget, VQTokenizer, left_pad
 
 log = logging.getLogger(__name__)
@@ -300,10 +301,12 @@ def write_target_folder(
     cached_captions: int = 32,
     world: str = "shapes",
     gpt_dtype: torch.dtype | None = None,
+    captions_from: Path | None = None,
 ) -> None:
     """``gpt.pt`` and ``vq.pt`` in the official format, ``config.json`` describing both, and the first
     ``cached_captions`` held-out captions encoded (``captions.safetensors``: the target runs where the
-    encoder package is missing, ``vdtrain.targets.caption_cache``)."""
+    encoder package is missing, ``vdtrain.targets.caption_cache``), or, with ``captions_from``, that
+    folder's caption caches copied (a GPU machine without the encoder; the same ``cls_token_num``)."""
     save_llamagen_checkpoint(gpt, folder / "gpt.pt", gpt_dtype)
     save_llamagen_checkpoint(vq, folder / "vq.pt")
     config = {
@@ -317,6 +320,10 @@ def write_target_folder(
         "metrics": metrics,
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if captions_from is not None:
+        for cache in caption_caches(captions_from):
+            shutil.copyfile(cache, folder / cache.name)
+        return
     encoder = HFTextEncoder(minilm_path(), "bert", max_length=gpt.config.cls_token_num)
     captions = [s.caption for s in generate(cached_captions, HELDOUT_SEED)]
     write_caption_cache(encoder, captions, folder / CAPTION_CACHE)
