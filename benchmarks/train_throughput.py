@@ -125,7 +125,9 @@ def build(
         target, drafter = random_llamagen(name, device, seed, SMALL)
     else:  # step_cost's random targets: LlamaGen sizes, the Chameleon layouts, Janus-Pro
         target, drafter = load(name, device, None, seed, "fp32", layers)
-    if isinstance(target, LlamaGenTarget):
+    if name in EMBEDDED:  # a trained world: its own (small) caption encoder
+        pass
+    elif isinstance(target, LlamaGenTarget):
         gpt = target.gpt.config
         target.caption_encoder = RandomCaptions(target.prefix_length, gpt.caption_dim, device)
     else:  # a token-prompt target: full-length prompts of one id, its tokenizer not needed
