@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch.profiler._memory_profiler import Action
 
-from benchmarks.step_cost import RANDOM, load, random_llamagen
+from benchmarks.step_cost import EMBEDDED, RANDOM, load, random_llamagen
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.base import LossInputs
@@ -118,13 +118,16 @@ def build(
     kind: str = "eagle1",
     layers: int | None = None,
 ) -> tuple[Target, Drafter]:
-    """The random-weight target (cast to ``dtype``; ``layers``: only that many decoder layers) with random
+    """The random-weight target, or an embedded world's (grain, shapes), (cast to ``dtype``; ``layers``: a
+    random one's decoder layers) with random
     condition rows for captions, and a fresh ``kind`` drafter."""
     if name == "small":
         target, drafter = random_llamagen(name, device, seed, SMALL)
     else:  # step_cost's random targets: LlamaGen sizes, the Chameleon layouts, Janus-Pro
         target, drafter = load(name, device, None, seed, "fp32", layers)
-    if isinstance(target, LlamaGenTarget):
+    if name in EMBEDDED:  # a trained world: its own (small) caption encoder
+        pass
+    elif isinstance(target, LlamaGenTarget):
         gpt = target.gpt.config
         target.caption_encoder = RandomCaptions(target.prefix_length, gpt.caption_dim, device)
     else:  # a token-prompt target: full-length prompts of one id, its tokenizer not needed
@@ -364,7 +367,8 @@ def graph_breaks(module: DrafterModule, batch: dict, autocast) -> int:
     tokens, cond_mask, states = module.prepare(batch, torch.zeros(size, dtype=torch.bool))
     hidden, tapped = split_taps(states, module.target.hidden_size, len(module.drafter.taps))
     with autocast:
-        inputs = LossInputs(tokens, cond_mask, hidden, hidden, tapped)
+        roots = module.drafter.training_roots(tokens.shape[1], None, tokens.device)
+        inputs = LossInputs(tokens, cond_mask, hidden, hidden, tapped, roots)
         explained = torch._dynamo.explain(module.drafter_loss)(inputs)
     torch._dynamo.reset()
     return explained.graph_break_count
@@ -388,6 +392,7 @@ class Runner:
         max_steps: int,
         *,
         layers: int | None = None,
+        features: str = "online",
     ) -> None:
         self.name = name if layers is None else f"{name} ({layers} layers)"
         self.mode, self.dtype, self.batch, self.device = mode, dtype, batch, device
@@ -395,7 +400,13 @@ class Runner:
         target, drafter = build(name, device, dtype, seed, kind, layers)
         train = DrafterTrainConfig(kind=kind, ttt_steps=ttt_steps)
         module = DrafterModule(
-            target, drafter, train, OptimConfig(), max_steps=max_steps, compile=mode == "compiled"
+            target,
+            drafter,
+            train,
+            OptimConfig(),
+            features=features,
+            max_steps=max_steps,
+            compile=mode == "compiled",
         )
         module.to(device)
         module.on_fit_start()  # places the target, as fit does
@@ -429,6 +440,11 @@ class Runner:
         generator = torch.Generator().manual_seed(seed)
         tokens = torch.randint(target.vocab_size, (batch, target.num_image_tokens), generator=generator)
         self.data = {"tokens": tokens.to(device), "caption": [""] * batch}
+        if features == "offline":  # data_prep.features' shards: the target ran once, before training
+            cond = target.encode_captions(self.data["caption"])
+            with torch.no_grad():
+                feats = target.sequence_features(cond, self.data["tokens"], drafter.taps)
+            self.data.update(feats=feats, feats_mask=cond.mask)
         self.autocast = torch.autocast(device.type, torch.bfloat16, enabled=dtype == "bf16")
         self.clock = PhaseClock(device)
         self.step_times: list[float] = []
@@ -439,8 +455,14 @@ class Runner:
         trace them, so nothing is traced or compiled after this but what ``trainer.compile`` compiles)."""
         self.clock.wrap(self.module, "prepare", "target")
         self.clock.wrap(self.module, "loss_on", "drafter_passes_and_loss")
-        if self.mode != "compiled":  # compiled, the passes and the loss are one graph
+        if self.times_loss():  # compiled, the passes and the loss are one graph
             self.clock.wrap(self.module, "score", "loss")
+
+    def times_loss(self) -> bool:
+        """Whether ``head+loss`` is a phase of its own: eager, and not a kind's own loss (the block kind's
+        scores its rows inside it, counted under forward)."""
+        own = type(self.module.drafter).training_loss is not Drafter.training_loss
+        return self.mode != "compiled" and not own
 
     def step(self, i: int) -> None:
         with timed(self.step_times, self.device):
@@ -461,7 +483,7 @@ class Runner:
         unrolled = 1 if unroll is None else unroll
         flops = step_flops(target, drafter, self.batch, unrolled) / step_s
         peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in device_description(self.device)), None)
-        loss_s = spent["loss"] if self.mode != "compiled" else None
+        loss_s = spent["loss"] if self.times_loss() else None
         kind = drafter.config.kind
         return Row(
             self.name,
@@ -506,20 +528,33 @@ def measure(
     ttt_steps: int = DrafterTrainConfig.ttt_steps,
     reference: ModuleType | None = None,
     layers: int | None = None,
+    features: str = "online",
 ) -> list[Row]:
     """One row per mode, their steps taken in turn. The graph breaks and the loss's cost are the code's,
-    whatever the mode: measured once, on the first mode's module, before any step; not for a kind with a
-    loss of its own (the block kind's), which runs eager and scores rows ``score`` does not."""
+    whatever the mode: measured once, on the first mode's module, before any step; the loss's cost not for
+    a kind with a loss of its own (the block kind's), which scores rows ``score`` does not."""
     runners = [
-        Runner(name, mode, dtype, batch, device, seed, kind, ttt_steps, steps + warmup, layers=layers)
+        Runner(
+            name,
+            mode,
+            dtype,
+            batch,
+            device,
+            seed,
+            kind,
+            ttt_steps,
+            steps + warmup,
+            layers=layers,
+            features=features,
+        )
         for mode in modes
     ]
     first = runners[0]
+    breaks = graph_breaks(first.module, first.data, first.autocast)
     if type(first.module.drafter).training_loss is Drafter.training_loss:
-        breaks = graph_breaks(first.module, first.data, first.autocast)
         cost = loss_cost(first.module, first.data, first.autocast, device, reference)
     else:
-        breaks, cost = None, LossCost(None, None, None, None)
+        cost = LossCost(None, None, None, None)
     for runner in runners:
         runner.time_phases()
     for i in range(warmup + steps):
@@ -571,7 +606,13 @@ def main(argv: list[str] | None = None) -> list[Row]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--targets", nargs="+", default=["small"], choices=["small", *RANDOM])
+    parser.add_argument("--targets", nargs="+", default=["small"], choices=["small", *EMBEDDED, *RANDOM])
+    parser.add_argument(
+        "--features",
+        default="online",
+        choices=["online", "offline"],
+        help="offline: the target's features computed once, as data_prep.features' shards (target ms ~0)",
+    )
     parser.add_argument(
         "--layers", type=int, default=None, help="random targets: only this many decoder layers (a CPU run)"
     )
@@ -628,6 +669,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                         args.ttt_steps,
                         reference,
                         args.layers,
+                        args.features,
                     )
                     rows += measured
                     for row in measured:

@@ -116,3 +116,40 @@ def unrolled_loss(
     parts = {"feature": feat.detach(), "cls": cls.detach(), "top1": top1, **parts}
     parts["total"] = total.detach()
     return total, parts
+
+
+def block_loss(drafter, batch, train) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A block drafter's loss as it was before it compiled (issue #55): only the query rows that draft an
+    image token kept, by boolean indexing (data-dependent shapes), their per-slot agreement over a Python
+    ``if .any()``, the chain estimate from Python floats."""
+    from vdtrain.drafters import losses
+    from vdtrain.drafters.head_loss import head_token_loss
+
+    tokens, cond_mask, hidden, hidden_in, tapped, roots = batch
+    prefix, num = cond_mask.shape[1], tokens.shape[1]
+    states = drafter.input_features(hidden_in, tapped)
+    rows, queries, drafted = drafter.teacher_blocks(states, tokens, cond_mask, roots)
+    total, parts = losses.teacher_loss(
+        rows, hidden[:, 1:], drafter.normed, drafter.head, prefix,
+        w_cls=train.w_cls, cls_loss=train.cls_loss, chunks=train.loss_chunks,
+    )  # fmt: skip
+    valid = (drafted < num).flatten()
+    slot_of = (drafted - roots[:, None]).flatten()[valid] - 1
+    size, scored = len(tokens), int(valid.sum())
+    target = hidden[:, prefix + drafted.flatten()[valid] - 1]
+    drafts = drafter.normed(queries.flatten(1, 2)[:, valid])
+    per_row, hits = head_token_loss(
+        drafts.flatten(0, 1)[:, None], target.flatten(0, 1), drafter.head, train.cls_loss, train.loss_chunks
+    )
+    per_row, hits = per_row.view(size, scored), hits.view(size, scored).float()
+    block = (per_row * train.ttt_decay ** slot_of.float()).mean()
+    total = total + block
+    agreement = [parts["top1"]]
+    for k in range(1, drafted.shape[1] + 1):
+        at = slot_of == k
+        parts[f"top1_slot{k}"] = hits[:, at].mean() if at.any() else hits.new_zeros(())
+        agreement.append(parts[f"top1_slot{k}"])
+    parts["tau_block"] = hits.new_tensor(losses.simulated_tau(agreement))
+    parts["block"] = block.detach()
+    parts["total"] = total.detach()
+    return total, parts

@@ -348,6 +348,23 @@ def test_offline_eagle3_loss_equals_online_loss(target):
         offline.loss({**base, "feats": last_only}, torch.Generator().manual_seed(7))
 
 
+def test_offline_block_loss_equals_online_loss(target, monkeypatch):
+    """A block drafter trains from stored features as every kind does (issue #55): the target does not run,
+    and the loss (its roots drawn from the same generator) is the online one."""
+    online = make_module(target, p_null=0.5, kind="block")
+    offline = make_module(target, p_null=0.5, features="offline", kind="block")
+    offline.drafter.load_state_dict(online.drafter.state_dict())
+    batch = shapes_batch(2)
+    tokens = target.tokenizer.encode(images_to_tensor(batch["image"].numpy()))
+    rows = online._null_rows(2, torch.Generator().manual_seed(7))
+    _, cond_mask, states = online.prepare(batch, rows)
+    ref, ref_parts = online.loss(batch, torch.Generator().manual_seed(7))
+    base = {"caption": batch["caption"], "tokens": tokens.to(torch.int32), "feats_mask": cond_mask}
+    monkeypatch.setattr(target, "sequence_features", None)  # the target must not run
+    exact, parts = offline.loss({**base, "feats": states.clone()}, torch.Generator().manual_seed(7))
+    assert torch.equal(exact, ref) and torch.equal(parts["top1_slot3"], ref_parts["top1_slot3"])
+
+
 def test_offline_loss_equals_online_loss(target):
     online = make_module(target, p_null=0.5)
     offline = make_module(target, p_null=0.5, features="offline")

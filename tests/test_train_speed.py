@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from conftest import random_gpt, random_vq, tiny_condition
-from reference_losses import cls_per_row, drafter_loss
+from reference_losses import block_loss, cls_per_row, drafter_loss
 from reference_losses import unrolled_loss as reference_unrolled_loss
 
 from vdtrain.config import DrafterTrainConfig, OptimConfig
@@ -31,7 +31,12 @@ from vdtrain.train.module import DrafterModule
 
 LOSS = {"rtol": 1e-5, "atol": 1e-6}
 GRAD = {"rtol": 1e-4, "atol": 1e-6}
-KINDS = {"eagle1": {}, "eagle3": {"feature_layers": (0, 1, 2)}, "medusa": {"heads": 3}}
+KINDS = {
+    "eagle1": {},
+    "eagle3": {"feature_layers": (0, 1, 2)},
+    "medusa": {"heads": 3},
+    "block": {"slots": 4, "train_roots": 6},
+}
 CHUNKS = 5  # 48 trained rows: 10 a chunk, the last one shorter
 
 
@@ -108,7 +113,7 @@ def losses_of(drafter: Drafter, cond_mask, tokens, hidden, tapped, cls_loss: str
     return loss.detach(), parts, {n: p.grad.clone() for n, p in drafter.named_parameters()}
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "medusa"])
 def test_the_chunked_loss_equals_the_reference_loss_and_gradients(target, kind):
     drafter = drafter_of(target, kind)
     inputs = batch(target, drafter.taps)
@@ -165,18 +170,43 @@ def module_of(target: LlamaGenTarget, kind: str, compile: bool = False) -> Draft
     return DrafterModule(target, drafter_of(target, kind), train, OptimConfig(), compile=compile)
 
 
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])  # medusa's loss is eagle3's
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "block"])  # medusa's loss is eagle3's
 def test_the_compiled_part_of_a_training_step_has_no_graph_break_and_no_complex_op(target, kind):
     """What ``trainer.compile`` compiles (the drafter's passes and loss, a left-padded caption) traces as one
     graph; RoPE runs in real arithmetic there, which Inductor generates code for."""
     module = module_of(target, kind)
     cond_mask, tokens, hidden, tapped = batch(target, module.drafter.taps)
-    inputs = LossInputs(tokens, cond_mask, hidden, hidden, tapped)
+    roots = module.drafter.training_roots(tokens.shape[1], torch.Generator().manual_seed(0), tokens.device)
+    inputs = LossInputs(tokens, cond_mask, hidden, hidden, tapped, roots)
     explained = torch._dynamo.explain(module.drafter_loss)(inputs)
     torch._dynamo.reset()
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
     ops = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
     assert not [op for op in ops if "complex" in op]
+
+
+def test_the_block_loss_equals_its_data_dependent_reference(target):
+    """The block kind's fixed-shape loss (every query row scored, those past the image weighted 0) equals
+    the loss it replaced (tests/reference_losses.py: those rows dropped) in value, parts and gradients, with
+    roots whose blocks run past the 4 x 4 image (roots 10..13 of 16 tokens, 3 query rows each)."""
+    train = DrafterTrainConfig(kind="block", cls_loss="acceptance", w_cls=1.0, loss_chunks=CHUNKS)
+    drafter = drafter_of(target, "block")
+    cond_mask, tokens, hidden, _ = batch(target, ())
+    roots = torch.tensor([0, 5, 10, 12, 13])
+    inputs = LossInputs(tokens, cond_mask, hidden, hidden, None, roots)
+    results = []
+    for loss_of in (drafter.training_loss, lambda inputs, train: block_loss(drafter, inputs, train)):
+        drafter.zero_grad()
+        loss, parts = loss_of(inputs, train)
+        loss.backward()
+        results.append((loss.detach(), parts, {n: p.grad.clone() for n, p in drafter.named_parameters()}))
+    (loss, parts, grads), (ref_loss, ref_parts, ref_grads) = results
+    torch.testing.assert_close(loss, ref_loss, **LOSS)
+    assert set(parts) == set(ref_parts)
+    for name, value in ref_parts.items():
+        torch.testing.assert_close(parts[name], value.to(parts[name].dtype), **LOSS, msg=name)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, **GRAD, msg=name)
 
 
 def test_a_compiled_step_gives_the_eager_loss_and_gradients(target, monkeypatch):

@@ -67,6 +67,9 @@ class LossInputs(NamedTuple):
     hidden: torch.Tensor  # [B, L+N, H] the target's final-norm states: what the loss scores against
     hidden_in: torch.Tensor  # [B, L+N, H] what the drafter reads of them (noised where it has no taps)
     tapped: torch.Tensor | None  # [B, L+N, k·H] the tapped layers it reads (noised); None without taps
+    # The image indices whose blocks a block drafter's loss trains (``Drafter.training_roots``, drawn
+    # outside the compiled loss: a generator is no graph input); None for the other kinds.
+    roots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -170,11 +173,18 @@ class Drafter(nn.Module):
         unrolled passes (``unroll``), given ``drafter.ttt_steps``."""
         return None
 
+    def training_roots(
+        self, num_tokens: int, generator: torch.Generator | None, device: torch.device
+    ) -> torch.Tensor | None:
+        """``LossInputs.roots``: what a kind's own loss draws per step with ``generator`` (None in
+        validation), drawn before the compiled loss runs. None (the default): nothing."""
+        return None
+
     def training_loss(
-        self, batch: LossInputs, train: DrafterTrainConfig, generator: torch.Generator | None
+        self, batch: LossInputs, train: DrafterTrainConfig
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-        """A kind's own training loss and its logged parts (``DrafterModule.loss_on`` calls it first) on
-        ``batch``, with ``generator`` for any draw of its own (None in validation). None (the default): the
+        """A kind's own training loss and its logged parts on ``batch`` (``DrafterModule.drafter_loss`` calls
+        it first, compiled like every kind's: fixed shapes, no graph break). None (the default): the
         teacher-forced or unrolled passes (``unroll_steps``) and their loss."""
         return None
 

@@ -247,40 +247,50 @@ class BlockDrafter(Drafter):
         out = self(queries, above_embeds, query_pos.expand(batch, -1), mask, cache, query_pos, offset=offsets)
         return TeacherBlocks(rows, out.unflatten(1, (len(roots), len(j))), drafted)
 
+    def training_roots(
+        self, num_tokens: int, generator: torch.Generator | None, device: torch.device
+    ) -> torch.Tensor:
+        """``train_roots`` roots per step (``training_roots``), drawn outside the compiled loss."""
+        return training_roots(num_tokens, self.options.train_roots, generator, device)
+
     def training_loss(
-        self, batch: LossInputs, train: DrafterTrainConfig, generator: torch.Generator | None
+        self, batch: LossInputs, train: DrafterTrainConfig
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The committed rows' EAGLE-1 loss (feature regression + ``w_cls`` · the token loss: they draft
-        each block's first token) plus ``Σ_j decay^j · loss_j`` over the query rows of ``train_roots``
-        blocks per sample (their roots drawn with ``generator``), against the target's distribution at
-        the token each drafts. Parts: the loss terms, ``top1`` (the first slot), ``top1_slot{j}`` and
-        ``tau_block``, the chain estimate from the per-slot agreement."""
-        tokens, cond_mask, hidden, hidden_in, tapped = batch
-        prefix, num = cond_mask.shape[1], tokens.shape[1]
+        each block's first token) plus ``Σ_j decay^j · loss_j`` over the query rows of the blocks of
+        ``batch.roots``, against the target's distribution at the token each drafts. Parts: the loss terms,
+        ``top1`` (the first slot), ``top1_slot{j}`` and ``tau_block``, the chain estimate from the per-slot
+        agreement.
+
+        Fixed shapes, so it compiles in one graph: every query row is scored, those that draft past the
+        image (a root near its end) with weight 0 and their target row clamped into it."""
+        tokens, cond_mask, hidden, hidden_in, tapped, roots = batch
+        if roots is None:
+            raise ValueError("a block drafter's loss needs LossInputs.roots (Drafter.training_roots)")
+        prefix, num, size = cond_mask.shape[1], tokens.shape[1], len(tokens)
         states = self.input_features(hidden_in, tapped)
-        roots = training_roots(num, self.options.train_roots, generator, hidden.device)
         rows, queries, drafted = self.teacher_blocks(states, tokens, cond_mask, roots)
         total, parts = losses.teacher_loss(
             rows, hidden[:, 1:], self.normed, self.head, prefix,
             w_cls=train.w_cls, cls_loss=train.cls_loss, chunks=train.loss_chunks,
         )  # fmt: skip
-        valid = (drafted < num).flatten()
-        slot_of = (drafted - roots[:, None]).flatten()[valid] - 1  # j of each scored query row
-        batch, scored = len(tokens), int(valid.sum())
-        target = hidden[:, prefix + drafted.flatten()[valid] - 1]  # [B, Q, H]: what predicts that token
-        drafts = self.normed(queries.flatten(1, 2)[:, valid])
+        valid = (drafted < num).flatten()  # [R·J] the query rows that draft an image token
+        slot_of = (drafted - roots[:, None]).flatten() - 1  # j of each query row
+        target = hidden[:, prefix + drafted.clamp_max(num - 1).flatten() - 1]  # [B, R·J, H]: what predicts it
+        drafts = self.normed(queries.flatten(1, 2))
         per_row, hits = head_token_loss(
             drafts.flatten(0, 1)[:, None], target.flatten(0, 1), self.head, train.cls_loss, train.loss_chunks
         )
-        per_row, hits = per_row.view(batch, scored), hits.view(batch, scored).float()
-        block_loss = (per_row * train.ttt_decay ** slot_of.float()).mean()
+        per_row, hits = per_row.view(size, -1), hits.view(size, -1).float()
+        weights = valid * train.ttt_decay ** slot_of.float()
+        block_loss = (per_row * weights).sum() / (size * valid.sum())
         total = total + block_loss
         agreement = [parts["top1"]]
         for k in range(1, drafted.shape[1] + 1):
-            at = slot_of == k
-            parts[f"top1_slot{k}"] = hits[:, at].mean() if at.any() else hits.new_zeros(())
+            at = (slot_of == k) & valid
+            parts[f"top1_slot{k}"] = (hits * at).sum() / (size * at.sum()).clamp_min(1)
             agreement.append(parts[f"top1_slot{k}"])
-        parts["tau_block"] = hits.new_tensor(losses.simulated_tau(agreement))
+        parts["tau_block"] = 1 + torch.stack(agreement).float().cumprod(0).sum()  # losses.simulated_tau
         parts["block"] = block_loss.detach()
         parts["total"] = total.detach()
         return total, parts

@@ -164,16 +164,14 @@ class DrafterModule(L.LightningModule):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The drafter's loss on ``prepare``'s output (``states`` [B, L+N, (1 + taps)·H]), with noise
         ``U(-noise, noise)`` on what the drafter reads of the target (its taps, else the last state): the
-        kind's own (``Drafter.training_loss``, eager), else ``drafter_loss`` (compiled where asked)."""
+        ``drafter_loss`` (compiled where asked), with the roots a block drafter's loss trains drawn here."""
         hidden, tapped = split_taps(states, self.target.hidden_size, len(self.drafter.taps))
         if tapped is None:
             hidden_in = uniform_feature_noise(hidden, noise, generator)
         else:
             hidden_in, tapped = hidden, uniform_feature_noise(tapped, noise, generator)
-        batch = LossInputs(tokens, cond_mask, hidden, hidden_in, tapped)
-        own = self.drafter.training_loss(batch, self.train_cfg, generator)
-        if own is not None:
-            return own
+        roots = self.drafter.training_roots(tokens.shape[1], generator, tokens.device)
+        batch = LossInputs(tokens, cond_mask, hidden, hidden_in, tapped, roots)
         if self.compile_step and self._compiled is None:
             self._compiled = torch.compile(self.drafter_loss)
         step = self.drafter_loss if self._compiled is None else self._compiled
@@ -182,6 +180,9 @@ class DrafterModule(L.LightningModule):
     def drafter_loss(self, batch: LossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The drafter's passes and its loss on ``batch``: the part of a training step ``trainer.compile``
         compiles, in one graph (tests/test_train_speed.py pins its graph breaks at 0)."""
+        own = self.drafter.training_loss(batch, self.train_cfg)
+        if own is not None:  # the kind's own loss (the block kind's)
+            return own
         steps = self.drafter_passes(batch.tokens, batch.cond_mask, batch.hidden_in, batch.tapped)
         return self.score(steps, batch.hidden, batch.cond_mask.shape[1])
 
