@@ -59,10 +59,21 @@ def test_the_plan_agrees_with_the_measured_peak_of_a_step(kind, precision):
     assert abs(planned - measured) <= BOUND * measured, (planned, measured)
 
 
-def test_a_kind_with_data_dependent_shapes_is_refused_by_name():
+def test_the_block_kind_is_planned_and_a_loss_with_data_dependent_shapes_is_refused_by_name(monkeypatch):
+    """The block kind's loss keeps its shapes fixed (issue #55), so the plan traces it; a loss that takes a
+    shape from its data (a boolean index) is refused in one line that names the kind."""
     meta = small_target().to("meta")
     with torch.device("meta"):
         drafter = Drafter.make(DrafterConfig.for_target(meta, kind="block"), meta)
+    step = trace_step(meta, drafter, DrafterTrainConfig(kind="block"), 2)
+    assert step.drafter_pass > 0
+    own = type(drafter).training_loss
+
+    def data_dependent(self, batch, train):
+        total, parts = own(self, batch, train)
+        return total + batch.hidden[batch.hidden > 0].sum() * 0, parts
+
+    monkeypatch.setattr(type(drafter), "training_loss", data_dependent)
     with pytest.raises(PlanUnavailable, match=r"drafter\.kind=block: its loss takes shapes from its data"):
         trace_step(meta, drafter, DrafterTrainConfig(kind="block"), 2)
 

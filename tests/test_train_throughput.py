@@ -83,8 +83,9 @@ def test_a_7b_class_shape_is_cut_to_few_layers_and_counted():
 
 
 @pytest.mark.slow
-def test_a_block_row_has_no_compiled_part_or_loss_cost(capsys):
-    """The block kind's loss is its own (eager, scoring rows ``score`` does not): its row reads – there."""
+def test_a_block_row_counts_its_graph_breaks_and_has_no_loss_cost(capsys):
+    """The block kind's loss is its own, compiled with the rest (0 breaks, issue #55); it scores rows
+    ``score`` does not, so the loss-cost column reads – there."""
     (row,) = main(["--steps", "1", "--warmup", "0", "--batch", "1", "--drafters", "block"])
-    assert row.drafter == "block" and row.graph_breaks is None and row.loss_peak_mb is None
+    assert row.drafter == "block" and row.graph_breaks == 0 and row.loss_peak_mb is None
     assert "| small | block | eager | fp32 | 1 |" in capsys.readouterr().out

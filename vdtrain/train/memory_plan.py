@@ -41,7 +41,7 @@ ZERO_BUCKET = 200_000_000
 
 
 class PlanUnavailable(ValueError):
-    """A step the plan cannot trace (a kind whose loss has data-dependent shapes: the block kind's)."""
+    """A step the plan cannot trace: a kind whose loss takes shapes from its data (fake tensors have none)."""
 
 
 class LiveBytes(TorchDispatchMode):
