@@ -328,19 +328,27 @@ def test_fit_trains_evaluates_and_exports_an_eagle3_drafter(tiny_folder, tmp_pat
 
 
 # --- 3. offline features = online features -------------------------------------------------------------
+def online_and_offline(target, kind: str = "eagle1", size: int = 2):
+    """Two modules of ``kind`` with one drafter, online and offline; a batch, its null rows, what
+    data_prep.features stores of it (the online features under those rows) beside its caption and tokens,
+    and the online loss on it."""
+    online = make_module(target, p_null=0.5, kind=kind)
+    offline = make_module(target, p_null=0.5, features="offline", kind=kind)
+    offline.drafter.load_state_dict(online.drafter.state_dict())
+    batch = shapes_batch(size)
+    tokens = target.tokenizer.encode(images_to_tensor(batch["image"].numpy()))
+    rows = online._null_rows(size, torch.Generator().manual_seed(7))
+    _, cond_mask, states = online.prepare(batch, rows)
+    base = {"caption": batch["caption"], "tokens": tokens.to(torch.int32), "feats_mask": cond_mask}
+    ref = online.loss(batch, torch.Generator().manual_seed(7))
+    return online, offline, batch, rows, base, states, ref
+
+
 def test_offline_eagle3_loss_equals_online_loss(target):
     """Stored eagle3 features (the last state and the tapped layers, data_prep.features feature_layers=…)
     give the online loss exactly; features without the taps are refused naming the fix."""
-    online = make_module(target, p_null=0.5, kind="eagle3")
-    offline = make_module(target, p_null=0.5, features="offline", kind="eagle3")
-    offline.drafter.load_state_dict(online.drafter.state_dict())
-    batch = shapes_batch(2)
-    tokens = target.tokenizer.encode(images_to_tensor(batch["image"].numpy()))
-    rows = online._null_rows(2, torch.Generator().manual_seed(7))
-    _, cond_mask, states = online.prepare(batch, rows)
+    online, offline, _, _, base, states, (ref, _) = online_and_offline(target, "eagle3")
     assert states.shape[-1] == (1 + len(online.drafter.taps)) * target.hidden_size
-    ref, _ = online.loss(batch, torch.Generator().manual_seed(7))
-    base = {"caption": batch["caption"], "tokens": tokens.to(torch.int32), "feats_mask": cond_mask}
     exact, _ = offline.loss({**base, "feats": states.clone()}, torch.Generator().manual_seed(7))
     assert torch.equal(exact, ref)
     last_only = states[..., : target.hidden_size]
@@ -351,32 +359,15 @@ def test_offline_eagle3_loss_equals_online_loss(target):
 def test_offline_block_loss_equals_online_loss(target, monkeypatch):
     """A block drafter trains from stored features as every kind does (issue #55): the target does not run,
     and the loss (its roots drawn from the same generator) is the online one."""
-    online = make_module(target, p_null=0.5, kind="block")
-    offline = make_module(target, p_null=0.5, features="offline", kind="block")
-    offline.drafter.load_state_dict(online.drafter.state_dict())
-    batch = shapes_batch(2)
-    tokens = target.tokenizer.encode(images_to_tensor(batch["image"].numpy()))
-    rows = online._null_rows(2, torch.Generator().manual_seed(7))
-    _, cond_mask, states = online.prepare(batch, rows)
-    ref, ref_parts = online.loss(batch, torch.Generator().manual_seed(7))
-    base = {"caption": batch["caption"], "tokens": tokens.to(torch.int32), "feats_mask": cond_mask}
+    _, offline, _, _, base, states, (ref, ref_parts) = online_and_offline(target, "block")
     monkeypatch.setattr(target, "sequence_features", None)  # the target must not run
     exact, parts = offline.loss({**base, "feats": states.clone()}, torch.Generator().manual_seed(7))
     assert torch.equal(exact, ref) and torch.equal(parts["top1_slot3"], ref_parts["top1_slot3"])
 
 
 def test_offline_loss_equals_online_loss(target):
-    online = make_module(target, p_null=0.5)
-    offline = make_module(target, p_null=0.5, features="offline")
-    offline.drafter.load_state_dict(online.drafter.state_dict())
-    batch = shapes_batch(4)
-    tokens = target.tokenizer.encode(images_to_tensor(batch["image"].numpy()))
-    # What data_prep.features stores: the online features under the null rows the generator draws.
-    rows = online._null_rows(4, torch.Generator().manual_seed(7))
+    online, offline, batch, rows, base, hidden, (ref, ref_parts) = online_and_offline(target, size=4)
     assert 0 < rows.sum() < 4
-    _, cond_mask, hidden = online.prepare(batch, rows)
-    ref, ref_parts = online.loss(batch, torch.Generator().manual_seed(7))
-    base = {"caption": batch["caption"], "tokens": tokens.to(torch.int32), "feats_mask": cond_mask}
     exact, _ = offline.loss({**base, "feats": hidden.clone()}, torch.Generator().manual_seed(7))
     assert torch.equal(exact, ref)
     # fp16 storage rounds each feature by at most 2^-11 of its size; the loss is a smooth function of

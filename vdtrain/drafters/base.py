@@ -8,11 +8,11 @@ enter it (``input_features``), one drafter call (``draft``), what the head reads
 how it trains (``unroll_steps``, or a loss of its own: ``training_loss``), whether one forward drafts a
 block of tokens (``drafts_blocks``, ``block_slots``, ``block_queries``) and its card (``Drafter.make``).
 
-Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}`` (``rows.teacher_inputs``).
-Every drafter feature, ``f`` in and ``f̂`` out, is [.., H] (the target's width, whatever ``input_features``
-fuses): what a kind needs besides it per row is a typed part of its rows, ``DraftInputs.offset`` (the row's
-place past the root: Medusa's head, the block kind's query offset), never extra feature channels.
-The alignment, positions and mask are derived in docs/training.md, "The drafter's sequence alignment".
+Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}`` (``rows.teacher_inputs``;
+derived in docs/training.md, "The drafter's sequence alignment"). Every drafter feature, ``f`` in and ``f̂``
+out, is [.., H] (the target's width, whatever ``input_features`` fuses): what a kind needs besides it per row
+is a typed part of its rows, ``DraftInputs.offset`` (Medusa's head, the block kind's query offset), never
+extra feature channels.
 """
 
 from __future__ import annotations
