@@ -37,6 +37,21 @@ def test_rounds_interleave_after_one_untimed_decode_each():
     assert seconds == {"ar": [2.0] * 3, "eagle2": [1.0] * 3}
 
 
+def test_a_round_already_run_warm_is_round_1_and_replaces_the_warm_up():
+    order: list[str] = []
+
+    def decode(name: str, seconds: float):
+        return lambda: order.append(name) or seconds
+
+    decodes = {"ar": decode("ar", 2.0), "eagle2": decode("eagle2", 1.0)}
+    seconds = interleaved(decodes, repeats=3, first_round={"ar": 7.0, "eagle2": 3.0})
+    assert order == ["ar", "eagle2"] * 2
+    assert seconds == {"ar": [7.0, 2.0, 2.0], "eagle2": [3.0, 1.0, 1.0]}
+    one = interleaved(decodes, repeats=1, first_round={"ar": 7.0, "eagle2": 3.0})
+    assert one == {"ar": [7.0], "eagle2": [3.0]}
+    assert len(order) == 4  # one round asked for and one given: nothing more decoded
+
+
 def _row(speedup: float, low: float | None, high: float | None) -> EvalRow:
     return EvalRow(
         "eagle2",
@@ -63,10 +78,20 @@ def test_the_table_shows_the_spread_and_marks_an_unclear_ratio():
     assert "?" not in to_markdown([_row(0.43, 0.40, 0.47)])
 
 
-def test_evaluate_reports_the_true_ratio_when_one_ar_decode_is_30x_slow(monkeypatch):
-    """A fake clock: AR's decode of a batch takes 10 s, eagle2's 0 s, each clock read 1 s more; AR's timed
-    decode of the run (the one the table used to divide by) and one timing round take 300 s. The row
-    still reads 11/1 = 11x."""
+@pytest.mark.parametrize(
+    ("batch_size", "slow", "calls"),
+    [
+        # one unit: 1 warm-up, 2 the run's timed decode (the one the table used to divide by), which is
+        # round 1 of the timing, 3-6 rounds 2-5; the evaluation's warm decode replaces the timing's warm-up
+        (2, (2,), 6),
+        # two units: AR's decodes of the first batch and eagle2's are not neighbours, so the timing warms up
+        # and runs its 5 rounds itself: 1 warm-up, 2-3 the units, 4 the timing's warm-up, 5-9 rounds
+        (1, (2, 6), 9),
+    ],
+)
+def test_evaluate_reports_the_true_ratio_when_one_ar_decode_is_30x_slow(monkeypatch, batch_size, slow, calls):
+    """A fake clock: AR's decode of a batch takes 10 s, eagle2's 0 s, each clock read 1 s more; AR's ``slow``
+    decodes take 300 s. The row still reads 11/1 = 11x over 5 rounds."""
     from conftest import random_drafter, random_gpt, random_vq
     from test_compiled import hashed_captions
 
@@ -88,8 +113,8 @@ def test_evaluate_reports_the_true_ratio_when_one_ar_decode_is_30x_slow(monkeypa
     generate = ar.ARDecoder.generate
 
     def timed_ar(*args, **kwargs):
-        clock["calls"] += 1  # 1: warm-up, 2: the run's timed decode, 3: timing warm-up, 4-8: rounds
-        clock["now"] += 300.0 if clock["calls"] in (2, 5) else 10.0
+        clock["calls"] += 1
+        clock["now"] += 300.0 if clock["calls"] in slow else 10.0
         return generate(*args, **kwargs)
 
     monkeypatch.setattr(runner, "time", SimpleNamespace(perf_counter=perf_counter, monotonic=time.monotonic))
@@ -100,13 +125,13 @@ def test_evaluate_reports_the_true_ratio_when_one_ar_decode_is_30x_slow(monkeypa
         shapes_heldout_captions(2),
         ["eagle2"],
         [0],
-        batch_size=2,
+        batch_size=batch_size,
         progress=False,
         quality=runner.QualityConfig(metrics=[]),
         speed_repeats=5,
     )
     _, eagle2 = result.rows
-    assert clock["calls"] == 8
+    assert clock["calls"] == calls
     assert eagle2.speedup == pytest.approx(11.0) and eagle2.speedup_rounds == 5 and eagle2.speedup_clear()
 
 

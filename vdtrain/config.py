@@ -161,9 +161,10 @@ class EvalCallbackConfig:
     num_prompts: int = 4
     batch_size: int = 8
     seed: int = 0  # prompt i uses seed + i, so epochs are compared on identical draws
-    # the speedup: the median of this many interleaved rounds of AR and each method on the first batch,
-    # after an untimed one (docs/evaluation.md, "How speed is measured"); 0: the round's one ratio
-    speed_repeats: int = 5
+    # the speedup: the median of this many interleaved rounds of AR and each method on the first batch, the
+    # round's own decodes of it being round 1 (docs/evaluation.md, "How speed is measured"); 3 is the fewest
+    # with quartiles, and each round more costs an epoch two decodes of the batch; 0: the round's one ratio
+    speed_repeats: int = 3
     log_images: bool = True  # AR-vs-method sample grid to TensorBoard / wandb (always saved as PNG)
     at_fit_end: bool = True  # also measure the final drafter when training stops mid-epoch
     acceptance: AcceptanceReportConfig = field(

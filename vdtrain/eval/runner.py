@@ -331,6 +331,7 @@ def evaluate(
         keep_images=keep_images,
     )
     done: dict[tuple[str, float], list[UnitRecord]] = {}  # this rank's units, where not in the store
+    first_round: dict[tuple[str, float], float] = {}  # the first batch's seconds, where decoded here
     hold = store is None or ar_runs is not None
     mine_total = sum(stop - start for start, stop in mine)
     bar = tqdm(total=len(runs) * mine_total, desc="evaluate", unit="image", disable=not progress)
@@ -362,6 +363,8 @@ def evaluate(
                     ):
                         if store is not None:
                             store.save(unit_key(config.name, temperature, record.start), record)
+                        if record.start == 0:
+                            first_round[config.name, float(temperature)] = record.seconds
                         records += [record] if hold else []
             if is_ar and ar_runs is not None:
                 ar_runs.update({(float(temperature), r.start): r for r in records})
@@ -386,7 +389,9 @@ def evaluate(
             return [r for part in gathered for r in part[key]]
 
     timed = speed_repeats > 0 and not merge_only and ranks.is_main
-    spreads = timed_speedups(work, runs, speed_repeats) if timed else {}
+    # one unit here: each run's decode of the first batch followed the one before, warmed up
+    reusable = first_round if warmup and mine == all_units[:1] else {}
+    spreads = timed_speedups(work, runs, speed_repeats, reusable) if timed else {}
     result = merge(
         records_of, runs, scorer, prompts, target, ranks.world, keep_decoded=keep_decoded, spreads=spreads
     )
@@ -475,21 +480,29 @@ class UnitWork:
 
 
 def timed_speedups(
-    work: UnitWork, runs: Sequence[tuple[float, DecodeConfig]], repeats: int
+    work: UnitWork,
+    runs: Sequence[tuple[float, DecodeConfig]],
+    repeats: int,
+    first_round: Mapping[tuple[str, float], float] | None = None,
 ) -> dict[tuple[str, float], Spread]:
     """Per (method, T): the speedup over ``repeats`` interleaved rounds of the first batch's decode by AR
-    and every method of that temperature, after an untimed one each (``vdtrain.eval.timing``)."""
+    and every method of that temperature, after an untimed one each (``vdtrain.eval.timing``). Where
+    ``first_round`` has every method of a temperature (the evaluation's own warm decodes of that batch,
+    one after another), they are round 1 and the warm-up."""
     out: dict[tuple[str, float], Spread] = {}
     prompts = work.prompts[: work.batch_size]
     for temperature in dict.fromkeys(t for t, _ in runs):
         configs = [c for t, c in runs if t == temperature]  # AR first
-        total = (repeats + 1) * len(configs) * len(prompts)
+        known, keys = first_round or {}, [(c.name, float(temperature)) for c in configs]
+        reused = {name: known[name, t] for name, t in keys} if all(k in known for k in keys) else None
+        decoded = repeats - 1 if reused else repeats + 1
+        total = decoded * len(configs) * len(prompts)
         with Heartbeat(f"timing {len(configs)} methods T={temperature:g}", total) as beat:
             decodes = {
                 c.name: functools.partial(_seconds, work.method(c, temperature), work, prompts, beat)
                 for c in configs
             }
-            seconds = interleaved(decodes, repeats)
+            seconds = interleaved(decodes, repeats, reused)
         baseline = configs[0].name
         for name in list(decodes)[1:]:
             out[name, float(temperature)] = paired_speedup(seconds[baseline], seconds[name])

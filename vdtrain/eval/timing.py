@@ -3,10 +3,10 @@
 One wall-clock sample per method is not a measurement where other processes come and go: a single slow
 AR decode (96 s where the same prompts took 3.5 s a minute later) read as a 6x speedup on a CPU. So each
 method decodes the same fixed batch ``repeats`` times, after an untimed warm-up, round by round with AR
-and every other method in turn; round ``r``'s ratio is AR's time over the method's in that round (a
-slow spell lands on neighbours alike), and the row reports the median ratio with its interquartile
-spread. A ratio whose spread is wider than its distance from 1 cannot say which is faster: the table
-marks it (``Spread.clear``).
+and every other method in turn (an evaluation's own warm decode of that batch serves as round 1); round
+``r``'s ratio is AR's time over the method's in that round (a slow spell lands on neighbours alike), and
+the row reports the median ratio with its interquartile spread. A ratio whose spread is wider than its
+distance from 1 cannot say which is faster: the table marks it (``Spread.clear``).
 """
 
 from __future__ import annotations
@@ -41,16 +41,26 @@ def paired_speedup(ar: Sequence[float], method: Sequence[float]) -> Spread:
     return Spread(float(median), float(low), float(high), len(ratios))
 
 
-def interleaved(decodes: Mapping[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+def interleaved(
+    decodes: Mapping[str, Callable[[], float]],
+    repeats: int,
+    first_round: Mapping[str, float] | None = None,
+) -> dict[str, list[float]]:
     """Each decode's seconds over ``repeats`` rounds; every decode runs once untimed first (caches,
     allocator, a GPU's recorded steps), then each round runs them all in turn. A decode returns the
-    seconds it measured itself (device-synchronised)."""
+    seconds it measured itself (device-synchronised). ``first_round``: each decode's seconds from a round
+    the caller already ran warm, one after another (an evaluation's own decode of the same batch); it is
+    round 1 and stands in for the warm-up, so a table pays for ``repeats - 1`` rounds, not ``repeats + 1``."""
     if repeats < 1:
         raise ValueError(f"speed.repeats must be at least 1, got {repeats}")
-    for decode in decodes.values():
-        decode()
     seconds: dict[str, list[float]] = {name: [] for name in decodes}
-    for _ in range(repeats):
+    if first_round is None:
+        for decode in decodes.values():
+            decode()
+    else:
+        for name in decodes:
+            seconds[name].append(first_round[name])
+    for _ in range(repeats - len(next(iter(seconds.values()), []))):
         for name, decode in decodes.items():
             seconds[name].append(decode())
     return seconds
