@@ -1,22 +1,26 @@
-"""Block drafting against EAGLE-1 and EAGLE-2, side by side (issue #48, item 5).
+"""Block drafting against EAGLE-1, -2 and -3, side by side (issues #48, item 5, and #55, item 4).
 
-    python -m benchmarks.block_drafting                                # grain, 32 held-out captions, T = 1
-    python -m benchmarks.block_drafting --prompts 8 --out /tmp/block   # quicker
+    python -m benchmarks.block_drafting                  # grain, 64 held-out captions, T = 1 and 0
+    python -m benchmarks.block_drafting --prompts 8 --out /tmp/block      # quicker
+    python -m benchmarks.block_drafting --captions validation --methods ar block block_tree \
+        --block-drafter <a fit run's drafter/>    # a candidate, on validation captions
 
-Every method decodes the same held-out captions with the same seeds (prompt ``i`` with seed ``i``, as
-``vdtrain.evaluate``), batch by batch with every method in turn (the shared machine's load falls on all
-alike), with the world's own knobs (conf/target/<world>.yaml, as every app decodes): eagle1 and eagle2
-with the world's shipped eagle1 drafter, block and block_tree with its shipped block drafter
-(``drafter_block``). Per method: S (image tokens per target forward), τ, the drafter forwards per
-verified step and the decode's wall time per image on this CPU (eager, ``--threads``).
+Every method decodes the same captions (the held-out ones, or ``--captions validation`` for choosing) with
+the same seeds (prompt ``i`` with seed ``i``, as ``vdtrain.evaluate``), batch by batch with every method in
+turn (the shared machine's load falls on all alike), with the world's own knobs (conf/target/<world>.yaml,
+as every app decodes): eagle1 and eagle2 with the world's shipped eagle1 drafter, eagle3 with its eagle3
+drafter, block and block_tree with its shipped block drafter (``drafter_block``, or ``--block-drafter``).
+Per method and temperature: S (image tokens per target forward), τ, the drafter forwards per verified step
+and the decode's wall time per image on this CPU (eager, ``--threads``).
 
 Beside them, the GPU-time proxy of issue #46: kernel-launching ATen ops per step at LlamaGen-XL depth with
 random weights (``benchmarks.step_kernels --phases``' setting: the count depends on neither the weights
-nor the width), eager, B = 1, counted by ``vdtrain.decode.phase_ops``. The **draft phase** is everything
-the tree's build runs, the drafter forwards in it included (not the commit's catch-up forward, which every
+nor the width), eager, B = 1, counted by ``vdtrain.decode.phase_ops``; the block presets with a random
+block drafter of the evaluated one's options (its layers count). The **draft phase** is everything the
+tree's build runs, the drafter forwards in it included (not the commit's catch-up forward, which every
 drafter method runs once a step), and **weighted** charges each vocabulary-wide selection its measured
-GPU price in ordinary kernels (conf/benchmarks/kernel_weights.yaml). Writes ``results.{json,csv,md}``
-under ``--out``.
+GPU price in ordinary kernels (conf/benchmarks/kernel_weights.yaml). The **projected XL speed-up** is
+issue #46's model: S × AR's weighted step ÷ the method's. Writes ``results.{json,csv,md}`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -35,16 +39,18 @@ from benchmarks.step_kernels import XL_DEPTH
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.metrics import summarize
 from vdtrain.decode.phase_ops import KernelWeights, PhaseOps, count_phase_ops
+from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.eval.runner import decode_prompts
-from vdtrain.prompts import shapes_heldout_captions
+from vdtrain.prompts import shapes_heldout_captions, shapes_validation_captions
 from vdtrain.target_settings import load_drafter, target_config, world_knobs
-from vdtrain.targets import load_target_folder
+from vdtrain.targets import Target, load_target_folder
 
 # Each method and the shipped drafter it decodes with (a folder under checkpoints/<world>/; AR: none).
 METHODS = {
     "ar": None,
     "eagle1": "drafter",
     "eagle2": "drafter",
+    "eagle3": "drafter_eagle3",
     "block": "drafter_block",
     "block_tree": "drafter_block",
 }
@@ -53,6 +59,7 @@ METHODS = {
 @dataclass
 class Row:
     method: str
+    temperature: float
     drafter: str
     S: float
     tau: float
@@ -63,11 +70,15 @@ class Row:
     draft_phase_weighted: float  # the same, a vocabulary-wide selection at its GPU price
     beyond_layers_weighted: float  # the step beyond the target's decoder layers, weighted
     total_weighted: float  # the whole step, weighted
+    projected_xl_speedup: float  # S × AR's weighted step ÷ this one's (issue #46's model)
 
 
-def xl_depth_ops(methods: list[str], knobs: dict[str, dict]) -> dict[str, PhaseOps]:
+def xl_depth_ops(
+    methods: list[str], knobs: dict[str, dict], block_options: dict | None = None
+) -> dict[str, PhaseOps]:
     """Per method: ops per step by region and by engine phase at XL depth (random weights, B = 1), with
-    the world's ``knobs``; the block presets draft with a random block drafter (``drafter_for``)."""
+    the world's ``knobs``; the block presets draft with a random block drafter of ``block_options`` (its
+    layers count: one forward runs each), the others with an eagle1 one."""
     shape = {**XL_DEPTH, "block_size": 64}
     target, drafter = random_llamagen("llamagen-xl", torch.device("cpu"), 0, shape)
     cond = conditions(target, "llamagen-xl", 1, 1, 0)[0]
@@ -75,61 +86,85 @@ def xl_depth_ops(methods: list[str], knobs: dict[str, dict]) -> dict[str, PhaseO
     for name in methods:
         config = load_preset(name, knobs.get(name))
         drafts = drafter_for(config, "llamagen-xl", target, drafter) if config.needs_drafter else None
+        if config.drafts_blocks and block_options:
+            torch.manual_seed(0)
+            made = DrafterConfig.for_target(target, kind="block", **block_options)
+            drafts = Drafter.make(made).attach(target).eval()
         method = build_method(config, target, drafts, target.sampling_defaults)
         out[name] = count_phase_ops(method, cond, _generators(torch.device("cpu"), 0, 0, 1))
     return out
 
 
+def decode_side_by_side(
+    methods: dict, target: Target, prompts: list[str], batch: int
+) -> tuple[dict[str, list], dict[str, float]]:
+    """Each method's decode stats and seconds over ``prompts``, batch by batch with every method in turn
+    (the shared machine's load falls on all of them alike)."""
+    stats: dict[str, list] = {m: [] for m in methods}
+    seconds = dict.fromkeys(methods, 0.0)
+    for start in range(0, len(prompts), batch):
+        for name, method in methods.items():
+            with torch.no_grad():
+                decoded = decode_prompts(method, target, prompts[start : start + batch], start, batch)
+            stats[name] += decoded.stats
+            seconds[name] += decoded.seconds
+        print(f"{min(start + batch, len(prompts))}/{len(prompts)} prompts", flush=True)
+    return stats, seconds
+
+
 def measure(args: argparse.Namespace) -> list[Row]:
     knobs = world_knobs(target_config(args.world))
     weights = KernelWeights.load()
-    ops = xl_depth_ops(args.methods, knobs)
     folder = Path(EMBEDDED[args.world])
     target = load_target_folder(folder / "target")
-    sampling = replace(target.sampling_defaults, temperature=args.temperature)
-    prompts = shapes_heldout_captions(args.prompts)
-    sources = {METHODS[m] for m in args.methods} - {None}
-    drafters = {None: None, **{source: load_drafter(folder / source, target) for source in sources}}
-    methods = {
-        m: build_method(load_preset(m, knobs.get(m)), target, drafters[METHODS[m]], sampling)
-        for m in args.methods
-    }
-    stats: dict[str, list] = {m: [] for m in methods}
-    seconds = dict.fromkeys(methods, 0.0)
-    # Batch by batch, every method in turn: the shared machine's load falls on all of them alike.
-    for start in range(0, len(prompts), args.batch):
-        for name, method in methods.items():
-            with torch.no_grad():
-                decoded = decode_prompts(
-                    method, target, prompts[start : start + args.batch], start, args.batch
-                )
-            stats[name] += decoded.stats
-            seconds[name] += decoded.seconds
-        print(f"{min(start + args.batch, len(prompts))}/{len(prompts)} prompts", flush=True)
+    captions = shapes_validation_captions if args.captions == "validation" else shapes_heldout_captions
+    prompts = captions(args.prompts)
+    sources = {METHODS[m]: folder / METHODS[m] for m in args.methods if METHODS[m]}
+    if args.block_drafter and "drafter_block" in sources:
+        sources["drafter_block"] = Path(args.block_drafter)
+    drafters = {None: None, **{source: load_drafter(path, target) for source, path in sources.items()}}
+    block = drafters.get("drafter_block")
+    ops = xl_depth_ops(args.methods, knobs, dataclass_dict(block.options) if block else None)
     rows = []
-    for name in methods:
-        summary, o = summarize(stats[name], target.num_image_tokens), ops[name]
-        weighted = o.weighted(weights)
-        rows.append(
-            Row(
-                name,
-                str(folder / METHODS[name]) if METHODS[name] else "",
-                summary["S"],
-                summary["tau"],
-                summary["mean_depth"],
-                summary["drafter_forwards"] / max(1.0, summary["verified_steps"]),
-                seconds[name] / len(prompts),
-                o.phases["draft"],
-                o.weighted_phase("draft", weights),
-                weighted - o.regions["layers"],
-                weighted,
+    for temperature in args.temperatures:
+        sampling = replace(target.sampling_defaults, temperature=temperature)
+        methods = {
+            m: build_method(load_preset(m, knobs.get(m)), target, drafters[METHODS[m]], sampling)
+            for m in args.methods
+        }
+        stats, seconds = decode_side_by_side(methods, target, prompts, args.batch)
+        ar_step = ops["ar"].weighted(weights) if "ar" in ops else None
+        for name in methods:
+            summary, o = summarize(stats[name], target.num_image_tokens), ops[name]
+            weighted = o.weighted(weights)
+            rows.append(
+                Row(
+                    name,
+                    temperature,
+                    str(sources.get(METHODS[name], "")),
+                    summary["S"],
+                    summary["tau"],
+                    summary["mean_depth"],
+                    summary["drafter_forwards"] / max(1.0, summary["verified_steps"]),
+                    seconds[name] / len(prompts),
+                    o.phases["draft"],
+                    o.weighted_phase("draft", weights),
+                    weighted - o.regions["layers"],
+                    weighted,
+                    summary["S"] * ar_step / weighted if ar_step else float("nan"),
+                )
             )
-        )
     return rows
+
+
+def dataclass_dict(options: object) -> dict:
+    """A kind's options dataclass as the keyword arguments that rebuild it."""
+    return asdict(options)  # type: ignore[call-overload]
 
 
 COLUMNS = (
     ("method", "method", "{}"),
+    ("temperature", "T", "{:g}"),
     ("S", "S", "{:.2f}"),
     ("tau", "τ", "{:.2f}"),
     ("drafter_forwards_per_step", "drafter fwd / step", "{:.2f}"),
@@ -138,6 +173,7 @@ COLUMNS = (
     ("draft_phase_weighted", "draft phase weighted", "{:.0f}"),
     ("beyond_layers_weighted", "weighted beyond layers", "{:.0f}"),
     ("total_weighted", "weighted step", "{:.0f}"),
+    ("projected_xl_speedup", "projected XL speed-up", "{:.2f}×"),
 )
 
 
@@ -151,7 +187,7 @@ def table(rows: list[Row]) -> str:
 def write(out: Path, rows: list[Row], args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     flags = " ".join(
-        f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items()
         if v is not None and k != "out"
     )
@@ -176,10 +212,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--world", default="grain", choices=list(EMBEDDED))
-    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument(
+        "--captions", default="heldout", choices=["heldout", "validation"], help="validation: for choosing"
+    )
+    parser.add_argument("--block-drafter", default=None, help="decode the block presets with this drafter")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="a folder for results.{json,csv,md}")
     args = parser.parse_args()

@@ -116,11 +116,13 @@ def tiny_folder(tmp_path_factory) -> Path:
     return folder
 
 
-def random_drafter(target: Target, seed: int = 0, std: float = 0.2, kind: str = "eagle1") -> Drafter:
-    """A ``kind`` drafter of ``target``'s family with random weights, attached: its drafts are neither
-    all right nor all wrong, so trees are partly accepted."""
+def random_drafter(
+    target: Target, seed: int = 0, std: float = 0.2, kind: str = "eagle1", **options: object
+) -> Drafter:
+    """A ``kind`` drafter of ``target``'s family (with ``options``) with random weights, attached: its
+    drafts are neither all right nor all wrong, so trees are partly accepted."""
     torch.manual_seed(seed)
-    drafter = Drafter.make(DrafterConfig.for_target(target, kind=kind))
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind=kind, **options))
     for p in drafter.parameters():
         torch.nn.init.normal_(p, std=std)
     return drafter.attach(target).eval()

@@ -32,6 +32,7 @@ from vdtrain.decode.sampling import SamplingConfig
 from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.block import training_roots
 from vdtrain.targets import load_target
+from vdtrain.targets.base import split_taps
 from vdtrain.train.module import DrafterModule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,12 +66,19 @@ def test_the_loss_draws_its_blocks_from_the_steps_generator(tiny_folder):
     assert roots.tolist() == sorted(set(roots.tolist())) and len(roots) == 5 and int(roots.max()) < 254
 
 
-def test_the_block_a_decode_drafts_is_the_block_training_scores():
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"layers": 2, "feature_layers": [1, 2], "query_state": True}],
+    ids=["shipped", "two_layers_taps_query_state"],
+)
+def test_the_block_a_decode_drafts_is_the_block_training_scores(options):
     """Every query row the builder drafts (its position, mask, root feature and token above) gives the
     logits of the same row in ``teacher_blocks``, training's pass, on the decoded tokens; the decode is
-    AR's, one block drafter forward per step beside the catch-up."""
+    AR's, one block drafter forward per step beside the catch-up. Also for the options issue #55's search
+    added: a second layer (its own cache layer), target layers fused into the rows' features (the decode's
+    taps), a learned state per query offset."""
     target = make_target(image_size=8)  # 4 × 4 tokens: rows above and blocks that run past the image
-    drafter = random_drafter(target, std=0.3, kind="block")
+    drafter = random_drafter(target, std=0.3, kind="block", **options)
     cond = tiny_condition(batch=2)
     engine = build_method(load_preset("block", {"tree": {"depth": 5}}), target, drafter, GREEDY)
     drafted, block = [], engine.drafting.drafter_block
@@ -87,7 +95,8 @@ def test_the_block_a_decode_drafts_is_the_block_training_scores():
     assert all(st.drafter_forwards == 1 + 2 * st.steps for st in result.stats)  # prefill, block, catch-up
     num = target.num_image_tokens
     with torch.no_grad():
-        states = drafter.input_features(target.sequence_features(cond, tokens, ()).float(), None)
+        feats = target.sequence_features(cond, tokens, drafter.taps).float()
+        states = drafter.input_features(*split_taps(feats, target.hidden_size, len(drafter.taps)))
         teacher = drafter.teacher_blocks(states, tokens, cond.mask, torch.arange(num - 2))
     compared = 0
     for committed, logits in drafted:
@@ -100,6 +109,14 @@ def test_the_block_a_decode_drafts_is_the_block_training_scores():
             torch.testing.assert_close(logits[b, inside], want[inside], rtol=0, atol=1e-4)
             compared += int(inside.sum())
     assert compared > 20
+
+
+def test_the_search_options_are_checked():
+    target = make_target()
+    with pytest.raises(ValueError, match="at least one layer"):
+        Drafter.make(DrafterConfig.for_target(target, kind="block", layers=0))
+    with pytest.raises(ValueError, match=r"feature_layers \[3\] outside 0 .. 2"):
+        Drafter.make(DrafterConfig.for_target(target, kind="block", feature_layers=[3]))
 
 
 def test_a_block_tree_needs_a_drafter_that_drafts_blocks():

@@ -36,20 +36,31 @@ from vdtrain.models.llamagen_gpt import GPTConfig, TransformerBlock, attention_b
 
 @dataclass(frozen=True)
 class BlockOptions:
-    """A block drafter's settings."""
+    """A block drafter's settings (docs/training.md, "Block drafters"; issue #55's search chose them)."""
 
     slots: int = 8  # tokens one block drafts: the root's catch-up row, then slots − 1 query rows
-    width: int = 64  # the layer's width (the target's features are projected into it and back)
+    width: int = 64  # the layers' width (the target's features are projected into it and back)
     heads: int = 4  # its attention heads (head dim width / heads, a multiple of 4 for 2-D RoPE)
     train_roots: int = 32  # blocks trained per sample and step (their roots drawn at random)
+    layers: int = 1  # decoder layers of that width, each a drafter forward's kernels
+    # target layers (hidden_states[k], as eagle3's) fused into each committed row's feature, so the keys the
+    # queries attend to carry several depths (DFlash); (): the final-norm state only
+    feature_layers: tuple[int, ...] = ()
+    query_state: bool = False  # a learned state per offset added to the query rows' feature (P-EAGLE)
+
+    def __post_init__(self) -> None:
+        # JSON and Hydra hand lists: a tuple compares equal after a round trip
+        object.__setattr__(self, "feature_layers", tuple(int(k) for k in self.feature_layers))
 
 
-class GridLayer(nn.Module):
-    """One LlamaGen decoder block ``width`` wide with a 2-D RoPE table over the drafter's grid (any
+class GridLayers(nn.Module):
+    """``layers`` LlamaGen decoder blocks ``width`` wide with a 2-D RoPE table over the drafter's grid (any
     height and width: a Lumina-mGPT grid holds its end-of-row column); the caption rows unrotated.
     Indexed by the engine's row positions, ``prefix_length + image index``."""
 
-    def __init__(self, width: int, heads: int, prefix_length: int, grid: tuple[int, int]) -> None:
+    def __init__(
+        self, width: int, heads: int, layers: int, prefix_length: int, grid: tuple[int, int]
+    ) -> None:
         super().__init__()
         config = GPTConfig(
             dim=width,
@@ -61,7 +72,7 @@ class GridLayer(nn.Module):
             ffn_dropout_p=0.0,
             class_dropout_prob=0.0,
         )
-        self.block = TransformerBlock(config)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(layers))
         self.heads, self.head_dim = heads, config.head_dim
         self.register_buffer("rope", grid_rope(prefix_length, grid, config.head_dim), persistent=False)
 
@@ -74,7 +85,9 @@ class GridLayer(nn.Module):
         slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rows = LayerInputs(self.rope[positions], attention_bias(mask, x.dtype), None, slots)
-        return self.block(x, rows.at_layer(cache, 0))
+        for index, block in enumerate(self.blocks):
+            x = block(x, rows.at_layer(cache, index))
+        return x
 
     def _apply(self, fn, recurse: bool = True):
         # The RoPE table follows the device but stays fp32 (rotations are computed in fp32).
@@ -102,15 +115,12 @@ def grid_rope(
 
 
 class _ContextThenQueries(AttendingCache):
-    """Training's two passes through the layer: the committed rows (causal), then every block's query
+    """Training's two passes through a layer: the committed rows (causal), then every block's query
     rows, which attend to the committed rows' keys and their own. Out of place, so gradients flow."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
-
-    def layer(self, index: int) -> _ContextThenQueries:
-        return self
 
     def write(
         self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int
@@ -122,6 +132,16 @@ class _ContextThenQueries(AttendingCache):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class _TrainingCache:
+    """One ``_ContextThenQueries`` per layer, made as the first pass reaches it."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, _ContextThenQueries] = {}
+
+    def layer(self, index: int) -> _ContextThenQueries:
+        return self.layers.setdefault(index, _ContextThenQueries())
 
 
 def training_roots(
@@ -163,7 +183,13 @@ class BlockDrafter(Drafter):
         and the feature, and a drafter forward is two kernels shorter."""
         hidden, o = config.hidden_size, config.options
         self.fc = nn.Linear(2 * hidden + o.slots - 1, o.width)
-        self.layer = GridLayer(o.width, o.heads, config.prefix_length, config.grid)
+        self.layer = GridLayers(o.width, o.heads, o.layers, config.prefix_length, config.grid)
+        if o.feature_layers:  # zero at the start: the feature is the final state's until it learns
+            self.fuse = nn.Linear(len(o.feature_layers) * hidden, hidden, bias=False)
+            self.tap_norms = nn.ModuleList(nn.RMSNorm(hidden, eps=1e-6) for _ in o.feature_layers)
+            nn.init.zeros_(self.fuse.weight)
+        if o.query_state:
+            self.query_states = nn.Parameter(torch.zeros(o.slots - 1, hidden))
         self.out_norm = nn.RMSNorm(o.width, eps=1e-6)
         self.out = nn.Linear(o.width, hidden)
         # Row j: the one-hot ``fc`` reads for offset j (row 0, a committed row's: zero). A buffer, not saved,
@@ -184,6 +210,39 @@ class BlockDrafter(Drafter):
             )
         if o.train_roots < 1:
             raise ValueError(f"a block drafter trains at least one block per sample, got {o.train_roots}")
+        if o.layers < 1:
+            raise ValueError(f"a block drafter has at least one layer, got layers={o.layers}")
+        total = config.target_layers
+        taps = o.feature_layers
+        if taps and (min(taps) < 0 or (total is not None and max(taps) > total)):
+            raise ValueError(
+                f"feature_layers {list(taps)} outside 0 .. {total}: the target has {total} layers"
+            )
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.options.feature_layers
+
+    def input_features(self, hidden: torch.Tensor, tapped: torch.Tensor | None) -> torch.Tensor:
+        """The final-norm state, plus the ``tapped`` layers [.., k·H] (each RMS-normalised) fused, where the
+        drafter reads taps."""
+        if not self.taps:
+            return hidden
+        if tapped is None:
+            raise ValueError(
+                f"this block drafter reads target layers {list(self.taps)}: run the target with taps"
+            )
+        parts = tapped.to(self.fuse.weight.dtype).split(self.config.hidden_size, dim=-1)
+        normed = [norm(part) for norm, part in zip(self.tap_norms, parts, strict=True)]
+        return hidden.to(self.fuse.weight.dtype) + self.fuse(torch.cat(normed, -1))
+
+    def block_queries(self, roots: torch.Tensor, count: int) -> torch.Tensor:
+        """The root's feature for every query row, plus the learned state of its offset with
+        ``query_state``."""
+        queries = super().block_queries(roots, count)
+        if self.options.query_state:
+            queries = queries + self.query_states[:count].to(queries.dtype)
+        return queries
 
     @property
     def block_slots(self) -> int:
@@ -210,7 +269,7 @@ class BlockDrafter(Drafter):
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         ref, layer = self.fc.weight, self.layer
         length = max_len or self.config.max_seq_len
-        return KVCache(1, batch, layer.heads, length, layer.head_dim, ref.dtype, ref.device)
+        return KVCache(len(layer.blocks), batch, layer.heads, length, layer.head_dim, ref.dtype, ref.device)
 
     # --- training ---------------------------------------------------------------------------------
     def teacher_blocks(
@@ -227,7 +286,7 @@ class BlockDrafter(Drafter):
         embeds = after_prefix_rows(self.embed(tokens), prefix)
         positions = torch.arange(seq, device=device)
         teacher = teacher_mask(cond_mask, seq)
-        cache = _ContextThenQueries()
+        cache = _TrainingCache()
         rows = self(states[:, :-1], embeds, positions, teacher, cache, positions)
         j = torch.arange(1, self.options.slots, device=device)
         drafted = roots[:, None] + 1 + j  # [R, J]
@@ -308,7 +367,7 @@ class BlockDrafter(Drafter):
 
     def shape(self) -> str:
         o = self.options
-        ffn = self.layer.block.feed_forward.w2.in_features
+        ffn = self.layer.blocks[0].feed_forward.w2.in_features
         n_head = self.config.layer.get("n_head")  # the family's EAGLE layer's: this kind does not build it
         unused = f"; config.json's `layer.n_head` {n_head}: the EAGLE layer's, unused here" if n_head else ""
         return (
