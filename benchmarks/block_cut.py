@@ -79,18 +79,25 @@ def measure(args: argparse.Namespace) -> list[Row]:
                 )
             stats[trial] += decoded.stats
             seconds[trial] += decoded.seconds
-        print(f"{min(start + args.batch, len(prompts))}/{len(prompts)} prompts", flush=True)
+        done = min(start + args.batch, len(prompts))
+        rows = summary_rows(target, stats, seconds, counters)
+        print(f"{done}/{len(prompts)} prompts\n{table(rows)}", flush=True)
+    return summary_rows(target, stats, seconds, counters)
+
+
+def summary_rows(target, stats: dict, seconds: dict, counters: dict) -> list[Row]:
+    """One row per trial over the prompts decoded so far."""
     rows = []
-    for trial in trials:
-        summary = summarize(stats[trial], target.num_image_tokens)
-        steps = sum(s.steps for s in stats[trial])
+    for trial, decoded in stats.items():
+        summary = summarize(decoded, target.num_image_tokens)
+        steps = sum(s.steps for s in decoded)
         rows.append(
             Row(
                 *trial,
                 summary["S"],
                 summary["tau"],
                 counters[trial][0] / steps,
-                seconds[trial] / len(prompts),
+                seconds[trial] / len(decoded),
             )
         )
     return rows
