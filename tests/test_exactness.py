@@ -179,7 +179,11 @@ def test_prompts_sample_alike_batched_and_alone(name, tmp_path):
         torch.nn.init.normal_(p, std=0.2)
     drafter = drafter.attach(target).eval()
     sampling = SamplingConfig(cfg_scale=2.0, temperature=1.0)
-    engine = method(name, target, drafter, sampling, tmp_path)
+    assert_samples_alike_batched_and_alone(method(name, target, drafter, sampling, tmp_path))
+
+
+def assert_samples_alike_batched_and_alone(engine) -> None:
+    """Four prompts decoded together and each alone, each with its own generator, give the same tokens."""
     cond = tiny_condition(batch=4, seed=7)
 
     def gens(rows: range) -> list[torch.Generator]:

@@ -8,7 +8,9 @@ from q_d (inverse CDF, ``Purpose.DRAFT`` uniforms at the child's index) and q is
 verification keeps AR's distribution and LANTERN++ / GSD apply as on a static tree. q_d is the drafter's
 confidence (``DraftContext.draft_confidence``): the rule is exact for any q, and this one needs no
 vocabulary-wide selection. A child past q's support stays undrafted, with its subtree, as in
-``static.py``; all parents of a rank draw at once. docs/decoding.md, "Block drafting"."""
+``static.py``; all parents of a rank draw at once. ``cut`` (issue #55) leaves undrafted the levels that
+the slots' confidences predict the chain does not reach: a function of q alone, never of the tokens
+drawn, so verification stays exact. docs/decoding.md, "Block drafting"."""
 
 from __future__ import annotations
 
@@ -47,6 +49,9 @@ class BlockTreeConfig(TreeConfig):
     # `depth`; its top-ranked path goes on as a chain down to `depth`. Neither: a chain.
     preset: str | None = None
     paths: list[list[int]] | None = None
+    # Confidence cut (DSpark-style): a level deeper than 1 is drafted only while the product of the slots'
+    # confidences (each slot's largest q) down to it is at least `cut`. None: every level.
+    cut: float | None = None
 
 
 class _Round(NamedTuple):
@@ -132,6 +137,9 @@ class BlockTreeBuilder(DraftTreeBuilder):
             raise ValueError("a block tree takes tree.preset or tree.paths, not both")
         if config.preset is not None and config.preset not in STATIC_TREES:
             raise ValueError(f"unknown static tree {config.preset!r}; known: {sorted(STATIC_TREES)}")
+        if config.cut is not None and not 0.0 < config.cut <= 1.0:
+            raise ValueError(f"tree.cut is a probability in (0, 1] (or null: no cut), got {config.cut}")
+        self.cut = config.cut
         tree = STATIC_TREES[config.preset] if config.preset else config.paths or []
         chain = {(0,) * d for d in range(1, config.depth + 1)}
         paths = chain | {tuple(p) for p in tree if len(p) <= config.depth}
@@ -200,6 +208,16 @@ class BlockTreeBuilder(DraftTreeBuilder):
         slots, vis = ctx.target.image_slot(column), chain_visibility(column, n_img)
         return ctx.drafter_inputs(None, index.clamp_max(n_img), slots, vis, next_embeds=embeds)
 
+    def levels(self, q: torch.Tensor) -> torch.Tensor:
+        """[B] long: the levels drafted under the cut, from the slots' confidences ``q`` [B, depth, V] (the
+        confidence the tree's draws use, ``draft_confidence``). Slot d's largest q predicts the chance a
+        depth-d draft is accepted, so the running product over slots 1 .. d predicts that the chain reaches
+        depth d; it never rises, so the levels kept are the first ones. Level 1 is always drafted: the
+        verification forward runs anyway, and a step with no draft commits only AR's token. Each row's
+        levels depend on its own q alone, and on no token drawn (that keeps verification exact)."""
+        reach = q.amax(-1).float().cumprod(1)  # [B, depth]: max reductions only, no vocabulary-wide selection
+        return (reach >= self.cut).sum(1).clamp_min(1)
+
     @step_kernel
     def _draw(self, ctx: DraftContext, state: StepState, shape: _Shape, logits: torch.Tensor) -> DraftTree:
         """The tree's tokens from the slots' drafter ``logits`` [R, depth, V]: slot d's top-k at T = 0,
@@ -207,13 +225,16 @@ class BlockTreeBuilder(DraftTreeBuilder):
         draws from its slot's whole q, so only later ranks can run past q's support."""
         t, batch, layout = shape.tree, len(state.roots), shape.layout(state.roots.device)
         valid = state.depth_limit[:, None] >= layout.depths[None]  # [B, T]: within the image
+        q = None if ctx.sampling.greedy else ctx.draft_confidence(logits)  # [B, depth, V]
+        if self.cut is not None:
+            levels = self.levels(ctx.draft_confidence(logits) if q is None else q)
+            valid = valid & (layout.depths[None] <= levels[:, None])
         if ctx.sampling.greedy:
             top = ctx.draft_logits(logits).topk(shape.width, dim=-1).indices.flatten(1)  # [B, depth·width]
             tokens = top.gather(1, layout.slot_rank[None].expand(batch, -1))
             tokens = torch.cat([state.roots[:, None], tokens[:, 1:]], 1)
             q_nodes = None
-        else:
-            q = ctx.draft_confidence(logits)  # [B, depth, V]: no top-k filter (the module docstring)
+        else:  # q: no top-k filter (the module docstring)
             u = state.rng.uniform(Purpose.DRAFT, t.size)
             mass = q.double()  # [B, P, V] each family's mass not drawn yet
             if layout.family_slots is not None:
