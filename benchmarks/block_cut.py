@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from benchmarks.block_drafting import decode_side_by_side
 from benchmarks.step_cost import EMBEDDED
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.metrics import summarize
-from vdtrain.eval.runner import decode_prompts
 from vdtrain.prompts import shapes_validation_captions
 from vdtrain.target_settings import load_drafter, target_config, world_knobs
 from vdtrain.targets import load_target_folder
@@ -69,19 +69,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
         config = load_preset(preset, OmegaConf.merge(knobs.get(preset, {}), {"tree": {"cut": cut}}))
         engines[preset, cut] = build_method(config, target, drafter, sampling)
         counters[preset, cut] = count_drafts(engines[preset, cut])
-    stats = {t: [] for t in trials}
-    seconds = dict.fromkeys(trials, 0.0)
-    for start in range(0, len(prompts), args.batch):
-        for trial in trials:
-            with torch.no_grad():
-                decoded = decode_prompts(
-                    engines[trial], target, prompts[start : start + args.batch], start, args.batch
-                )
-            stats[trial] += decoded.stats
-            seconds[trial] += decoded.seconds
-        done = min(start + args.batch, len(prompts))
-        rows = summary_rows(target, stats, seconds, counters)
-        print(f"{done}/{len(prompts)} prompts\n{table(rows)}", flush=True)
+    stats, seconds = decode_side_by_side(engines, target, prompts, args.batch)
     return summary_rows(target, stats, seconds, counters)
 
 

@@ -13,7 +13,8 @@ last validation (``val/top1_slot{j}``: fit's validation images, never the captio
 block_tree on ``--prompts`` **validation** captions at T = 1 (``benchmarks.block_drafting``'s side-by-side
 decode; the held-out captions are kept for the final report), and the draft phase's weighted ops at XL depth.
 Writes ``results.{json,csv,md}`` under ``--out``; the fits' run folders and logs go under ``--runs``, and a
-variant whose run folder already holds a finished fit (``summary.json``) is not trained again.
+variant whose run folder already holds a finished fit (``summary.json``) is not trained again, nor scored
+again where its scores are there.
 """
 
 from __future__ import annotations
@@ -146,10 +147,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     for name, variant in variants.items():
         summary = json.loads((runs / name / "summary.json").read_text())
         drafter = load_drafter(runs / name / "drafter", target)
-        methods = {m: build_method(load_preset(m, knobs.get(m)), target, drafter, sampling) for m in METHODS}
-        stats, _ = decode_side_by_side(methods, target, prompts, 8)
-        s = {m: summarize(stats[m], target.num_image_tokens)["S"] for m in METHODS}
-        ops = xl_depth_ops(["block"], knobs, asdict(drafter.options))["block"]
+        scored = runs / name / f"search_scores_{args.prompts}.json"  # kept: a re-run scores only new fits
+        if not scored.exists():
+            methods = {
+                m: build_method(load_preset(m, knobs.get(m)), target, drafter, sampling) for m in METHODS
+            }
+            stats, _ = decode_side_by_side(methods, target, prompts, 8)
+            s = {m: summarize(stats[m], target.num_image_tokens)["S"] for m in METHODS}
+            ops = xl_depth_ops(["block"], knobs, asdict(drafter.options))["block"]
+            scored.write_text(json.dumps({**s, "draft": ops.weighted_phase("draft", weights)}))
+        s = json.loads(scored.read_text())
         slots = [summary["val/top1"]] + [summary[f"val/top1_slot{j}"] for j in range(1, drafter.block_slots)]
         rows.append(
             Row(
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 summary["val/tau_block"],
                 s["block"],
                 s["block_tree"],
-                ops.weighted_phase("draft", weights),
+                s["draft"],
             )
         )
     write(out, rows, args, budget_steps, base)
