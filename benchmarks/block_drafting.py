@@ -185,7 +185,6 @@ def table(rows: list[Row]) -> str:
 
 
 def write(out: Path, rows: list[Row], args: argparse.Namespace) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     flags = " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items()
@@ -197,6 +196,13 @@ def write(out: Path, rows: list[Row], args: argparse.Namespace) -> None:
         "date": time.strftime("%Y-%m-%d"),
         "kernel_weights": KernelWeights.load().source,
     }
+    write_results(out, settings, rows, f"`{settings['command']}` ({settings['date']})\n\n{table(rows)}\n")
+
+
+def write_results(out: Path, settings: dict, rows: list, markdown: str) -> None:
+    """``results.json`` (``settings`` and the dataclass ``rows``), ``results.csv`` and ``results.md``
+    (``markdown``) under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(
         json.dumps({"settings": settings, "rows": [asdict(r) for r in rows]}, indent=2) + "\n"
     )
@@ -204,7 +210,7 @@ def write(out: Path, rows: list[Row], args: argparse.Namespace) -> None:
         writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
         writer.writeheader()
         writer.writerows(asdict(r) for r in rows)
-    (out / "results.md").write_text(f"`{settings['command']}` ({settings['date']})\n\n{table(rows)}\n")
+    (out / "results.md").write_text(markdown)
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ again where its scores are there.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -33,7 +32,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.block_drafting import decode_side_by_side, xl_depth_ops
+from benchmarks.block_drafting import decode_side_by_side, write_results, xl_depth_ops
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.metrics import summarize
@@ -194,7 +193,6 @@ def table(rows: list[Row]) -> str:
 
 
 def write(out: Path, rows: list[Row], args: argparse.Namespace, budget_steps: int, base: float) -> None:
-    out.mkdir(parents=True, exist_ok=True)
     settings = {
         "command": "python -m benchmarks.block_search " + " ".join(sys.argv[1:]),
         "budget": f"{budget_steps} steps of base = {budget_steps * base / 1e12:.2f} TFLOP",
@@ -202,16 +200,8 @@ def write(out: Path, rows: list[Row], args: argparse.Namespace, budget_steps: in
         "date": time.strftime("%Y-%m-%d"),
         "config": OmegaConf.to_container(OmegaConf.load(SEARCH)),
     }
-    (out / "results.json").write_text(
-        json.dumps({"settings": settings, "rows": [asdict(r) for r in rows]}, indent=2) + "\n"
-    )
-    with open(out / "results.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
-    (out / "results.md").write_text(
-        f"`{settings['command']}` ({settings['date']}; {settings['budget']})\n\n{table(rows)}\n"
-    )
+    markdown = f"`{settings['command']}` ({settings['date']}; {settings['budget']})\n\n{table(rows)}\n"
+    write_results(out, settings, rows, markdown)
 
 
 if __name__ == "__main__":
