@@ -12,6 +12,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import random_drafter, tiny_condition
+from test_block_drafter import GREEDY, SAMPLED
 from test_engine import (
     SIGNIFICANCE,
     chi_square_pvalue,
@@ -28,12 +29,9 @@ from vdtrain.decode.builders.block import BlockTreeBuilder
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.graphs import record_fx
 from vdtrain.decode.methods import build_method, load_preset
-from vdtrain.decode.sampling import SamplingConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-GREEDY = SamplingConfig(cfg_scale=2.0, temperature=0.0)
-SAMPLED = SamplingConfig(cfg_scale=2.0, temperature=1.0)
 TINY_CUT = 0.02  # on the tiny target (24 codes) with a random drafter: some steps cut, some not
 # On the micro problem (4 codes) with the fixture's drafter, the first step's predicted reach of level 2 is
 # 0.27-0.55 by the first token: 0.4 cuts it after about half of them. The drawn tokens' path q falls

@@ -10,9 +10,8 @@ block of tokens (``drafts_blocks``, ``block_slots``, ``block_queries``) and its 
 
 Row ``s`` of a drafter sequence is ``fc([e_{s+1}; f_s])`` and outputs ``f̂_{s+1}`` (``rows.teacher_inputs``;
 derived in docs/training.md, "The drafter's sequence alignment"). Every drafter feature, ``f`` in and ``f̂``
-out, is [.., H] (the target's width, whatever ``input_features`` fuses): what a kind needs besides it per row
-is a typed part of its rows, ``DraftInputs.offset`` (Medusa's head, the block kind's query offset), never
-extra feature channels.
+out, is [.., H] (the target's width, whatever ``input_features`` fuses); what else a kind needs per row is
+a typed part of its rows (``DraftInputs.offset``: Medusa's head, a block's query offset), never channels.
 """
 
 from __future__ import annotations
@@ -416,6 +415,18 @@ class Drafter(nn.Module):
     def read_metadata(folder: str | os.PathLike[str]) -> dict[str, Any]:
         """The ``metadata`` saved next to the config (empty if none)."""
         return _read_config_json(Path(folder) / CONFIG_FILE).get("metadata", {})
+
+
+def fused_taps(
+    tapped: torch.Tensor, fuse: nn.Linear, norms: nn.ModuleList | None, hidden_size: int
+) -> torch.Tensor:
+    """The ``tapped`` target layers [.., k·H], each through its RMS norm where ``norms`` are given, fused by
+    ``fuse`` into [.., H]: how a kind that reads taps (eagle3, block) turns them into a feature."""
+    tapped = tapped.to(fuse.weight.dtype)
+    if norms is not None:
+        parts = tapped.split(hidden_size, dim=-1)
+        tapped = torch.cat([norm(part) for norm, part in zip(norms, parts, strict=True)], -1)
+    return fuse(tapped)
 
 
 def block_kind() -> str:

@@ -25,7 +25,7 @@ from torch import nn
 
 from vdtrain.config import DrafterTrainConfig
 from vdtrain.drafters import losses
-from vdtrain.drafters.base import Drafter, DraftInputs, LossInputs
+from vdtrain.drafters.base import Drafter, DraftInputs, LossInputs, fused_taps
 from vdtrain.drafters.config import DrafterConfig
 from vdtrain.drafters.head_loss import head_token_loss
 from vdtrain.drafters.registry import register
@@ -232,9 +232,8 @@ class BlockDrafter(Drafter):
             raise ValueError(
                 f"this block drafter reads target layers {list(self.taps)}: run the target with taps"
             )
-        parts = tapped.to(self.fuse.weight.dtype).split(self.config.hidden_size, dim=-1)
-        normed = [norm(part) for norm, part in zip(self.tap_norms, parts, strict=True)]
-        return hidden.to(self.fuse.weight.dtype) + self.fuse(torch.cat(normed, -1))
+        fused = fused_taps(tapped, self.fuse, self.tap_norms, self.config.hidden_size)
+        return hidden.to(fused.dtype) + fused
 
     def block_queries(self, roots: torch.Tensor, count: int) -> torch.Tensor:
         """The root's feature for every query row, plus the learned state of its offset with

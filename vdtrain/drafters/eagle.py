@@ -13,7 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from vdtrain.drafters.base import Drafter, DraftInputs
+from vdtrain.drafters.base import Drafter, DraftInputs, fused_taps
 from vdtrain.drafters.config import DrafterConfig
 from vdtrain.drafters.registry import register
 from vdtrain.models.kv_cache import KVCache
@@ -129,11 +129,8 @@ class Eagle3Drafter(EagleDrafter):
             raise ValueError(
                 f"an eagle3 drafter reads target layers {list(self.taps)}: run the target with taps"
             )
-        tapped = tapped.to(self.fuse.weight.dtype)
-        if self.options.tap_norm:
-            parts = tapped.split(self.config.hidden_size, dim=-1)
-            tapped = torch.cat([norm(part) for norm, part in zip(self.tap_norms, parts, strict=True)], -1)
-        return self.fuse(tapped)
+        norms = self.tap_norms if self.options.tap_norm else None
+        return fused_taps(tapped, self.fuse, norms, self.config.hidden_size)
 
     def embeds_and_features(
         self, next_embeds: torch.Tensor, features: torch.Tensor
