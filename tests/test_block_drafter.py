@@ -23,7 +23,7 @@ from test_engine import (
     micro_problem,
     sample_images,
 )
-from test_fit import shapes_batch
+from test_fit import fit_config, shapes_batch
 
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.decode.ar import generate_ar
@@ -33,6 +33,7 @@ from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.block import training_roots
 from vdtrain.targets import load_target
 from vdtrain.targets.base import split_taps
+from vdtrain.train.fit_parts import build_drafter
 from vdtrain.train.module import DrafterModule
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,6 +118,39 @@ def test_the_search_options_are_checked():
         Drafter.make(DrafterConfig.for_target(target, kind="block", layers=0))
     with pytest.raises(ValueError, match=r"feature_layers \[3\] outside 0 .. 2"):
         Drafter.make(DrafterConfig.for_target(target, kind="block", feature_layers=[3]))
+
+
+def test_init_from_adds_taps_and_query_state_to_a_saved_drafter_which_drafts_the_same(tmp_path):
+    """fit's ``drafter.init_from`` grows a block drafter saved without taps or a query state by them (parts
+    that start at zero): its trained weights kept, the same rows and blocks. Any other change is refused."""
+    target = make_target(image_size=8)
+    saved = random_drafter(target, std=0.3, kind="block")
+    saved.save_pretrained(tmp_path / "saved")
+    start = (f"drafter.init_from={tmp_path / 'saved'}", "drafter.kind=block")
+    grow = ("+drafter.options.feature_layers=[1,2]", "+drafter.options.query_state=true")
+    grown = build_drafter(fit_config(tmp_path, tmp_path / "run", *start, *grow), target)
+    assert grown.taps == (1, 2) and grown.options.query_state and grown.options.width == saved.options.width
+    cond, tokens = tiny_condition(batch=2), torch.randint(0, 16, (2, target.num_image_tokens))
+    with torch.no_grad():
+        feats = target.sequence_features(cond, tokens, grown.taps).float()
+        hidden, tapped = split_taps(feats, target.hidden_size, 2)
+        roots = torch.arange(0, target.num_image_tokens - 2, 3)
+        want = saved.teacher_blocks(hidden, tokens, cond.mask, roots)
+        got = grown.teacher_blocks(grown.input_features(hidden, tapped), tokens, cond.mask, roots)
+    torch.testing.assert_close(got.rows, want.rows, rtol=0, atol=0)
+    torch.testing.assert_close(got.queries, want.queries, rtol=0, atol=0)
+    with pytest.raises(
+        ValueError, match=r"options.width=128 .*only \['feature_layers', 'query_state'\] can be"
+    ):
+        build_drafter(fit_config(tmp_path, tmp_path / "run", *start, "+drafter.options.width=128"), target)
+    grown.save_pretrained(tmp_path / "grown")
+    again = (
+        f"drafter.init_from={tmp_path / 'grown'}",
+        "drafter.kind=block",
+        "+drafter.options.feature_layers=[2]",
+    )
+    with pytest.raises(ValueError, match=r"feature_layers=\[2\] \(saved \(1, 2\)\)"):
+        build_drafter(fit_config(tmp_path, tmp_path / "run", *again), target)
 
 
 def test_a_block_tree_needs_a_drafter_that_drafts_blocks():

@@ -97,6 +97,9 @@ class Drafter(nn.Module):
     feature_loss: ClassVar[bool] = True  # f̂ regresses the target's next feature (``w_cls`` / ``w_feature``)
     # One forward drafts a block of tokens (``block_slots``, ``block_queries``): a block tree's drafter.
     drafts_blocks: ClassVar[bool] = False
+    # Options whose parts start at zero: fit's ``drafter.init_from`` may add them to a drafter saved without
+    # them (``fit_parts.grown``), which then drafts what it drafted until it trains.
+    grows: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def make(cls, config: DrafterConfig, target: Target | None = None) -> Drafter:

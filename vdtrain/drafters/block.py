@@ -175,6 +175,7 @@ class BlockDrafter(Drafter):
     card_tags: ClassVar[tuple[str, ...]] = ("block-drafting",)  # not EAGLE's one token per forward
     Options: ClassVar[type] = BlockOptions
     drafts_blocks: ClassVar[bool] = True
+    grows: ClassVar[frozenset[str]] = frozenset({"feature_layers", "query_state"})  # zero-initialised parts
 
     def build(self, config: DrafterConfig) -> None:
         """The projection into the layer (its last ``slots − 1`` input columns read the one-hot of a query
