@@ -54,6 +54,7 @@ METHODS = {
     "block": "drafter_block",
     "block_tree": "drafter_block",
 }
+PRESETS = {"eagle3": "eagle2"}  # a method that is a preset decoded with another kind of drafter: its preset
 
 
 @dataclass
@@ -73,6 +74,13 @@ class Row:
     projected_xl_speedup: float  # S × AR's weighted step ÷ this one's (issue #46's model)
 
 
+def method_preset(name: str, knobs: dict[str, dict]):
+    """The decode preset ``name`` runs (eagle3: eagle2's tree with the eagle3 drafter), with the world's
+    knobs for it."""
+    preset = PRESETS.get(name, name)
+    return load_preset(preset, knobs.get(preset))
+
+
 def xl_depth_ops(
     methods: list[str], knobs: dict[str, dict], block_options: dict | None = None
 ) -> dict[str, PhaseOps]:
@@ -84,8 +92,11 @@ def xl_depth_ops(
     cond = conditions(target, "llamagen-xl", 1, 1, 0)[0]
     out = {}
     for name in methods:
-        config = load_preset(name, knobs.get(name))
+        config = method_preset(name, knobs)
         drafts = drafter_for(config, "llamagen-xl", target, drafter) if config.needs_drafter else None
+        if METHODS[name] == "drafter_eagle3":  # its taps and fusion are part of its draft phase
+            torch.manual_seed(0)
+            drafts = Drafter.make(DrafterConfig.for_target(target, kind="eagle3")).attach(target).eval()
         if config.drafts_blocks and block_options:
             torch.manual_seed(0)
             made = DrafterConfig.for_target(target, kind="block", **block_options)
@@ -129,7 +140,7 @@ def measure(args: argparse.Namespace) -> list[Row]:
     for temperature in args.temperatures:
         sampling = replace(target.sampling_defaults, temperature=temperature)
         methods = {
-            m: build_method(load_preset(m, knobs.get(m)), target, drafters[METHODS[m]], sampling)
+            m: build_method(method_preset(m, knobs), target, drafters[METHODS[m]], sampling)
             for m in args.methods
         }
         stats, seconds = decode_side_by_side(methods, target, prompts, args.batch)
