@@ -723,6 +723,8 @@ def test_resume_reproduces_the_uninterrupted_run(kind, tiny_folder, tmp_path):
     assert whole["global_step"] == split["global_step"] == 6
     assert whole["epoch"] == split["epoch"] == 1
     assert whole["DrafterDataModule"] == split["DrafterDataModule"] == {"consumed": 12}
+    best = {"eagle1": "'val/tau_sim'", "block": "'val/tau_block'"}[kind]  # the kind's estimate of S
+    assert any(f"'monitor': {best}" in key for key in whole["callbacks"]), whole["callbacks"].keys()
     assert whole["state_dict"].keys() == split["state_dict"].keys()
     for name, value in whole["state_dict"].items():
         assert torch.equal(value, split["state_dict"][name]), name

@@ -198,7 +198,9 @@ class FitConfig:
     export_dir: str | None = None  # where the final drafter is saved (default run_dir/drafter)
     eval: EvalCallbackConfig = field(default_factory=EvalCallbackConfig)
     push: PushConfig = field(default_factory=PushConfig)
-    best_metric: str = "val/tau_sim"  # picks checkpoints/best.ckpt; e.g. eval/eagle2_T0/S (EvalAfterEpoch)
+    # picks checkpoints/best.ckpt; null: the kind's estimate of S (val/tau_sim; a block drafter's
+    # val/tau_block); e.g. eval/eagle2_T0/S (EvalAfterEpoch)
+    best_metric: str | None = None
     best_mode: str = "max"  # max | min
     debug: bool = False  # a user error shows its full traceback (vdtrain.cli)
     # print the memory plan per GPU (one training step and the after-epoch evaluation) and exit without

@@ -206,18 +206,19 @@ def fit(cfg: FitConfig, callbacks: list[L.Callback] | None = None) -> dict:
         enable_version_counter=False,  # always last.ckpt, even if a resumed run changes the settings
         resumed_from=ckpt_path,
     )
+    best_metric = cfg.best_metric or drafter.best_metric
     hooks: list[L.Callback] = [
         LearningRateMonitor(logging_interval="step"),  # lr-<optimizer> beside the losses
         last,
         FiniteCheckpoint(
             dirpath=run_dir / "checkpoints",
             filename="best",
-            monitor=cfg.best_metric,
+            monitor=best_metric,
             mode=cfg.best_mode,
             save_top_k=1,
             enable_version_counter=False,
             # EvalAfterEpoch measures at the end of the training epoch, after validation has run.
-            save_on_train_epoch_end=cfg.best_metric.startswith("eval/"),
+            save_on_train_epoch_end=best_metric.startswith("eval/"),
         ),
     ]
     t = cfg.trainer

@@ -100,6 +100,8 @@ class Drafter(nn.Module):
     # Options whose parts start at zero: fit's ``drafter.init_from`` may add them to a drafter saved without
     # them (``fit_parts.grown``), which then drafts what it drafted until it trains.
     grows: ClassVar[frozenset[str]] = frozenset()
+    # The validation estimate of S that fit's best.ckpt keeps by default (FitConfig.best_metric null).
+    best_metric: ClassVar[str] = "val/tau_sim"
 
     @classmethod
     def make(cls, config: DrafterConfig, target: Target | None = None) -> Drafter:

@@ -176,6 +176,7 @@ class BlockDrafter(Drafter):
     Options: ClassVar[type] = BlockOptions
     drafts_blocks: ClassVar[bool] = True
     grows: ClassVar[frozenset[str]] = frozenset({"feature_layers", "query_state"})  # zero-initialised parts
+    best_metric: ClassVar[str] = "val/tau_block"  # the chain a block drafts, not tau_sim's depth unroll
 
     def build(self, config: DrafterConfig) -> None:
         """The projection into the layer (its last ``slots − 1`` input columns read the one-hot of a query
