@@ -28,7 +28,7 @@ from test_fit import fit_config, shapes_batch
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.decode.ar import generate_ar
 from vdtrain.decode.methods import build_method, load_preset
-from vdtrain.decode.sampling import SamplingConfig
+from vdtrain.decode.sampling import SamplingConfig, combine_cfg
 from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.block import training_roots
 from vdtrain.targets import load_target
@@ -204,3 +204,58 @@ def test_a_block_tree_keeps_the_ar_distribution_at_t1():
     engine = build_method(load_preset("block_tree"), target, drafter, SAMPLED)
     samples = sample_images(engine, cond, 3000, seed=1)
     assert chi_square_pvalue(samples, exact_ar_distribution(target, cond, SAMPLED)) > SIGNIFICANCE
+
+
+def test_the_guided_loss_scores_the_cfg_combined_logits_a_decode_verifies(tiny_folder):
+    """``drafter.guided_scale``: every sample in both streams (conditional half first), and the agreement
+    the loss reports is that of the guided logits ``u + s·(c − u)`` of drafter and target, computed here
+    from each stream's logits as the decode combines them; at s = 1 it is the conditional stream's."""
+    target = load_target({"kind": "folder", "folder": str(tiny_folder)})
+    drafter = Drafter.make(DrafterConfig.for_target(target, kind="block", slots=4, train_roots=5), target)
+    torch.manual_seed(0)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+
+    def module(scale: float | None) -> DrafterModule:
+        train = DrafterTrainConfig(cls_loss="acceptance", guided_scale=scale)
+        return DrafterModule(target, drafter, train, OptimConfig(), features="online")
+
+    guided, batch = module(3.0), shapes_batch(2)
+    tokens, mask, states = guided.training_inputs(batch, torch.Generator().manual_seed(0))
+    cond = guided.prepare(batch, torch.zeros(2, dtype=torch.bool))
+    null = guided.prepare(batch, torch.ones(2, dtype=torch.bool))
+    assert torch.equal(states[:2], cond[2]) and torch.equal(states[2:], null[2])
+    assert torch.equal(mask[2:], null[1]) and torch.equal(tokens[2:], tokens[:2])
+    total, parts = guided.loss_on(tokens, mask, states, None, 0.0)
+    total.backward()
+    assert drafter.out.weight.grad.abs().sum() > 0
+
+    with torch.no_grad():
+        num, prefix = tokens.shape[1], mask.shape[1]
+        roots = drafter.training_roots(num, None, tokens.device)
+        teacher = drafter.teacher_blocks(states, tokens, mask, roots)
+        q = drafter.logits(teacher.queries)  # [2B, R, J, V]
+        p = drafter.head_logits(states[:, prefix + teacher.drafted.clamp_max(num - 1) - 1])
+        q_top = combine_cfg(q[:2], q[2:], 3.0).argmax(-1)
+        p_top = combine_cfg(p[:2], p[2:], 3.0).argmax(-1)
+    for j in range(1, 4):
+        at = (teacher.drafted - roots[:, None] - 1 == j) & (teacher.drafted < num)
+        want = (q_top == p_top)[:, at].float().mean()
+        torch.testing.assert_close(parts[f"top1_slot{j}"], want)
+    assert "stream_tau_block" in parts and parts["guided"] > 0
+
+    _, at_one = module(1.0).loss_on(tokens, mask, states, None, 0.0)
+    _, cond_only = module(None).loss_on(tokens[:2], mask[:2], states[:2], None, 0.0)
+    for name in ("top1", "top1_slot1", "top1_slot3", "tau_block"):
+        torch.testing.assert_close(at_one[name], cond_only[name])
+
+
+def test_guided_training_is_refused_where_it_cannot_be_computed(tiny_folder):
+    target = load_target({"kind": "folder", "folder": str(tiny_folder)})
+    train = DrafterTrainConfig(guided_scale=3.0)
+    eagle = Drafter.make(DrafterConfig.for_target(target, kind="eagle1"), target)
+    with pytest.raises(ValueError, match="guided_scale is the block kind's"):
+        DrafterModule(target, eagle, train, OptimConfig())
+    block = Drafter.make(DrafterConfig.for_target(target, kind="block"), target)
+    with pytest.raises(ValueError, match=r"data\.features=online"):
+        DrafterModule(target, block, train, OptimConfig(), features="offline")

@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from conftest import random_gpt, random_vq, tiny_condition
+from omegaconf import OmegaConf
 from reference_losses import block_loss, cls_per_row, drafter_loss
 from reference_losses import unrolled_loss as reference_unrolled_loss
 
@@ -165,17 +166,30 @@ def test_a_head_with_an_inner_part_and_a_bias_chunks_its_last_linear():
         assert torch.equal(hits, head(drafted).argmax(-1) == head(target).argmax(-1)[:, None])
 
 
-def module_of(target: LlamaGenTarget, kind: str, compile: bool = False) -> DrafterModule:
-    train = DrafterTrainConfig(kind=kind, ttt_steps=3, loss_chunks=CHUNKS)
+def module_of(
+    target: LlamaGenTarget, kind: str, compile: bool = False, guided_scale: float | None = None
+) -> DrafterModule:
+    train = DrafterTrainConfig(kind=kind, ttt_steps=3, loss_chunks=CHUNKS, guided_scale=guided_scale)
+    # as fit hands it: a structured DictConfig, whose attribute reads would break the compiled graph
+    train = OmegaConf.structured(train)
     return DrafterModule(target, drafter_of(target, kind), train, OptimConfig(), compile=compile)
 
 
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "block"])  # medusa's loss is eagle3's
-def test_the_compiled_part_of_a_training_step_has_no_graph_break_and_no_complex_op(target, kind):
+@pytest.mark.parametrize(
+    "kind, guided_scale",
+    [("eagle1", None), ("eagle3", None), ("block", None), ("block", 3.0)],  # medusa's loss is eagle3's
+    ids=["eagle1", "eagle3", "block", "block_guided"],
+)
+def test_the_compiled_part_of_a_training_step_has_no_graph_break_and_no_complex_op(
+    target, kind, guided_scale
+):
     """What ``trainer.compile`` compiles (the drafter's passes and loss, a left-padded caption) traces as one
-    graph; RoPE runs in real arithmetic there, which Inductor generates code for."""
-    module = module_of(target, kind)
+    graph, from the settings fit hands it; RoPE runs in real arithmetic there, which Inductor generates code
+    for. The guided block loss reads a batch of both streams (any even batch traces the same)."""
+    module = module_of(target, kind, guided_scale=guided_scale)
     cond_mask, tokens, hidden, tapped = batch(target, module.drafter.taps)
+    if guided_scale is not None:  # two streams of one sample
+        cond_mask, tokens, hidden = cond_mask[:2], tokens[:2], hidden[:2]
     roots = module.drafter.training_roots(tokens.shape[1], torch.Generator().manual_seed(0), tokens.device)
     inputs = LossInputs(tokens, cond_mask, hidden, hidden, tapped, roots)
     explained = torch._dynamo.explain(module.drafter_loss)(inputs)

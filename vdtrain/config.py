@@ -88,6 +88,10 @@ class DrafterTrainConfig:
     # the loss goes through the frozen head in this many chunks of rows, so it holds 1 / loss_chunks of the
     # [rows, V] logits at a time (a fixed count: as many kernels, and as much to compile, at any batch)
     loss_chunks: int = 8
+    # block: also train the token loss on the CFG-combined logits of both streams, u + s·(c − u), at this
+    # scale s (the decode's cfg_scale): every sample runs in both streams, so a step costs about twice.
+    # null: each sample trains in its own stream only (docs/training.md, "Training for the guided decode")
+    guided_scale: float | None = None
     init_from: str | None = None  # a saved drafter folder to start from
 
 

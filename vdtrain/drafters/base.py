@@ -102,6 +102,8 @@ class Drafter(nn.Module):
     grows: ClassVar[frozenset[str]] = frozenset()
     # The validation estimate of S that fit's best.ckpt keeps by default (FitConfig.best_metric null).
     best_metric: ClassVar[str] = "val/tau_sim"
+    # its own loss reads ``DrafterTrainConfig.guided_scale``: a batch of both streams, conditional half first
+    trains_guided: ClassVar[bool] = False
 
     @classmethod
     def make(cls, config: DrafterConfig, target: Target | None = None) -> Drafter:

@@ -27,7 +27,7 @@ from vdtrain.config import DrafterTrainConfig
 from vdtrain.drafters import losses
 from vdtrain.drafters.base import Drafter, DraftInputs, LossInputs, fused_taps
 from vdtrain.drafters.config import DrafterConfig
-from vdtrain.drafters.head_loss import head_token_loss
+from vdtrain.drafters.head_loss import head_token_loss, split_head
 from vdtrain.drafters.registry import register
 from vdtrain.drafters.rows import after_prefix_rows, teacher_mask
 from vdtrain.models.kv_cache import AttendingCache, KVCache, LayerInputs
@@ -158,6 +158,17 @@ def training_roots(
     return roots.to(device)
 
 
+class _Guidance(NamedTuple):
+    """CFG on states the head reads: ``s·c + (1 − s)·u`` of a [2B, ..] batch (conditional half first). The
+    head is affine, so its logits are the guided ``u + s·(c − u)`` of the two streams' logits."""
+
+    scale: float
+
+    def __call__(self, states: torch.Tensor) -> torch.Tensor:
+        cond, uncond = states.chunk(2)
+        return uncond + self.scale * (cond - uncond)
+
+
 class TeacherBlocks(NamedTuple):
     """One teacher-forced pass: every committed row, then the blocks of some roots."""
 
@@ -177,6 +188,7 @@ class BlockDrafter(Drafter):
     drafts_blocks: ClassVar[bool] = True
     grows: ClassVar[frozenset[str]] = frozenset({"feature_layers", "query_state"})  # zero-initialised parts
     best_metric: ClassVar[str] = "val/tau_block"  # the chain a block drafts, not tau_sim's depth unroll
+    trains_guided: ClassVar[bool] = True
 
     def build(self, config: DrafterConfig) -> None:
         """The projection into the layer (its last ``slots − 1`` input columns read the one-hot of a query
@@ -322,12 +334,17 @@ class BlockDrafter(Drafter):
         ``top1`` (the first slot), ``top1_slot{j}`` and ``tau_block``, the chain estimate from the per-slot
         agreement.
 
+        With ``train.guided_scale`` s the batch holds every sample twice, conditional then null, and the
+        token terms are also scored on the guided logits ``u + s·(c − u)`` of drafter and target, which is
+        what a CFG decode verifies: the agreement parts are then the guided ones (each stream's own chain
+        estimate: ``stream_tau_block``).
+
         Fixed shapes, so it compiles in one graph: every query row is scored, those that draft past the
         image (a root near its end) with weight 0 and their target row clamped into it."""
         tokens, cond_mask, hidden, hidden_in, tapped, roots = batch
         if roots is None:
             raise ValueError("a block drafter's loss needs LossInputs.roots (Drafter.training_roots)")
-        prefix, num, size = cond_mask.shape[1], tokens.shape[1], len(tokens)
+        prefix, num = cond_mask.shape[1], tokens.shape[1]
         states = self.input_features(hidden_in, tapped)
         rows, queries, drafted = self.teacher_blocks(states, tokens, cond_mask, roots)
         total, parts = losses.teacher_loss(
@@ -338,22 +355,68 @@ class BlockDrafter(Drafter):
         slot_of = (drafted - roots[:, None]).flatten() - 1  # j of each query row
         target = hidden[:, prefix + drafted.clamp_max(num - 1).flatten() - 1]  # [B, R·J, H]: what predicts it
         drafts = self.normed(queries.flatten(1, 2))
+        block_loss, hits = self._block_token_loss(drafts, target, valid, slot_of, train)
+        total = total + block_loss
+        parts |= self._slot_agreement(parts["top1"], hits, valid, slot_of, drafted.shape[1])
+        parts["block"] = block_loss.detach()
+        if train.guided_scale is not None:
+            if split_head(self.head)[0] is not None:
+                raise ValueError(
+                    "drafter.guided_scale combines the streams' states before the head, which gives the "
+                    "guided logits only for an affine head; this target's head has layers before its last"
+                )
+            guide = _Guidance(train.guided_scale)
+            trained = losses.trained_rows(prefix, num)
+            row_losses, row_hits = head_token_loss(
+                guide(self.normed(rows[:, trained])).flatten(0, 1)[:, None],
+                guide(hidden[:, 1:][:, trained]).flatten(0, 1),
+                self.head, train.cls_loss, train.loss_chunks,
+            )  # fmt: skip
+            guided_block, guided_hits = self._block_token_loss(
+                guide(drafts), guide(target), valid, slot_of, train
+            )
+            guided = train.w_cls * row_losses.mean() + guided_block
+            total = total + guided
+            parts["stream_tau_block"] = parts["tau_block"]
+            parts |= self._slot_agreement(
+                row_hits.float().mean(), guided_hits, valid, slot_of, drafted.shape[1]
+            )
+            parts["top1"] = row_hits.float().mean()
+            parts["guided"] = guided.detach()
+        parts["total"] = total.detach()
+        return total, parts
+
+    def _block_token_loss(
+        self,
+        drafts: torch.Tensor,
+        target: torch.Tensor,
+        valid: torch.Tensor,
+        slot_of: torch.Tensor,
+        train: DrafterTrainConfig,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query rows' ``Σ_j decay^j · loss_j`` (mean over the valid rows) and their top-1 hits [B, R·J],
+        from the drafter's ``drafts`` and the target's ``target`` [B, R·J, H] as the head reads them."""
+        size = len(drafts)
         per_row, hits = head_token_loss(
             drafts.flatten(0, 1)[:, None], target.flatten(0, 1), self.head, train.cls_loss, train.loss_chunks
         )
-        per_row, hits = per_row.view(size, -1), hits.view(size, -1).float()
         weights = valid * train.ttt_decay ** slot_of.float()
-        block_loss = (per_row * weights).sum() / (size * valid.sum())
-        total = total + block_loss
-        agreement = [parts["top1"]]
-        for k in range(1, drafted.shape[1] + 1):
+        loss = (per_row.view(size, -1) * weights).sum() / (size * valid.sum())
+        return loss, hits.view(size, -1).float()
+
+    @staticmethod
+    def _slot_agreement(
+        first: torch.Tensor, hits: torch.Tensor, valid: torch.Tensor, slot_of: torch.Tensor, slots: int
+    ) -> dict[str, torch.Tensor]:
+        """``top1_slot{j}`` of the query rows' ``hits`` [B, R·J] and ``tau_block``, the chain estimate from
+        the first slot's agreement ``first`` and theirs (``losses.simulated_tau``)."""
+        parts, agreement = {}, [first]
+        for k in range(1, slots + 1):
             at = (slot_of == k) & valid
-            parts[f"top1_slot{k}"] = (hits * at).sum() / (size * at.sum()).clamp_min(1)
+            parts[f"top1_slot{k}"] = (hits * at).sum() / (len(hits) * at.sum()).clamp_min(1)
             agreement.append(parts[f"top1_slot{k}"])
-        parts["tau_block"] = 1 + torch.stack(agreement).float().cumprod(0).sum()  # losses.simulated_tau
-        parts["block"] = block_loss.detach()
-        parts["total"] = total.detach()
-        return total, parts
+        parts["tau_block"] = 1 + torch.stack(agreement).float().cumprod(0).sum()
+        return parts
 
     # --- the model card ---------------------------------------------------------------------------
     def card(self) -> str:

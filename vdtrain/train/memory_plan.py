@@ -164,7 +164,7 @@ def trace_step(
         data = {"tokens": tokens, "caption": [""] * batch}
         generator = torch.Generator().manual_seed(0)
         with autocast:
-            tokens, mask, states = module.prepare(data, module._null_rows(batch, generator))
+            tokens, mask, states = module.training_inputs(data, generator)
         target_pass, kept = tracker.peak, tracker.live
         tracker.reset_peak()
         try:

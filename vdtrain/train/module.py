@@ -20,6 +20,7 @@ import math
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Timer
+from omegaconf import DictConfig, OmegaConf
 
 from vdtrain.config import DataConfig, DrafterTrainConfig, OptimConfig, TrainerConfig
 from vdtrain.drafters.base import CHECKPOINT_CONFIG_KEY, Drafter, LossInputs
@@ -63,6 +64,19 @@ class DrafterModule(L.LightningModule):
             raise ValueError(f"drafter.cls_loss must be one of {list(CLS_LOSSES)}, got {train.cls_loss!r}")
         if not 0.0 <= p_null <= 1.0:
             raise ValueError(f"p_null must be in [0, 1], got {p_null}")
+        if isinstance(train, DictConfig):  # the compiled loss reads it: a DictConfig's reads break the graph
+            train = DrafterTrainConfig(**OmegaConf.to_container(train, resolve=True))
+        if train.guided_scale is not None:
+            if not drafter.trains_guided:
+                raise ValueError(
+                    f"drafter.guided_scale is the block kind's; drafter.kind={drafter.config.kind} trains "
+                    "each sample in its own stream (set drafter.guided_scale=null)"
+                )
+            if features != "online":
+                raise ValueError(
+                    "drafter.guided_scale needs both streams of every sample: data.features=online (stored "
+                    "features hold the one stream data_prep.features chose)"
+                )
         self._frozen = _Frozen(target.eval().requires_grad_(False))
         self.drafter = drafter.attach(target)
         self.train_cfg, self.optim_cfg = train, optim
@@ -149,9 +163,22 @@ class DrafterModule(L.LightningModule):
     def _null_rows(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
         return torch.rand(batch_size, generator=generator) < self.p_null
 
-    def loss(self, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def training_inputs(
+        self, batch: dict, generator: torch.Generator | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``prepare``'s tensors for a step: each sample in its own stream (null-conditioned with
+        ``p_null``; none without a ``generator``, as validation scores), or with ``drafter.guided_scale``
+        every sample twice, conditional then null ([2B, ..]): the loss combines the two as CFG does."""
         size = len(batch["caption"])
-        tokens, cond_mask, states = self.prepare(batch, self._null_rows(size, generator))
+        if self.train_cfg.guided_scale is None:
+            none = torch.zeros(size, dtype=torch.bool)
+            return self.prepare(batch, none if generator is None else self._null_rows(size, generator))
+        cond = self.prepare(batch, torch.zeros(size, dtype=torch.bool))
+        null = self.prepare(batch, torch.ones(size, dtype=torch.bool))
+        return tuple(torch.cat(pair) for pair in zip(cond, null, strict=True))  # type: ignore[return-value]
+
+    def loss(self, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        tokens, cond_mask, states = self.training_inputs(batch, generator)
         return self.loss_on(tokens, cond_mask, states, generator, self.train_cfg.feature_noise)
 
     def loss_on(
@@ -254,10 +281,11 @@ class DrafterModule(L.LightningModule):
         drafter unrolled as a tree step runs it (``vdtrain.train.agreement``), for the conditional stream
         and (online features) the null stream every CFG step also drafts: ``val/null_*``."""
         size = len(batch["caption"])
-        tokens, cond_mask, states = self.prepare(batch, torch.zeros(size, dtype=torch.bool))
+        tokens, cond_mask, states = self.training_inputs(batch, None)
         _, parts = self.loss_on(tokens, cond_mask, states, None, 0.0)
         for name, value in parts.items():
             self.log(f"val/{name}", value, batch_size=size, sync_dist=True)
+        tokens, cond_mask, states = tokens[:size], cond_mask[:size], states[:size]  # the conditional stream
         self._log_agreement("val/", tokens, cond_mask, states, size, prog_bar=True)
         if self.features == "online":  # stored features hold one stream, decided by data_prep.features
             _, null_mask, null_states = self.prepare(batch, torch.ones(size, dtype=torch.bool))
