@@ -74,11 +74,14 @@ class Row:
     projected_xl_speedup: float  # S × AR's weighted step ÷ this one's (issue #46's model)
 
 
-def method_preset(name: str, knobs: dict[str, dict]):
+def method_preset(name: str, knobs: dict[str, dict], draft_cfg_scale: float | None = None):
     """The decode preset ``name`` runs (eagle3: eagle2's tree with the eagle3 drafter), with the world's
-    knobs for it."""
+    knobs for it, and ``draft_cfg_scale`` (when given) for a method that drafts with a drafter."""
     preset = PRESETS.get(name, name)
-    return load_preset(preset, knobs.get(preset))
+    config = load_preset(preset, knobs.get(preset))
+    if draft_cfg_scale is not None and config.needs_drafter:
+        config.tree.draft_cfg_scale = draft_cfg_scale
+    return config
 
 
 def xl_depth_ops(
@@ -140,7 +143,9 @@ def measure(args: argparse.Namespace) -> list[Row]:
     for temperature in args.temperatures:
         sampling = replace(target.sampling_defaults, temperature=temperature)
         methods = {
-            m: build_method(method_preset(m, knobs), target, drafters[METHODS[m]], sampling)
+            m: build_method(
+                method_preset(m, knobs, args.draft_cfg_scale), target, drafters[METHODS[m]], sampling
+            )
             for m in args.methods
         }
         stats, seconds = decode_side_by_side(methods, target, prompts, args.batch)
@@ -237,6 +242,12 @@ def main() -> None:
         "--captions", default="heldout", choices=["heldout", "validation"], help="validation: for choosing"
     )
     parser.add_argument("--block-drafter", default=None, help="decode the block presets with this drafter")
+    parser.add_argument(
+        "--draft-cfg-scale",
+        type=float,
+        default=None,
+        help="tree.draft_cfg_scale for every drafter method (default: each preset's, as the world sets it)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="a folder for results.{json,csv,md}")
     args = parser.parse_args()

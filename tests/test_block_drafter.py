@@ -259,3 +259,22 @@ def test_guided_training_is_refused_where_it_cannot_be_computed(tiny_folder):
     block = Drafter.make(DrafterConfig.for_target(target, kind="block"), target)
     with pytest.raises(ValueError, match=r"data\.features=online"):
         DrafterModule(target, block, train, OptimConfig(), features="offline")
+
+
+def test_a_draft_guidance_below_the_targets_keeps_ar_exact():
+    """``tree.draft_cfg_scale`` makes q alone (here the conditional stream's, scale 1, under the target's
+    scale 2): the chain still keeps AR's distribution at T = 1 and AR's tokens at T = 0."""
+    target, cond = micro_problem()
+    drafter = random_drafter(target, std=0.5, kind="block")
+    config = load_preset("block", {"tree": {"draft_cfg_scale": 1.0}})
+    engine = build_method(config, target, drafter, SAMPLED)
+    assert engine.drafting.draft_sampling.cfg_scale == 1.0 and engine.drafting.sampling.cfg_scale == 2.0
+    samples = sample_images(engine, cond, 3000, seed=1)
+    assert chi_square_pvalue(samples, exact_ar_distribution(target, cond, SAMPLED)) > SIGNIFICANCE
+    tiny, prompts = make_target(image_size=8), tiny_condition()
+    greedy = build_method(config, tiny, random_drafter(tiny, std=0.3, kind="block"), GREEDY)
+    result = greedy.generate(prompts, [None, None])
+    assert torch.equal(result.tokens, generate_ar(tiny, prompts, GREEDY, [None, None]))
+    assert max(max(st.committed_per_step) for st in result.stats) > 1
+    with pytest.raises(ValueError, match="draft_cfg_scale must be >= 1"):
+        build_method(load_preset("block", {"tree": {"draft_cfg_scale": 0.5}}), target, drafter, SAMPLED)

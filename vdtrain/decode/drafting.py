@@ -12,7 +12,7 @@ row layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -73,14 +73,30 @@ class NoDrafting:
     drafter: Drafter | None = None
     taps: tuple[int, ...] = ()  # the target layers the drafter reads besides the last, every forward
 
-    def __init__(self, target: Target, sampling: SamplingConfig) -> None:
+    def __init__(
+        self, target: Target, sampling: SamplingConfig, draft_cfg_scale: float | None = None
+    ) -> None:
         self.target, self.sampling = target, sampling
+        # the pipeline q is made by: the target's, but for the guidance its streams are combined at
+        self.draft_sampling = sampling
+        if draft_cfg_scale is not None and sampling.uses_cfg:
+            if draft_cfg_scale < 1.0:
+                raise ValueError(
+                    f"tree.draft_cfg_scale must be >= 1 (1: the conditional stream alone), got "
+                    f"{draft_cfg_scale}"
+                )
+            self.draft_sampling = replace(sampling, cfg_scale=draft_cfg_scale)
         self.run: DraftRun | None = None
 
     # --- the drafter's distribution, made by the one pipeline -------------------------------------
+    def _streams(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A CFG batch's rows split as the target's streams are (whatever scale combines them)."""
+        return split_cfg(logits, self.sampling)
+
     def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Drafter logits [R, ..., V] → the pipeline's processed logits [B, ..., V] (CFG combined)."""
-        return processed_logits(*split_cfg(logits, self.sampling), self.sampling)
+        """Drafter logits [R, ..., V] → the pipeline's processed logits [B, ..., V] (CFG combined at the
+        draft scale)."""
+        return processed_logits(*self._streams(logits), self.draft_sampling)
 
     def draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Drafter ``logits`` [R, ..., V] → q [B, ..., V]: the drafter's distribution made by the one
@@ -88,7 +104,7 @@ class NoDrafting:
         are defined)."""
         if self.sampling.greedy:
             return self.draft_logits(logits).softmax(-1)
-        return probabilities(*split_cfg(logits, self.sampling), self.sampling)
+        return probabilities(*self._streams(logits), self.draft_sampling)
 
     def draft_confidence(self, logits: torch.Tensor) -> torch.Tensor:
         """Drafter ``logits`` [R, ..., V] → the drafter's confidence [B, ..., V] a dynamic tree ranks
@@ -96,7 +112,7 @@ class NoDrafting:
         whole vocabulary (temperature 1 at T = 0), before top-k and top-p. It is q itself where the
         sampling filters nothing; otherwise only its normaliser differs, and it needs no vocabulary-wide
         selection (the top-k filter's threshold) per drafter round. docs/decoding.md, "Drafting"."""
-        return guided_logits(*split_cfg(logits, self.sampling), self.sampling).softmax(-1)
+        return guided_logits(*self._streams(logits), self.draft_sampling).softmax(-1)
 
     # --- the engine's calls ------------------------------------------------------------------------
     def new_run(self, stream: Condition, streams: int, spare: int, skipping: bool) -> DraftRun:
@@ -148,8 +164,10 @@ class NoDrafting:
 class Drafting(NoDrafting):
     """A drafter model's decode side (see the module docstring)."""
 
-    def __init__(self, target: Target, drafter: Drafter, sampling: SamplingConfig) -> None:
-        super().__init__(target, sampling)
+    def __init__(
+        self, target: Target, drafter: Drafter, sampling: SamplingConfig, draft_cfg_scale: float | None = None
+    ) -> None:
+        super().__init__(target, sampling, draft_cfg_scale)
         self.drafter = drafter
         self.taps = drafter.taps
 
@@ -310,6 +328,7 @@ def drafting_for(
     sampling: SamplingConfig,
     *,
     skips: bool = False,
+    draft_cfg_scale: float | None = None,
 ) -> NoDrafting:
     """The draft context ``builder`` drafts through: a ``Drafting`` of ``drafter`` where it drafts with
     one (refusing a drafter of another target, or one the builder cannot draft with), else ``NoDrafting``
@@ -321,8 +340,8 @@ def drafting_for(
             raise ValueError(
                 f"{type(builder).__name__} drafts without a drafter: skipping verification (VVS) needs one"
             )
-        return NoDrafting(target, sampling)
+        return NoDrafting(target, sampling, draft_cfg_scale)
     if drafter is None:
         raise ValueError(f"{type(builder).__name__} drafts with a drafter model: pass one")
     builder.check_drafter(drafter)  # a block tree refuses a drafter that drafts no blocks
-    return Drafting(target, drafter, sampling)
+    return Drafting(target, drafter, sampling, draft_cfg_scale)

@@ -70,7 +70,8 @@ class _Recorded(NamedTuple):
 class SpeculativeEngine:
     """``builder`` drafts the trees, ``accept`` verifies them (default: exact), ``schedule`` picks the
     verified steps (default: all; VVS skips some). ``max_rows`` (None: the device's limit) sizes each
-    call's trees; ``drafting`` (``drafting_for``) is the builders' ``DraftContext``."""
+    call's trees; ``drafting`` (``drafting_for``) is the builders' ``DraftContext``, making q at
+    ``draft_cfg_scale`` (None: the target's)."""
 
     def __init__(
         self,
@@ -83,13 +84,16 @@ class SpeculativeEngine:
         schedule: VerificationSchedule | None = None,
         options: DecodeOptions | None = None,
         max_rows: int | None = None,
+        draft_cfg_scale: float | None = None,
     ) -> None:
         if not isinstance(accept, Rule):
             raise TypeError(f"accept must be an acceptance Rule (vdtrain.decode.acceptance), got {accept!r}")
         self.schedule = schedule if schedule is not None else VerificationSchedule(ScheduleConfig())
         builder = builder.for_vocabulary(target.vocab_size)
         # the builders' DraftContext, or its null twin where the builder drafts without a drafter
-        self.drafting = drafting_for(target, drafter, builder, sampling, skips=self.schedule.can_skip)
+        self.drafting = drafting_for(
+            target, drafter, builder, sampling, skips=self.schedule.can_skip, draft_cfg_scale=draft_cfg_scale
+        )
         self.target = target
         self.builder = builder
         self.sampling = sampling

@@ -332,4 +332,5 @@ def build_method(
         schedule=verification_schedule(config.schedule, target),
         options=options,
         max_rows=config.tree.max_rows,
+        draft_cfg_scale=config.tree.draft_cfg_scale,
     )

@@ -85,6 +85,11 @@ class TreeConfig:
     # (``vdtrain.decode.budget.tree_budget``): None is the device's limit (GPU_MAX_ROWS on a GPU, none
     # elsewhere); 0: off. The engine reads it (``SpeculativeEngine(max_rows=)``), not the builder.
     max_rows: int | None = None
+    # The CFG scale the drafter's two streams are combined at into q, its draft distribution (1: the
+    # conditional stream alone); None: the target's cfg_scale. Verification always uses the target's: any
+    # q keeps an exact rule exact, and a drafter whose streams are each a little off drafts better below
+    # the target's scale, which multiplies their error (docs/decoding.md, "The draft's guidance").
+    draft_cfg_scale: float | None = None
 
 
 @dataclass
