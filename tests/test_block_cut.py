@@ -29,6 +29,7 @@ from vdtrain.decode.builders.block import BlockTreeBuilder
 from vdtrain.decode.engine import SpeculativeEngine
 from vdtrain.decode.graphs import record_fx
 from vdtrain.decode.methods import build_method, load_preset
+from vdtrain.decode.sampling import guided_logits, split_cfg
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -175,3 +176,26 @@ def test_a_cut_block_tree_step_records_and_replays(tmp_path):
 def test_a_cut_outside_0_1_is_refused(cut):
     with pytest.raises(ValueError, match=r"tree.cut is a probability in \(0, 1\]"):
         BlockTreeBuilder(load_preset("block", {"tree": {"cut": cut}}).tree)
+
+
+class TargetScaleQ(BlockTreeBuilder):
+    """The broken rule: drafts drawn from q at the draft's scale (``tree.draft_cfg_scale``) but judged against
+    the q of the target's scale."""
+
+    def _draw(self, ctx, state, shape, logits):
+        tree = super()._draw(ctx, state, shape, logits)
+        q = guided_logits(*split_cfg(logits, ctx.sampling), ctx.sampling).softmax(-1)
+        tree.q = q.index_select(1, shape.layout(q.device).node_slots)
+        return tree
+
+
+@pytest.mark.parametrize("builder", [BlockTreeBuilder, TargetScaleQ], ids=["draft_scale_q", "target_scale_q"])
+def test_drafts_at_their_own_guidance_are_judged_against_the_q_they_were_drawn_from(micro, builder):
+    """``tree.draft_cfg_scale`` 1 under the target's 2: the library judges each draft against the q it was
+    drawn from and keeps AR's distribution; judging against the target-scale q does not (the test fails if
+    the library's rule is made to)."""
+    target, cond, drafter, exact = micro
+    config = load_preset("block", {"tree": {"depth": MICRO_DEPTH}}).tree
+    engine = SpeculativeEngine(target, drafter, builder(config), SAMPLED, draft_cfg_scale=1.0)
+    pvalue = chi_square_pvalue(sample_images(engine, cond, 3000, seed=1), exact)
+    assert pvalue > SIGNIFICANCE if builder is BlockTreeBuilder else pvalue < SIGNIFICANCE
