@@ -78,25 +78,19 @@ class NoDrafting:
     ) -> None:
         self.target, self.sampling = target, sampling
         # the pipeline q is made by: the target's, but for the guidance its streams are combined at
-        self.draft_sampling = sampling
-        if draft_cfg_scale is not None and sampling.uses_cfg:
-            if draft_cfg_scale < 1.0:
-                raise ValueError(
-                    f"tree.draft_cfg_scale must be >= 1 (1: the conditional stream alone), got "
-                    f"{draft_cfg_scale}"
-                )
-            self.draft_sampling = replace(sampling, cfg_scale=draft_cfg_scale)
+        if draft_cfg_scale is not None and draft_cfg_scale < 1.0:
+            raise ValueError(
+                f"tree.draft_cfg_scale must be >= 1 (1: the conditional stream alone), got {draft_cfg_scale}"
+            )
+        use = draft_cfg_scale is not None and sampling.uses_cfg  # one stream: nothing to combine
+        self.draft_sampling = replace(sampling, cfg_scale=draft_cfg_scale) if use else sampling
         self.run: DraftRun | None = None
 
     # --- the drafter's distribution, made by the one pipeline -------------------------------------
-    def _streams(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A CFG batch's rows split as the target's streams are (whatever scale combines them)."""
-        return split_cfg(logits, self.sampling)
-
     def draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Drafter logits [R, ..., V] → the pipeline's processed logits [B, ..., V] (CFG combined at the
         draft scale)."""
-        return processed_logits(*self._streams(logits), self.draft_sampling)
+        return processed_logits(*split_cfg(logits, self.sampling), self.draft_sampling)
 
     def draft_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Drafter ``logits`` [R, ..., V] → q [B, ..., V]: the drafter's distribution made by the one
@@ -104,7 +98,7 @@ class NoDrafting:
         are defined)."""
         if self.sampling.greedy:
             return self.draft_logits(logits).softmax(-1)
-        return probabilities(*self._streams(logits), self.draft_sampling)
+        return probabilities(*split_cfg(logits, self.sampling), self.draft_sampling)
 
     def draft_confidence(self, logits: torch.Tensor) -> torch.Tensor:
         """Drafter ``logits`` [R, ..., V] → the drafter's confidence [B, ..., V] a dynamic tree ranks
@@ -112,7 +106,7 @@ class NoDrafting:
         whole vocabulary (temperature 1 at T = 0), before top-k and top-p. It is q itself where the
         sampling filters nothing; otherwise only its normaliser differs, and it needs no vocabulary-wide
         selection (the top-k filter's threshold) per drafter round. docs/decoding.md, "Drafting"."""
-        return guided_logits(*self._streams(logits), self.draft_sampling).softmax(-1)
+        return guided_logits(*split_cfg(logits, self.sampling), self.draft_sampling).softmax(-1)
 
     # --- the engine's calls ------------------------------------------------------------------------
     def new_run(self, stream: Condition, streams: int, spare: int, skipping: bool) -> DraftRun:

@@ -158,15 +158,11 @@ def training_roots(
     return roots.to(device)
 
 
-class _Guidance(NamedTuple):
+def guided_states(states: torch.Tensor, scale: float) -> torch.Tensor:
     """CFG on states the head reads: ``s·c + (1 − s)·u`` of a [2B, ..] batch (conditional half first). The
     head is affine, so its logits are the guided ``u + s·(c − u)`` of the two streams' logits."""
-
-    scale: float
-
-    def __call__(self, states: torch.Tensor) -> torch.Tensor:
-        cond, uncond = states.chunk(2)
-        return uncond + self.scale * (cond - uncond)
+    cond, uncond = states.chunk(2)
+    return uncond + scale * (cond - uncond)
 
 
 class TeacherBlocks(NamedTuple):
@@ -365,15 +361,14 @@ class BlockDrafter(Drafter):
                     "drafter.guided_scale combines the streams' states before the head, which gives the "
                     "guided logits only for an affine head; this target's head has layers before its last"
                 )
-            guide = _Guidance(train.guided_scale)
-            trained = losses.trained_rows(prefix, num)
+            scale, trained = train.guided_scale, losses.trained_rows(prefix, num)
             row_losses, row_hits = head_token_loss(
-                guide(self.normed(rows[:, trained])).flatten(0, 1)[:, None],
-                guide(hidden[:, 1:][:, trained]).flatten(0, 1),
+                guided_states(self.normed(rows[:, trained]), scale).flatten(0, 1)[:, None],
+                guided_states(hidden[:, 1:][:, trained], scale).flatten(0, 1),
                 self.head, train.cls_loss, train.loss_chunks,
             )  # fmt: skip
             guided_block, guided_hits = self._block_token_loss(
-                guide(drafts), guide(target), valid, slot_of, train
+                guided_states(drafts, scale), guided_states(target, scale), valid, slot_of, train
             )
             guided = train.w_cls * row_losses.mean() + guided_block
             total = total + guided

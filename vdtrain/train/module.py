@@ -115,10 +115,12 @@ class DrafterModule(L.LightningModule):
         return {"bf16": torch.bfloat16, "16": torch.float16}.get(precision.split("-")[0], torch.float32)
 
     def prepare(
-        self, batch: dict, null_rows: torch.Tensor
+        self, batch: dict, null_rows: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(tokens [B, N], condition mask [B, L], target states [B, L+N, H] in ``input_dtype``: the
-        final-norm hidden, followed by the layers the drafter taps, ``split_taps`` parts them).
+        final-norm hidden, followed by the layers the drafter taps, ``split_taps`` parts them). ``null_rows``
+        None (online features): every sample in both streams, conditional then null, as a CFG decode
+        batches them ([2B, ..]; the captions and images encoded once).
 
         The target runs under ``inference_mode`` (no autograd state, no version counters). Its outputs are
         inference tensors, which autograd refuses to save for backward, and the drafter's first layers
@@ -130,7 +132,7 @@ class DrafterModule(L.LightningModule):
         return tokens.clone(), mask.clone(), states.to(dtype) if states.dtype != dtype else states.clone()
 
     def _target_pass(
-        self, batch: dict, null_rows: torch.Tensor
+        self, batch: dict, null_rows: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``prepare``'s three tensors in the target's (or the stored features') own dtype.
 
@@ -157,7 +159,11 @@ class DrafterModule(L.LightningModule):
                 )
             mask = batch["feats_mask"].to(self.device, torch.bool)  # the features' own: no caption encoder
             return tokens, mask, batch["feats"].to(self.device)
-        cond = target.with_null(target.encode_captions(batch["caption"]), null_rows.to(self.device))
+        captions = target.encode_captions(batch["caption"])
+        if null_rows is None:  # the CFG batch
+            cond, tokens = captions.cat(target.null_condition(captions)), tokens.repeat(2, 1)
+        else:
+            cond = target.with_null(captions, null_rows.to(self.device))
         return tokens, cond.mask, target.sequence_features(cond, tokens, self.drafter.taps)
 
     def _null_rows(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
@@ -169,13 +175,11 @@ class DrafterModule(L.LightningModule):
         """``prepare``'s tensors for a step: each sample in its own stream (null-conditioned with
         ``p_null``; none without a ``generator``, as validation scores), or with ``drafter.guided_scale``
         every sample twice, conditional then null ([2B, ..]): the loss combines the two as CFG does."""
+        if self.train_cfg.guided_scale is not None:
+            return self.prepare(batch, None)
         size = len(batch["caption"])
-        if self.train_cfg.guided_scale is None:
-            none = torch.zeros(size, dtype=torch.bool)
-            return self.prepare(batch, none if generator is None else self._null_rows(size, generator))
-        cond = self.prepare(batch, torch.zeros(size, dtype=torch.bool))
-        null = self.prepare(batch, torch.ones(size, dtype=torch.bool))
-        return tuple(torch.cat(pair) for pair in zip(cond, null, strict=True))  # type: ignore[return-value]
+        none = torch.zeros(size, dtype=torch.bool)
+        return self.prepare(batch, none if generator is None else self._null_rows(size, generator))
 
     def loss(self, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         tokens, cond_mask, states = self.training_inputs(batch, generator)
@@ -281,14 +285,17 @@ class DrafterModule(L.LightningModule):
         drafter unrolled as a tree step runs it (``vdtrain.train.agreement``), for the conditional stream
         and (online features) the null stream every CFG step also drafts: ``val/null_*``."""
         size = len(batch["caption"])
-        tokens, cond_mask, states = self.training_inputs(batch, None)
-        _, parts = self.loss_on(tokens, cond_mask, states, None, 0.0)
+        streams = self.training_inputs(batch, None)  # guided: conditional then null, else conditional
+        _, parts = self.loss_on(*streams, None, 0.0)
         for name, value in parts.items():
             self.log(f"val/{name}", value, batch_size=size, sync_dist=True)
-        tokens, cond_mask, states = tokens[:size], cond_mask[:size], states[:size]  # the conditional stream
+        tokens, cond_mask, states = (t[:size] for t in streams)
         self._log_agreement("val/", tokens, cond_mask, states, size, prog_bar=True)
         if self.features == "online":  # stored features hold one stream, decided by data_prep.features
-            _, null_mask, null_states = self.prepare(batch, torch.ones(size, dtype=torch.bool))
+            if self.train_cfg.guided_scale is not None:  # the null stream is already there
+                _, null_mask, null_states = (t[size:] for t in streams)
+            else:
+                _, null_mask, null_states = self.prepare(batch, torch.ones(size, dtype=torch.bool))
             self._log_agreement("val/null_", tokens, null_mask, null_states, size)
 
     def _log_agreement(
