@@ -142,6 +142,8 @@ def measure(args: argparse.Namespace) -> list[Row]:
     rows = []
     for temperature in args.temperatures:
         sampling = replace(target.sampling_defaults, temperature=temperature)
+        if args.cfg_scale is not None:
+            sampling = replace(sampling, cfg_scale=args.cfg_scale)
         methods = {
             m: build_method(
                 method_preset(m, knobs, args.draft_cfg_scale), target, drafters[METHODS[m]], sampling
@@ -242,6 +244,9 @@ def main() -> None:
         "--captions", default="heldout", choices=["heldout", "validation"], help="validation: for choosing"
     )
     parser.add_argument("--block-drafter", default=None, help="decode the block presets with this drafter")
+    parser.add_argument(
+        "--cfg-scale", type=float, default=None, help="the target's CFG scale (default: the world's, 3)"
+    )
     parser.add_argument(
         "--draft-cfg-scale",
         type=float,
