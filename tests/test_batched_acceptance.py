@@ -10,6 +10,7 @@ from __future__ import annotations
 import zlib
 from collections import Counter
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from unittest.mock import patch
 
 import pytest
@@ -55,7 +56,10 @@ RULES = {
 
 def random_shape(size: int, style: str, g: torch.Generator) -> tuple[list[int], list[int]]:
     """Parents and depths of one row's tree: parents before children; ``wide`` hangs nodes anywhere,
-    ``deep`` mostly under the previous node, ``static`` uses LANTERN++'s tree (cut to ``size``)."""
+    ``deep`` mostly under the previous node, ``chain`` always (``DraftTree.chain``), ``static`` uses
+    LANTERN++'s tree (cut to ``size``)."""
+    if style == "chain":
+        return list(range(-1, size - 1)), list(range(size))
     if style == "static":
         tree = static_tree(LANTERN_PP_PATHS)
         return list(tree.parents[:size]), list(tree.depths[:size])
@@ -95,7 +99,9 @@ def random_case(batch: int, size: int, style: str, sampled: bool, greedy: bool, 
         ok = [d <= limit for d in dep]
         pad = int(torch.randint(0, size // 3 + 1, (), generator=g))  # dynamic-tree style padding at the end
         for i in range(size - pad, size):
-            par[i], dep[i], ok[i] = 0, 1, False
+            ok[i] = False
+            if style != "chain":  # a chain keeps its shape: its padding is its tail
+                par[i], dep[i] = 0, 1
         ok[0] = True
         parents.append(par)
         depths.append(dep)
@@ -121,7 +127,7 @@ def random_case(batch: int, size: int, style: str, sampled: bool, greedy: bool, 
                 if kids and len(kids) <= support:
                     tokens[b, kids] = torch.multinomial(q[b, n], len(kids), generator=g)
     tree = DraftTree(
-        tokens, parents_t, torch.tensor(depths), torch.tensor(valid), q, sampled, depth_bound=None
+        tokens, parents_t, torch.tensor(depths), torch.tensor(valid), q, sampled, chain=style == "chain"
     )
     soft = random_distributions((batch, size), g, favour)
     p_nodes = torch.zeros_like(soft).scatter_(-1, soft.argmax(-1, keepdim=True), 1.0) if greedy else soft
@@ -135,7 +141,7 @@ def with_bounds(tree: DraftTree) -> DraftTree:
     """The tree with the tight host-side bounds a builder would give."""
     depth = int(torch.where(tree.valid, tree.depths, 0).max())
     width = max(len(tree.children(b, n)) for b in range(len(tree.tokens)) for n in range(tree.size))
-    return DraftTree(tree.tokens, tree.parents, tree.depths, tree.valid, tree.q, tree.sampled, depth, width)
+    return replace(tree, depth_bound=depth, width_bound=width)
 
 
 def reference(rule, tree, p_nodes, greedy, u_accept, u_bonus, p_relax) -> list[Verdict]:
@@ -158,7 +164,7 @@ def reference(rule, tree, p_nodes, greedy, u_accept, u_bonus, p_relax) -> list[V
 CASES = [
     pytest.param(style, sampled, greedy, relax,
                  id=f"{style}-{'q' if sampled else 'det'}-T{int(not greedy)}{'-relax' if relax else ''}")
-    for style in ("wide", "deep", "static")
+    for style in ("wide", "deep", "chain", "static")
     for sampled, greedy in ((False, True), (False, False), (True, False))
     for relax in ((False, True) if greedy else (False,))
 ]  # fmt: skip
@@ -177,6 +183,18 @@ def test_accept_batch_equals_the_walk_row_by_row(rule_name, style, sampled, gree
             got = accept_batch(rule, t, p_nodes, greedy, u_accept, u_bonus, p_relax)
             assert verdicts(got) == want, f"trial {trial}"
             assert got.accepted.tolist() == [len(v.path) for v in want]
+
+
+def test_the_chain_shortcut_is_taken_and_judging_against_another_slots_q_is_caught():
+    """The chain verdict (``DraftTree.chain``) is the walk's; the same verdict with each child judged against
+    its own slot's q (the next node's, not its parent's) is not, so the test above would catch it."""
+    tree, p_nodes, _, u_accept, u_bonus = random_case(6, 30, "chain", True, False, 11)
+    want = reference(EXACT, tree, p_nodes, False, u_accept, u_bonus, None)
+    with patch("vdtrain.decode.acceptance._tried_choices", side_effect=AssertionError("not the shortcut")):
+        assert verdicts(accept_batch(EXACT, tree, p_nodes, False, u_accept, u_bonus)) == want
+    shifted = replace(tree, q=torch.roll(tree.q, -1, dims=1))  # node i's q read as node i + 1's
+    wrong = accept_batch(EXACT, shifted, p_nodes, False, u_accept, u_bonus)
+    assert verdicts(wrong) != want
 
 
 @pytest.mark.parametrize("rule_name", ["lantern", "lantern_k_all", "lantern_pp", "gsd", "gsd_even_wide"])

@@ -2,6 +2,8 @@
 readable code to save kernels, the plain version stays in the package and computes the same.
 
 - the accepted path: level by level against pointer doubling (``acceptance._follow``);
+- a sampled chain's verdict: the general pass over sibling ranks against the chain's shortcut
+  (``acceptance._chain_verdict``; also tests/test_batched_acceptance.py);
 - the random numbers: hashed at every draw against gathered from a table (``RowRandom``);
 - the children ranking by chunks against one sort of the row: tests/test_dynamic_builder.py;
 - and whole decodes, which use all three: the same tokens and counts either way.
@@ -13,7 +15,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import TINY_GPT, TINY_VQ, random_drafter, random_gpt, random_vq, tiny_condition
+from conftest import (
+    TINY_GPT,
+    TINY_VQ,
+    drafter_kind_for,
+    random_drafter,
+    random_gpt,
+    random_vq,
+    tiny_condition,
+)
 
 from vdtrain.decode.acceptance import _follow_doubling, _follow_levels
 from vdtrain.decode.kernels import plain_kernels, plain_twins
@@ -64,9 +74,11 @@ def test_the_plain_random_rows_hash_every_draw_to_the_tables_numbers():
     assert tabled._tables and not plain._tables  # the plain twin grew no table
 
 
-# A dynamic tree (greedy and sampled), a Jacobi window (its draws), a relaxed rule (its path's relaxations).
+# A dynamic tree (greedy and sampled), a Jacobi window (its draws and its chain), a relaxed rule (its path's
+# relaxations), a block drafter's chain.
 @pytest.mark.parametrize(
-    ("name", "temperature"), [("eagle2", 0.0), ("eagle2", 1.0), ("sjd", 1.0), ("lantern", 1.0)]
+    ("name", "temperature"),
+    [("eagle2", 0.0), ("eagle2", 1.0), ("sjd", 1.0), ("lantern", 1.0), ("block", 1.0)],
 )
 def test_a_decode_with_the_plain_twins_is_the_fast_decode(name, temperature, tmp_path):
     """400 tokens: a row of more chunks (20) than a tree has children (10), so the chunks are ranked."""
@@ -74,7 +86,7 @@ def test_a_decode_with_the_plain_twins_is_the_fast_decode(name, temperature, tmp
     gpt, vq = random_gpt(replace(TINY_GPT, vocab_size=400)), random_vq(replace(TINY_VQ, codebook_size=400))
     target = LlamaGenTarget(gpt, VQTokenizer(vq, image_size=8), None, "tiny", sampling)
     config = load_preset(name, {"acceptance": {"cache_dir": str(tmp_path)}})
-    method = build_method(config, target, random_drafter(target), sampling)
+    method = build_method(config, target, random_drafter(target, kind=drafter_kind_for(config)), sampling)
     cond = tiny_condition(3)
 
     def decode():

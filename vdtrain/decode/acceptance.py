@@ -234,6 +234,10 @@ class Grouped(Rule):
 #   feeds the next sibling's test, so the loop runs over sibling rank, each pass handling the r-th
 #   child of every node at once ([B, T, V] work). This takes ``width`` passes of a few dozen ops, where a
 #   loop over depth × rank with [B, V] work would take ``depth × width`` passes.
+# - T > 0, exact rule, a sampled chain (``DraftTree.chain``: block drafting's chain, SJD's window): each
+#   node has one child, so no residual feeds a later test. Every child is tested against its parent's
+#   p and q at once, the path is the run of acceptances from the root, and the residual is built at the
+#   last accepted node only: the verdict of the pass above, in about 35 ops instead of 56 at B = 1.
 #
 # The arithmetic mirrors the walk's step for step, so verdicts agree exactly except where a uniform falls
 # within rounding (~1e-16) of a threshold (the shortcut's sums are grouped differently from the walk's).
@@ -273,6 +277,8 @@ def accept_batch(
         child_of, relaxed_at = _greedy_choices(rule, tree, best, p_relax)
         path, final, relaxed = _follow(child_of, relaxed_at, depth)
         bonus = best.gather(1, final[:, None]).squeeze(1)
+    elif tree.chain and tree.sampled and not rule.relaxes and not plain_kernels():  # the plain twin: below
+        return _chain_verdict(tree, p_nodes, u_accept, u_bonus, depth)
     elif not tree.sampled and not rule.relaxes:
         p = p_nodes.double()  # one conversion for both
         path, final, relaxed = _follow(_exact_choices(tree, p, u_accept), None, depth)
@@ -365,6 +371,28 @@ def _follow_doubling(
         return path, reach[:, -1], shared_full(0, child_of.device, torch.long).expand(len(path))
     relaxed = relaxed_at.long().gather(1, before).sum(1)  # zero at the last node: it has no child
     return path, reach[:, -1], relaxed
+
+
+def _chain_verdict(
+    tree: DraftTree, p_nodes: torch.Tensor, u_accept: torch.Tensor, u_bonus: torch.Tensor, depth: int
+) -> BatchVerdict:
+    """T > 0, exact rule, a sampled chain: node ``i + 1`` is tried against node ``i``'s p and q alone (see
+    the section comment), with ``_try_children``'s arithmetic; no valid node is deeper than ``depth``."""
+    batch, size = tree.tokens.shape
+    p, q = p_nodes.double(), _normalise_rows(tree.q.double())
+    x = tree.tokens[:, 1:, None]
+    p_x, q_x = p[:, :-1].gather(2, x)[..., 0], q[:, :-1].gather(2, x)[..., 0]
+    passes = tree.valid[:, 1:] & (u_accept[:, 1:].double() * q_x < p_x)  # [B, T - 1]: child i + 1 of node i
+    accepted = passes.cumprod(1).sum(1)  # long  # the run from the root; also the last accepted node
+    nodes = shared_arange(size, p.device)
+    none = shared_full(-1, p.device, torch.long)
+    path = torch.where(nodes[None, :depth] < accepted[:, None], nodes[None, 1 : depth + 1], none)
+    tried = F.pad(tree.valid[:, 1:], (0, 1)).gather(1, accepted[:, None])  # the last node had a child
+    at = accepted[:, None, None].expand(batch, 1, p.shape[-1])
+    p_last, q_last = p.gather(1, at)[:, 0], q.gather(1, at)[:, 0]
+    residual = torch.where(tried, _normalise_rows((p_last - q_last).clamp_min_(0)), p_last)
+    relaxed = shared_full(0, p.device, torch.long).expand(batch)
+    return BatchVerdict(path, accepted, inverse_cdf(residual, u_bonus), relaxed)
 
 
 def _greedy_choices(

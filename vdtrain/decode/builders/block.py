@@ -267,4 +267,5 @@ class BlockTreeBuilder(DraftTreeBuilder):
             depth_bound=t.depth,
             width_bound=shape.width,
             ancestors=layout.ancestors[None],
+            chain=t.size == t.depth + 1,  # as many nodes as levels: one path, stored in order
         )

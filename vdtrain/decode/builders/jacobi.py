@@ -177,6 +177,7 @@ class JacobiWindowBuilder(DraftTreeBuilder):
             depth_bound=max(1, min(size, n_img - 2)),
             width_bound=1,
             ancestors=ancestors,
+            chain=True,
         )
 
     def _initial(
