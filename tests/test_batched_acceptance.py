@@ -185,15 +185,22 @@ def test_accept_batch_equals_the_walk_row_by_row(rule_name, style, sampled, gree
             assert got.accepted.tolist() == [len(v.path) for v in want]
 
 
-def test_the_chain_shortcut_is_taken_and_judging_against_another_slots_q_is_caught():
+@pytest.mark.parametrize("greedy", [False, True])
+def test_the_chain_shortcut_is_taken_and_judging_against_another_node_is_caught(greedy):
     """The chain verdict (``DraftTree.chain``) is the walk's; the same verdict with each child judged against
-    its own slot's q (the next node's, not its parent's) is not, so the test above would catch it."""
-    tree, p_nodes, _, u_accept, u_bonus = random_case(6, 30, "chain", True, False, 11)
-    want = reference(EXACT, tree, p_nodes, False, u_accept, u_bonus, None)
-    with patch("vdtrain.decode.acceptance._tried_choices", side_effect=AssertionError("not the shortcut")):
-        assert verdicts(accept_batch(EXACT, tree, p_nodes, False, u_accept, u_bonus)) == want
-    shifted = replace(tree, q=torch.roll(tree.q, -1, dims=1))  # node i's q read as node i + 1's
-    wrong = accept_batch(EXACT, shifted, p_nodes, False, u_accept, u_bonus)
+    the next node's distributions instead of its parent's (its own slot's q at T > 0, the next argmax at
+    T = 0) is not, so the test above would catch it."""
+    tree, p_nodes, _, u_accept, u_bonus = random_case(6, 30, "chain", not greedy, greedy, 18)
+    want = reference(EXACT, tree, p_nodes, greedy, u_accept, u_bonus, None)
+    general = "_greedy_choices" if greedy else "_tried_choices"
+    with patch(f"vdtrain.decode.acceptance.{general}", side_effect=AssertionError("not the shortcut")):
+        assert verdicts(accept_batch(EXACT, tree, p_nodes, greedy, u_accept, u_bonus)) == want
+    assert max(len(v.path) for v in want) >= 3  # deep enough to tell
+    if greedy:  # node i's argmax read as node i + 1's
+        wrong = accept_batch(EXACT, tree, torch.roll(p_nodes, -1, dims=1), greedy, u_accept, u_bonus)
+    else:  # node i's q read as node i + 1's
+        shifted = replace(tree, q=torch.roll(tree.q, -1, dims=1))
+        wrong = accept_batch(EXACT, shifted, p_nodes, greedy, u_accept, u_bonus)
     assert verdicts(wrong) != want
 
 

@@ -78,7 +78,7 @@ def test_the_plain_random_rows_hash_every_draw_to_the_tables_numbers():
 # relaxations), a block drafter's chain.
 @pytest.mark.parametrize(
     ("name", "temperature"),
-    [("eagle2", 0.0), ("eagle2", 1.0), ("sjd", 1.0), ("lantern", 1.0), ("block", 1.0)],
+    [("eagle2", 0.0), ("eagle2", 1.0), ("sjd", 1.0), ("lantern", 1.0), ("block", 0.0), ("block", 1.0)],
 )
 def test_a_decode_with_the_plain_twins_is_the_fast_decode(name, temperature, tmp_path):
     """400 tokens: a row of more chunks (20) than a tree has children (10), so the chunks are ranked."""
