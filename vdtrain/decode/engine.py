@@ -22,7 +22,13 @@ from vdtrain.decode.builders.base import DraftTreeBuilder, StepOutcome, StepStat
 from vdtrain.decode.compiled import DecodeOptions
 from vdtrain.decode.drafting import CommitRows, RootDraft, drafting_for
 from vdtrain.decode.graphs import DeviceLog, Recorder, SplitStepGraph, StepGraph
-from vdtrain.decode.kernels import compiled_step_kernels, shared_arange, shared_full, step_kernel
+from vdtrain.decode.kernels import (
+    compiled_step_kernels,
+    plain_kernels,
+    shared_arange,
+    shared_full,
+    step_kernel,
+)
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.rows import per_stream, post_verified_rows, tree_rows
 from vdtrain.decode.run import LOG_FIELDS, DecodeResult, DecodeRun, StepCalls
@@ -324,10 +330,9 @@ class SpeculativeEngine:
         from stale features) are recomputed from the target's true features, and the feature cache gets
         their features. Returns the next root's drafter view, unchanged for the prompts not verified."""
         run, verified = self.run, plan.verified
-        cache_rows, src, dst, counts, last, catch_up = self._commit_rows(
-            tree, verdict, verified, hidden, plan.lead
-        )
-        run.tcache.move(cache_rows, src, dst)
+        moves, counts, last, catch_up = self._commit_rows(tree, verdict, verified, hidden, plan.lead)
+        if moves is not None:
+            run.tcache.move(*moves)
         run.committed += counts
         return self.drafting.catch_up(catch_up, last, verified, roots)
 
@@ -335,8 +340,9 @@ class SpeculativeEngine:
     def _commit_rows(self, tree: DraftTree, verdict: BatchVerdict, verified, hidden, lead):
         """``commit``'s tensor work for ``verified`` [B] (bool), ``hidden`` [R, S, H] and ``lead`` [B] (None:
         no lead): writes the tokens (``run.out``); returns the target KV moves (cache rows, source and
-        destination slots), the tokens committed per prompt, the last caught-up row and the drafter's
-        catch-up inputs (``Drafting.catch_up_rows``, which also fills the VVS feature cache)."""
+        destination slots; None: none to make), the tokens committed per prompt, the last caught-up row
+        and the drafter's catch-up inputs (``Drafting.catch_up_rows``, which also fills the VVS feature
+        cache)."""
         run, target = self.run, self.target
         batch, streams, committed = run.batch, run.streams, run.committed
         device = committed.device
@@ -363,12 +369,17 @@ class SpeculativeEngine:
             node = torch.where(j < rows, node, node.gather(1, rows - 1))
             base = committed - 1 - lead  # image slot of the first row
             last = rows[:, 0] - 1
-        # Target KV: row i sits at slot L+base+i; its committed place is L+base+i' (i' <= i).
-        src = target.image_slot(base[:, None] + node)
+        # Target KV: row i sits at slot L+base+i; its committed place is L+base+i' (i' <= i). A chain
+        # without a lead commits the first rows where they sit (i' = i): no move (the plain twin moves
+        # each row onto itself).
         col = base[:, None] + j  # row j's image slot
         slots = target.image_slot(col)
-        dst = torch.where(verified[:, None], torch.minimum(slots, src), src)
-        cache_rows = shared_arange(batch * streams, device)
+        moves = None
+        if lead is not None or not tree.chain or plain_kernels():
+            src = target.image_slot(base[:, None] + node)
+            dst = torch.where(verified[:, None], torch.minimum(slots, src), src)
+            cache_rows = shared_arange(batch * streams, device)
+            moves = cache_rows, per_stream(src, streams), per_stream(dst, streams)
         # Tokens: the accepted drafts then the bonus, at image indices committed ..
         k = shared_arange(depth + 1, device)[None]
         new = torch.nn.functional.pad(tree.tokens.gather(1, path.clamp_min(0)), (0, 1))
@@ -376,9 +387,8 @@ class SpeculativeEngine:
         counts = one_more[:, 0] * verified  # 0 where not verified
         at = committed[:, None] + k
         run.out.scatter_(1, at, torch.where(k < counts[:, None], new, run.out.gather(1, at)))
-        src, dst = per_stream(src, streams), per_stream(dst, streams)
         at = CommitRows(node, col, slots, j, rows, verified)
-        return cache_rows, src, dst, counts, last, self.drafting.catch_up_rows(hidden, run.out, at)
+        return moves, counts, last, self.drafting.catch_up_rows(hidden, run.out, at)
 
     def commit_unverified(
         self, tree: DraftTree, plan: StepPlan, roots: RootDraft
