@@ -29,6 +29,7 @@ from vdtrain.decode.acceptance import (
     LanternPPConfig,
     accept_batch,
 )
+from vdtrain.decode.phase_ops import launches_kernel
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree, static_tree
 
@@ -312,6 +313,7 @@ class OpLog(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.kernels = 0  # the ops that launch a kernel on a GPU (``phase_ops``' rule: no views)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -325,6 +327,7 @@ class OpLog(TorchDispatchMode):
             ):
                 raise AssertionError("host sync: boolean-mask indexing")
         self.ops[name] += 1
+        self.kernels += launches_kernel(func)
         return func(*args, **(kwargs or {}))
 
 
@@ -345,33 +348,43 @@ def no_host_reads():
         yield
 
 
-PATHS = {
-    "greedy_relaxed": ("gsd", False, True, True),
-    "greedy_lantern": ("lantern", False, True, True),
-    "exact_deterministic": ("exact", False, False, False),
-    "exact_sampled": ("exact", True, False, False),
-    "lantern_pp_deterministic": ("lantern_pp", False, False, False),
-    "gsd_sampled": ("gsd", True, False, False),
+PATHS = {  # rule, sampled, greedy, relaxed at T = 0, tree style
+    "greedy_relaxed": ("gsd", False, True, True, "wide"),
+    "greedy_lantern": ("lantern", False, True, True, "wide"),
+    "exact_deterministic": ("exact", False, False, False, "wide"),
+    "exact_sampled": ("exact", True, False, False, "wide"),
+    "lantern_pp_deterministic": ("lantern_pp", False, False, False, "wide"),
+    "gsd_sampled": ("gsd", True, False, False, "wide"),
+    "chain_greedy": ("exact", False, True, False, "chain"),
+    "chain_sampled": ("exact", True, False, False, "chain"),
 }
 
 
-def counted_ops(path: str, batch: int) -> Counter[str]:
-    """The aten ops ``accept_batch`` dispatches on a 30-node tree of ``batch`` rows, refusing host reads."""
-    rule_name, sampled, greedy, relax = PATHS[path]
-    tree, p_nodes, soft, u_accept, u_bonus = random_case(batch, 30, "wide", sampled, greedy, batch)
-    tree = DraftTree(tree.tokens, tree.parents, tree.depths, tree.valid, tree.q, tree.sampled, 8, 6)
+def accept_log(path: str, batch: int, shortcut: bool = True) -> OpLog:
+    """What ``accept_batch`` dispatches on a 30-node tree of ``batch`` rows, refusing host reads; a chain
+    not marked as one where ``shortcut`` is False (the general code)."""
+    rule_name, sampled, greedy, relax, style = PATHS[path]
+    tree, p_nodes, soft, u_accept, u_bonus = random_case(batch, 30, style, sampled, greedy, batch)
+    tree = replace(tree, depth_bound=8, width_bound=1 if tree.chain else 6, chain=tree.chain and shortcut)
+    args = (RULES[rule_name], tree, p_nodes, greedy, u_accept, u_bonus, soft if relax else None)
+    accept_batch(*args)  # the shared constants (``kernels.shared_full``) made once, outside the count
     log = OpLog()
     with no_host_reads(), log:
-        out = accept_batch(
-            RULES[rule_name], tree, p_nodes, greedy, u_accept, u_bonus, soft if relax else None
-        )
+        out = accept_batch(*args)
     assert out.path.shape == (batch, 8)
-    return log.ops
+    return log
 
 
 @pytest.mark.parametrize("path", list(PATHS))
 def test_accept_batch_never_reads_the_device_and_its_op_count_does_not_grow_with_the_batch(path):
-    assert counted_ops(path, 8) == counted_ops(path, 1)
+    assert accept_log(path, 8).ops == accept_log(path, 1).ops
+
+
+@pytest.mark.parametrize(("path", "fast", "general"), [("chain_sampled", 33, 55), ("chain_greedy", 8, 30)])
+def test_the_chain_shortcut_launches_fewer_kernels_than_the_general_code(path, fast, general):
+    """The counts docs/decoding.md quotes ("Exact acceptance"): kernel-launching ops of a 30-node chain
+    of depth bound 8, B = 1, with and without ``DraftTree.chain``."""
+    assert (accept_log(path, 1).kernels, accept_log(path, 1, shortcut=False).kernels) == (fast, general)
 
 
 def test_the_sync_guards_catch_the_walk():

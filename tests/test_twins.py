@@ -12,6 +12,7 @@ readable code to save kernels, the plain version stays in the package and comput
 from __future__ import annotations
 
 from dataclasses import replace
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from conftest import (
     tiny_condition,
 )
 
+from vdtrain.decode import acceptance
 from vdtrain.decode.acceptance import _follow_doubling, _follow_levels
 from vdtrain.decode.kernels import plain_kernels, plain_twins
 from vdtrain.decode.methods import build_method, load_preset
@@ -92,7 +94,9 @@ def test_a_decode_with_the_plain_twins_is_the_fast_decode(name, temperature, tmp
     def decode():
         return method.generate(cond, [torch.Generator().manual_seed(i) for i in range(3)])
 
-    fast = decode()
+    with patch("vdtrain.decode.acceptance._chain_verdict", wraps=acceptance._chain_verdict) as shortcut:
+        fast = decode()
+    assert shortcut.called == (name in ("sjd", "block"))  # the chains, and only they, take the shortcut
     with plain_twins():
         plain = decode()
     assert torch.equal(plain.tokens, fast.tokens) and plain.stats == fast.stats

@@ -237,8 +237,8 @@ class Grouped(Rule):
 # - The exact rule on a chain (``DraftTree.chain``: block drafting's chain, SJD's window), at T = 0 or
 #   with sampled drafts: each node has one child, so no residual feeds a later test. Every child is
 #   tested against its parent's argmax, or p and q, at once, the path is the run of acceptances from the
-#   root, and the residual is built at the last accepted node only: the verdicts above, in 34 ops
-#   instead of 56 at T > 0 and 8 instead of 30 at T = 0 (B = 1).
+#   root, and the residual is built at the last accepted node only: the verdicts above, in 33 kernels
+#   instead of 55 at T > 0 and 8 instead of 30 at T = 0 (B = 1, tests/test_batched_acceptance.py).
 #
 # The arithmetic mirrors the walk's step for step, so verdicts agree exactly except where a uniform falls
 # within rounding (~1e-16) of a threshold (the shortcut's sums are grouped differently from the walk's).

@@ -167,8 +167,9 @@ class DraftTree:
     # [B or 1, T, T] bool, ``ancestor_matrix(parents)`` where the builder knows it without computing it
     # (a chain's is a triangle); None: the verification rows compute it.
     ancestors: torch.Tensor | None = None
-    # Nodes 0 .. T − 1 form one path in stored order (parents[i] = i − 1): sampled exact verification
-    # takes its chain shortcut (``acceptance._chain_verdict``). False: any tree.
+    # Nodes 0 .. T − 1 form one path in stored order (parents[i] = i − 1): exact verification takes its
+    # chain shortcut (``acceptance._chain_verdict``) and the commit moves no KV (``SpeculativeEngine``).
+    # False: any tree.
     chain: bool = False
 
     @property
