@@ -29,6 +29,7 @@ from vdtrain.decode.acceptance import (
     LanternPPConfig,
     accept_batch,
 )
+from vdtrain.decode.kernels import plain_twins
 from vdtrain.decode.phase_ops import launches_kernel
 from vdtrain.decode.rng import Purpose, RowRandom
 from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree, static_tree
@@ -120,12 +121,18 @@ def random_case(batch: int, size: int, style: str, sampled: bool, greedy: bool, 
             elif pick < 0.8:
                 favour[b, parents[b][i]] = torch.tensor([NEIGHBOURS[x, 0], x])
     q = random_distributions((batch, size), g, favour) if sampled else None
-    if sampled:  # children drawn without replacement from their parent's q (when it has the support)
+    if sampled:  # children drawn without replacement from their parent's q, as DraftTree.sampled says
         for b in range(batch):
             for n in range(size):
-                kids = [i for i in range(size) if parents[b][i] == n]
-                support = int((q[b, n] > 0).sum())
-                if kids and len(kids) <= support:
+                kids = [i for i in range(size) if parents[b][i] == n and valid[b][i]]
+                if len(kids) > int((q[b, n] > 0).sum()):  # widen q's support (a builder would stop)
+                    q[b, n] = 0.5 * q[b, n] + 0.5 / VOCAB
+                for late in kids[VOCAB:]:  # past the vocabulary: undrafted, with its subtree
+                    valid[b][late] = False
+                for i in range(size):
+                    valid[b][i] = valid[b][i] and (parents[b][i] < 0 or valid[b][parents[b][i]])
+                kids = kids[:VOCAB]
+                if kids:
                     tokens[b, kids] = torch.multinomial(q[b, n], len(kids), generator=g)
     tree = DraftTree(
         tokens, parents_t, torch.tensor(depths), torch.tensor(valid), q, sampled, chain=style == "chain"
@@ -203,6 +210,34 @@ def test_the_chain_shortcut_is_taken_and_judging_against_another_node_is_caught(
         shifted = replace(tree, q=torch.roll(tree.q, -1, dims=1))
         wrong = accept_batch(EXACT, shifted, p_nodes, greedy, u_accept, u_bonus)
     assert verdicts(wrong) != want
+
+
+@pytest.mark.parametrize("style", ["wide", "static"])
+def test_the_sampled_closed_form_is_taken_and_forgetting_earlier_siblings_is_caught(style):
+    """A sampled tree's verdict at T > 0 (``_sampled_verdict``: each rank's residual in closed form) is the
+    walk's, without the general pass over sibling ranks; the same verdict with every child judged as if it
+    were its parent's first (against p and q before its earlier siblings were rejected) is not."""
+    tree, p_nodes, _, u_accept, u_bonus = with_bounds_case(random_case(8, 30, style, True, False, 23))
+    want = reference(EXACT, tree, p_nodes, False, u_accept, u_bonus, None)
+    with patch("vdtrain.decode.acceptance._tried_choices", side_effect=AssertionError("not the closed form")):
+        assert verdicts(accept_batch(EXACT, tree, p_nodes, False, u_accept, u_bonus)) == want
+    first = [[tree.children(b, int(tree.parents[b, n]))[0] for n in v.path] for b, v in enumerate(want)]
+    later_rank = sum(v.path != row for v, row in zip(want, first, strict=True))  # rows with one past rank 0
+    assert later_rank >= 3  # children past the first rank accepted: the residuals matter
+    ranks = tree.earlier_siblings().sum(-1)  # what a static builder gives as DraftTree.sibling_ranks
+    assert (
+        verdicts(accept_batch(EXACT, replace(tree, sibling_ranks=ranks), p_nodes, False, u_accept, u_bonus))
+        == want
+    )
+    none_earlier = torch.zeros_like(tree.earlier_siblings())
+    with patch.object(DraftTree, "earlier_siblings", lambda self: none_earlier):
+        wrong = accept_batch(EXACT, tree, p_nodes, False, u_accept, u_bonus)
+    assert verdicts(wrong) != want
+
+
+def with_bounds_case(case):
+    tree, *rest = case
+    return (with_bounds(tree), *rest)
 
 
 @pytest.mark.parametrize("rule_name", ["lantern", "lantern_k_all", "lantern_pp", "gsd", "gsd_even_wide"])
@@ -387,6 +422,15 @@ def test_the_chain_shortcut_launches_fewer_kernels_than_the_general_code(path, f
     assert (accept_log(path, 1).kernels, accept_log(path, 1, shortcut=False).kernels) == (fast, general)
 
 
+def test_the_sampled_closed_form_launches_fewer_kernels_than_its_plain_twin():
+    """The counts docs/decoding.md quotes ("Exact acceptance"): kernel-launching ops of a 30-node sampled
+    tree of depth bound 8 and width bound 6, B = 1, T > 0, against the plain twins (the general pass over
+    sibling ranks, the path followed level by level)."""
+    with plain_twins():
+        plain = accept_log("exact_sampled", 1).kernels
+    assert (accept_log("exact_sampled", 1).kernels, plain) == (107, 287)
+
+
 def test_the_sync_guards_catch_the_walk():
     """The guards are live: the reference walk reads the device, and each guard refuses it."""
     tree, p_nodes, _, u_accept, u_bonus = random_case(1, 6, "wide", False, False, 0)
@@ -482,7 +526,10 @@ def test_passes_over_later_ranks_hold_every_node_of_a_tight_tree(parents, rule_n
         u_accept = torch.rand(batch, size, generator=g, dtype=torch.float64)
         u_bonus = torch.rand(batch, generator=g, dtype=torch.float64)
         want = reference(RULES[rule_name], tree, p, False, u_accept, u_bonus, None)
-        got = verdicts(accept_batch(RULES[rule_name], tree, p, False, u_accept, u_bonus))
+        # Siblings repeat tokens here, which no sampled builder draws: the exact rule's closed form
+        # (``_sampled_verdict``) assumes draws without replacement, the plain twin takes any tree.
+        with plain_twins(sampled):
+            got = verdicts(accept_batch(RULES[rule_name], tree, p, False, u_accept, u_bonus))
         assert got == want
         assert sum(len(v.path) for v in want) > 10
         assert any(v.path[:1] != [1] for v in want)  # the root's first child rejected: later ranks ran

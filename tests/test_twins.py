@@ -4,6 +4,8 @@ readable code to save kernels, the plain version stays in the package and comput
 - the accepted path: level by level against pointer doubling (``acceptance._follow``);
 - a sampled chain's verdict: the general pass over sibling ranks against the chain's shortcut
   (``acceptance._chain_verdict``; also tests/test_batched_acceptance.py);
+- a sampled tree's verdict: the same pass against the residuals in closed form
+  (``acceptance._sampled_verdict``; also tests/test_batched_acceptance.py);
 - the random numbers: hashed at every draw against gathered from a table (``RowRandom``);
 - the children ranking by chunks against one sort of the row: tests/test_dynamic_builder.py;
 - and whole decodes, which use all three: the same tokens and counts either way.
@@ -77,10 +79,18 @@ def test_the_plain_random_rows_hash_every_draw_to_the_tables_numbers():
 
 
 # A dynamic tree (greedy and sampled), a Jacobi window (its draws and its chain), a relaxed rule (its path's
-# relaxations), a block drafter's chain.
+# relaxations), a block drafter's chain and its tree.
 @pytest.mark.parametrize(
     ("name", "temperature"),
-    [("eagle2", 0.0), ("eagle2", 1.0), ("sjd", 1.0), ("lantern", 1.0), ("block", 0.0), ("block", 1.0)],
+    [
+        ("eagle2", 0.0),
+        ("eagle2", 1.0),
+        ("sjd", 1.0),
+        ("lantern", 1.0),
+        ("block", 0.0),
+        ("block", 1.0),
+        ("block_tree", 1.0),
+    ],
 )
 def test_a_decode_with_the_plain_twins_is_the_fast_decode(name, temperature, tmp_path):
     """400 tokens: a row of more chunks (20) than a tree has children (10), so the chunks are ranked."""
@@ -94,9 +104,13 @@ def test_a_decode_with_the_plain_twins_is_the_fast_decode(name, temperature, tmp
     def decode():
         return method.generate(cond, [torch.Generator().manual_seed(i) for i in range(3)])
 
-    with patch("vdtrain.decode.acceptance._chain_verdict", wraps=acceptance._chain_verdict) as shortcut:
+    with (
+        patch("vdtrain.decode.acceptance._chain_verdict", wraps=acceptance._chain_verdict) as shortcut,
+        patch("vdtrain.decode.acceptance._sampled_verdict", wraps=acceptance._sampled_verdict) as closed_form,
+    ):
         fast = decode()
     assert shortcut.called == (name in ("sjd", "block"))  # the chains, and only they, take the shortcut
+    assert closed_form.called == (name == "block_tree")  # the one sampled tree here with siblings
     with plain_twins():
         plain = decode()
     assert torch.equal(plain.tokens, fast.tokens) and plain.stats == fast.stats

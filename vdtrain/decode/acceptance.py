@@ -275,6 +275,9 @@ def accept_batch(
     depth = size - 1 if tree.depth_bound is None else tree.depth_bound
     if tree.chain and (greedy or tree.sampled) and not rule.relaxes and not plain_kernels():
         return _chain_verdict(tree, p_nodes, greedy, u_accept, u_bonus, depth)  # its plain twin: below
+    width = size - 1 if tree.width_bound is None else tree.width_bound
+    if tree.sampled and width > 1 and not greedy and not rule.relaxes and not plain_kernels():
+        return _sampled_verdict(tree, p_nodes, u_accept, u_bonus, depth, width)  # its plain twin: below
     if greedy:
         best = p_nodes.argmax(-1)  # [B, T]
         child_of, relaxed_at = _greedy_choices(rule, tree, best, p_relax)
@@ -285,7 +288,6 @@ def accept_batch(
         path, final, relaxed = _follow(_exact_choices(tree, p, u_accept), None, depth)
         bonus = inverse_cdf(_exact_residual(tree, p, final), u_bonus)
     else:
-        width = size - 1 if tree.width_bound is None else tree.width_bound
         child_of, relaxed_at, p_left = _tried_choices(rule, tree, p_nodes, u_accept, width)
         path, final, relaxed = _follow(child_of, relaxed_at if rule.relaxes else None, depth)
         vocab = p_left.shape[-1]
@@ -406,6 +408,71 @@ def _chain_verdict(
     p_last, q_last = p.gather(1, at)[:, 0], q.gather(1, at)[:, 0]
     residual = torch.where(tried, _normalise_rows((p_last - q_last).clamp_min_(0)), p_last)
     return BatchVerdict(path, accepted, inverse_cdf(residual, u_bonus), relaxed)
+
+
+def _sampled_verdict(
+    tree: DraftTree,
+    p_nodes: torch.Tensor,
+    u_accept: torch.Tensor,
+    u_bonus: torch.Tensor,
+    depth: int,
+    width: int,
+) -> BatchVerdict:
+    """The exact rule on a sampled tree (children drawn without replacement from their parent's q),
+    T > 0: the sibling loop's residuals in closed form (see the section comment), so a pass over a rank
+    is a handful of [B, T] ops and one sum over the vocabulary, where ``_tried_choices`` carries p and q.
+
+    With Q the parent's q normalised, after the children of ranks < s were rejected p is
+    max(p − A_s·Q, 0) / D_s on the tokens not yet tried and 0 on those tried (a rejected token had
+    p ≤ q̂, so nothing of it is left, and A only grows), where A_0 = 0, D_0 = 1,
+    A_{s+1} = A_s + D_s / M_s, D_s = Σ max(p − A_s·Q, 0), and M_s, q̂'s normaliser once the children of
+    ranks < s are removed, is the mass of the children of ranks >= s plus Q's undrafted mass: a sum of
+    positive terms (1 − the drafted mass would cancel where q is peaked). Child c of rank s is accepted
+    iff u_c · Q(x_c) / M_s < max(p(x_c) − A_s·Q(x_c), 0) / D_s. All of it holds with q unnormalised in
+    place of Q (A and M then carry q's total, which cancels), so q is never normalised."""
+    batch, size, vocab = p_nodes.shape
+    device = p_nodes.device
+    p, q = p_nodes.double(), tree.q.double()
+    parents = tree.parents.clamp_min(0)
+    is_child = tree.valid & (tree.parents >= 0)
+    # A child's place among its siblings (0: the root, and padding where the tree computes it).
+    rank = tree.earlier_siblings().sum(-1) if tree.sibling_ranks is None else tree.sibling_ranks
+    at = parents * vocab + tree.tokens
+    p_child = p.reshape(batch, size * vocab).gather(1, at)  # [B, T]: each child's token at its parent
+    q_child = q.reshape(batch, size * vocab).gather(1, at)
+    drafted = torch.zeros(batch, size * vocab + 1, dtype=torch.bool, device=device)  # + a spare column
+    drafted = drafted.scatter_(1, torch.where(is_child, at, size * vocab), True)[:, :-1].view_as(q)
+    # [B, T, W + 1]: column j holds the mass of the child of rank W − j (column 0: the undrafted mass),
+    # so the running sum along it is M_{W − j}.
+    spare, first = size * (width + 1), parents * (width + 1)
+    slot, reverse = first + rank, first + (width - rank)  # (parent, rank), (parent, W − rank) in the tables
+    left = torch.zeros(batch, spare + 1, dtype=q.dtype, device=device)
+    left.scatter_(1, torch.where(is_child, reverse, spare), q_child)
+    left = left[:, :-1].view(batch, size, width + 1)
+    left[:, :, 0] = q.masked_fill(drafted, 0.0).sum(-1)
+    left = left.cumsum(-1).clamp_min_(torch.finfo(q.dtype).tiny)  # M_s at column W − s
+    a = shared_full(0.0, device, q.dtype).expand(batch, size)
+    d = shared_full(1.0, device, q.dtype).expand(batch, size)
+    a_by_rank, d_by_rank = [a], [d]
+    for s in range(1, width + 1):
+        a = a + d / left[:, :, width + 1 - s]
+        a_by_rank.append(a)
+        if s < width:  # D_width is never read: the bonus draw normalises for itself
+            d = torch.addcmul(p, q, a[..., None], value=-1.0).clamp_min_(0.0).sum(-1)
+        d_by_rank.append(d)
+    a_table = torch.stack(a_by_rank, -1).view(batch, -1)  # [B, T · (W + 1)]
+    d_table = torch.stack(d_by_rank, -1).view(batch, -1)
+    a_child, d_child = a_table.gather(1, slot), d_table.gather(1, slot)
+    left_child = left.view(batch, -1).gather(1, reverse)
+    mass = torch.addcmul(p_child, a_child, q_child, value=-1.0).clamp_min_(0.0)
+    accept = is_child & (u_accept.double() * q_child * d_child < left_child * mass)
+    path, final, relaxed = _follow(first_flagged_child(accept, parents), None, depth)
+    # The bonus: p at the last accepted node once all its k children were rejected, max(p − A_k·Q, 0).
+    children = torch.zeros_like(tree.parents).scatter_add_(1, parents, is_child.long())
+    a_final = a_table.gather(1, final[:, None] * (width + 1) + children.gather(1, final[:, None]))
+    rows = final[:, None, None].expand(batch, 1, vocab)
+    residual = torch.addcmul(p.gather(1, rows)[:, 0], q.gather(1, rows)[:, 0], a_final, value=-1.0)
+    return BatchVerdict(path, (path >= 0).sum(1), inverse_cdf(residual.clamp_min_(0.0), u_bonus), relaxed)
 
 
 def _greedy_choices(

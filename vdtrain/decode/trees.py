@@ -171,6 +171,10 @@ class DraftTree:
     # chain shortcut (``acceptance._chain_verdict``) and the commit moves no KV (``SpeculativeEngine``).
     # False: any tree.
     chain: bool = False
+    # [B or 1, T] long: each node's place among its siblings (the root: 0), where the builder knows it
+    # (a static tree's ranks: its valid children are always its first ranks); None: computed from the
+    # valid nodes (``earlier_siblings``) when needed.
+    sibling_ranks: torch.Tensor | None = None
 
     @property
     def size(self) -> int:

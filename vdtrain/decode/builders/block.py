@@ -22,7 +22,7 @@ import torch
 
 from vdtrain.decode.budget import TreeBudget
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
-from vdtrain.decode.kernels import shared_arange, shared_full, step_kernel
+from vdtrain.decode.kernels import shared_arange, step_kernel
 from vdtrain.decode.rng import Purpose, inverse_cdf
 from vdtrain.decode.rows import DrafterRows, chain_visibility, per_stream
 from vdtrain.decode.trees import (
@@ -54,13 +54,6 @@ class BlockTreeConfig(TreeConfig):
     cut: float | None = None
 
 
-class _Round(NamedTuple):
-    """The children of one rank: drawn at once, one per family that has a child of that rank."""
-
-    kids: torch.Tensor | slice  # [n] their nodes (a slice where they follow each other)
-    within: torch.Tensor | None  # [n] their families' places among the last round's (None: round 0, all)
-
-
 class _Layout(NamedTuple):
     """The tree's index tensors on one device."""
 
@@ -71,8 +64,14 @@ class _Layout(NamedTuple):
     slot_rank: torch.Tensor  # [T] long: (depth − 1) · width + rank, where a node's token sits in the top-k
     family_slots: torch.Tensor | None  # [P] the slot each family's children come from (None: slot = place)
     node_slots: torch.Tensor  # [T] the slot each node's children come from (a leaf: the last)
-    rounds: list[_Round]  # rank by rank
-    order: torch.Tensor | None  # [T] node n's place in [root, round 0's kids, round 1's, ...] (None: n)
+    # Draws at T > 0: round r draws the rank-r child of every family (a node with children) at once.
+    draw_uniforms: (
+        torch.Tensor | slice
+    )  # [W · P] the node whose uniform family f's round-r draw takes (r · P + f)
+    draw_place: torch.Tensor | None  # [T] node n's place in [root, round 0's draws, round 1's, ...] (None: n)
+    node_family: torch.Tensor  # [T] the family node n was drawn in (the root: 0)
+    node_rank: torch.Tensor  # [T] its rank there (the root: −1, always drafted)
+    ranks: torch.Tensor  # [T] each node's place among its siblings (the root: 0)
 
 
 class _Shape:
@@ -85,27 +84,22 @@ class _Shape:
 
     def layout(self, device: torch.device) -> _Layout:
         """The tree's index tensors on ``device``, built once. Round ``r`` draws the rank-``r`` child of
-        every family (a node with children) that has one, in the order of round ``r − 1``'s families,
-        so each round's families are a subset of the last one's."""
+        every family (a node with children) at once, a family without one included (its draw is never
+        read): a round is then one scatter and one inverse CDF, with no gathers of the families left."""
         if device not in self._layouts:
             t, width = self.tree, self.width
 
             def index(values: list[int]) -> torch.Tensor | slice:
-                if values == list(range(values[0], values[0] + len(values))):
-                    return slice(values[0], values[0] + len(values))
+                start = values[0] if values else 0
+                if values == list(range(start, start + len(values))):
+                    return slice(start, start + len(values))
                 return torch.tensor(values, device=device)
 
             families = [n for n in range(t.size) if t.width(n)]
-            rounds, drawn = [], [0]
-            for rank in range(width):
-                kept = [f for f in families if t.width(f) > rank]
-                kids = [
-                    next(n for n in range(t.size) if t.parents[n] == f and t.ranks[n] == rank) for f in kept
-                ]
-                within = None if rank == 0 else torch.tensor([families.index(f) for f in kept], device=device)
-                rounds.append(_Round(index(kids), within))
-                families, drawn = kept, drawn + kids
-            order = [drawn.index(n) for n in range(t.size)]
+            family_of = {f: i for i, f in enumerate(families)}
+            child = {(t.parents[n], t.ranks[n]): n for n in range(1, t.size)}
+            uniforms = [child.get((f, rank), f) for rank in range(width) for f in families]  # f: unused
+            place = [0] + [1 + t.ranks[n] * len(families) + family_of[t.parents[n]] for n in range(1, t.size)]
             parents = torch.tensor(t.parents, device=device)
             depths = torch.tensor(t.depths, device=device)
             ancestors = ancestor_matrix(parents[None])[0]
@@ -118,8 +112,11 @@ class _Shape:
                 (depths - 1).clamp_min(0) * width + torch.tensor(t.ranks, device=device),
                 None if slots == list(range(len(slots))) else torch.tensor(slots, device=device),
                 depths.clamp_max(t.depth - 1),
-                rounds,
-                None if order == list(range(t.size)) else torch.tensor(order, device=device),
+                index(uniforms),
+                None if place == list(range(t.size)) else torch.tensor(place, device=device),
+                torch.tensor([0] + [family_of[t.parents[n]] for n in range(1, t.size)], device=device),
+                torch.tensor([-1, *t.ranks[1:]], device=device),
+                torch.tensor(t.ranks, device=device),
             )
         return self._layouts[device]
 
@@ -236,26 +233,27 @@ class BlockTreeBuilder(DraftTreeBuilder):
             q_nodes = None
         else:  # q: no top-k filter (the module docstring)
             u = state.rng.uniform(Purpose.DRAFT, t.size)
-            mass = q.double()  # [B, P, V] each family's mass not drawn yet
-            if layout.family_slots is not None:
-                mass = mass.index_select(1, layout.family_slots)
-            drawn, found = [state.roots[:, None]], []
-            for kids, within in layout.rounds:
-                if within is not None:  # the families with a child of this rank: their earlier draws out
-                    last = drawn[-1].index_select(1, within)
-                    mass = mass.index_select(1, within).scatter(-1, last[..., None], 0.0)
-                    found.append((mass > 0).any(-1))  # past the support: undrafted
-                pick = u[:, kids] if isinstance(kids, slice) else u.index_select(1, kids)
-                drawn.append(inverse_cdf(mass, pick))
+            u = (
+                u[:, layout.draw_uniforms]
+                if isinstance(layout.draw_uniforms, slice)
+                else u.index_select(1, layout.draw_uniforms)
+            )
+            mass = q if layout.family_slots is None else q.index_select(1, layout.family_slots)
+            mass = mass.to(torch.float64, copy=mass is q)  # [B, P, V] each family's mass not drawn yet
+            families = mass.shape[1]
+            if shape.width > 1:  # a family whose q holds r tokens or fewer has no rank-r child
+                support = (mass > 0).sum(-1).index_select(1, layout.node_family)
+                valid = valid & (support > layout.node_rank)
+            drawn = [state.roots[:, None]]
+            for rank in range(shape.width):  # every family draws at once (one without a child: unused)
+                if rank:
+                    mass.scatter_(-1, drawn[-1][..., None], 0.0)
+                drawn.append(inverse_cdf(mass, u[:, rank * families : (rank + 1) * families]))
             tokens = torch.cat(drawn, 1)
-            if layout.order is not None:
-                tokens = tokens.index_select(1, layout.order)
-            if found:  # a node is drafted when it and all its ancestors are
-                first = shared_full(True, valid.device, torch.bool).expand(batch, 1 + drawn[1].shape[1])
-                found = torch.cat([first, *found], 1)
-                if layout.order is not None:
-                    found = found.index_select(1, layout.order)
-                valid = (~(valid & found)).float() @ layout.descends == 0
+            if layout.draw_place is not None:
+                tokens = tokens.index_select(1, layout.draw_place)
+            if shape.width > 1:  # a node is drafted when it and all its ancestors are
+                valid = (~valid).float() @ layout.descends == 0
             q_nodes = q.index_select(1, layout.node_slots)  # each node's children's q
         return DraftTree(
             tokens,
@@ -267,5 +265,6 @@ class BlockTreeBuilder(DraftTreeBuilder):
             depth_bound=t.depth,
             width_bound=shape.width,
             ancestors=layout.ancestors[None],
+            sibling_ranks=layout.ranks[None],
             chain=t.size == t.depth + 1,  # as many nodes as levels: one path, stored in order
         )

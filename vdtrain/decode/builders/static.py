@@ -41,6 +41,7 @@ class _Layout(NamedTuple):
     depths: torch.Tensor  # [T]
     ancestors: torch.Tensor  # [T, T] bool
     levels: list[torch.Tensor]  # per depth: its nodes
+    ranks: torch.Tensor  # [T] each node's place among its siblings (the root: 0)
 
 
 class _Shape:
@@ -65,7 +66,8 @@ class _Shape:
             parents = torch.tensor(self.tree.parents, device=device)
             depths = torch.tensor(self.tree.depths, device=device)
             levels = [torch.tensor(level, device=device) for level in self.levels]
-            self._layout[device] = _Layout(parents, depths, ancestor_matrix(parents[None])[0], levels)
+            ranks = torch.tensor(self.tree.ranks, device=device)
+            self._layout[device] = _Layout(parents, depths, ancestor_matrix(parents[None])[0], levels, ranks)
         return self._layout[device]
 
 
@@ -146,6 +148,7 @@ class StaticTreeBuilder(DraftTreeBuilder):
             sampled=not ctx.sampling.greedy,
             depth_bound=shape.tree.depth,
             width_bound=shape.width,
+            sibling_ranks=layout.ranks[None],
         )
 
     @step_kernel
