@@ -48,6 +48,7 @@ if [[ $device == cuda ]]; then
   # issue #54: the memory plan against max_memory_allocated, and a 7B-class step under ZeRO-2 (2 layers)
   plan_check="--agreement llamagen-xl janus-pro-7b lumina-mgpt-7b-768 --layers 2 --kinds eagle1 eagle3 --batch 1 8 --precisions bf16-mixed"
   big_train="--targets janus-pro-7b lumina-mgpt-7b-768 --layers 2 --drafters eagle1 --modes eager zero2 --batch 8 --steps 3 --warmup 2"
+  block="block block_tree eagle1 eagle2 sjd"  # issue #55, item 5: the block presets beside the ones they beat
 else  # the script's own test: the same steps on a CPU, eager, at small sizes, each given 4x its budget
   xl="shapes --dtype fp32" pair=sjd scale=4 big=2 prompts=2 eval_prompts=2 eval="eval=fast acceptance.enabled=false" graphs=eager compiled=steps presets=scd
   profile="--target shapes --steps 1 --skip 1"
@@ -57,6 +58,7 @@ else  # the script's own test: the same steps on a CPU, eager, at small sizes, e
   calibration="--num-prompts 2 --batch-size 2 --methods eagle1 sjd"
   plan_check="--agreement grain --kinds eagle1 --batch 1 --precisions 32-true"
   big_train="--targets anole-7b --layers 1 --drafters eagle1 --modes eager --batch 1 --steps 1 --warmup 1"
+  block="block block_tree"
 fi
 step_cost="python -m benchmarks.step_cost --device $device"
 
@@ -90,13 +92,17 @@ steps=(
   "big_train|150|python -m benchmarks.train_throughput --device $device $big_train --out $stage/big_train.json"
   # optional: issue #54's fit at a 7B-class width (2 layers, bf16 target) under ZeRO-2, evaluated after its epochs
   "big_fit|240|python -m benchmarks.big_fit --device $device --work $stage/big_fit_runs --out $stage/big_fit.json"
+  # optional: issue #55's block presets at XL and at the 7B-class shapes, B 1, graphs then compiled (r, latency)
+  "block_xl|120|$step_cost --targets $xl --modes $graphs --batch 1 --presets $block --out $stage/block_xl.json"
+  "block_big|150|$step_cost $seven_b --modes $graphs --batch 1 --presets $block --out $stage/block_big.json"
+  "block_xl_compiled|250|$step_cost --targets $xl --modes $compiled --batch 1 --presets $block --out $stage/block_xl_compiled.json"
   # optional: issue #54's export after ZeRO-2 and ZeRO-3, gathered and equal to DDP's, on 2 GPUs (fewer if fewer)
   "zero_export|240|python -m benchmarks.zero_export --devices 2 --work $stage/zero_runs --out $stage/zero_export.json"
 )
 
 # The second prepared call (540 s): bash benchmarks/gpu_check.sh --steps plan_check,big_train,big_fit OUT
-# (the third, where two GPUs are lent: --steps zero_export)
-optional=",scaling,big_compiled,grain_calibration,zero_export,plan_check,big_train,big_fit,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
+# (the third, where two GPUs are lent: --steps zero_export; issue #55's: --steps block_xl,block_big,block_xl_compiled)
+optional=",scaling,big_compiled,grain_calibration,zero_export,plan_check,big_train,big_fit,block_xl,block_big,block_xl_compiled,"  # steps a full run leaves out (each takes minutes of a 15-minute loan)
 chosen=()
 for s in "${steps[@]}"; do
   name=${s%%|*}

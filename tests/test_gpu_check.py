@@ -80,8 +80,22 @@ def test_the_optional_steps_run_only_when_named(tmp_path):
         "plan_check",
         "big_train",
         "big_fit",
+        "block_xl",
+        "block_big",
+        "block_xl_compiled",
     }
     assert not optional & set(full)
+    # issue #55, item 5: the block presets beside eagle1, eagle2 and sjd at XL and the 7B-class shapes, B 1,
+    # graphs and compiled, in one prepared call
+    block = _run("--dry-run", "--steps", "block_xl,block_big,block_xl_compiled", str(tmp_path)).stdout
+    steps = _steps(block)
+    assert [name for name, _ in steps] == ["block_xl", "block_big", "block_xl_compiled"]
+    assert sum(budget for _, budget in steps) <= 540
+    presets = "--presets block block_tree eagle1 eagle2 sjd"
+    assert f"--targets llamagen-xl --dtype bf16 --modes graphs --batch 1 {presets}" in block
+    big = "--targets chameleon-7b janus-pro-7b --dtype bf16 --steps 24"
+    assert f"{big} --modes graphs --batch 1 {presets}" in block
+    assert f"--modes compiled --batch 1 {presets}" in block
     zero = _run("--dry-run", "--steps", "zero_export", str(tmp_path)).stdout
     assert "benchmarks.zero_export --devices 2" in zero  # issue #54: export after ZeRO-2 / ZeRO-3
     # issue #54's second prepared call: the memory plan against max_memory_allocated, a 7B-class step under
