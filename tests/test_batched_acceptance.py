@@ -235,6 +235,19 @@ def test_the_sampled_closed_form_is_taken_and_forgetting_earlier_siblings_is_cau
     assert verdicts(wrong) != want
 
 
+def test_the_sampled_closed_form_leaves_out_children_past_a_low_width_bound_as_the_general_pass_does():
+    """A width bound below the truth cuts the later-ranked children off (``DraftTree.width_bound``): the
+    closed form then gives the plain twin's verdict, never an index past its tables."""
+    tree, p_nodes, _, u_accept, u_bonus = random_case(8, 30, "wide", True, False, 5)
+    widest = with_bounds(tree).width_bound
+    for width in (2, 3):
+        low = replace(tree, width_bound=width, depth_bound=with_bounds(tree).depth_bound)
+        with plain_twins():
+            want = verdicts(accept_batch(EXACT, low, p_nodes, False, u_accept, u_bonus))
+        assert verdicts(accept_batch(EXACT, low, p_nodes, False, u_accept, u_bonus)) == want
+    assert widest > 3  # children were cut off
+
+
 def with_bounds_case(case):
     tree, *rest = case
     return (with_bounds(tree), *rest)
@@ -428,7 +441,7 @@ def test_the_sampled_closed_form_launches_fewer_kernels_than_its_plain_twin():
     sibling ranks, the path followed level by level)."""
     with plain_twins():
         plain = accept_log("exact_sampled", 1).kernels
-    assert (accept_log("exact_sampled", 1).kernels, plain) == (107, 287)
+    assert (accept_log("exact_sampled", 1).kernels, plain) == (110, 287)
 
 
 def test_the_sync_guards_catch_the_walk():

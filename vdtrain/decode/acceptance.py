@@ -410,6 +410,12 @@ def _chain_verdict(
     return BatchVerdict(path, accepted, inverse_cdf(residual, u_bonus), relaxed)
 
 
+# M_s where q has no mass left (a leaf's zero q, a support its children used up): below any mass a child
+# is drawn from (float32's least is 1.4e-45), and large enough that the ranks past the node's children,
+# which are never read, stay finite (A grows by at most 1 / _NO_MASS a rank).
+_NO_MASS = 1e-300
+
+
 def _sampled_verdict(
     tree: DraftTree,
     p_nodes: torch.Tensor,
@@ -434,9 +440,13 @@ def _sampled_verdict(
     device = p_nodes.device
     p, q = p_nodes.double(), tree.q.double()
     parents = tree.parents.clamp_min(0)
-    is_child = tree.valid & (tree.parents >= 0)
     # A child's place among its siblings (0: the root, and padding where the tree computes it).
-    rank = tree.earlier_siblings().sum(-1) if tree.sibling_ranks is None else tree.sibling_ranks
+    is_child = tree.valid & (tree.parents >= 0)
+    if tree.sibling_ranks is None:  # children ranked past a width bound below the truth are left out, as
+        rank = tree.earlier_siblings().sum(-1).clamp_max_(width)  # the general pass leaves them
+        is_child = is_child & (rank < width)
+    else:  # a static shape's, always below its own width bound
+        rank = tree.sibling_ranks
     at = parents * vocab + tree.tokens
     p_child = p.reshape(batch, size * vocab).gather(1, at)  # [B, T]: each child's token at its parent
     q_child = q.reshape(batch, size * vocab).gather(1, at)
@@ -450,7 +460,7 @@ def _sampled_verdict(
     left.scatter_(1, torch.where(is_child, reverse, spare), q_child)
     left = left[:, :-1].view(batch, size, width + 1)
     left[:, :, 0] = q.masked_fill(drafted, 0.0).sum(-1)
-    left = left.cumsum(-1).clamp_min_(torch.finfo(q.dtype).tiny)  # M_s at column W − s
+    left = left.cumsum(-1).clamp_min_(_NO_MASS)  # M_s at column W − s
     a = shared_full(0.0, device, q.dtype).expand(batch, size)
     d = shared_full(1.0, device, q.dtype).expand(batch, size)
     a_by_rank, d_by_rank = [a], [d]
