@@ -440,8 +440,8 @@ def _sampled_verdict(
     device = p_nodes.device
     p, q = p_nodes.double(), tree.q.double()
     parents = tree.parents.clamp_min(0)
-    # A child's place among its siblings (0: the root, and padding where the tree computes it).
     is_child = tree.valid & (tree.parents >= 0)
+    # Each child's place among its siblings (0: the root, and padding where the tree computes it).
     if tree.sibling_ranks is None:  # children ranked past a width bound below the truth are left out, as
         rank = tree.earlier_siblings().sum(-1).clamp_max_(width)  # the general pass leaves them
         is_child = is_child & (rank < width)
