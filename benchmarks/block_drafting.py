@@ -53,6 +53,7 @@ METHODS = {
     "eagle3": "drafter_eagle3",
     "block": "drafter_block",
     "block_tree": "drafter_block",
+    "block_tree_iid": "drafter_block",
 }
 PRESETS = {"eagle3": "eagle2"}  # a method that is a preset decoded with another kind of drafter: its preset
 

@@ -141,7 +141,7 @@ def walk(
                     relaxed += not bool(u * q_c[tok] < p[tok])
                     break
                 p = residual(p, q_c, credited if rule.removes_group else credited[:0])
-                if tree.sampled:
+                if tree.sampled and not tree.with_replacement:
                     q = q.clone()
                     q[tok] = 0  # the next sibling was drawn without this one
         if accepted is None:

@@ -31,7 +31,7 @@ from vdtrain.decode.acceptance import (
 )
 from vdtrain.decode.kernels import plain_twins
 from vdtrain.decode.phase_ops import launches_kernel
-from vdtrain.decode.rng import Purpose, RowRandom
+from vdtrain.decode.rng import Purpose, RowRandom, inverse_cdf_draws
 from vdtrain.decode.trees import EAGLE1_PATHS, LANTERN_PP_PATHS, DraftTree, static_tree
 
 VOCAB = 12
@@ -91,7 +91,9 @@ def random_distributions(shape: tuple[int, ...], g: torch.Generator, favour: tor
     return logits.masked_fill(~keep, float("-inf")).softmax(-1)
 
 
-def random_case(batch: int, size: int, style: str, sampled: bool, greedy: bool, seed: int):
+def random_case(batch: int, size: int, style: str, sampled: bool | str, greedy: bool, seed: int):
+    """A random tree and its uniforms; ``sampled`` "iid": children drawn i.i.d. from q
+    (``DraftTree.with_replacement``), so sibling tokens repeat."""
     """A batch of random trees with their target distributions and uniforms."""
     g = torch.Generator().manual_seed(seed)
     parents, depths, valid = [], [], []
@@ -121,7 +123,13 @@ def random_case(batch: int, size: int, style: str, sampled: bool, greedy: bool, 
             elif pick < 0.8:
                 favour[b, parents[b][i]] = torch.tensor([NEIGHBOURS[x, 0], x])
     q = random_distributions((batch, size), g, favour) if sampled else None
-    if sampled:  # children drawn without replacement from their parent's q, as DraftTree.sampled says
+    if sampled == "iid":
+        for b in range(batch):
+            for n in range(size):
+                kids = [i for i in range(size) if parents[b][i] == n and valid[b][i]]
+                if kids:
+                    tokens[b, kids] = torch.multinomial(q[b, n], len(kids), replacement=True, generator=g)
+    elif sampled:  # children drawn without replacement from their parent's q, as DraftTree.sampled says
         for b in range(batch):
             for n in range(size):
                 kids = [i for i in range(size) if parents[b][i] == n and valid[b][i]]
@@ -135,7 +143,14 @@ def random_case(batch: int, size: int, style: str, sampled: bool, greedy: bool, 
                 if kids:
                     tokens[b, kids] = torch.multinomial(q[b, n], len(kids), generator=g)
     tree = DraftTree(
-        tokens, parents_t, torch.tensor(depths), torch.tensor(valid), q, sampled, chain=style == "chain"
+        tokens,
+        parents_t,
+        torch.tensor(depths),
+        torch.tensor(valid),
+        q,
+        bool(sampled),
+        chain=style == "chain",
+        with_replacement=sampled == "iid",
     )
     soft = random_distributions((batch, size), g, favour)
     p_nodes = torch.zeros_like(soft).scatter_(-1, soft.argmax(-1, keepdim=True), 1.0) if greedy else soft
@@ -169,11 +184,12 @@ def reference(rule, tree, p_nodes, greedy, u_accept, u_bonus, p_relax) -> list[V
     ]
 
 
+DRAFTS = {False: "det", True: "q", "iid": "iid"}  # deterministic, sampled without replacement, i.i.d.
 CASES = [
     pytest.param(style, sampled, greedy, relax,
-                 id=f"{style}-{'q' if sampled else 'det'}-T{int(not greedy)}{'-relax' if relax else ''}")
+                 id=f"{style}-{DRAFTS[sampled]}-T{int(not greedy)}{'-relax' if relax else ''}")
     for style in ("wide", "deep", "chain", "static")
-    for sampled, greedy in ((False, True), (False, False), (True, False))
+    for sampled, greedy in ((False, True), (False, False), (True, False), ("iid", False))
     for relax in ((False, True) if greedy else (False,))
 ]  # fmt: skip
 
@@ -232,6 +248,21 @@ def test_the_sampled_closed_form_is_taken_and_forgetting_earlier_siblings_is_cau
     none_earlier = torch.zeros_like(tree.earlier_siblings())
     with patch.object(DraftTree, "earlier_siblings", lambda self: none_earlier):
         wrong = accept_batch(EXACT, tree, p_nodes, False, u_accept, u_bonus)
+    assert verdicts(wrong) != want
+
+
+@pytest.mark.parametrize("style", ["wide", "static"])
+def test_the_iid_closed_form_is_taken_and_the_rule_without_replacement_is_caught(style):
+    """Children drawn i.i.d. (``DraftTree.with_replacement``, sibling tokens repeated): the closed form is
+    the walk's, without the general pass, and the rule for draws without replacement (q's tried tokens
+    removed) gives other verdicts on the same tree."""
+    tree, p_nodes, _, u_accept, u_bonus = with_bounds_case(random_case(8, 30, style, "iid", False, 29))
+    want = reference(EXACT, tree, p_nodes, False, u_accept, u_bonus, None)
+    with patch("vdtrain.decode.acceptance._tried_choices", side_effect=AssertionError("not the closed form")):
+        assert verdicts(accept_batch(EXACT, tree, p_nodes, False, u_accept, u_bonus)) == want
+    repeats = tree.earlier_siblings() & (tree.tokens[:, :, None] == tree.tokens[:, None, :])
+    assert repeats.any(-1).sum() >= 5  # the draws repeat tokens among siblings
+    wrong = accept_batch(EXACT, replace(tree, with_replacement=False), p_nodes, False, u_accept, u_bonus)
     assert verdicts(wrong) != want
 
 
@@ -310,15 +341,18 @@ def test_walk_wants_both_uniforms_or_none():
 # --- losslessness through the uniforms ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["deterministic", "sampled"])
+@pytest.mark.parametrize("sampled", [False, True, "iid"], ids=["deterministic", "sampled", "iid"])
 def test_first_committed_token_has_the_target_distribution(sampled):
-    """One level of 3 drafts from q (top-3, or Gumbel-top-3 samples from q), verified with RowRandom's
-    uniforms: the first committed token (accepted draft or bonus) must follow p exactly."""
+    """One level of 3 drafts from q (top-3, Gumbel-top-3 samples from q, or 3 i.i.d. draws), verified
+    with RowRandom's uniforms: the first committed token (accepted draft or bonus) must follow p exactly.
+    I.i.d. drafts judged by the rule for draws without replacement must not."""
     rows = 6000
     p = torch.tensor([0.3, 0.25, 0.2, 0.1, 0.1, 0.05, 0.0, 0.0], dtype=torch.float64)
     q = torch.tensor([0.05, 0.1, 0.3, 0.2, 0.1, 0.05, 0.2, 0.0], dtype=torch.float64)
     rng = RowRandom(torch.arange(rows) + 100)
-    if sampled:
+    if sampled == "iid":
+        drafts = inverse_cdf_draws(q.expand(rows, -1), rng.uniform(Purpose.DRAFT, 3))
+    elif sampled:
         drafts = gumbel_topk(q.log().expand(rows, -1), rng.uniform(Purpose.DRAFT, len(q)), 3)
     else:
         drafts = q.topk(3).indices.expand(rows, -1)
@@ -329,25 +363,32 @@ def test_first_committed_token_has_the_target_distribution(sampled):
         depths=torch.tensor([0, 1, 1, 1]).expand(rows, -1),
         valid=torch.ones(rows, size, dtype=torch.bool),
         q=q.expand(rows, size, -1) if sampled else None,
-        sampled=sampled,
+        sampled=bool(sampled),
         depth_bound=1,
         width_bound=3,
+        with_replacement=sampled == "iid",
     )
-    out = accept_batch(
-        EXACT,
-        tree,
-        p.expand(rows, size, -1),
-        False,
-        rng.uniform(Purpose.ACCEPT, size),
-        rng.uniform(Purpose.BONUS),
-    )
-    first = torch.where(
-        out.accepted > 0, tree.tokens.gather(1, out.path[:, :1].clamp_min(0)).squeeze(1), out.bonus
-    )
-    counts = torch.bincount(first, minlength=len(p)).double()
-    assert counts[p == 0].sum() == 0
-    support = p > 0
-    assert stats.chisquare(counts[support].numpy(), (p[support] * rows).numpy()).pvalue > 1e-3
+
+    def pvalue(tree: DraftTree) -> float:
+        out = accept_batch(
+            EXACT,
+            tree,
+            p.expand(rows, size, -1),
+            False,
+            rng.uniform(Purpose.ACCEPT, size),
+            rng.uniform(Purpose.BONUS),
+        )
+        first = torch.where(
+            out.accepted > 0, tree.tokens.gather(1, out.path[:, :1].clamp_min(0)).squeeze(1), out.bonus
+        )
+        counts = torch.bincount(first, minlength=len(p)).double()
+        assert counts[p == 0].sum() == 0
+        support = p > 0
+        return stats.chisquare(counts[support].numpy(), (p[support] * rows).numpy()).pvalue
+
+    assert pvalue(tree) > 1e-3
+    if sampled == "iid":
+        assert pvalue(replace(tree, with_replacement=False)) < 1e-6
 
 
 # --- the cost contract: no host syncs, ops independent of the batch ----------------------------------
@@ -401,6 +442,7 @@ PATHS = {  # rule, sampled, greedy, relaxed at T = 0, tree style
     "greedy_lantern": ("lantern", False, True, True, "wide"),
     "exact_deterministic": ("exact", False, False, False, "wide"),
     "exact_sampled": ("exact", True, False, False, "wide"),
+    "exact_sampled_iid": ("exact", "iid", False, False, "wide"),
     "lantern_pp_deterministic": ("lantern_pp", False, False, False, "wide"),
     "gsd_sampled": ("gsd", True, False, False, "wide"),
     "chain_greedy": ("exact", False, True, False, "chain"),
@@ -437,11 +479,12 @@ def test_the_chain_shortcut_launches_fewer_kernels_than_the_general_code(path, f
 
 def test_the_sampled_closed_form_launches_fewer_kernels_than_its_plain_twin():
     """The counts docs/decoding.md quotes ("Exact acceptance"): kernel-launching ops of a 30-node sampled
-    tree of depth bound 8 and width bound 6, B = 1, T > 0, against the plain twins (the general pass over
-    sibling ranks, the path followed level by level)."""
+    tree of depth bound 8 and width bound 6, B = 1, T > 0, siblings drawn without replacement and i.i.d.,
+    against the plain twins (the general pass over sibling ranks, the path followed level by level)."""
     with plain_twins():
-        plain = accept_log("exact_sampled", 1).kernels
+        plain, plain_iid = accept_log("exact_sampled", 1).kernels, accept_log("exact_sampled_iid", 1).kernels
     assert (accept_log("exact_sampled", 1).kernels, plain) == (110, 287)
+    assert (accept_log("exact_sampled_iid", 1).kernels, plain_iid) == (99, 281)  # i.i.d.: q's total as M_s
 
 
 def test_the_sync_guards_catch_the_walk():

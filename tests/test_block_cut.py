@@ -89,7 +89,7 @@ def micro():
     )
 
 
-@pytest.mark.parametrize("name", ["block", "block_tree"])
+@pytest.mark.parametrize("name", ["block", "block_tree", "block_tree_iid"])
 def test_a_cut_block_tree_keeps_the_ar_distribution_at_t1(micro, name):
     """The cut decides from q alone, before and whatever the draws: AR's distribution, with about half
     the first steps cut."""

@@ -196,14 +196,42 @@ def test_a_block_drafter_drafts_one_depth_per_call_for_the_other_trees():
     assert max(max(st.depth_per_step) for st in result.stats) > 2
 
 
-def test_a_block_tree_keeps_the_ar_distribution_at_t1():
-    """A spread-out q (the registry's test has a confident one): siblings drawn without replacement from
-    their slot's q and judged against it (a chain is the tree's width-1 case)."""
+@pytest.mark.parametrize("name", ["block_tree", "block_tree_iid"])
+def test_a_block_tree_keeps_the_ar_distribution_at_t1(name):
+    """A spread-out q (the registry's test has a confident one): siblings drawn from their slot's q,
+    without replacement or i.i.d., and judged against it (a chain is the tree's width-1 case)."""
     target, cond = micro_problem()
     drafter = random_drafter(target, std=0.5, kind="block")
-    engine = build_method(load_preset("block_tree"), target, drafter, SAMPLED)
+    engine = build_method(load_preset(name), target, drafter, SAMPLED)
     samples = sample_images(engine, cond, 3000, seed=1)
     assert chi_square_pvalue(samples, exact_ar_distribution(target, cond, SAMPLED)) > SIGNIFICANCE
+
+
+def test_iid_siblings_are_drawn_at_their_own_uniforms_and_repeat_where_q_is_peaked():
+    """``tree.with_replacement``: a node's children are independent inverse-CDF draws at their own
+    uniforms, so its first child is the one drawn without replacement, and a confident q repeats tokens
+    among siblings (which draws without replacement never do); the tree says which rule verifies it."""
+    target, cond = make_target(image_size=8), tiny_condition(batch=2)
+    drafter = random_drafter(target, std=0.3, kind="block")
+
+    def trees(name: str) -> list:
+        engine, seen = build_method(load_preset(name), target, drafter, SAMPLED), []
+        build = engine.builder.build
+        engine.builder.build = lambda ctx, state: seen.append(build(ctx, state)) or seen[-1]
+        engine.generate(cond, [torch.Generator().manual_seed(7 + i) for i in range(2)])
+        return seen
+
+    def repeats(tree) -> int:
+        same = tree.earlier_siblings() & (tree.tokens[:, :, None] == tree.tokens[:, None, :])
+        return int(same.any(-1).sum())
+
+    plain, iid = trees("block_tree"), trees("block_tree_iid")
+    ranks = plain[0].sibling_ranks[0]
+    first = (ranks == 0) & (plain[0].parents[0] >= 0)
+    assert torch.equal(iid[0].tokens[:, first], plain[0].tokens[:, first])
+    assert not torch.equal(iid[0].tokens[:, ~first], plain[0].tokens[:, ~first])
+    assert iid[0].with_replacement and not plain[0].with_replacement
+    assert sum(map(repeats, iid)) > 0 and sum(map(repeats, plain)) == 0
 
 
 def test_the_guided_loss_scores_the_cfg_combined_logits_a_decode_verifies(tiny_folder):

@@ -287,7 +287,8 @@ def _config(*overrides: str):
 
 def test_default_setting_is_every_preset_at_both_temperatures():
     cfg = _config()
-    left_out = {"vvs_uniform", "vvs_release", "block", "block_tree"}  # the block presets: a block drafter's
+    # VVS's variants, and the block presets: a block drafter's
+    left_out = {"vvs_uniform", "vvs_release", "block", "block_tree", "block_tree_iid"}
     assert list(cfg.methods) == sorted(set(preset_names()) - left_out)
     assert list(cfg.temperatures) == [0, 1]
     assert cfg.num_prompts == 100 and _config("eval=fast").methods == ["eagle2"]

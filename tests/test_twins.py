@@ -79,7 +79,7 @@ def test_the_plain_random_rows_hash_every_draw_to_the_tables_numbers():
 
 
 # A dynamic tree (greedy and sampled), a Jacobi window (its draws and its chain), a relaxed rule (its path's
-# relaxations), a block drafter's chain and its tree.
+# relaxations), a block drafter's chain and its trees (siblings drawn without replacement and i.i.d.).
 @pytest.mark.parametrize(
     ("name", "temperature"),
     [
@@ -90,6 +90,7 @@ def test_the_plain_random_rows_hash_every_draw_to_the_tables_numbers():
         ("block", 0.0),
         ("block", 1.0),
         ("block_tree", 1.0),
+        ("block_tree_iid", 1.0),
         ("sjd_pac", 1.0),
     ],
 )
@@ -111,7 +112,8 @@ def test_a_decode_with_the_plain_twins_is_the_fast_decode(name, temperature, tmp
     ):
         fast = decode()
     assert shortcut.called == (name in ("sjd", "block"))  # the chains, and only they, take the shortcut
-    assert closed_form.called == (name in ("block_tree", "sjd_pac"))  # the sampled trees with siblings
+    sampled_siblings = ("block_tree", "block_tree_iid", "sjd_pac")
+    assert closed_form.called == (name in sampled_siblings)  # the sampled trees with siblings
     with plain_twins():
         plain = decode()
     assert torch.equal(plain.tokens, fast.tokens) and plain.stats == fast.stats

@@ -424,9 +424,10 @@ def _sampled_verdict(
     depth: int,
     width: int,
 ) -> BatchVerdict:
-    """The exact rule on a sampled tree (children drawn without replacement from their parent's q),
-    T > 0: the sibling loop's residuals in closed form (see the section comment), so a pass over a rank
-    is a handful of [B, T] ops and one sum over the vocabulary, where ``_tried_choices`` carries p and q.
+    """The exact rule on a sampled tree (children drawn from their parent's q, without replacement or,
+    where ``DraftTree.with_replacement``, i.i.d.), T > 0: the sibling loop's residuals in closed form (see
+    the section comment), so a pass over a rank is a handful of [B, T] ops and one sum over the
+    vocabulary, where ``_tried_choices`` carries p and q.
 
     With Q the parent's q normalised, after the children of ranks < s were rejected p is
     max(p − A_s·Q, 0) / D_s on the tokens not yet tried and 0 on those tried (a rejected token had
@@ -435,7 +436,9 @@ def _sampled_verdict(
     ranks < s are removed, is the mass of the children of ranks >= s plus Q's undrafted mass: a sum of
     positive terms (1 − the drafted mass would cancel where q is peaked). Child c of rank s is accepted
     iff u_c · Q(x_c) / M_s < max(p(x_c) − A_s·Q(x_c), 0) / D_s. All of it holds with q unnormalised in
-    place of Q (A and M then carry q's total, which cancels), so q is never normalised."""
+    place of Q (A and M then carry q's total, which cancels), so q is never normalised. Drawn i.i.d.,
+    every rank draws from the whole Q: M_s = 1 (q's total), and a token repeated among siblings is
+    rejected, as its first copy left it no p."""
     batch, size, vocab = p_nodes.shape
     device = p_nodes.device
     p, q = p_nodes.double(), tree.q.double()
@@ -450,17 +453,23 @@ def _sampled_verdict(
     at = parents * vocab + tree.tokens
     p_child = p.reshape(batch, size * vocab).gather(1, at)  # [B, T]: each child's token at its parent
     q_child = q.reshape(batch, size * vocab).gather(1, at)
-    drafted = torch.zeros(batch, size * vocab + 1, dtype=torch.bool, device=device)  # + a spare column
-    drafted = drafted.scatter_(1, torch.where(is_child, at, size * vocab), True)[:, :-1].view_as(q)
-    # [B, T, W + 1]: column j holds the mass of the child of rank W − j (column 0: the undrafted mass),
-    # so the running sum along it is M_{W − j}.
-    spare, first = size * (width + 1), parents * (width + 1)
+    first = parents * (width + 1)
     slot, reverse = first + rank, first + (width - rank)  # (parent, rank), (parent, W − rank) in the tables
-    left = torch.zeros(batch, spare + 1, dtype=q.dtype, device=device)
-    left.scatter_(1, torch.where(is_child, reverse, spare), q_child)
-    left = left[:, :-1].view(batch, size, width + 1)
-    left[:, :, 0] = q.masked_fill(drafted, 0.0).sum(-1)
-    left = left.cumsum(-1).clamp_min_(_NO_MASS)  # M_s at column W − s
+    if tree.with_replacement:  # every rank draws from the whole q: M_s is q's total
+        total = q.sum(-1).clamp_min_(_NO_MASS)  # [B, T]
+        left, left_child = total[..., None].expand(batch, size, width + 1), total.gather(1, parents)
+    else:
+        drafted = torch.zeros(batch, size * vocab + 1, dtype=torch.bool, device=device)  # + a spare column
+        drafted = drafted.scatter_(1, torch.where(is_child, at, size * vocab), True)[:, :-1].view_as(q)
+        # [B, T, W + 1]: column j holds the mass of the child of rank W − j (column 0: the undrafted
+        # mass), so the running sum along it is M_{W − j}.
+        spare = size * (width + 1)
+        left = torch.zeros(batch, spare + 1, dtype=q.dtype, device=device)
+        left.scatter_(1, torch.where(is_child, reverse, spare), q_child)
+        left = left[:, :-1].view(batch, size, width + 1)
+        left[:, :, 0] = q.masked_fill(drafted, 0.0).sum(-1)
+        left = left.cumsum(-1).clamp_min_(_NO_MASS)  # M_s at column W − s
+        left_child = left.view(batch, -1).gather(1, reverse)
     a = shared_full(0.0, device, q.dtype).expand(batch, size)
     d = shared_full(1.0, device, q.dtype).expand(batch, size)
     a_by_rank, d_by_rank = [a], [d]
@@ -473,7 +482,6 @@ def _sampled_verdict(
     a_table = torch.stack(a_by_rank, -1).view(batch, -1)  # [B, T · (W + 1)]
     d_table = torch.stack(d_by_rank, -1).view(batch, -1)
     a_child, d_child = a_table.gather(1, slot), d_table.gather(1, slot)
-    left_child = left.view(batch, -1).gather(1, reverse)
     mass = torch.addcmul(p_child, a_child, q_child, value=-1.0).clamp_min_(0.0)
     accept = is_child & (u_accept.double() * q_child * d_child < left_child * mass)
     path, final, relaxed = _follow(first_flagged_child(accept, parents), None, depth)
@@ -559,7 +567,8 @@ def _tried_choices(
         x = tree.tokens.gather(1, at)  # each node's child at this rank
         u = u_all.gather(1, at)
         if rows is None:
-            accept, relaxed, p, q = _try_children(rule, p, q, x, u, kid >= 0, rank + 1 < width)
+            follow = rank + 1 < width and not tree.with_replacement
+            accept, relaxed, p, q = _try_children(rule, p, q, x, u, kid >= 0, follow)
             first = accept & (child_of < 0)
             child_of = torch.where(first, kid, child_of)
             if rule.relaxes:
@@ -567,7 +576,9 @@ def _tried_choices(
             continue
         spread = rows[..., None].expand(-1, -1, vocab)
         taken_q = None if q is None else q.gather(1, spread)
-        accept, relaxed, p_rows, q_rows = _try_children(rule, p.gather(1, spread), taken_q, x, u, kid >= 0)
+        accept, relaxed, p_rows, q_rows = _try_children(
+            rule, p.gather(1, spread), taken_q, x, u, kid >= 0, not tree.with_replacement
+        )
         first = accept & (child_of.gather(1, rows) < 0)
         child_of = child_of.scatter(1, rows, torch.where(first, kid, child_of.gather(1, rows)))
         if rule.relaxes:
@@ -590,7 +601,7 @@ def _try_children(
     """One step of the walk's sibling loop for many nodes: node i (current ``p`` [N.., V], ``q`` or None
     for point-mass drafts) tries child token ``x`` with uniform ``u`` where ``has``. Returns (accepted,
     accepted only by the relaxation, p after rejecting x, q without x), the last two freshly allocated;
-    ``siblings_follow`` False (the last rank): q is not updated, nothing reads it again."""
+    ``siblings_follow`` False (the last rank, or children drawn i.i.d.): q is not updated."""
     p_x = p.gather(-1, x[..., None]).squeeze(-1)
     if q is not None:
         q = _normalise_rows(q)

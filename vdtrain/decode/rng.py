@@ -190,9 +190,15 @@ def inverse_cdf(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cumulative mass exceeds ``u`` times the row's total, so ``p`` need not sum exactly to 1 and a
     zero-mass index is never returned (the cumulative sum does not grow there). A row with no mass at all
     gives index 0. No host synchronisation; six kernels."""
+    return inverse_cdf_draws(p, u.unsqueeze(-1)).squeeze(-1)
+
+
+def inverse_cdf_draws(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``inverse_cdf`` for ``k`` independent draws per row at once (with replacement): ``u`` [..., k]
+    gives [..., k] long, in the same six kernels as one draw."""
     cdf = p.cumsum(-1, dtype=torch.float64)
     total = cdf.amax(-1, keepdim=True)  # the last entry, but contiguous, as searchsorted wants its values
-    index = torch.searchsorted(cdf, u.double().unsqueeze(-1) * total, right=True)
+    index = torch.searchsorted(cdf, u.double() * total, right=True)
     # Rounding can put u · total at the total itself (index V): then take the first index where the
     # cumulative mass reaches the total, which has mass (0 for a row with none).
-    return torch.minimum(index, torch.searchsorted(cdf, total)).squeeze(-1)
+    return torch.minimum(index, torch.searchsorted(cdf, total))

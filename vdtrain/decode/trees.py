@@ -149,8 +149,9 @@ class DraftTree:
     """One step's drafted trees for a batch of prompts.
 
     ``q`` holds, for each node, the drafter distribution its children were chosen from (sampled
-    static trees need it for the SpecInfer rule); ``sampled`` says children were drawn without
-    replacement from it rather than taken as its top-k.
+    static trees need it for the SpecInfer rule); ``sampled`` says children were drawn from it rather
+    than taken as its top-k: without replacement, or i.i.d. where ``with_replacement`` says so (the exact
+    rule then keeps q whole after a rejection).
     """
 
     tokens: torch.Tensor  # [B, T] long; tokens[:, 0] = the root
@@ -175,6 +176,9 @@ class DraftTree:
     # (a static tree's ranks: its valid children are always its first ranks); None: computed from the
     # valid nodes (``earlier_siblings``) when needed.
     sibling_ranks: torch.Tensor | None = None
+    # Sampled children drawn i.i.d. from q (a token may repeat among siblings; a repeat is always
+    # rejected) rather than without replacement; False for every tree not sampled.
+    with_replacement: bool = False
 
     @property
     def size(self) -> int:

@@ -4,7 +4,8 @@ Slot 1 is the root's own drafter view (the catch-up row's logits); one forward o
 (``DraftContext.drafter_block``) gives slots 2 .. ``depth``. A node at depth ``d`` draws its children from
 slot ``d``'s q whatever its path holds, so the tree is a fixed list of rank paths (a chain unless ``paths``
 gives a tree). At T = 0 the children are slot d's top-k; at T > 0 they are sampled without replacement
-from q_d (inverse CDF, ``Purpose.DRAFT`` uniforms at the child's index) and q is kept, so exact
+from q_d (inverse CDF, ``Purpose.DRAFT`` uniforms at the child's index; i.i.d. from q_d where
+``with_replacement``, all ranks in one inverse CDF) and q is kept, so exact
 verification keeps AR's distribution and LANTERN++ / GSD apply as on a static tree. q_d is the drafter's
 confidence (``DraftContext.draft_confidence``): the rule is exact for any q, and this one needs no
 vocabulary-wide selection. A child past q's support stays undrafted, with its subtree, as in
@@ -23,7 +24,7 @@ import torch
 from vdtrain.decode.budget import TreeBudget
 from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
 from vdtrain.decode.kernels import shared_arange, step_kernel
-from vdtrain.decode.rng import Purpose, inverse_cdf
+from vdtrain.decode.rng import Purpose, inverse_cdf, inverse_cdf_draws
 from vdtrain.decode.rows import DrafterRows, chain_visibility, per_stream
 from vdtrain.decode.trees import (
     STATIC_TREES,
@@ -52,6 +53,10 @@ class BlockTreeConfig(TreeConfig):
     # Confidence cut (DSpark-style): a level deeper than 1 is drafted only while the product of the slots'
     # confidences (each slot's largest q) down to it is at least `cut`. None: every level.
     cut: float | None = None
+    # T > 0: draw each node's children i.i.d. from q (one inverse CDF for all ranks) rather than without
+    # replacement (one round per rank). A token drawn twice among siblings wastes its second node; the
+    # exact rule is the one for i.i.d. draws, so either way AR's distribution is kept.
+    with_replacement: bool = False
 
 
 class _Layout(NamedTuple):
@@ -136,7 +141,7 @@ class BlockTreeBuilder(DraftTreeBuilder):
             raise ValueError(f"unknown static tree {config.preset!r}; known: {sorted(STATIC_TREES)}")
         if config.cut is not None and not 0.0 < config.cut <= 1.0:
             raise ValueError(f"tree.cut is a probability in (0, 1] (or null: no cut), got {config.cut}")
-        self.cut = config.cut
+        self.cut, self.with_replacement = config.cut, config.with_replacement
         tree = STATIC_TREES[config.preset] if config.preset else config.paths or []
         chain = {(0,) * d for d in range(1, config.depth + 1)}
         paths = chain | {tuple(p) for p in tree if len(p) <= config.depth}
@@ -238,22 +243,15 @@ class BlockTreeBuilder(DraftTreeBuilder):
                 if isinstance(layout.draw_uniforms, slice)
                 else u.index_select(1, layout.draw_uniforms)
             )
-            mass = q if layout.family_slots is None else q.index_select(1, layout.family_slots)
-            mass = mass.to(torch.float64, copy=mass is q)  # [B, P, V] each family's mass not drawn yet
+            mass = q if layout.family_slots is None else q.index_select(1, layout.family_slots)  # [B, P, V]
             families = mass.shape[1]
-            if shape.width > 1:  # a family whose q holds r tokens or fewer has no rank-r child
-                support = (mass > 0).sum(-1).index_select(1, layout.node_family)
-                valid = valid & (support > layout.node_rank)
-            drawn = [state.roots[:, None]]
-            for rank in range(shape.width):  # every family draws at once (one without a child: unused)
-                if rank:
-                    mass.scatter_(-1, drawn[-1][..., None], 0.0)
-                drawn.append(inverse_cdf(mass, u[:, rank * families : (rank + 1) * families]))
-            tokens = torch.cat(drawn, 1)
+            if self.with_replacement or shape.width == 1:  # every rank of every family in one draw
+                draws = inverse_cdf_draws(mass, u.reshape(batch, shape.width, families).transpose(1, 2))
+                tokens = torch.cat([state.roots[:, None], draws.transpose(1, 2).reshape(batch, -1)], 1)
+            else:
+                tokens, valid = self._draw_without_replacement(state, shape, mass, u, valid)
             if layout.draw_place is not None:
                 tokens = tokens.index_select(1, layout.draw_place)
-            if shape.width > 1:  # a node is drafted when it and all its ancestors are
-                valid = (~valid).float() @ layout.descends == 0
             q_nodes = q.index_select(1, layout.node_slots)  # each node's children's q
         return DraftTree(
             tokens,
@@ -267,4 +265,24 @@ class BlockTreeBuilder(DraftTreeBuilder):
             ancestors=layout.ancestors[None],
             sibling_ranks=layout.ranks[None],
             chain=t.size == t.depth + 1,  # as many nodes as levels: one path, stored in order
+            with_replacement=self.with_replacement and not ctx.sampling.greedy,
         )
+
+    def _draw_without_replacement(
+        self, state: StepState, shape: _Shape, mass: torch.Tensor, u: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Round ``r`` draws the rank-``r`` child of every family at once from the mass its earlier ranks
+        left, a family without one included (its draw is never read). Returns the tokens [B, 1 + W · P]
+        (the root, then round by round) and ``valid`` with the children past a family's support left
+        out, with their subtrees."""
+        layout = shape.layout(state.roots.device)
+        mass = mass.to(torch.float64, copy=True)  # [B, P, V] each family's mass not drawn yet
+        families = mass.shape[1]
+        support = (mass > 0).sum(-1).index_select(1, layout.node_family)  # a family whose q holds r tokens
+        valid = valid & (support > layout.node_rank)  # or fewer has no rank-r child
+        drawn = [state.roots[:, None]]
+        for rank in range(shape.width):
+            if rank:
+                mass.scatter_(-1, drawn[-1][..., None], 0.0)
+            drawn.append(inverse_cdf(mass, u[:, rank * families : (rank + 1) * families]))
+        return torch.cat(drawn, 1), (~valid).float() @ layout.descends == 0  # drafted: it and its ancestors
