@@ -48,7 +48,7 @@ if [[ $device == cuda ]]; then
   # issue #54: the memory plan against max_memory_allocated, and a 7B-class step under ZeRO-2 (2 layers)
   plan_check="--agreement llamagen-xl janus-pro-7b lumina-mgpt-7b-768 --layers 2 --kinds eagle1 eagle3 --batch 1 8 --precisions bf16-mixed"
   big_train="--targets janus-pro-7b lumina-mgpt-7b-768 --layers 2 --drafters eagle1 --modes eager zero2 --batch 8 --steps 3 --warmup 2"
-  block="block block_tree eagle1 eagle2 sjd"  # issue #55, item 5: the block presets beside the ones they beat
+  block="block block_tree block_tree_iid eagle1 eagle2 sjd"  # issue #55, item 5: the block presets beside the ones they beat
 else  # the script's own test: the same steps on a CPU, eager, at small sizes, each given 4x its budget
   xl="shapes --dtype fp32" pair=sjd scale=4 big=2 prompts=2 eval_prompts=2 eval="eval=fast acceptance.enabled=false" graphs=eager compiled=steps presets=scd
   profile="--target shapes --steps 1 --skip 1"
@@ -58,7 +58,7 @@ else  # the script's own test: the same steps on a CPU, eager, at small sizes, e
   calibration="--num-prompts 2 --batch-size 2 --methods eagle1 sjd"
   plan_check="--agreement grain --kinds eagle1 --batch 1 --precisions 32-true"
   big_train="--targets anole-7b --layers 1 --drafters eagle1 --modes eager --batch 1 --steps 1 --warmup 1"
-  block="block block_tree"
+  block="block block_tree block_tree_iid"
 fi
 step_cost="python -m benchmarks.step_cost --device $device"
 

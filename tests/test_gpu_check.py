@@ -91,7 +91,7 @@ def test_the_optional_steps_run_only_when_named(tmp_path):
     steps = _steps(block)
     assert [name for name, _ in steps] == ["block_xl", "block_big", "block_xl_compiled"]
     assert sum(budget for _, budget in steps) <= 540
-    presets = "--presets block block_tree eagle1 eagle2 sjd"
+    presets = "--presets block block_tree block_tree_iid eagle1 eagle2 sjd"
     assert f"--targets llamagen-xl --dtype bf16 --modes graphs --batch 1 {presets}" in block
     big = "--targets chameleon-7b janus-pro-7b --dtype bf16 --steps 24"
     assert f"{big} --modes graphs --batch 1 {presets}" in block
