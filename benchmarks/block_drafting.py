@@ -86,13 +86,20 @@ def method_preset(name: str, knobs: dict[str, dict], draft_cfg_scale: float | No
 
 
 def xl_depth_ops(
-    methods: list[str], knobs: dict[str, dict], block_options: dict | None = None
+    methods: list[str],
+    knobs: dict[str, dict],
+    block_options: dict | None = None,
+    temperature: float | None = None,
 ) -> dict[str, PhaseOps]:
     """Per method: ops per step by region and by engine phase at XL depth (random weights, B = 1), with
-    the world's ``knobs``; the block presets draft with a random block drafter of ``block_options`` (its
+    the world's ``knobs``, at ``temperature`` (None: the target's default; T = 0 takes other code: top-k
+    drafts, argmax verdicts); the block presets draft with a random block drafter of ``block_options`` (its
     layers count: one forward runs each), the others with an eagle1 one."""
     shape = {**XL_DEPTH, "block_size": 64}
     target, drafter = random_llamagen("llamagen-xl", torch.device("cpu"), 0, shape)
+    sampling = target.sampling_defaults
+    if temperature is not None:
+        sampling = replace(sampling, temperature=temperature)
     cond = conditions(target, "llamagen-xl", 1, 1, 0)[0]
     out = {}
     for name in methods:
@@ -105,7 +112,7 @@ def xl_depth_ops(
             torch.manual_seed(0)
             made = DrafterConfig.for_target(target, kind="block", **block_options)
             drafts = Drafter.make(made).attach(target).eval()
-        method = build_method(config, target, drafts, target.sampling_defaults)
+        method = build_method(config, target, drafts, sampling)
         out[name] = count_phase_ops(method, cond, _generators(torch.device("cpu"), 0, 0, 1))
     return out
 
@@ -139,9 +146,9 @@ def measure(args: argparse.Namespace) -> list[Row]:
         sources["drafter_block"] = Path(args.block_drafter)
     drafters = {None: None, **{source: load_drafter(path, target) for source, path in sources.items()}}
     block = drafters.get("drafter_block")
-    ops = xl_depth_ops(args.methods, knobs, dataclass_dict(block.options) if block else None)
     rows = []
-    for temperature in args.temperatures:
+    for temperature in args.temperatures:  # each temperature's own step: T = 0 runs other code
+        ops = xl_depth_ops(args.methods, knobs, dataclass_dict(block.options) if block else None, temperature)
         sampling = replace(target.sampling_defaults, temperature=temperature)
         if args.cfg_scale is not None:
             sampling = replace(sampling, cfg_scale=args.cfg_scale)

@@ -92,9 +92,8 @@ def random_distributions(shape: tuple[int, ...], g: torch.Generator, favour: tor
 
 
 def random_case(batch: int, size: int, style: str, sampled: bool | str, greedy: bool, seed: int):
-    """A random tree and its uniforms; ``sampled`` "iid": children drawn i.i.d. from q
-    (``DraftTree.with_replacement``), so sibling tokens repeat."""
-    """A batch of random trees with their target distributions and uniforms."""
+    """A batch of random trees with their target distributions and uniforms; ``sampled`` "iid": children
+    drawn i.i.d. from q (``DraftTree.with_replacement``), so sibling tokens repeat."""
     g = torch.Generator().manual_seed(seed)
     parents, depths, valid = [], [], []
     for _ in range(batch):

@@ -149,7 +149,7 @@ def test_the_distribution_test_rejects_a_node_judged_against_another_slots_q(mic
     assert chi_square_pvalue(sample_images(engine, cond, 1500, seed=1), exact) < SIGNIFICANCE
 
 
-@pytest.mark.parametrize("name", ["block", "block_tree"])
+@pytest.mark.parametrize("name", ["block", "block_tree", "block_tree_iid"])
 def test_a_cut_block_tree_samples_alike_batched_and_alone(name):
     target = make_target(image_size=8)
     engine = cut_method(name, target, random_drafter(target, std=0.2, kind="block"), SAMPLED, TINY_CUT)

@@ -25,12 +25,16 @@ from test_engine import (
 )
 from test_fit import fit_config, shapes_batch
 
+from benchmarks.block_drafting import xl_depth_ops
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.decode.ar import generate_ar
+from vdtrain.decode.builders.block import top_ranks
 from vdtrain.decode.methods import build_method, load_preset
+from vdtrain.decode.phase_ops import KernelWeights
 from vdtrain.decode.sampling import SamplingConfig, combine_cfg
 from vdtrain.drafters import Drafter, DrafterConfig
 from vdtrain.drafters.block import training_roots
+from vdtrain.target_settings import target_config, world_knobs
 from vdtrain.targets import load_target
 from vdtrain.targets.base import split_taps
 from vdtrain.train.fit_parts import build_drafter
@@ -306,3 +310,26 @@ def test_a_draft_guidance_below_the_targets_keeps_ar_exact():
     assert max(max(st.committed_per_step) for st in result.stats) > 1
     with pytest.raises(ValueError, match="draft_cfg_scale must be >= 1"):
         build_method(load_preset("block", {"tree": {"draft_cfg_scale": 0.5}}), target, drafter, SAMPLED)
+
+
+def test_the_block_presets_draft_at_a_quarter_of_eagle2s_weighted_ops_without_a_selection():
+    """Issue #55's draft-cost goal at XL depth (``benchmarks.block_drafting``'s count, grain's knobs and
+    drafter options): the chain, at both temperatures, and the tree at T = 0 and with i.i.d. siblings at
+    T = 1, draft in at most a quarter of eagle2's weighted ops, and no block draft makes a vocabulary-wide
+    selection (at T = 0 the top ranks are argmaxes, ``block.top_ranks``)."""
+    knobs, options = world_knobs(target_config("grain")), {"width": 64, "feature_layers": [2, 4, 8]}
+    weights = KernelWeights.load()
+    eagle2 = xl_depth_ops(["eagle2"], knobs, options, 1.0)["eagle2"].weighted_phase("draft", weights)
+    for temperature, presets in ((1.0, ["block", "block_tree_iid"]), (0.0, ["block", "block_tree"])):
+        for name, ops in xl_depth_ops(presets, knobs, options, temperature).items():
+            draft = ops.weighted_phase("draft", weights)
+            assert draft == ops.phases["draft"], f"{name} at T = {temperature:g}: a selection in its draft"
+            assert draft <= eagle2 / 4, (
+                f"{name} at T = {temperature:g}: {draft:.0f} against eagle2's {eagle2:.0f}"
+            )
+
+
+def test_top_ranks_are_the_top_k_in_order():
+    logits = torch.randn(3, 5, 50, generator=torch.Generator().manual_seed(0))
+    for width in (1, 2, 6):
+        assert torch.equal(top_ranks(logits, width), logits.topk(width, dim=-1).indices)

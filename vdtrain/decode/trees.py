@@ -176,8 +176,8 @@ class DraftTree:
     # (a static tree's ranks: its valid children are always its first ranks); None: computed from the
     # valid nodes (``earlier_siblings``) when needed.
     sibling_ranks: torch.Tensor | None = None
-    # Sampled children drawn i.i.d. from q (a token may repeat among siblings; a repeat is always
-    # rejected) rather than without replacement; False for every tree not sampled.
+    # Sampled children drawn i.i.d. from q (a token may repeat among siblings; under the exact rule a
+    # repeat is always rejected) rather than without replacement; False for every tree not sampled.
     with_replacement: bool = False
 
     @property

@@ -74,6 +74,11 @@ class _Layout(NamedTuple):
         torch.Tensor | slice
     )  # [W · P] the node whose uniform family f's round-r draw takes (r · P + f)
     draw_place: torch.Tensor | None  # [T] node n's place in [root, round 0's draws, round 1's, ...] (None: n)
+    # I.i.d. draws: every family's ranks in one draw, laid out family by family so that no copy is made.
+    family_uniforms: (
+        torch.Tensor | slice
+    )  # [P · W] the node whose uniform family f's rank-r draw takes (f · W + r)
+    family_place: torch.Tensor | None  # [T] node n's place in [root, family 0's draws, family 1's, ...]
     node_family: torch.Tensor  # [T] the family node n was drawn in (the root: 0)
     node_rank: torch.Tensor  # [T] its rank there (the root: −1, always drafted)
     ranks: torch.Tensor  # [T] each node's place among its siblings (the root: 0)
@@ -105,6 +110,8 @@ class _Shape:
             child = {(t.parents[n], t.ranks[n]): n for n in range(1, t.size)}
             uniforms = [child.get((f, rank), f) for rank in range(width) for f in families]  # f: unused
             place = [0] + [1 + t.ranks[n] * len(families) + family_of[t.parents[n]] for n in range(1, t.size)]
+            by_family = [child.get((f, rank), f) for f in families for rank in range(width)]
+            family_place = [0] + [1 + family_of[t.parents[n]] * width + t.ranks[n] for n in range(1, t.size)]
             parents = torch.tensor(t.parents, device=device)
             depths = torch.tensor(t.depths, device=device)
             ancestors = ancestor_matrix(parents[None])[0]
@@ -119,6 +126,8 @@ class _Shape:
                 depths.clamp_max(t.depth - 1),
                 index(uniforms),
                 None if place == list(range(t.size)) else torch.tensor(place, device=device),
+                index(by_family),
+                None if family_place == list(range(t.size)) else torch.tensor(family_place, device=device),
                 torch.tensor([0] + [family_of[t.parents[n]] for n in range(1, t.size)], device=device),
                 torch.tensor([-1, *t.ranks[1:]], device=device),
                 torch.tensor(t.ranks, device=device),
@@ -223,35 +232,32 @@ class BlockTreeBuilder(DraftTreeBuilder):
     @step_kernel
     def _draw(self, ctx: DraftContext, state: StepState, shape: _Shape, logits: torch.Tensor) -> DraftTree:
         """The tree's tokens from the slots' drafter ``logits`` [R, depth, V]: slot d's top-k at T = 0,
-        sampled without replacement from slot d's q at T > 0 (see the module docstring). A rank-0 child
-        draws from its slot's whole q, so only later ranks can run past q's support."""
+        sampled from slot d's q at T > 0, without replacement or i.i.d. (see the module docstring). A
+        rank-0 child draws from its slot's whole q, so only later ranks drawn without replacement can run
+        past q's support."""
         t, batch, layout = shape.tree, len(state.roots), shape.layout(state.roots.device)
         valid = state.depth_limit[:, None] >= layout.depths[None]  # [B, T]: within the image
-        q = None if ctx.sampling.greedy else ctx.draft_confidence(logits)  # [B, depth, V]
+        # [B, depth, V]: q at T > 0; at T = 0 its order is the processed logits' before top-k and top-p, so
+        # its first ranks are theirs, without the top-k filter's vocabulary-wide selection
+        q = ctx.draft_confidence(logits)
         if self.cut is not None:
-            levels = self.levels(ctx.draft_confidence(logits) if q is None else q)
-            valid = valid & (layout.depths[None] <= levels[:, None])
+            valid = valid & (layout.depths[None] <= self.levels(q)[:, None])
         if ctx.sampling.greedy:
-            top = ctx.draft_logits(logits).topk(shape.width, dim=-1).indices.flatten(1)  # [B, depth·width]
+            top = top_ranks(q, shape.width).flatten(1)  # [B, depth·width]
             tokens = top.gather(1, layout.slot_rank[None].expand(batch, -1))
             tokens = torch.cat([state.roots[:, None], tokens[:, 1:]], 1)
             q_nodes = None
         else:  # q: no top-k filter (the module docstring)
             u = state.rng.uniform(Purpose.DRAFT, t.size)
-            u = (
-                u[:, layout.draw_uniforms]
-                if isinstance(layout.draw_uniforms, slice)
-                else u.index_select(1, layout.draw_uniforms)
-            )
             mass = q if layout.family_slots is None else q.index_select(1, layout.family_slots)  # [B, P, V]
-            families = mass.shape[1]
             if self.with_replacement or shape.width == 1:  # every rank of every family in one draw
-                draws = inverse_cdf_draws(mass, u.reshape(batch, shape.width, families).transpose(1, 2))
-                tokens = torch.cat([state.roots[:, None], draws.transpose(1, 2).reshape(batch, -1)], 1)
+                draws = inverse_cdf_draws(mass, _columns(u, layout.family_uniforms).view(*mass.shape[:2], -1))
+                tokens, place = torch.cat([state.roots[:, None], draws.flatten(1)], 1), layout.family_place
             else:
+                u, place = _columns(u, layout.draw_uniforms), layout.draw_place
                 tokens, valid = self._draw_without_replacement(state, shape, mass, u, valid)
-            if layout.draw_place is not None:
-                tokens = tokens.index_select(1, layout.draw_place)
+            if place is not None:
+                tokens = tokens.index_select(1, place)
             q_nodes = q.index_select(1, layout.node_slots)  # each node's children's q
         return DraftTree(
             tokens,
@@ -286,3 +292,22 @@ class BlockTreeBuilder(DraftTreeBuilder):
                 mass.scatter_(-1, drawn[-1][..., None], 0.0)
             drawn.append(inverse_cdf(mass, u[:, rank * families : (rank + 1) * families]))
         return torch.cat(drawn, 1), (~valid).float() @ layout.descends == 0  # drafted: it and its ancestors
+
+
+def _columns(u: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
+    """Columns ``index`` of ``u`` [B, T]: a view where they are a range, else one gather."""
+    return u[:, index] if isinstance(index, slice) else u.index_select(1, index)
+
+
+def top_ranks(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., width] long: each row's ``width`` largest entries of ``logits`` [..., V] in order, by one
+    argmax per rank with the ones before masked out. A vocabulary-wide top-k is a selection, about 22 to 43
+    ordinary kernels on a GPU (docs/decoding.md, "Vocabulary-wide selections"); an argmax is a reduction,
+    one. Ties go to the lower index."""
+    ranks = [logits.argmax(-1)]
+    if width > 1:
+        left = logits.clone()
+        for _ in range(1, width):
+            left.scatter_(-1, ranks[-1][..., None], float("-inf"))
+            ranks.append(left.argmax(-1))
+    return torch.stack(ranks, -1) if width > 1 else ranks[0][..., None]
