@@ -28,7 +28,6 @@ from test_fit import fit_config, shapes_batch
 from benchmarks.block_drafting import xl_depth_ops
 from vdtrain.config import DrafterTrainConfig, OptimConfig
 from vdtrain.decode.ar import generate_ar
-from vdtrain.decode.builders.block import top_ranks
 from vdtrain.decode.methods import build_method, load_preset
 from vdtrain.decode.phase_ops import KernelWeights
 from vdtrain.decode.sampling import SamplingConfig, combine_cfg
@@ -316,7 +315,7 @@ def test_the_block_presets_draft_at_a_quarter_of_eagle2s_weighted_ops_without_a_
     """Issue #55's draft-cost goal at XL depth (``benchmarks.block_drafting``'s count, grain's knobs and
     drafter options): the chain, at both temperatures, and the tree at T = 0 and with i.i.d. siblings at
     T = 1, draft in at most a quarter of eagle2's weighted ops, and no block draft makes a vocabulary-wide
-    selection (at T = 0 the top ranks are argmaxes, ``block.top_ranks``)."""
+    selection (at T = 0 the top ranks are ``selection.top_k_low_index_first``'s, a reduction at k = 1)."""
     knobs, options = world_knobs(target_config("grain")), {"width": 64, "feature_layers": [2, 4, 8]}
     weights = KernelWeights.load()
     eagle2 = xl_depth_ops(["eagle2"], knobs, options, 1.0)["eagle2"].weighted_phase("draft", weights)
@@ -327,9 +326,3 @@ def test_the_block_presets_draft_at_a_quarter_of_eagle2s_weighted_ops_without_a_
             assert draft <= eagle2 / 4, (
                 f"{name} at T = {temperature:g}: {draft:.0f} against eagle2's {eagle2:.0f}"
             )
-
-
-def test_top_ranks_are_the_top_k_in_order():
-    logits = torch.randn(3, 5, 50, generator=torch.Generator().manual_seed(0))
-    for width in (1, 2, 6):
-        assert torch.equal(top_ranks(logits, width), logits.topk(width, dim=-1).indices)

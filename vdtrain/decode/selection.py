@@ -24,6 +24,9 @@ def top_k_low_index_first(values: torch.Tensor, k: int) -> tuple[torch.Tensor, t
     (values, indices), [..., k] each (``-0.0`` ties ``+0.0``; no NaN)."""
     if plain_kernels():
         return _sorted(values, k)
+    if k == 1:  # a reduction: max returns the first maximal index
+        top = values.max(-1, keepdim=True)
+        return top.values, top.indices
     return _chunked(values, k)
 
 

@@ -26,6 +26,7 @@ from vdtrain.decode.builders.base import DraftTreeBuilder, StepState, TreeConfig
 from vdtrain.decode.kernels import shared_arange, step_kernel
 from vdtrain.decode.rng import Purpose, inverse_cdf, inverse_cdf_draws
 from vdtrain.decode.rows import DrafterRows, chain_visibility, per_stream
+from vdtrain.decode.selection import top_k_low_index_first
 from vdtrain.decode.trees import (
     STATIC_TREES,
     DraftTree,
@@ -243,7 +244,7 @@ class BlockTreeBuilder(DraftTreeBuilder):
         if self.cut is not None:
             valid = valid & (layout.depths[None] <= self.levels(q)[:, None])
         if ctx.sampling.greedy:
-            top = top_ranks(q, shape.width).flatten(1)  # [B, depth·width]
+            top = top_k_low_index_first(q, shape.width)[1].flatten(1)  # [B, depth·width]
             tokens = top.gather(1, layout.slot_rank[None].expand(batch, -1))
             tokens = torch.cat([state.roots[:, None], tokens[:, 1:]], 1)
             q_nodes = None
@@ -297,17 +298,3 @@ class BlockTreeBuilder(DraftTreeBuilder):
 def _columns(u: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
     """Columns ``index`` of ``u`` [B, T]: a view where they are a range, else one gather."""
     return u[:, index] if isinstance(index, slice) else u.index_select(1, index)
-
-
-def top_ranks(logits: torch.Tensor, width: int) -> torch.Tensor:
-    """[..., width] long: each row's ``width`` largest entries of ``logits`` [..., V] in order, by one
-    argmax per rank with the ones before masked out. A vocabulary-wide top-k is a selection, about 22 to 43
-    ordinary kernels on a GPU (docs/decoding.md, "Vocabulary-wide selections"); an argmax is a reduction,
-    one. Ties go to the lower index."""
-    ranks = [logits.argmax(-1)]
-    if width > 1:
-        left = logits.clone()
-        for _ in range(1, width):
-            left.scatter_(-1, ranks[-1][..., None], float("-inf"))
-            ranks.append(left.argmax(-1))
-    return torch.stack(ranks, -1) if width > 1 else ranks[0][..., None]
