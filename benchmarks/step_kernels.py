@@ -31,6 +31,7 @@ import time
 import types
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import pairwise
 from typing import Any
 
@@ -119,19 +120,27 @@ def _kernels(engine: Any) -> dict[str, tuple[Any, str, Callable[..., Any]]]:
 
 
 def xl_depth_phase_ops(
-    presets: list[str], seed: int = 0, cache_dir: str | None = None, grid: int = 8
+    presets: list[str],
+    seed: int = 0,
+    cache_dir: str | None = None,
+    grid: int = 8,
+    temperature: float | None = None,
 ) -> dict[str, PhaseOps]:
     """Kernel ops per step by region for each preset (``ar`` included) at XL depth, B = 1, eager;
-    ``cache_dir`` holds LANTERN's neighbour tables (default: the preset's); a ``grid`` × ``grid`` image."""
+    ``cache_dir`` holds LANTERN's neighbour tables (default: the preset's); a ``grid`` × ``grid`` image;
+    at ``temperature`` (None: LlamaGen's sampling; T = 0 runs other code)."""
     shape = {**XL_DEPTH, "block_size": grid * grid}
     target, drafter = random_llamagen("llamagen-xl", torch.device("cpu"), seed, shape)
+    sampling = target.sampling_defaults
+    if temperature is not None:
+        sampling = replace(sampling, temperature=temperature)
     cond = conditions(target, "llamagen-xl", 1, 1, seed)[0]
     out = {}
     for name in presets:
         overrides = {"acceptance": {"cache_dir": cache_dir}} if cache_dir and name != "ar" else None
         config = load_preset(name, overrides)
         drafts = drafter_for(config, "llamagen-xl", target, drafter) if config.needs_drafter else None
-        method = build_method(config, target, drafts, target.sampling_defaults)
+        method = build_method(config, target, drafts, sampling)
         out[name] = count_phase_ops(method, cond, _generators(torch.device("cpu"), seed, 0, 1))
     return out
 
@@ -162,6 +171,7 @@ def main() -> None:
     parser.add_argument("--preset", default="eagle2")
     parser.add_argument("--phases", action="store_true", help="the kernel table by phase at XL depth")
     parser.add_argument("--presets", nargs="+", default=None, help="--phases: these (default: all, AR first)")
+    parser.add_argument("--temperature", type=float, default=None, help="--phases: default LlamaGen's (1)")
     parser.add_argument("--target", default="shapes", choices=[*EMBEDDED, *RANDOM])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled calls")
@@ -182,7 +192,7 @@ def main() -> None:
         print("(36 layers of width 64, an 8×8 grid), random weights, CFG on, B = 1, eager, steps after")
         print("the first; weighted: a vocabulary-wide selection as its price in ordinary kernels")
         print(f"({weights.source}):\n")
-        print(phase_table(xl_depth_phase_ops(presets, args.seed), weights))
+        print(phase_table(xl_depth_phase_ops(presets, args.seed, temperature=args.temperature), weights))
         return
     device = torch.device(args.device)
     target, drafter = load(args.target, device, args.drafter, args.seed)

@@ -1,7 +1,8 @@
 """The ``k`` largest values of each row, ties to the lower index: how a dynamic tree picks a node's children.
 
 Two twins, chosen by ``kernels.plain_kernels()`` and tested equal (``tests/test_dynamic_builder.py``): plain,
-one stable descending sort of the row cut at ``k``; fast (``_chunked``), no selection over the whole row
+one stable descending sort of the row cut at ``k``; fast, one max reduction at ``k`` = 1, else
+(``_chunked``) no selection over the whole row
 (a slow radix select on a GPU; docs/decoding.md, "Vocabulary-wide selections"): the row is cut into about
 √N chunks and only the ``k`` chunks whose maxima come first by (maximum, chunk index) are sorted.
 

@@ -256,7 +256,7 @@ class BlockTreeBuilder(DraftTreeBuilder):
                 tokens, place = torch.cat([state.roots[:, None], draws.flatten(1)], 1), layout.family_place
             else:
                 u, place = _columns(u, layout.draw_uniforms), layout.draw_place
-                tokens, valid = self._draw_without_replacement(state, shape, mass, u, valid)
+                tokens, valid = _draw_without_replacement(layout, shape.width, state.roots, mass, u, valid)
             if place is not None:
                 tokens = tokens.index_select(1, place)
             q_nodes = q.index_select(1, layout.node_slots)  # each node's children's q
@@ -275,24 +275,24 @@ class BlockTreeBuilder(DraftTreeBuilder):
             with_replacement=self.with_replacement and not ctx.sampling.greedy,
         )
 
-    def _draw_without_replacement(
-        self, state: StepState, shape: _Shape, mass: torch.Tensor, u: torch.Tensor, valid: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Round ``r`` draws the rank-``r`` child of every family at once from the mass its earlier ranks
-        left, a family without one included (its draw is never read). Returns the tokens [B, 1 + W · P]
-        (the root, then round by round) and ``valid`` with the children past a family's support left
-        out, with their subtrees."""
-        layout = shape.layout(state.roots.device)
-        mass = mass.to(torch.float64, copy=True)  # [B, P, V] each family's mass not drawn yet
-        families = mass.shape[1]
-        support = (mass > 0).sum(-1).index_select(1, layout.node_family)  # a family whose q holds r tokens
-        valid = valid & (support > layout.node_rank)  # or fewer has no rank-r child
-        drawn = [state.roots[:, None]]
-        for rank in range(shape.width):
-            if rank:
-                mass.scatter_(-1, drawn[-1][..., None], 0.0)
-            drawn.append(inverse_cdf(mass, u[:, rank * families : (rank + 1) * families]))
-        return torch.cat(drawn, 1), (~valid).float() @ layout.descends == 0  # drafted: it and its ancestors
+
+def _draw_without_replacement(
+    layout: _Layout, width: int, roots: torch.Tensor, mass: torch.Tensor, u: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round ``r`` draws the rank-``r`` child of every family at once from the ``mass`` [B, P, V] its
+    earlier ranks left, a family without one included (its draw is never read). Returns the tokens
+    [B, 1 + W · P] (the ``roots``, then round by round) and ``valid`` with the children past a family's
+    support left out, with their subtrees."""
+    mass = mass.to(torch.float64, copy=True)  # each family's mass not drawn yet
+    families = mass.shape[1]
+    support = (mass > 0).sum(-1).index_select(1, layout.node_family)  # a family whose q holds r tokens
+    valid = valid & (support > layout.node_rank)  # or fewer has no rank-r child
+    drawn = [roots[:, None]]
+    for rank in range(width):
+        if rank:
+            mass.scatter_(-1, drawn[-1][..., None], 0.0)
+        drawn.append(inverse_cdf(mass, u[:, rank * families : (rank + 1) * families]))
+    return torch.cat(drawn, 1), (~valid).float() @ layout.descends == 0  # drafted: it and its ancestors
 
 
 def _columns(u: torch.Tensor, index: torch.Tensor | slice) -> torch.Tensor:
